@@ -1,0 +1,188 @@
+"""sorted_chunk_attention and cluster_causal_attention against dense float64 references."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from clusterformer.ops import cluster_causal_attention, sorted_chunk_attention
+from reference import cluster_causal_allowed, dense_reference, sorted_chunk_allowed
+
+
+def _inputs(B, H, N, D, *, num_clusters, per_head, pad_fraction, dtype=torch.float64, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=dtype) for _ in range(3))
+    shape = (B, H, N) if per_head else (B, N)
+    ids = torch.randint(0, num_clusters, shape, generator=g)
+    pad = None
+    if pad_fraction:
+        pad = torch.rand(B, N, generator=g) < pad_fraction
+    return q, k, v, ids, pad
+
+
+def _ids_for(ids, b, h):
+    return ids[b, h] if ids.dim() == 3 else ids[b]
+
+
+def _pad_for(pad, b):
+    return None if pad is None else pad[b]
+
+
+SIZES = [  # (N, chunk_size): multiples, remainders, N < chunk_size, chunk of one, n_c = 2 (look-back
+    # 2 reaches the own chunk twice: the set semantics must count it once)
+    (16, 4), (13, 4), (3, 8), (7, 1), (20, 6), (1, 3), (7, 4), (10, 5),
+]
+
+
+@pytest.mark.parametrize(("N", "chunk_size"), SIZES)
+@pytest.mark.parametrize("look_back", [0, 1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sorted_chunk_matches_dense_reference(N, chunk_size, look_back, causal):
+    for per_head, pad_fraction in itertools.product([False, True], [0.0, 0.3]):
+        q, k, v, ids, pad = _inputs(2, 3, N, 5, num_clusters=4, per_head=per_head, pad_fraction=pad_fraction)
+        out = sorted_chunk_attention(
+            q, k, v, ids, chunk_size, look_back=look_back, causal=causal, key_padding_mask=pad
+        )
+        ref = dense_reference(
+            q, k, v,
+            lambda b, h: sorted_chunk_allowed(_ids_for(ids, b, h), chunk_size, look_back, causal, _pad_for(pad, b)),
+        )
+        real = torch.ones(2, N, dtype=torch.bool) if pad is None else ~pad
+        real = real[:, None, :, None].expand_as(out)  # outputs at padded queries are unspecified
+        torch.testing.assert_close(out[real], ref[real], rtol=1e-10, atol=1e-10)
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(("N", "chunk_size", "look_back"), [(13, 4, 1), (9, 3, 2), (5, 8, 1), (16, 4, 0)])
+def test_sorted_chunk_gradients_match_dense_reference(N, chunk_size, look_back):
+    for causal, per_head in itertools.product([False, True], [False, True]):
+        q, k, v, ids, pad = _inputs(2, 2, N, 4, num_clusters=3, per_head=per_head, pad_fraction=0.25)
+        weight = torch.randn(2, 2, N, 4, dtype=torch.float64)
+        weight = weight * (~pad)[:, None, :, None]  # padded query outputs are unspecified
+        grads = []
+        for fn in ("ours", "ref"):
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            if fn == "ours":
+                out = sorted_chunk_attention(qq, kk, vv, ids, chunk_size, look_back=look_back,
+                                             causal=causal, key_padding_mask=pad)
+            else:
+                out = dense_reference(qq, kk, vv, lambda b, h: sorted_chunk_allowed(
+                    _ids_for(ids, b, h), chunk_size, look_back, causal, pad[b]))
+            (out * weight).sum().backward()
+            grads.append((qq.grad, kk.grad, vv.grad))
+        for ours, ref in zip(*grads, strict=True):
+            assert torch.isfinite(ours).all()
+            torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(("N", "chunk_size", "look_back", "causal"), [(7, 3, 1, False), (6, 2, 2, True), (4, 5, 1, True)])
+def test_sorted_chunk_gradcheck(N, chunk_size, look_back, causal):
+    q, k, v, ids, _ = _inputs(1, 2, N, 3, num_clusters=3, per_head=False, pad_fraction=0.0, seed=N)
+    pad = torch.zeros(1, N, dtype=torch.bool)
+    pad[0, -1] = True
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+    def fn(q, k, v):
+        out = sorted_chunk_attention(q, k, v, ids, chunk_size, look_back=look_back, causal=causal,
+                                     key_padding_mask=pad)
+        return out[:, :, :-1]  # the padded query's output is unspecified
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_query_with_no_allowed_key_gives_zeros_and_finite_gradients():
+    # Every key is padding in sequence 0, and causal + padding leaves early queries without keys.
+    B, H, N, D = 2, 2, 6, 4
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ids = torch.randint(0, 3, (B, N))
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0] = True
+    pad[1, :3] = True
+    out = sorted_chunk_attention(q, k, v, ids, 2, causal=True, key_padding_mask=pad)
+    assert torch.isfinite(out).all()
+    assert out[0].abs().sum() == 0  # no allowed key anywhere in sequence 0
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert q.grad[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize(("N", "chunk_size", "look_back"), [(17, 3, 1), (12, 4, 0), (9, 2, 2), (5, 7, 1), (1, 2, 1)])
+def test_cluster_causal_matches_dense_reference(N, chunk_size, look_back):
+    for per_head, pad_fraction in itertools.product([False, True], [0.0, 0.3]):
+        q, k, v, ids, pad = _inputs(2, 2, N, 4, num_clusters=3, per_head=per_head, pad_fraction=pad_fraction)
+        out = cluster_causal_attention(q, k, v, ids, chunk_size, 3, look_back=look_back, key_padding_mask=pad)
+        ref = dense_reference(q, k, v, lambda b, h: cluster_causal_allowed(
+            _ids_for(ids, b, h), chunk_size, look_back, _pad_for(pad, b)))
+        real = (torch.ones(2, N, dtype=torch.bool) if pad is None else ~pad)[:, None, :, None].expand_as(out)
+        torch.testing.assert_close(out[real], ref[real], rtol=1e-10, atol=1e-10)
+
+
+def test_cluster_causal_gradcheck():
+    q, k, v, ids, _ = _inputs(1, 1, 7, 3, num_clusters=2, per_head=False, pad_fraction=0.0, seed=3)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: cluster_causal_attention(q, k, v, ids, 2, 2), (q, k, v))
+
+
+def test_empty_batch_and_empty_sequence():
+    for B, N in ((0, 5), (2, 0)):
+        q = torch.randn(B, 2, N, 4, requires_grad=True)
+        out = sorted_chunk_attention(q, q, q, torch.zeros(B, N, dtype=torch.long), 3)
+        assert out.shape == (B, 2, N, 4)
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_low_precision_is_finite(dtype):
+    q, k, v = (torch.randn(2, 2, 50, 16) for _ in range(3))
+    ids = torch.randint(0, 5, (2, 50))
+    with torch.autocast("cpu", dtype=dtype):
+        out = sorted_chunk_attention(q.to(dtype), k.to(dtype), v.to(dtype), ids, 8, causal=True)
+    assert out.dtype == dtype
+    ref = sorted_chunk_attention(q, k, v, ids, 8, causal=True)
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    q, k, v, ids, pad = _inputs(2, 3, 37, 8, num_clusters=5, per_head=False, pad_fraction=0.2, dtype=torch.float32)
+    ref = sorted_chunk_attention(q, k, v, ids, 6, causal=True, key_padding_mask=pad)
+    out = sorted_chunk_attention(q.cuda(), k.cuda(), v.cuda(), ids.cuda(), 6, causal=True,
+                                 key_padding_mask=pad.cuda())
+    real = (~pad)[:, None, :, None].expand_as(ref)
+    torch.testing.assert_close(out.cpu()[real], ref[real], rtol=1e-4, atol=1e-4)
+
+
+def _good():
+    q = torch.randn(2, 3, 10, 4)
+    return q, q.clone(), q.clone(), torch.zeros(2, 10, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda a: {**a, "q": a["q"][0]}, "q must be 4-D"),
+        (lambda a: {**a, "k": a["k"][:, :, :5]}, "q, k and v must all have shape"),
+        (lambda a: {**a, "v": a["v"].double()}, "share a dtype"),
+        (lambda a: {**a, "q": a["q"].long()}, "q must have a floating-point dtype"),
+        (lambda a: {**a, "cluster_ids": a["cluster_ids"].float()}, "cluster_ids must be an integer"),
+        (lambda a: {**a, "cluster_ids": a["cluster_ids"] - 1}, "cluster_ids must be non-negative"),
+        (lambda a: {**a, "cluster_ids": a["cluster_ids"][:, :4]}, r"cluster_ids must have shape"),
+        (lambda a: {**a, "cluster_ids": a["cluster_ids"][0]}, r"cluster_ids must be 2-D or 3-D"),
+        (lambda a: {**a, "chunk_size": 0}, "chunk_size must be >= 1"),
+        (lambda a: {**a, "chunk_size": 2.5}, "chunk_size must be an int"),
+        (lambda a: {**a, "look_back": -1}, "look_back must be >= 0"),
+        (lambda a: {**a, "key_padding_mask": torch.zeros(2, 9, dtype=torch.bool)}, r"key_padding_mask must have shape"),
+        (lambda a: {**a, "key_padding_mask": torch.zeros(2, 10)}, "key_padding_mask must be a bool"),
+        (lambda a: {**a, "causal": 1}, "causal must be a bool"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_argument(change, match):
+    q, k, v, ids = _good()
+    args = change({"q": q, "k": k, "v": v, "cluster_ids": ids, "chunk_size": 3,
+                   "look_back": 1, "causal": False, "key_padding_mask": None})
+    with pytest.raises(ValueError, match=match):
+        sorted_chunk_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cluster_ids"),
+                               args.pop("chunk_size"), **args)
