@@ -1,5 +1,19 @@
 """Functional core: the batched primitives every clustering mechanism is built from."""
 
-from .chunked import cluster_causal_attention, sorted_chunk_attention, sorted_chunk_attention_unchecked
+from .chunked import (
+    ChunkLayout,
+    cluster_causal_attention,
+    cluster_causal_layout,
+    sorted_chunk_attention,
+    sorted_layout,
+    windowed_attention,
+)
 
-__all__ = ["cluster_causal_attention", "sorted_chunk_attention", "sorted_chunk_attention_unchecked"]
+__all__ = [
+    "ChunkLayout",
+    "cluster_causal_attention",
+    "cluster_causal_layout",
+    "sorted_chunk_attention",
+    "sorted_layout",
+    "windowed_attention",
+]

@@ -1,31 +1,253 @@
-"""Attention inside equal chunks of a permuted sequence: the shared primitive of clustering attention.
+"""Attention inside equal chunks of a reordered sequence: the shared primitive of clustering attention.
 
-A clustering mechanism decides *which slot* of a (padded) reordered sequence each token goes to; this
-module gathers queries/keys/values into chunks of ``chunk_size`` slots, lets every query chunk attend to
-itself and the ``look_back`` previous chunks (wrapping around), masks what must not be seen, and
-scatters the result back to the original token order. Everything is batched: one gather, one
-``F.scaled_dot_product_attention`` call on 4-D tensors (the layout that keeps the fused CPU kernel),
-one gather back. The only Python loop is over the ``look_back + 1`` chunk offsets, a small constant.
+A clustering mechanism decides which *slot* of a reordered sequence each token goes to; chunks are runs of
+``chunk_size`` consecutive slots, and each chunk attends to itself and the ``look_back`` chunks before it
+(wrapping around). Two slot layouts exist:
 
-Two layouts are built on the same core:
+* :func:`sorted_layout` -- stable sort by cluster id (Neural Clustering Attention, eqs. 5 and 8).
+* :func:`cluster_causal_layout` -- strictly causal: each cluster starts on a chunk boundary and a token's
+  slot within its cluster is its rank among *earlier* tokens of that cluster.
 
-* :func:`sorted_chunk_attention` -- the public primitive used by Neural Clustering Attention (and the
-  other sort-then-chunk mechanisms): stable sort by cluster id, consecutive chunks.
-* :func:`cluster_causal_attention` -- the strictly causal variant: every cluster starts on a chunk
-  boundary and a token's chunk is fixed by its rank among *earlier* tokens of its cluster, so nothing a
-  token sees depends on later tokens.
+Window buffer. Each sequence ("block") is written into one flat buffer of rows as
+``[last L chunks | chunk 0 | chunk 1 | ... | chunk n_c-1]`` (L = effective look-back), blocks one after
+another, plus L chunks of tail. Then the keys of chunk c of a block -- chunks c-L..c, wrapped -- are the
+*contiguous* rows starting L chunks before it, so every key window is a strided view of the buffer
+(``unfold``), never a copy; queries are a plain view. One ``index_select`` fills the buffer, one
+``F.scaled_dot_product_attention`` call on 4-D tensors attends all windows of all blocks (the fused CPU
+kernel needs 4-D), one ``index_select`` returns outputs to token order. The windows that straddle two
+blocks are computed and dropped (an overhead of L / n_c). No Python loop over tokens, chunks or clusters;
+the only loops run over the L + 1 chunk offsets.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_int, check_padding_mask, check_tensor
 
-__all__ = ["cluster_causal_attention", "sorted_chunk_attention"]
+__all__ = [
+    "ChunkLayout",
+    "cluster_causal_attention",
+    "cluster_causal_layout",
+    "sorted_chunk_attention",
+    "sorted_layout",
+    "windowed_attention",
+]
+
+
+@dataclass
+class ChunkLayout:
+    """Where each token of ``blocks`` sequences of length N sits in the window buffer.
+
+    Attributes:
+        rows: (R,) long -- flat token index (block * N + position) held by each buffer row; rows holding no
+            token point at index 0 and are marked in ``row_valid``.
+        row_valid: (R,) bool -- the row holds a token.
+        out_rows: (blocks * N,) long -- the buffer row of each token's query, counted from the first
+            query row (the row of its output).
+        row_group: (R,) long or None -- keys only count when their group equals the query's (strict mode).
+        chunk_size: w.
+        hops: effective look-back + 1 (number of chunks per key window).
+        num_windows: W = blocks * (n_c + hops - 1).
+        length: N.
+        has_empty_slots: some in-block rows hold no token (the last chunk is short, or clusters are padded).
+    """
+
+    rows: torch.Tensor
+    row_valid: torch.Tensor
+    out_rows: torch.Tensor
+    row_group: torch.Tensor | None
+    chunk_size: int
+    hops: int
+    num_windows: int
+    length: int
+    has_empty_slots: bool
+
+    def query_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of a buffer-shaped tensor (R, ...) that holds queries: (W * w, ...)."""
+        start = (self.hops - 1) * self.chunk_size
+        return t[start : start + self.num_windows * self.chunk_size]
+
+
+def _layout_from_slots(
+    token_slot: torch.Tensor, num_slots: int, chunk_size: int, look_back: int,
+    token_group: torch.Tensor | None = None,
+) -> ChunkLayout:
+    """Build the window buffer from each token's slot. token_slot: (blocks, N), a permutation into
+    [0, num_slots) per block; num_slots a multiple of chunk_size."""
+    blocks, N = token_slot.shape
+    device = token_slot.device
+    w = chunk_size
+    n_c = num_slots // w
+    hops = min(look_back, n_c - 1) + 1
+    lead = (hops - 1) * w  # rows copied from the end of each block to its front
+    period = num_slots + lead
+    positions = torch.arange(N, device=device).expand(blocks, N)
+    slot_token = torch.full((blocks, num_slots), -1, dtype=torch.long, device=device)
+    slot_token.scatter_(1, token_slot, positions)
+    block_rows = torch.cat([slot_token[:, num_slots - lead :], slot_token], dim=1)  # (blocks, period)
+    valid = block_rows >= 0
+    offset = (torch.arange(blocks, device=device) * N).unsqueeze(1)
+    flat = torch.where(valid, block_rows + offset, torch.zeros_like(block_rows))
+    tail = torch.zeros(lead, dtype=torch.long, device=device)
+    rows = torch.cat([flat.reshape(-1), tail])
+    row_valid = torch.cat([valid.reshape(-1), tail.bool()])
+    out_rows = (token_slot + (torch.arange(blocks, device=device) * period).unsqueeze(1)).reshape(-1)
+    row_group = None
+    if token_group is not None:
+        slot_group = torch.full((blocks, num_slots), -1, dtype=torch.long, device=device)
+        slot_group.scatter_(1, token_slot, token_group)
+        group_rows = torch.cat([slot_group[:, num_slots - lead :], slot_group], dim=1)
+        row_group = torch.cat([group_rows.reshape(-1), tail - 1])
+    return ChunkLayout(
+        rows=rows, row_valid=row_valid, out_rows=out_rows, row_group=row_group, chunk_size=w,
+        hops=hops, num_windows=blocks * (n_c + hops - 1), length=N, has_empty_slots=num_slots > N,
+    )
+
+
+def sorted_layout(cluster_ids: torch.Tensor, chunk_size: int, look_back: int = 1) -> ChunkLayout:
+    """Layout of :func:`sorted_chunk_attention`: stable sort by id, consecutive chunks.
+    cluster_ids: (blocks, N) integers."""
+    blocks, N = cluster_ids.shape
+    n_c = max(1, math.ceil(N / chunk_size))
+    order = torch.sort(cluster_ids, dim=-1, stable=True).indices  # slot -> token
+    positions = torch.arange(N, device=cluster_ids.device).expand(blocks, N)
+    token_slot = torch.empty_like(order).scatter_(1, order, positions)  # token -> slot
+    return _layout_from_slots(token_slot, n_c * chunk_size, chunk_size, look_back)
+
+
+def cluster_causal_layout(
+    cluster_ids: torch.Tensor, chunk_size: int, num_clusters: int, look_back: int = 1
+) -> ChunkLayout:
+    """Layout of :func:`cluster_causal_attention`. cluster_ids: (blocks, N) in [0, num_clusters).
+
+    Token i of cluster c with r earlier tokens in c goes to slot start[c] + r, where every cluster starts
+    on a chunk boundary; its chunk is therefore fixed by tokens 0..i alone."""
+    blocks, N = cluster_ids.shape
+    device = cluster_ids.device
+    w = chunk_size
+    order = torch.sort(cluster_ids, dim=-1, stable=True).indices
+    positions = torch.arange(N, device=device).expand(blocks, N)
+    sorted_pos = torch.empty_like(order).scatter_(1, order, positions)
+    counts = torch.zeros(blocks, num_clusters, dtype=torch.long, device=device)
+    counts.scatter_add_(1, cluster_ids, torch.ones_like(cluster_ids))
+    rank = sorted_pos - (counts.cumsum(1) - counts).gather(1, cluster_ids)  # earlier tokens in cluster
+    padded = (counts + w - 1) // w * w
+    token_slot = (padded.cumsum(1) - padded).gather(1, cluster_ids) + rank
+    # Static bound on the padded length: each non-empty cluster wastes at most w - 1 slots.
+    n_c = max(1, math.ceil((N + min(num_clusters, N) * (w - 1)) / w))
+    return _layout_from_slots(token_slot, n_c * w, w, look_back, token_group=cluster_ids)
+
+
+class _KeyWindows(torch.autograd.Function):
+    """rows (R, H, D) -> windows (W, H, hops * w, D), window i = rows [i w, i w + hops w), as a view.
+
+    ``unfold`` gives the same view, but its generic backward is several times slower on CPU than adding
+    the hops shifted gradient slices in place, which is all the backward is."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, w: int, hops: int, num_windows: int) -> torch.Tensor:
+        ctx.meta = (rows.shape, w, hops, num_windows)
+        span = num_windows * w + (hops - 1) * w
+        return rows[:span].unfold(0, hops * w, w).permute(0, 1, 3, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, w, hops, W = ctx.meta
+        out = grad.new_zeros(shape)
+        H, D = shape[1], shape[2]
+        for o in range(hops):  # a constant number of chunk offsets, not a loop over chunks
+            out[o * w : o * w + W * w].view(W, w, H, D).add_(grad[:, :, o * w : (o + 1) * w].transpose(1, 2))
+        return out, None, None, None
+
+
+def _window_meta(layout: ChunkLayout, per_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row metadata (R,) -> query part (W, w, 1) and key windows (W, 1, hops * w)."""
+    w, W = layout.chunk_size, layout.num_windows
+    q_part = layout.query_rows(per_row).view(W, w, 1)
+    k_part = per_row[: W * w + (layout.hops - 1) * w].unfold(0, layout.hops * w, w).unsqueeze(1)
+    return q_part, k_part
+
+
+def windowed_attention(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    layout: ChunkLayout,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention of every chunk's queries to its key window.
+
+    Args:
+        q: (W, H, w, D) queries (any strides with unit last stride), e.g. a view of the query rows.
+        k_rows, v_rows: (R, H, D) keys and values for every buffer row.
+        layout: the :class:`ChunkLayout` the rows were gathered with.
+        causal: mask keys at later original positions.
+        key_padding_mask: (blocks, N) bool, True marks padding.
+
+    Returns:
+        (blocks * N, H, D): each token's output, in flat token order.
+    """
+    W, H, w, D = q.shape
+    k = _KeyWindows.apply(k_rows, w, layout.hops, W)
+    v = _KeyWindows.apply(v_rows, w, layout.hops, W)
+    attn_mask = no_key = None
+    if causal or key_padding_mask is not None or layout.row_group is not None or layout.has_empty_slots:
+        key_ok = layout.row_valid
+        if key_padding_mask is not None:
+            key_ok = key_ok & ~key_padding_mask.reshape(-1)[layout.rows]
+        _, allowed = _window_meta(layout, key_ok)  # (W, 1, hops w)
+        if causal:
+            pos_q, pos_k = _window_meta(layout, layout.rows % max(layout.length, 1))
+            allowed = allowed & (pos_q >= pos_k)
+        if layout.row_group is not None:
+            grp_q, grp_k = _window_meta(layout, layout.row_group)
+            allowed = allowed & (grp_q == grp_k)
+        allowed = allowed.expand(W, w, layout.hops * w)
+        # A query with no allowed key: let it see everything (a finite softmax), then zero its output,
+        # which also zeroes every gradient flowing through that row. Never NaN.
+        no_key = ~allowed.any(-1, keepdim=True)
+        attn_mask = (allowed | no_key).unsqueeze(1)  # (W, 1, w, hops w), broadcast over heads
+        no_key = no_key.unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    if no_key is not None:
+        out = out.masked_fill(no_key, 0.0)
+    out = out.transpose(1, 2).reshape(W * w, H, D)
+    return out.index_select(0, layout.out_rows)
+
+
+def _attend_per_head(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ChunkLayout, *,
+    causal: bool, key_padding_mask: torch.Tensor | None, dropout_p: float,
+) -> torch.Tensor:
+    """(B, H, N, D) inputs with one block per (batch, head) -> (B, H, N, D)."""
+    B, H, N, D = q.shape
+    W, w = layout.num_windows, layout.chunk_size
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:  # (B, H, N, D) -> (R, 1, D)
+        return t.reshape(B * H * N, 1, D).index_select(0, layout.rows)
+
+    q_win = layout.query_rows(rows_of(q)).view(W, w, 1, D).transpose(1, 2)
+    pad = None
+    if key_padding_mask is not None:
+        pad = key_padding_mask.unsqueeze(1).expand(B, H, N).reshape(B * H, N)
+    out = windowed_attention(q_win, rows_of(k), rows_of(v), layout, causal=causal,
+                             key_padding_mask=pad, dropout_p=dropout_p)
+    return out.view(B, H, N, D)
+
+
+def _blocks_ids(cluster_ids: torch.Tensor, B: int, H: int, N: int) -> torch.Tensor:
+    """(B, N) or (B, H, N) ids -> (B * H, N): one block per (batch, head)."""
+    if cluster_ids.dim() == 2:
+        cluster_ids = cluster_ids.unsqueeze(1).expand(B, H, N)
+    return cluster_ids.reshape(B * H, N)
 
 
 def sorted_chunk_attention(
@@ -72,45 +294,12 @@ def sorted_chunk_attention(
     look_back = check_int("look_back", look_back, minimum=0)
     causal = check_bool("causal", causal)
     key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=q.device)
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    return sorted_chunk_attention_unchecked(
-        q, k, v, cluster_ids, chunk_size, look_back=look_back, causal=causal,
-        key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-    )
-
-
-def sorted_chunk_attention_unchecked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cluster_ids: torch.Tensor,
-    chunk_size: int,
-    *,
-    look_back: int = 1,
-    causal: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-) -> torch.Tensor:
-    """:func:`sorted_chunk_attention` without argument checks (for layers that built the ids themselves;
-    skipping the value checks avoids a device sync per call on GPU)."""
-    B, H, N, _ = q.shape
+    _check_dropout(dropout_p)
     if q.numel() == 0:
         return q * 0  # keeps the autograd graph for empty batches / sequences
-    num_chunks = math.ceil(N / chunk_size)
-    slots = num_chunks * chunk_size
-    ids = cluster_ids.unsqueeze(1) if cluster_ids.dim() == 2 else cluster_ids  # (B, G, N), G in {1, H}
-    # Stable sort: slot s of the sorted order holds token `order[..., s]`.
-    order = torch.sort(ids, dim=-1, stable=True).indices
-    # Inverse permutation: token i sits in slot `token_slot[..., i]`.
-    positions = torch.arange(N, device=q.device).expand_as(order)
-    token_slot = torch.empty_like(order).scatter_(-1, order, positions)
-    if slots > N:  # the last chunk is short: fill it with empty slots (-1)
-        order = F.pad(order, (0, slots - N), value=-1)
-    return _attend_in_chunks(
-        q, k, v, order, token_slot, chunk_size, look_back=look_back, causal=causal,
-        key_padding_mask=key_padding_mask, slot_group=None, dropout_p=dropout_p,
-    )
+    layout = sorted_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, look_back)
+    return _attend_per_head(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
+                            dropout_p=dropout_p)
 
 
 def cluster_causal_attention(
@@ -130,7 +319,7 @@ def cluster_causal_attention(
     Each cluster is chunked on its own: token i of cluster c with r earlier tokens in c (its rank) is in
     block floor(r / chunk_size) of c. Query i attends to key j iff j is in the same cluster, j's block is
     i's block or one of the ``look_back`` blocks before it, j <= i, and j is not padding. Both the rank
-    and the set of allowed keys are fixed by tokens up to i, so changing later tokens cannot change it
+    and the set of allowed keys are fixed by tokens up to i, so changing later tokens cannot change them
     (unlike :func:`sorted_chunk_attention` with ``causal=True``, whose global chunk boundaries move with
     the sizes of *all* clusters).
 
@@ -145,125 +334,26 @@ def cluster_causal_attention(
     Returns:
         (B, H, N, D) in the original token order.
     """
+    _check_qkv(q, k, v)
     B, H, N, _ = q.shape
+    cluster_ids = _check_cluster_ids(cluster_ids, B, H, N, q.device)
+    chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+    num_clusters = check_int("num_clusters", num_clusters, minimum=1)
+    look_back = check_int("look_back", look_back, minimum=0)
+    key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=q.device)
+    _check_dropout(dropout_p)
+    if cluster_ids.numel() and int(cluster_ids.max()) >= num_clusters:
+        raise ValueError(f"cluster_ids must be < num_clusters={num_clusters}, got {int(cluster_ids.max())}")
     if q.numel() == 0:
         return q * 0
-    ids = cluster_ids.unsqueeze(1) if cluster_ids.dim() == 2 else cluster_ids  # (B, G, N)
-    G = ids.shape[1]
-    order = torch.sort(ids, dim=-1, stable=True).indices
-    positions = torch.arange(N, device=q.device).expand_as(order)
-    sorted_pos = torch.empty_like(order).scatter_(-1, order, positions)  # token -> sorted position
-    counts = torch.zeros(B, G, num_clusters, dtype=torch.long, device=q.device)
-    counts.scatter_add_(-1, ids, torch.ones_like(ids))
-    start = counts.cumsum(-1) - counts  # first sorted position of each cluster
-    rank = sorted_pos - start.gather(-1, ids)  # number of earlier tokens in the same cluster
-    # Every cluster begins on a chunk boundary: cluster c starts at slot padded_start[c].
-    padded = (counts + chunk_size - 1) // chunk_size * chunk_size
-    padded_start = padded.cumsum(-1) - padded
-    token_slot = padded_start.gather(-1, ids) + rank  # (B, G, N)
-    # Static upper bound on the padded length: each cluster wastes at most chunk_size - 1 slots.
-    num_chunks = math.ceil((N + min(num_clusters, N) * (chunk_size - 1)) / chunk_size)
-    slots = num_chunks * chunk_size
-    slot_token = torch.full((B, G, slots), -1, dtype=torch.long, device=q.device)
-    slot_token.scatter_(-1, token_slot, positions)
-    slot_group = torch.full((B, G, slots), -1, dtype=torch.long, device=q.device)
-    slot_group.scatter_(-1, token_slot, ids)
-    return _attend_in_chunks(
-        q, k, v, slot_token, token_slot, chunk_size, look_back=look_back, causal=True,
-        key_padding_mask=key_padding_mask, slot_group=slot_group, dropout_p=dropout_p,
-    )
+    layout = cluster_causal_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, num_clusters, look_back)
+    return _attend_per_head(q, k, v, layout, causal=True, key_padding_mask=key_padding_mask,
+                            dropout_p=dropout_p)
 
 
-def _attend_in_chunks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_token: torch.Tensor,
-    token_slot: torch.Tensor,
-    chunk_size: int,
-    *,
-    look_back: int,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    slot_group: torch.Tensor | None,
-    dropout_p: float,
-) -> torch.Tensor:
-    """Core: attention between chunks of a slot layout.
-
-    Args:
-        q, k, v: (B, H, N, D).
-        slot_token: (B, G, S) with G in {1, H}, S a multiple of chunk_size: the token in each slot, or -1
-            for an empty slot.
-        token_slot: (B, G, N): the slot of each token (inverse of ``slot_token``).
-        slot_group: optional (B, G, S): keys are only allowed from slots of the query's group.
-
-    Returns:
-        (B, H, N, D).
-    """
-    B, H, N, D = q.shape
-    G, S = slot_token.shape[1], slot_token.shape[2]
-    w = chunk_size
-    n_c = S // w
-    # A chunk reachable twice would count twice in the softmax; the allowed set is a set, so never
-    # look further back than the other n_c - 1 chunks.
-    hops = min(look_back, n_c - 1) + 1
-
-    empty = slot_token < 0
-    gather_index = slot_token.clamp(min=0)
-    if key_padding_mask is not None:
-        # Zero padded keys/values so that garbage (even NaN) in padding cannot leak through 0 * NaN.
-        keep = ~key_padding_mask[:, None, :, None]
-        k = k * keep
-        v = v * keep
-
-    def to_chunks(t: torch.Tensor) -> torch.Tensor:  # (B, H, N, D) -> (B*H, n_c, w, D)
-        idx = gather_index.unsqueeze(-1).expand(B, H, S, D)
-        return t.gather(2, idx).reshape(B * H, n_c, w, D)
-
-    def with_look_back(t: torch.Tensor) -> torch.Tensor:  # (..., n_c, w, X) -> (..., n_c, hops*w, X)
-        # roll(o) puts chunk c - o (mod n_c) at position c; cat + roll backpropagates far faster than
-        # advanced indexing on CPU.
-        if hops == 1:
-            return t
-        return torch.cat([t.roll(o, dims=-3) for o in range(hops)], dim=-2)
-
-    q_c = to_chunks(q)
-    k_c = with_look_back(to_chunks(k))
-    v_c = with_look_back(to_chunks(v))
-
-    need_mask = causal or key_padding_mask is not None or slot_group is not None or bool(S > N)
-    attn_mask = None
-    no_key = None
-    if need_mask:
-        # Per-slot metadata, chunked: (B, G, n_c, w) for queries, (B, G, n_c, hops*w) for keys.
-        key_ok = ~empty
-        if key_padding_mask is not None:
-            pad = key_padding_mask.unsqueeze(1).expand(B, G, N).gather(-1, gather_index)
-            key_ok = key_ok & ~pad
-        key_ok = with_look_back(key_ok.reshape(B, G, n_c, w, 1)).squeeze(-1)
-        allowed = key_ok.unsqueeze(-2)  # (B, G, n_c, 1, hops*w)
-        if causal:
-            pos_q = gather_index.reshape(B, G, n_c, w, 1)
-            pos_k = with_look_back(pos_q).squeeze(-1)
-            allowed = allowed & (pos_q >= pos_k.unsqueeze(-2))
-        if slot_group is not None:
-            grp_q = slot_group.reshape(B, G, n_c, w, 1)
-            grp_k = with_look_back(grp_q).squeeze(-1)
-            allowed = allowed & (grp_q == grp_k.unsqueeze(-2))
-        allowed = allowed.expand(B, G, n_c, w, hops * w)
-        # A query with no allowed key: let it see everything (finite softmax), then zero its output,
-        # which also zeroes every gradient that flows through that row.
-        no_key = ~allowed.any(-1, keepdim=True)
-        allowed = allowed | no_key
-        attn_mask = allowed.expand(B, H, n_c, w, hops * w).reshape(B * H, n_c, w, hops * w)
-        no_key = no_key.expand(B, H, n_c, w, 1).reshape(B * H, n_c, w, 1)
-
-    out = F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=attn_mask, dropout_p=dropout_p)
-    if no_key is not None:
-        out = out.masked_fill(no_key, 0.0)
-    out = out.reshape(B, H, S, D)
-    back = token_slot.unsqueeze(-1).expand(B, H, N, D)
-    return out.gather(2, back)
+def _check_dropout(p: float) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {p!r}")
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

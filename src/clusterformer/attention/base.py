@@ -1,0 +1,83 @@
+"""What every attention layer shares: input checks, the Q/K/V and output projections, head reshapes,
+padding handling and the auxiliary-loss slot.
+
+The split follows fast-transformers: the layer owns the projections; *how* tokens are grouped is the
+mechanism's business (``_attend``), built from the primitives in :mod:`clusterformer.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._checks import check_bool, check_int, check_padding_mask, check_tensor
+
+
+class AttentionLayer(nn.Module):
+    """Multi-head self-attention layer: ``layer(x, key_padding_mask=None, causal=False)`` -> (B, N, dim).
+
+    Subclasses implement :meth:`_attend` on (B, N, dim) inputs whose padded rows are already zero.
+
+    Auxiliary losses. After each forward, :attr:`aux_losses` maps loss names (e.g. ``"clustering"``,
+    ``"centroid_sorting"``) to scalar tensors of that call; mechanisms without auxiliary losses leave it
+    empty. :func:`clusterformer.attention.collect_aux_losses` gathers them from a whole model; that is
+    the one way auxiliary losses reach the training loss.
+
+    Padding. Padded input rows are zeroed on entry (so their content, even NaN, cannot leak) and the
+    outputs at padded positions are zero.
+    """
+
+    def __init__(self, dim: int, heads: int, *, bias: bool = True) -> None:
+        super().__init__()
+        check_int("dim", dim, minimum=1)
+        check_int("heads", heads, minimum=1)
+        if dim % heads:
+            raise ValueError(f"dim must be divisible by heads; got dim={dim}, heads={heads}")
+        self.dim = dim
+        self.heads = heads
+        self.head_dim = dim // heads
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.to_out = nn.Linear(dim, dim, bias=bias)
+        self.aux_losses: dict[str, torch.Tensor] = {}
+
+    def forward(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, causal: bool = False
+    ) -> torch.Tensor:
+        """Args: x (B, N, dim); key_padding_mask (B, N) bool, True = padding; causal: no attention to
+        later positions. Returns (B, N, dim)."""
+        x, key_padding_mask = self._prepare(x, key_padding_mask, causal)
+        return self._finish(self._attend(x, key_padding_mask, causal), key_padding_mask)
+
+    def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _prepare(
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        check_tensor("x", x, ndim=3, floating=True)
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (B, N, dim={self.dim}), got {tuple(x.shape)}")
+        check_bool("causal", causal)
+        key_padding_mask = check_padding_mask(key_padding_mask, x.shape[0], x.shape[1], device=x.device)
+        if key_padding_mask is not None:
+            x = x.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+        return x, key_padding_mask
+
+    def _finish(self, y: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        if key_padding_mask is not None:
+            y = y.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+        return y
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, dim) -> three (B, H, N, head_dim) tensors."""
+        B, N, _ = x.shape
+        qkv = self.to_qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return qkv[0], qkv[1], qkv[2]
+
+    def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
+        """(B, H, N, head_dim) -> (B, N, dim)."""
+        B, H, N, D = heads_out.shape
+        return self.to_out(heads_out.transpose(1, 2).reshape(B, N, H * D))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}"

@@ -1,0 +1,207 @@
+"""``"neural-clustering"``: Neural Clustering Attention (ClusterFormer paper, sections 3.1-3.2, app. B).
+
+Per layer, for x (B, N, dim):
+
+1. Clustering (eqs. 2-4, :func:`clusterformer.clustering.neural_clustering`): P = x W^C;
+   U = softmax over positions of phi(C_i, P_j) * scale; C_hat = U P; I_j = argmax_i U_ij.
+   Losses L1 (eq. 6) and L2 (eq. 11) go to :attr:`aux_losses` as ``"clustering"`` and
+   ``"centroid_sorting"``.
+2. Sort x by I (eq. 5) into the window buffer of :mod:`clusterformer.ops.chunked` (one ``index_select``),
+   then Q^S, K^S, V^S = X^S W^Q, X^S W^K, X^S W^V (eq. 7) in sorted order, as in the paper.
+3. Chunks of w = ceil(N / k); each attends to itself and ``look_back`` previous chunks (eqs. 8-9):
+   one SDPA call over all windows; outputs return to token order (eq. 10). This is exactly
+   :func:`clusterformer.ops.sorted_chunk_attention` with ids shared by the heads.
+4. Output projection.
+
+Cost: O(N k d) for the clustering plus O(N (look_back + 1) w d) for attention; with k = sqrt(N),
+O(N sqrt(N) d) (paper section 3.3).
+
+Causal modes (``causal=True`` in the call):
+
+* ``causal_mode="strict"`` (default): output t depends on tokens 0..t only. The assignment is each token's
+  nearest parameter centroid (argmax_i phi(C_i, x_t W^C): no normalisation over positions), and each
+  cluster is chunked on its own by the token's rank among *earlier* tokens of its cluster
+  (:func:`clusterformer.ops.cluster_causal_attention`). Centroids flowing from a previous layer would
+  carry information from the whole sequence, so strict mode refuses them.
+* ``causal_mode="paper"``: appendix B. Same clustering and chunking as without a mask; inside chunks keys
+  after the query are masked (eqs. 12-14). The assignment (U is normalised over *all* positions) and the
+  chunk boundaries depend on the whole sequence, so *which* past keys a token sees can change when a
+  future token changes: no future value leaks directly, but the attention pattern does. Not suitable for
+  autoregressive generation; provided for faithful reproduction.
+
+Centroids. With ``own_centroids=True`` (default) the layer owns C (k x dim parameters). The paper lets
+centroids flow between layers (first layer from parameters, later layers start from the previous layer's
+C_hat): the encoder does this with ``centroid_flow=True``, building later layers with
+``own_centroids=False`` and passing ``centroids=`` at call time. :attr:`updated_centroids` holds the last
+C_hat.
+
+Number of clusters. ``num_clusters`` is an int, or ``"sqrt"``: k = round(sqrt(N)) for the padded length N
+of the batch, clamped to [1, max_clusters]; the layer then owns ``max_clusters`` centroids and uses the
+first k. k >= N is allowed (chunks of one token).
+
+Padding. Padded tokens are excluded from U, C_hat and the losses, get cluster id k (sorted after every
+real token) and are never attended to, so they cannot change any real token's output. Chunk size is
+computed from the padded length N.
+
+NaN input. Not checked (a check would cost a device sync per call): NaN in one sequence stays in that
+sequence's outputs (attention and clustering are per sequence), but the batch-averaged losses become NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_bool, check_choice, check_float, check_int
+from ..clustering.neural import neural_clustering
+from ..ops.chunked import cluster_causal_layout, sorted_layout, windowed_attention
+from .base import AttentionLayer
+from .registry import register
+
+
+@dataclass(frozen=True)
+class NeuralClusteringOptions:
+    """Options of ``"neural-clustering"``.
+
+    Attributes:
+        num_clusters: k, an int >= 1, or "sqrt" for round(sqrt(N)) per batch.
+        max_clusters: with "sqrt", the number of centroids owned (k is clamped to it).
+        look_back: previous chunks each query chunk attends to (the paper uses 1: "two blocks").
+        causal_mode: "strict" (no dependence on later tokens) or "paper" (appendix B); used when the
+            layer is called with causal=True.
+        similarity: "cosine" (bounded, default) or "dot" (the paper's literal inner product).
+        similarity_scale: multiplies phi inside the softmax over positions (eq. 2).
+        own_centroids: own a centroid parameter; False means centroids are passed at call time.
+        dropout: attention-weight dropout probability during training.
+        bias: bias in the Q/K/V and output projections.
+    """
+
+    num_clusters: int | str = "sqrt"
+    max_clusters: int = 128
+    look_back: int = 1
+    causal_mode: str = "strict"
+    similarity: str = "cosine"
+    similarity_scale: float = 10.0
+    own_centroids: bool = True
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_clusters != "sqrt":
+            if isinstance(self.num_clusters, str):
+                raise ValueError(f"num_clusters must be an int >= 1 or 'sqrt', got {self.num_clusters!r}")
+            check_int("num_clusters", self.num_clusters, minimum=1)
+        check_int("max_clusters", self.max_clusters, minimum=1)
+        check_int("look_back", self.look_back, minimum=0)
+        check_choice("causal_mode", self.causal_mode, ("strict", "paper"))
+        check_choice("similarity", self.similarity, ("cosine", "dot"))
+        check_float("similarity_scale", self.similarity_scale, minimum=0.0, exclusive_minimum=True)
+        check_bool("own_centroids", self.own_centroids)
+        check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        check_bool("bias", self.bias)
+
+
+@register(
+    "neural-clustering",
+    NeuralClusteringOptions,
+    "ClusterFormer: learned centroids, sort by cluster, attention in equal chunks + look-back; O(N sqrt(N))",
+)
+class NeuralClusteringAttention(AttentionLayer):
+    def __init__(self, dim: int, heads: int, options: NeuralClusteringOptions | None = None) -> None:
+        options = options or NeuralClusteringOptions()
+        super().__init__(dim, heads, bias=options.bias)
+        self.options = options
+        self.to_cluster = nn.Linear(dim, dim, bias=False)  # W^C
+        n_centroids = options.max_clusters if options.num_clusters == "sqrt" else options.num_clusters
+        self.n_centroids = n_centroids
+        if options.own_centroids:
+            self.centroids = nn.Parameter(torch.randn(n_centroids, dim))  # C, random init as in the paper
+        else:
+            self.register_parameter("centroids", None)
+        self.updated_centroids: torch.Tensor | None = None
+
+    def clusters_for(self, length: int) -> int:
+        """k used for a batch padded to ``length`` tokens."""
+        if self.options.num_clusters == "sqrt":
+            return max(1, min(self.options.max_clusters, round(math.sqrt(length))))
+        return self.options.num_clusters
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        *,
+        centroids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Args: x (B, N, dim); key_padding_mask (B, N) bool; causal; centroids: optional (B, k, dim) or
+        (k, dim) centroids replacing the layer's own (the paper's flow between layers). Returns (B, N, dim)."""
+        x, key_padding_mask = self._prepare(x, key_padding_mask, causal)
+        B, N, _ = x.shape
+        k = self.clusters_for(N)
+        strict = causal and self.options.causal_mode == "strict"
+        if centroids is None:
+            if self.centroids is None:
+                raise ValueError("centroids must be given: this layer was built with own_centroids=False")
+            centroids = self.centroids[:k]
+        else:
+            if strict:
+                raise ValueError(
+                    "centroids from another layer depend on the whole sequence and would leak future "
+                    "tokens under causal_mode='strict'; use per-layer centroids or causal_mode='paper'"
+                )
+            if centroids.dim() not in (2, 3) or centroids.shape[-1] != self.dim or centroids.shape[-2] != k or (
+                centroids.dim() == 3 and centroids.shape[0] != B
+            ):
+                raise ValueError(
+                    f"centroids must have shape (k, dim) or (B, k, dim) with k={k}, dim={self.dim}, "
+                    f"B={B}; got {tuple(centroids.shape)}"
+                )
+        clustering = neural_clustering(
+            self.to_cluster(x), centroids, key_padding_mask=key_padding_mask,
+            similarity=self.options.similarity, scale=self.options.similarity_scale,
+            assign="nearest" if strict else "subordinate",
+        )
+        self.aux_losses = {
+            "clustering": clustering.clustering_loss,
+            "centroid_sorting": clustering.sorting_loss,
+        }
+        self.updated_centroids = clustering.updated_centroids
+        ids = clustering.assignments  # (B, N); padding has id k
+
+        if B == 0 or N == 0:
+            return self.to_out(self.to_qkv(x)[..., : self.dim])  # empty, with an autograd graph
+        chunk = math.ceil(N / k)
+        if strict:
+            layout = cluster_causal_layout(ids, chunk, k + 1, self.options.look_back)
+        else:
+            layout = sorted_layout(ids, chunk, self.options.look_back)
+        out = self._chunk_attention(x, layout, causal, key_padding_mask)
+        return self._finish(self.to_out(out.reshape(B, N, self.dim)), key_padding_mask)
+
+    def _chunk_attention(self, x, layout, causal, key_padding_mask):
+        """x (B, N, dim) -> (B * N, H, head_dim). Sorting x once and projecting in sorted order moves
+        one (N, dim) tensor instead of three (H, N, head_dim) ones, and the key windows are views."""
+        H, D, dim = self.heads, self.head_dim, self.dim
+        x_rows = x.reshape(-1, dim).index_select(0, layout.rows)  # (R, dim) in buffer order
+        w_q, w_k, w_v = self.to_qkv.weight.split(dim)
+        b_q = b_k = b_v = None
+        if self.to_qkv.bias is not None:
+            b_q, b_k, b_v = self.to_qkv.bias.split(dim)
+        q = F.linear(layout.query_rows(x_rows), w_q, b_q)
+        q = q.view(layout.num_windows, layout.chunk_size, H, D).transpose(1, 2)
+        k = F.linear(x_rows, w_k, b_k).view(-1, H, D)
+        v = F.linear(x_rows, w_v, b_v).view(-1, H, D)
+        return windowed_attention(
+            q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
+            dropout_p=self.options.dropout if self.training else 0.0,
+        )
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (f"dim={self.dim}, heads={self.heads}, num_clusters={o.num_clusters!r}, "
+                f"look_back={o.look_back}, causal_mode={o.causal_mode!r}, similarity={o.similarity!r}")

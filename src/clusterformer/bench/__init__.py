@@ -1,0 +1,5 @@
+"""Benchmarks: time and memory of attention layers, plots."""
+
+from .attention import BenchConfig, run_attention_benchmark
+
+__all__ = ["BenchConfig", "run_attention_benchmark"]

@@ -1,0 +1,193 @@
+"""Time and memory of whole attention layers (projections, clustering and attention) against length.
+
+Every (mechanism, length) runs in a fresh Python process so that CPU peak memory can be read from the
+kernel (the process's resident-set high-water mark, reset just before the measured pass) without
+allocator caches of earlier runs blurring it. On CUDA, ``torch.cuda.max_memory_allocated`` is used.
+
+Timing: ``warmup`` untimed runs, then the median of ``repeats`` timed runs, for
+* ``fwd_ms``: forward only, under ``torch.no_grad()`` in eval mode (inference);
+* ``fwd_bwd_ms``: forward + backward of ``output.sum()`` in train mode (gradients of the input and all
+  parameters), the layer-level training cost;
+* ``fwd_bwd_aux_ms``: the same with the layer's auxiliary losses (e.g. clustering L1 and centroid
+  sorting L2) added to the backward, as in training with mu = nu = 1; null for mechanisms without any.
+``peak_mem_mb``: peak memory of one forward + backward pass above what was allocated before it
+(parameters and input included in the baseline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["BenchConfig", "run_attention_benchmark"]
+
+
+@dataclass
+class BenchConfig:
+    names: list[str]
+    lengths: list[int]
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    warmup: int = 1
+    repeats: int = 3
+    threads: int | None = None
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-mechanism build options
+    seed: int = 0
+
+
+def run_attention_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Run every (name, length) in its own process; return the list of records."""
+    from ..attention.registry import make_options
+
+    for name in config.names:  # fail fast, before any long run, on unknown names or options
+        make_options(name, config.options.get(name, {}))
+    records = []
+    total = len(config.names) * len(config.lengths)
+    step = 0
+    for length in config.lengths:
+        for name in config.names:
+            step += 1
+            if progress:
+                progress(f"[{step}/{total}] {name} N={length} ...")
+            job = {**asdict(config), "name": name, "length": length}
+            started = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, "-m", "clusterformer.bench.attention", json.dumps(job)],
+                capture_output=True, text=True, check=False,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"benchmark of {name} at N={length} failed:\n{proc.stderr[-4000:]}")
+            record = json.loads(proc.stdout.strip().splitlines()[-1])
+            records.append(record)
+            if progress:
+                aux = record["fwd_bwd_aux_ms"]
+                progress(
+                    f"[{step}/{total}] {name} N={length}: fwd {record['fwd_ms']:.1f} ms, "
+                    f"fwd+bwd {record['fwd_bwd_ms']:.1f} ms"
+                    + (f" ({aux:.1f} ms with aux losses)" if aux is not None else "")
+                    + f", peak {record['peak_mem_mb']:.0f} MB ({time.perf_counter() - started:.0f} s)"
+                )
+    return records
+
+
+def _median_ms(fn: Callable[[], None], warmup: int, repeats: int, sync: Callable[[], None]) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times)
+
+
+def _rss_mb(field_name: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak resident set size (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _worker(job: dict) -> dict:
+    import torch
+
+    from ..attention import build, collect_aux_losses
+
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    torch.manual_seed(job["seed"])
+    device = torch.device(job["device"])
+    dtype = getattr(torch, job["dtype"])
+    dim = job["heads"] * job["head_dim"]
+    layer = build(job["name"], dim=dim, heads=job["heads"], **job["options"].get(job["name"], {}))
+    layer = layer.to(device=device, dtype=dtype)
+    x = torch.randn(job["batch"], job["length"], dim, device=device, dtype=dtype, requires_grad=True)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def fwd() -> None:
+        layer.eval()
+        with torch.no_grad():
+            layer(x)
+
+    def fwd_bwd(with_aux: bool) -> Callable[[], None]:
+        def run() -> None:
+            layer.train()
+            loss = layer(x).sum()
+            if with_aux:
+                for value in collect_aux_losses(layer).values():
+                    loss = loss + value
+            loss.backward()
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+
+        return run
+
+    # Peak memory of one training pass, measured first, before timing loops grow allocator caches.
+    fwd_bwd(False)()  # build lazy state (kernels, thread pools) outside the measured pass
+    sync()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd(False)()
+        sync()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        base = _rss_mb("VmRSS")
+        reset = _reset_peak_rss()
+        fwd_bwd(False)()
+        hwm = _rss_mb("VmHWM")
+        peak = (hwm - base) if (reset and hwm is not None and base is not None) else float("nan")
+
+    has_aux = bool(layer.aux_losses)
+    warmup, repeats = job["warmup"], job["repeats"]
+    return {
+        "name": job["name"],
+        "length": job["length"],
+        "batch": job["batch"],
+        "heads": job["heads"],
+        "head_dim": job["head_dim"],
+        "device": str(device),
+        "dtype": job["dtype"],
+        "fwd_ms": _median_ms(fwd, warmup, repeats, sync),
+        "fwd_bwd_ms": _median_ms(fwd_bwd(False), warmup, repeats, sync),
+        "fwd_bwd_aux_ms": _median_ms(fwd_bwd(True), warmup, repeats, sync) if has_aux else None,
+        "peak_mem_mb": peak,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} logical CPUs"
+        + (f", {torch.cuda.get_device_name(device)}" if cuda else ""),
+        "warmup": warmup,
+        "repeats": repeats,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))

@@ -1,0 +1,136 @@
+"""Command line: ``clusterformer {list,bench,demo}`` (also ``python -m clusterformer``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    from .attention import names
+
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in values if v not in names()]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown attention name(s) {', '.join(unknown) or text!r}; available: {', '.join(names())}"
+        )
+    return values
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from .attention import describe, names
+
+    for name in names():
+        info = describe(name)
+        print(f"{name}: {info['summary']}")
+        for option, default in info["options"].items():
+            print(f"    {option} = {default!r}")
+    return 0
+
+
+def cmd_bench_attention(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run_attention_benchmark
+
+    options = json.loads(args.options) if args.options else {}
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise ValueError('--options must be a JSON object {"name": {"option": value}}')
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was given but CUDA is not available")
+    config = BenchConfig(
+        names=args.names, lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+        device=args.device, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
+        threads=args.threads, options=options,
+    )
+    records = run_attention_benchmark(config, progress=_log)
+    text = json.dumps(records, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+        _log(f"wrote {args.json}")
+    else:
+        print(text)
+    if args.plot:
+        from .bench.plot import plot_attention_benchmark
+
+        _log(f"wrote {plot_attention_benchmark(records, args.plot)}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run_demo
+
+    config = DemoConfig(train_steps=args.steps, length=args.length, seed=args.seed,
+                        bench_lengths=tuple(args.bench_lengths))
+    run_demo(args.out, config, log=_log)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clusterformer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("list", help="registered attention mechanisms and their options")
+    p.set_defaults(func=cmd_list)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="what", required=True)
+    p = bench_sub.add_parser("attention", help="time and memory of attention layers against length")
+    p.add_argument("--names", type=_name_list, default=_name_list("full,neural-clustering"))
+    p.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--options", default=None, help='per-mechanism options as JSON, e.g. {"neural-clustering": {"look_back": 2}}')
+    p.add_argument("--json", default=None, help="write the records here (default: stdout)")
+    p.add_argument("--plot", default=None, help="write a log-log time/memory plot here (PNG)")
+    p.set_defaults(func=cmd_bench_attention)
+
+    p = sub.add_parser("demo", help="benchmark + short training of full vs neural-clustering (CPU, < 5 min)")
+    p.add_argument("--out", default="out/demo", help="output directory")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--bench-lengths", type=_int_list, default=[1024, 2048, 4096])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        parser.exit(2, f"clusterformer: error: {exc}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "interrupted\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The Neural Clustering Method (ClusterFormer paper, section 3.1, eqs. 2-6 and 11).
+
+Functional and batched, so the same code serves the attention layer and, later, the stand-alone
+clusterer (paper appendix A).
+
+Similarity. The paper's phi is a raw inner product. Eq. 6 then rewards making vectors *longer*
+(L1 = -mean <X_j, C_hat> is unbounded below), and the softmax of eq. 2 saturates as norms grow, which
+makes training unstable. We default to cosine similarity scaled by a fixed ``scale`` (a temperature,
+as in cosine-softmax classifiers): L1 and L2 then lie in [-1, 1], are minimised by *direction*
+agreement, which is what the assignment uses, and eq. 2's softmax keeps a fixed sharpness.
+``similarity="dot"`` keeps the paper's literal inner product for ablations.
+
+Space. Eq. 6 writes phi(X_j, C_hat_{I_j}); C_hat (eq. 3) lives in the projected space X W^C, where the
+assignment is made, so we measure L1 there: phi(X_j W^C, C_hat_{I_j}). With X instead, L1 would not
+train the projection that decides the assignment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NeuralClusteringOutput", "neural_clustering"]
+
+
+@dataclass
+class NeuralClusteringOutput:
+    """Result of one neural clustering step.
+
+    Attributes:
+        assignments: (B, N) long, I_j = argmax_i U_ij (eq. 4); padded positions get ``k`` so that a stable
+            sort puts them after every real token.
+        updated_centroids: (B, k, d) C_hat = U X W^C (eq. 3).
+        clustering_loss: scalar L1 (eq. 6), mean over the real tokens of the batch.
+        sorting_loss: scalar L2 (eq. 11), mean over the sequences of the batch with a real token.
+    """
+
+    assignments: torch.Tensor
+    updated_centroids: torch.Tensor
+    clustering_loss: torch.Tensor
+    sorting_loss: torch.Tensor
+
+
+def _unit(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """Rows normalised for cosine similarity; unchanged for the dot product."""
+    return F.normalize(t, dim=-1, eps=1e-8) if kind == "cosine" else t
+
+
+def neural_clustering(
+    points: torch.Tensor,
+    centroids: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    similarity: str = "cosine",
+    scale: float = 10.0,
+    assign: str = "subordinate",
+) -> NeuralClusteringOutput:
+    """Soft-cluster ``points`` around ``centroids`` (eqs. 2-4), with the losses of eqs. 6 and 11.
+
+    Args:
+        points: (B, N, d) projected hidden states X W^C.
+        centroids: (k, d) parameter centroids C, or (B, k, d) per-sequence centroids (e.g. the previous
+            layer's C_hat).
+        key_padding_mask: optional (B, N) bool, True marks padding: excluded from U, C_hat and the losses.
+        similarity: "cosine" (default, bounded) or "dot" (the paper's literal inner product).
+        scale: multiplies phi inside the softmax of eq. 2.
+        assign: "subordinate" -- I_j = argmax_i U_ij, the paper's eq. 4 (U normalised over positions, so the
+            assignment of one token depends on the whole sequence); or "nearest" -- I_j = argmax_i
+            phi(C_i, X_j W^C), which depends on token j alone (used by the strictly causal mode).
+
+    Returns:
+        :class:`NeuralClusteringOutput`.
+    """
+    B, N, d = points.shape
+    if centroids.dim() == 2:
+        centroids = centroids.unsqueeze(0).expand(B, -1, -1)
+    k = centroids.shape[1]
+    # Clustering decisions are argmaxes over a softmax across up to N positions: keep them in float32
+    # even under bf16/fp16 autocast, where ties and underflow would scramble the assignment.
+    with torch.autocast(device_type=points.device.type, enabled=False):
+        points = points.float()
+        unit_points = _unit(points, similarity)
+        unit_centroids = _unit(centroids.float(), similarity)
+        # Scores laid out (B, N, k): one matmul without a transposed copy, contiguous argmax over k.
+        scores = scale * (unit_points @ unit_centroids.transpose(1, 2))
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(key_padding_mask.unsqueeze(-1), float("-inf"))
+        # Eq. 2: U_ij = softmax over positions j. A sequence that is all padding has no positions: U = 0.
+        log_u = torch.log_softmax(scores, dim=1)
+        u = log_u.exp()
+        if key_padding_mask is not None:
+            u = torch.nan_to_num(u, nan=0.0)
+        updated = u.transpose(1, 2) @ points  # eq. 3: C_hat_i = sum_j U_ij X_j W^C, (B, k, d)
+
+        # Eq. 4. Cluster ids need no gradient: the assignment is a hard argmax in the paper too.
+        with torch.no_grad():
+            ids = (log_u if assign == "subordinate" else scores).argmax(dim=-1)
+            if key_padding_mask is not None:
+                ids = ids.masked_fill(key_padding_mask, k)
+
+        # Eq. 6: L1 = -mean_j phi(X_j W^C, C_hat_{I_j}) over real tokens. phi is bilinear in the (unit)
+        # vectors, so sum the points of each cluster first (a scatter-add, no (B, N, d) gather):
+        # sum_j phi(p_j, c_{I_j}) = sum_i phi(sum_{j in i} p_j, c_i).
+        real = torch.ones(B, N, dtype=torch.bool, device=points.device)
+        if key_padding_mask is not None:
+            real = ~key_padding_mask
+        members = torch.zeros(B, k + 1, d, dtype=points.dtype, device=points.device)  # row k: padding
+        members = members.scatter_add(1, ids.unsqueeze(-1).expand(B, N, d), unit_points)
+        unit_updated = _unit(updated, similarity)
+        clustering_loss = -(members[:, :k] * unit_updated).sum() / real.sum().clamp(min=1)
+
+        # Eq. 11: L2 = -(1/k) (sum_{i>=2} phi(C_hat_i, C_hat_{i-1}) + phi(C_hat_1, C_hat_k)): a ring.
+        ring = (unit_updated * unit_updated.roll(1, dims=1)).sum(-1).mean(-1)  # (B,)
+        has_real = real.any(-1)
+        ring = torch.where(has_real, ring, torch.zeros_like(ring))
+        sorting_loss = -ring.sum() / has_real.sum().clamp(min=1)
+    return NeuralClusteringOutput(ids, updated, clustering_loss, sorting_loss)
