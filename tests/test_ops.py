@@ -77,7 +77,9 @@ def test_sorted_chunk_gradients_match_dense_reference(N, chunk_size, look_back):
             torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize(("N", "chunk_size", "look_back", "causal"), [(7, 3, 1, False), (6, 2, 2, True), (4, 5, 1, True)])
+@pytest.mark.parametrize(
+    ("N", "chunk_size", "look_back", "causal"), [(7, 3, 1, False), (6, 2, 2, True), (4, 5, 1, True)]
+)
 def test_sorted_chunk_gradcheck(N, chunk_size, look_back, causal):
     q, k, v, ids, _ = _inputs(1, 2, N, 3, num_clusters=3, per_head=False, pad_fraction=0.0, seed=N)
     pad = torch.zeros(1, N, dtype=torch.bool)

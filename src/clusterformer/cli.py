@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--options", default=None, help='per-mechanism options as JSON, e.g. {"neural-clustering": {"look_back": 2}}')
+    p.add_argument("--options", default=None,
+                   help='per-mechanism options as JSON, e.g. {"neural-clustering": {"look_back": 2}}')
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.add_argument("--plot", default=None, help="write a log-log time/memory plot here (PNG)")
     p.set_defaults(func=cmd_bench_attention)
