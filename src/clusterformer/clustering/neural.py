@@ -77,12 +77,13 @@ def neural_clustering(
     if centroids.dim() == 2:
         centroids = centroids.unsqueeze(0).expand(B, -1, -1)
     k = centroids.shape[1]
-    # Clustering decisions are argmaxes over a softmax across up to N positions: keep them in float32
-    # even under bf16/fp16 autocast, where ties and underflow would scramble the assignment.
+    # Clustering decisions are argmaxes over a softmax across up to N positions: compute them in at least
+    # float32 even under bf16/fp16 autocast, where ties and underflow would scramble the assignment.
+    dtype = torch.promote_types(torch.promote_types(points.dtype, centroids.dtype), torch.float32)
     with torch.autocast(device_type=points.device.type, enabled=False):
-        points = points.float()
+        points = points.to(dtype)
         unit_points = _unit(points, similarity)
-        unit_centroids = _unit(centroids.float(), similarity)
+        unit_centroids = _unit(centroids.to(dtype), similarity)
         # Scores laid out (B, N, k): one matmul without a transposed copy, contiguous argmax over k.
         scores = scale * (unit_points @ unit_centroids.transpose(1, 2))
         if key_padding_mask is not None:

@@ -1,0 +1,298 @@
+"""The registered attention layers against dense float64 references written from the paper's equations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clusterformer.attention import build, collect_aux_losses, describe, names
+from reference import cluster_causal_allowed, masked_softmax_attention, sorted_chunk_allowed
+
+
+def _layer(name, dim=16, heads=2, **options):
+    torch.manual_seed(torch.seed() % 2**31)
+    return build(name, dim=dim, heads=heads, **options).double()
+
+
+def _heads(layer, x):
+    """Q, K, V of a layer, (H, N, D) each, for one sequence x (N, dim) -- straight from the weights."""
+    w_q, w_k, w_v = layer.to_qkv.weight.split(layer.dim)
+    b_q, b_k, b_v = layer.to_qkv.bias.split(layer.dim)
+    split = lambda t: t.view(-1, layer.heads, layer.head_dim).transpose(0, 1)  # noqa: E731
+    return split(x @ w_q.T + b_q), split(x @ w_k.T + b_k), split(x @ w_v.T + b_v)
+
+
+def _reference_output(layer, x, allowed):
+    """Per-head masked softmax attention with a given (N, N) allowed mask, then the output projection."""
+    q, k, v = _heads(layer, x)
+    heads = torch.stack([masked_softmax_attention(q[h], k[h], v[h], allowed) for h in range(layer.heads)])
+    merged = heads.transpose(0, 1).reshape(x.shape[0], layer.dim)
+    return merged @ layer.to_out.weight.T + layer.to_out.bias
+
+
+def _reference_clustering(layer, x, real, strict):
+    """Eqs. 2-4, 6, 11 with cosine phi, for one sequence x (N, dim) whose real tokens are ``real``."""
+    scale = layer.options.similarity_scale
+    N = x.shape[0]
+    k = layer.clusters_for(N)
+    C = layer.centroids[:k]
+    P = x @ layer.to_cluster.weight.T  # X W^C
+    phi = torch.zeros(k, N, dtype=x.dtype)
+    for i in range(k):
+        for j in range(N):
+            phi[i, j] = F.cosine_similarity(C[i], P[j], dim=0)
+    logits = (scale * phi).masked_fill(~real, float("-inf"))
+    U = torch.softmax(logits, dim=1)  # eq. 2: normalised over positions
+    C_hat = U @ P  # eq. 3
+    ids = (phi if strict else U).argmax(0)  # eq. 4 (strict: nearest centroid)
+    ids = torch.where(real, ids, torch.full_like(ids, k))
+    reals = [j for j in range(N) if real[j]]
+    L1 = -sum(F.cosine_similarity(P[j], C_hat[ids[j]], dim=0) for j in reals) / len(reals)  # eq. 6
+    ring = sum(F.cosine_similarity(C_hat[i], C_hat[i - 1], dim=0) for i in range(1, k))
+    L2 = -(ring + F.cosine_similarity(C_hat[0], C_hat[k - 1], dim=0)) / k  # eq. 11
+    return ids, L1, L2, math.ceil(N / k)
+
+
+@pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(12, 3, 1), (13, 4, 1), (10, 3, 2), (9, "sqrt", 1),
+                                                              (5, 8, 1), (1, 2, 1)])
+@pytest.mark.parametrize("mode", ["none", "paper", "strict"])
+def test_neural_clustering_matches_paper_equations(N, num_clusters, look_back, mode):
+    layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back,
+                   causal_mode="strict" if mode == "strict" else "paper")
+    B = 3
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if N > 2:
+        pad[1, -2:] = True  # a padded sequence next to full ones
+    causal = mode != "none"
+    y = layer(x, key_padding_mask=pad, causal=causal)
+    L1s, L2s = [], []
+    for b in range(B):
+        real = ~pad[b]
+        ids, L1, L2, chunk = _reference_clustering(layer, x[b] * real[:, None], real, strict=mode == "strict")
+        if mode == "strict":
+            allowed = cluster_causal_allowed(ids, chunk, look_back, pad[b])
+        else:
+            allowed = sorted_chunk_allowed(ids, chunk, look_back, causal, pad[b])
+        ref = _reference_output(layer, x[b] * real[:, None], allowed)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-9, atol=1e-9)
+        assert (y[b][~real] == 0).all()
+        L1s.append(L1)
+        L2s.append(L2)
+    # L1 is the mean over all real tokens of the batch, L2 the mean over sequences.
+    counts = (~pad).sum(1).double()
+    torch.testing.assert_close(layer.aux_losses["clustering"], (torch.stack(L1s) * counts).sum() / counts.sum())
+    torch.testing.assert_close(layer.aux_losses["centroid_sorting"], torch.stack(L2s).mean())
+
+
+@pytest.mark.parametrize(("N", "causal"), [(7, False), (7, True), (1, True), (16, False)])
+def test_full_attention_matches_dense_reference(N, causal):
+    layer = _layer("full")
+    x = torch.randn(2, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    pad[0, : N // 3] = True  # left padding: under a causal mask the first rows have no key
+    y = layer(x, key_padding_mask=pad, causal=causal)
+    for b in range(2):
+        allowed = ~pad[b].expand(N, N)
+        if causal:
+            allowed = allowed & torch.ones(N, N, dtype=torch.bool).tril()
+        ref = _reference_output(layer, x[b] * (~pad[b])[:, None], allowed)
+        real = ~pad[b]
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-9, atol=1e-9)
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("name", ["full", "neural-clustering"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_never_changes_real_outputs(name, causal):
+    layer = _layer(name, dim=16, heads=4)
+    B, N = 3, 30
+    x = torch.randn(B, N, 16, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, 20:] = True
+    pad[2, ::3] = True  # padding in the middle too
+    y = layer(x, key_padding_mask=pad, causal=causal)
+    aux = {k: v.clone() for k, v in layer.aux_losses.items()}
+    garbage = x.clone()
+    garbage[pad] = torch.randn(int(pad.sum()), 16, dtype=torch.float64) * 1e3
+    garbage[0, 25] = float("nan")
+    y2 = layer(garbage, key_padding_mask=pad, causal=causal)
+    torch.testing.assert_close(y2[~pad], y[~pad], rtol=0, atol=0)
+    for key, value in aux.items():  # clustering losses ignore padding too
+        torch.testing.assert_close(layer.aux_losses[key], value, rtol=0, atol=0)
+    if name == "neural-clustering":
+        assert torch.isfinite(layer.updated_centroids).all()
+
+
+@pytest.mark.parametrize("N", [1, 2, 17, 64])
+def test_strict_causal_output_never_depends_on_later_tokens(N):
+    layer = _layer("neural-clustering", dim=16, heads=2, num_clusters="sqrt")
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    y = layer(x, causal=True)
+    for t in range(N):
+        changed = x.clone()
+        changed[:, t + 1 :] = torch.randn_like(changed[:, t + 1 :]) * 5
+        torch.testing.assert_close(layer(changed, causal=True)[:, : t + 1], y[:, : t + 1], rtol=0, atol=1e-12)
+
+
+def test_paper_causal_mode_is_not_strict_as_documented():
+    """Appendix B masks by position inside chunks, but the chunking sees the whole sequence. Changing
+    future tokens *can* change which past keys a token attends to; the docs say so. This finds a case."""
+    torch.manual_seed(0)
+    layer = build("neural-clustering", dim=16, heads=2, num_clusters=4, causal_mode="paper").double()
+    x = torch.randn(1, 32, 16, dtype=torch.float64)
+    y = layer(x, causal=True)
+    moved = False
+    for _ in range(20):
+        changed = x.clone()
+        changed[:, 16:] = torch.randn(1, 16, 16, dtype=torch.float64) * 3
+        moved |= not torch.allclose(layer(changed, causal=True)[:, :16], y[:, :16])
+    assert moved
+
+
+def test_losses_are_finite_and_reach_centroids_and_projection():
+    layer = build("neural-clustering", dim=32, heads=4)
+    x = torch.randn(2, 50, 32)
+    layer(x)
+    l1, l2 = layer.aux_losses["clustering"], layer.aux_losses["centroid_sorting"]
+    assert torch.isfinite(l1) and torch.isfinite(l2)
+    assert -1.0 <= l1.item() <= 1.0 and -1.0 <= l2.item() <= 1.0  # cosine similarity is bounded
+    for loss in (l1, l2):
+        layer.zero_grad()
+        loss.backward(retain_graph=True)
+        for param in (layer.centroids, layer.to_cluster.weight):
+            assert param.grad is not None and torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0
+
+
+def test_training_steps_lower_the_joint_loss():
+    """A tiny regression task: the output at each token should equal the mean of the tokens of its
+    sequence that share its sign pattern -- attention has to learn it; the aux losses train too."""
+    torch.manual_seed(0)
+    layer = build("neural-clustering", dim=16, heads=2, num_clusters=4)
+    head = torch.nn.Linear(16, 1)
+    opt = torch.optim.Adam([*layer.parameters(), *head.parameters()], lr=3e-3)
+    data = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 32, 16, generator=data)
+    target = x[..., :1].mean(1, keepdim=True).expand(8, 32, 1)
+
+    def loss_now():
+        task = F.mse_loss(head(layer(x)), target)
+        aux = collect_aux_losses(layer)
+        return task + 0.1 * aux["clustering"] + 0.1 * aux["centroid_sorting"]
+
+    first = loss_now().item()
+    for _ in range(60):
+        opt.zero_grad()
+        loss_now().backward()
+        opt.step()
+    assert loss_now().item() < first - 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_autocast_gives_finite_results(dtype, causal):
+    layer = build("neural-clustering", dim=32, heads=4)
+    x = torch.randn(2, 100, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        y = layer(x, causal=causal)
+        loss = y.float().pow(2).mean() + sum(collect_aux_losses(layer).values())
+    loss.backward()
+    assert torch.isfinite(y.float()).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(v) for v in layer.aux_losses.values())
+
+
+@pytest.mark.parametrize(("B", "N", "num_clusters"), [(2, 5, 8), (2, 5, 5), (3, 1, "sqrt"), (0, 7, 3), (2, 0, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_edge_sizes(B, N, num_clusters, causal):
+    layer = build("neural-clustering", dim=8, heads=2, num_clusters=num_clusters)
+    x = torch.randn(B, N, 8, requires_grad=True)
+    y = layer(x, causal=causal)
+    assert y.shape == (B, N, 8)
+    (y.sum() + sum(layer.aux_losses.values())).backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+
+
+def test_all_padding_sequence_is_finite():
+    layer = build("neural-clustering", dim=8, heads=2, num_clusters=2)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[0] = True
+    y = layer(x, key_padding_mask=pad)
+    (y.sum() + sum(layer.aux_losses.values())).backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(v) for v in layer.aux_losses.values())
+
+
+@pytest.mark.parametrize("name", ["full", "neural-clustering"])
+def test_nan_input_stays_in_its_sequence(name):
+    """Documented behaviour: NaN is not checked; it stays in the outputs of the sequence that has it."""
+    layer = build(name, dim=16, heads=2)
+    x = torch.randn(3, 20, 16)
+    x[1, 4, 2] = float("nan")
+    y = layer(x)
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
+    assert torch.isnan(y[1]).any()
+
+
+def test_centroid_flow_argument():
+    layer = build("neural-clustering", dim=8, heads=2, num_clusters=3, own_centroids=False)
+    x = torch.randn(2, 9, 8)
+    with pytest.raises(ValueError, match="centroids must be given"):
+        layer(x)
+    y = layer(x, centroids=torch.randn(2, 3, 8))
+    assert y.shape == (2, 9, 8)
+    with pytest.raises(ValueError, match="centroids must have shape"):
+        layer(x, centroids=torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="leak future tokens"):
+        layer(x, causal=True, centroids=torch.randn(3, 8))
+
+
+def test_registry_names_and_defaults():
+    assert {"full", "neural-clustering"} <= set(names())
+    for name in names():
+        layer = build(name, dim=64, heads=4)
+        assert layer(torch.randn(1, 10, 64)).shape == (1, 10, 64)
+        assert set(describe(name)["options"]) == set(vars(layer.options))
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: build("nope", dim=8, heads=2), "unknown attention mechanism 'nope'"),
+        (lambda: build("full", dim=8, heads=2, num_clusters=4), "unknown option 'num_clusters' for attention 'full'"),
+        (lambda: build("neural-clustering", dim=8, heads=2, clusters=4), "unknown option 'clusters'"),
+        (lambda: build("neural-clustering", dim=8, heads=2, num_clusters=0), "num_clusters must be >= 1"),
+        (lambda: build("neural-clustering", dim=8, heads=2, num_clusters="log"), "num_clusters must be an int"),
+        (lambda: build("neural-clustering", dim=8, heads=2, look_back=-1), "look_back must be >= 0"),
+        (lambda: build("neural-clustering", dim=8, heads=2, causal_mode="soft"), "causal_mode must be one of"),
+        (lambda: build("neural-clustering", dim=8, heads=2, similarity_scale=0), "similarity_scale must be >"),
+        (lambda: build("full", dim=8, heads=2, dropout=1.0), "dropout must be <"),
+        (lambda: build("full", dim=10, heads=3), "dim must be divisible by heads"),
+        (lambda: build("full", dim=0, heads=1), "dim must be >= 1"),
+    ],
+)
+def test_bad_options_raise_value_error_naming_them(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("name", ["full", "neural-clustering"])
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (lambda: (torch.randn(10, 16), None, False), "x must be 3-D"),
+        (lambda: (torch.randn(2, 10, 12), None, False), r"x must have shape \(B, N, dim=16\)"),
+        (lambda: (torch.randint(0, 5, (2, 10, 16)), None, False), "x must have a floating-point dtype"),
+        (lambda: (torch.randn(2, 10, 16), torch.zeros(2, 9, dtype=torch.bool), False), "key_padding_mask must have"),
+        (lambda: (torch.randn(2, 10, 16), torch.zeros(2, 10), False), "key_padding_mask must be a bool"),
+        (lambda: (torch.randn(2, 10, 16), None, "yes"), "causal must be a bool"),
+    ],
+)
+def test_bad_layer_input_raises_value_error(name, args, match):
+    layer = build(name, dim=16, heads=2)
+    x, mask, causal = args()
+    with pytest.raises(ValueError, match=match):
+        layer(x, key_padding_mask=mask, causal=causal)

@@ -1,0 +1,135 @@
+"""Encoder, classifier, aux-loss plumbing, the benchmark and the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from clusterformer.attention import collect_aux_losses, total_loss
+from clusterformer.cli import main
+from clusterformer.models import Encoder, EncoderConfig, SequenceClassifier
+
+
+def _config(**overrides):
+    base = dict(vocab_size=30, dim=16, depth=3, heads=2, dropout=0.0, attention="neural-clustering",
+                attention_options={"num_clusters": 3})
+    base.update(overrides)
+    return EncoderConfig(**base)
+
+
+def test_aux_losses_are_the_mean_over_layers():
+    model = SequenceClassifier(_config(), num_classes=3)
+    tokens = torch.randint(1, 30, (2, 11))
+    model(tokens)
+    layers = [block.attn for block in model.encoder.blocks]
+    aux = collect_aux_losses(model)
+    for name in ("clustering", "centroid_sorting"):
+        expected = torch.stack([layer.aux_losses[name] for layer in layers]).mean()
+        torch.testing.assert_close(aux[name], expected)
+    total = total_loss(torch.tensor(2.0), aux, {"clustering": 0.5, "centroid_sorting": 0.25}, task_weight=3.0)
+    torch.testing.assert_close(total, 6.0 + 0.5 * aux["clustering"] + 0.25 * aux["centroid_sorting"])
+    assert collect_aux_losses(SequenceClassifier(_config(attention="full", attention_options={}), 2)) == {}
+    with pytest.raises(ValueError, match="loss weight 'clustering' must be >= 0"):
+        total_loss(torch.tensor(1.0), aux, {"clustering": -1.0})
+
+
+def test_centroid_flow_passes_updated_centroids_between_layers():
+    model = Encoder(_config(centroid_flow=True))
+    attn = [block.attn for block in model.blocks]
+    assert attn[0].centroids is not None and all(a.centroids is None for a in attn[1:])
+    seen = []
+    hook = attn[1].register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["centroids"]),
+                                             with_kwargs=True)
+    tokens = torch.randint(1, 30, (2, 9))
+    out = model(tokens)
+    hook.remove()
+    assert seen[0] is attn[0].updated_centroids
+    loss = out.sum() + sum(collect_aux_losses(model).values())
+    loss.backward()
+    assert attn[0].centroids.grad is not None and attn[0].centroids.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="leak future tokens"):
+        model(tokens, causal=True)  # strict causal mode refuses centroids from another layer
+
+
+@pytest.mark.parametrize("attention", ["full", "neural-clustering"])
+def test_classifier_ignores_padding(attention):
+    model = SequenceClassifier(_config(attention=attention, attention_options={}), num_classes=2).eval()
+    tokens = torch.randint(1, 30, (3, 14))
+    pad = torch.zeros(3, 14, dtype=torch.bool)
+    pad[0, 9:] = True
+    logits = model(tokens, pad)
+    changed = tokens.clone()
+    changed[pad] = torch.randint(1, 30, (int(pad.sum()),))
+    torch.testing.assert_close(model(changed, pad), logits)
+
+
+def test_encoder_config_errors():
+    with pytest.raises(ValueError, match="unknown attention mechanism 'nope'"):
+        _config(attention="nope")
+    with pytest.raises(ValueError, match="unknown option 'clusters'"):
+        _config(attention_options={"clusters": 3})
+    with pytest.raises(ValueError, match="centroid_flow needs attention='neural-clustering'"):
+        _config(attention="full", attention_options={}, centroid_flow=True)
+    with pytest.raises(ValueError, match="positional must be one of"):
+        _config(positional="rotary")
+    model = Encoder(_config(positional="learned", max_len=8))
+    with pytest.raises(ValueError, match="max_len=8"):
+        model(torch.randint(1, 30, (1, 9)))
+    with pytest.raises(ValueError, match="tokens must be an integer tensor"):
+        model(torch.randn(1, 5))
+
+
+def test_bench_cli_writes_records_and_plot(tmp_path, capsys):
+    out, plot = tmp_path / "b.json", tmp_path / "b.png"
+    code = main(["bench", "attention", "--names", "full,neural-clustering", "--lengths", "64,96", "--repeats", "1",
+                 "--warmup", "0", "--json", str(out), "--plot", str(plot)])
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert len(records) == 4
+    keys = {"name", "length", "batch", "heads", "head_dim", "device", "fwd_ms", "fwd_bwd_ms", "peak_mem_mb"}
+    for record in records:
+        assert keys <= set(record)
+        assert record["fwd_ms"] > 0 and record["fwd_bwd_ms"] > 0 and record["peak_mem_mb"] >= 0
+    assert {r["name"] for r in records} == {"full", "neural-clustering"}
+    assert [r["fwd_bwd_aux_ms"] is None for r in records if r["name"] == "full"] == [True, True]
+    assert plot.stat().st_size > 1000
+    assert "[4/4] neural-clustering N=96" in capsys.readouterr().err  # progress
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "attention", "--names", "full,bogus"], "unknown attention name"),
+        (["bench", "attention", "--lengths", "0"], "expected positive integers"),
+        (["bench", "attention", "--options", '{"full": {"look_back": 1}}', "--lengths", "8"], "unknown option"),
+    ],
+)
+def test_cli_rejects_bad_arguments_clearly(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_module_entry_point_lists_mechanisms():
+    result = subprocess.run([sys.executable, "-m", "clusterformer", "list"], capture_output=True, text=True,
+                            check=True)
+    assert "neural-clustering" in result.stdout and "causal_mode = 'strict'" in result.stdout
+
+
+def test_demo_runs_end_to_end_on_a_tiny_budget(tmp_path):
+    from clusterformer.demo import DemoConfig, majority_marker_batch, run_demo
+
+    tokens, labels = majority_marker_batch(64, 40, torch.Generator().manual_seed(0))
+    a, b = (tokens == 40).sum(1), (tokens == 41).sum(1)
+    assert torch.equal(labels, (a > b).long()) and (a != b).all() and (a >= 1).all() and (b >= 1).all()
+    lines = []
+    summary = run_demo(tmp_path, DemoConfig(length=32, train_steps=2, batch=4, eval_examples=8, dim=16,
+                                            bench_lengths=(32,)), log=lines.append)
+    assert {r["attention"] for r in summary["training"]} == {"full", "neural-clustering"}
+    assert (tmp_path / "demo.json").exists() and (tmp_path / "bench.png").exists()
+    assert any("speed-up" in line for line in lines)
