@@ -188,3 +188,21 @@ def test_bad_input_raises_value_error_naming_argument(change, match):
     with pytest.raises(ValueError, match=match):
         sorted_chunk_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cluster_ids"),
                                args.pop("chunk_size"), **args)
+
+
+@pytest.mark.parametrize(("w", "hops", "windows"), [(3, 1, 4), (2, 2, 5), (1, 3, 6), (4, 2, 1)])
+def test_key_windows_custom_backward_gradcheck(w, hops, windows):
+    from clusterformer.ops.chunked import _KeyWindows
+
+    rows = torch.randn(windows * w + (hops - 1) * w, 2, 3, dtype=torch.float64, requires_grad=True)
+    out = _KeyWindows.apply(rows, w, hops, windows)
+    assert out.shape == (windows, 2, hops * w, 3)
+    for i in range(windows):  # window i is rows [i w, i w + hops w), heads moved in front
+        torch.testing.assert_close(out[i], rows[i * w : i * w + hops * w].transpose(0, 1))
+    assert torch.autograd.gradcheck(lambda r: _KeyWindows.apply(r, w, hops, windows), (rows,))
+
+
+def test_cluster_causal_rejects_ids_out_of_range():
+    q = torch.randn(1, 1, 5, 2)
+    with pytest.raises(ValueError, match="cluster_ids must be < num_clusters=2"):
+        cluster_causal_attention(q, q, q, torch.tensor([[0, 1, 2, 0, 1]]), 2, 2)
