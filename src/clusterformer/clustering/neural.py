@@ -82,22 +82,29 @@ def neural_clustering(
     dtype = torch.promote_types(torch.promote_types(points.dtype, centroids.dtype), torch.float32)
     with torch.autocast(device_type=points.device.type, enabled=False):
         points = points.to(dtype)
-        unit_points = _unit(points, similarity)
         unit_centroids = _unit(centroids.to(dtype), similarity)
-        # Scores laid out (B, N, k): one matmul without a transposed copy, contiguous argmax over k.
-        scores = scale * (unit_points @ unit_centroids.transpose(1, 2))
+        # Scores laid out (B, N, k): one matmul without a transposed copy, contiguous argmax over k. For
+        # cosine, divide the (N, k) product by the point norms instead of normalising the (N, d) points, so
+        # that no (N, d) copy is kept for the backward.
+        scores = points @ unit_centroids.transpose(1, 2)
+        if similarity == "cosine":
+            scores = scores * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
+        scores = scale * scores
         if key_padding_mask is not None:
             scores = scores.masked_fill(key_padding_mask.unsqueeze(-1), float("-inf"))
         # Eq. 2: U_ij = softmax over positions j. A sequence that is all padding has no positions: U = 0.
-        log_u = torch.log_softmax(scores, dim=1)
-        u = log_u.exp()
+        u = torch.softmax(scores, dim=1)
         if key_padding_mask is not None:
             u = torch.nan_to_num(u, nan=0.0)
         updated = u.transpose(1, 2) @ points  # eq. 3: C_hat_i = sum_j U_ij X_j W^C, (B, k, d)
 
-        # Eq. 4. Cluster ids need no gradient: the assignment is a hard argmax in the paper too.
+        # Eq. 4: I_j = argmax_i U_ij = argmax_i (score_ij - logsumexp_j' score_ij'). No gradient: the
+        # assignment is a hard argmax in the paper too, and the temporaries are freed at once.
         with torch.no_grad():
-            ids = (log_u if assign == "subordinate" else scores).argmax(dim=-1)
+            if assign == "subordinate":
+                ids = (scores - torch.logsumexp(scores, dim=1, keepdim=True)).argmax(dim=-1)
+            else:
+                ids = scores.argmax(dim=-1)
             if key_padding_mask is not None:
                 ids = ids.masked_fill(key_padding_mask, k)
 
@@ -107,6 +114,7 @@ def neural_clustering(
         real = torch.ones(B, N, dtype=torch.bool, device=points.device)
         if key_padding_mask is not None:
             real = ~key_padding_mask
+        unit_points = _unit(points, similarity)  # not saved for the backward: scatter_add keeps only the index
         members = torch.zeros(B, k + 1, d, dtype=points.dtype, device=points.device)  # row k: padding
         members = members.scatter_add(1, ids.unsqueeze(-1).expand(B, N, d), unit_points)
         unit_updated = _unit(updated, similarity)
