@@ -1,5 +1,6 @@
 """Functional core: the batched primitives every clustering mechanism is built from."""
 
+from .bucketed import bucketed_attention, merge_rounds
 from .chunked import (
     ChunkLayout,
     cluster_causal_attention,
@@ -7,13 +8,22 @@ from .chunked import (
     sorted_chunk_attention,
     sorted_layout,
     windowed_attention,
+    windowed_attention_lse,
 )
+from .clustered import clustered_attention
+from .sliding import sliding_window_attention, window_count
 
 __all__ = [
     "ChunkLayout",
+    "bucketed_attention",
     "cluster_causal_attention",
     "cluster_causal_layout",
+    "clustered_attention",
+    "merge_rounds",
+    "sliding_window_attention",
     "sorted_chunk_attention",
     "sorted_layout",
+    "window_count",
     "windowed_attention",
+    "windowed_attention_lse",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "sorted_chunk_attention",
     "sorted_layout",
     "windowed_attention",
+    "windowed_attention_lse",
 ]
 
 
@@ -127,6 +128,17 @@ def cluster_causal_layout(
 
     Token i of cluster c with r earlier tokens in c goes to slot start[c] + r, where every cluster starts
     on a chunk boundary; its chunk is therefore fixed by tokens 0..i alone."""
+    token_slot, num_slots = cluster_aligned_slots(cluster_ids, chunk_size, num_clusters)
+    return _layout_from_slots(token_slot, num_slots, chunk_size, look_back, token_group=cluster_ids)
+
+
+def cluster_aligned_slots(cluster_ids: torch.Tensor, chunk_size: int, num_clusters: int) -> tuple[torch.Tensor, int]:
+    """Slots in which every cluster starts on a chunk boundary. cluster_ids (blocks, N) in [0, num_clusters).
+
+    Token i of cluster c goes to slot start[c] + r, r = the number of earlier tokens of c; start[c] is the
+    sum over earlier clusters of their sizes rounded up to a multiple of ``chunk_size``. So every chunk
+    holds tokens of one cluster only. Returns (token_slot (blocks, N), num_slots) where num_slots is a
+    static bound (each non-empty cluster wastes at most chunk_size - 1 slots), a multiple of chunk_size."""
     blocks, N = cluster_ids.shape
     device = cluster_ids.device
     w = chunk_size
@@ -138,9 +150,8 @@ def cluster_causal_layout(
     rank = sorted_pos - (counts.cumsum(1) - counts).gather(1, cluster_ids)  # earlier tokens in cluster
     padded = (counts + w - 1) // w * w
     token_slot = (padded.cumsum(1) - padded).gather(1, cluster_ids) + rank
-    # Static bound on the padded length: each non-empty cluster wastes at most w - 1 slots.
     n_c = max(1, math.ceil((N + min(num_clusters, N) * (w - 1)) / w))
-    return _layout_from_slots(token_slot, n_c * w, w, look_back, token_group=cluster_ids)
+    return token_slot, n_c * w
 
 
 class _KeyWindows(torch.autograd.Function):
@@ -198,29 +209,85 @@ def windowed_attention(
     W, H, w, D = q.shape
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
-    attn_mask = no_key = None
-    if causal or key_padding_mask is not None or layout.row_group is not None or layout.has_empty_slots:
-        key_ok = layout.row_valid
-        if key_padding_mask is not None:
-            key_ok = key_ok & ~key_padding_mask.reshape(-1)[layout.rows]
-        _, allowed = _window_meta(layout, key_ok)  # (W, 1, hops w)
-        if causal:
-            pos_q, pos_k = _window_meta(layout, layout.rows % max(layout.length, 1))
-            allowed = allowed & (pos_q >= pos_k)
-        if layout.row_group is not None:
-            grp_q, grp_k = _window_meta(layout, layout.row_group)
-            allowed = allowed & (grp_q == grp_k)
-        allowed = allowed.expand(W, w, layout.hops * w)
-        # A query with no allowed key: let it see everything (a finite softmax), then zero its output,
-        # which also zeroes every gradient flowing through that row. Never NaN.
-        no_key = ~allowed.any(-1, keepdim=True)
-        attn_mask = (allowed | no_key).unsqueeze(1)  # (W, 1, w, hops w), broadcast over heads
-        no_key = no_key.unsqueeze(1)
+    attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self=False)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
     if no_key is not None:
         out = out.masked_fill(no_key, 0.0)
     out = out.transpose(1, 2).reshape(W * w, H, D)
     return out.index_select(0, layout.out_rows)
+
+
+def _window_mask(
+    layout: ChunkLayout, w: int, causal: bool, key_padding_mask: torch.Tensor | None, exclude_self: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The SDPA mask of every window, (W, 1, w, hops w) bool (True = attend), and the queries with no
+    allowed key, (W, 1, w, 1); (None, None) when every key of every window is allowed.
+
+    A query with no allowed key is allowed everything (a finite softmax) and reported in ``no_key`` so the
+    caller zeroes its output, which also zeroes every gradient flowing through that row. Never NaN.
+    With ``exclude_self`` a query may attend to its own token only when it has no other allowed key
+    (Reformer's shared-QK rule, where q.k_self would dominate)."""
+    needs_mask = causal or key_padding_mask is not None or layout.row_group is not None
+    if not (needs_mask or layout.has_empty_slots or exclude_self):
+        return None, None
+    W = layout.num_windows
+    key_ok = layout.row_valid
+    if key_padding_mask is not None:
+        key_ok = key_ok & ~key_padding_mask.reshape(-1)[layout.rows]
+    _, allowed = _window_meta(layout, key_ok)  # (W, 1, hops w)
+    if causal:
+        pos_q, pos_k = _window_meta(layout, layout.rows % max(layout.length, 1))
+        allowed = allowed & (pos_q >= pos_k)
+    if layout.row_group is not None:
+        grp_q, grp_k = _window_meta(layout, layout.row_group)
+        allowed = allowed & (grp_q == grp_k)
+    allowed = allowed.expand(W, w, layout.hops * w)
+    if exclude_self:
+        tok_q, tok_k = _window_meta(layout, torch.where(layout.row_valid, layout.rows, -1))
+        others = allowed & (tok_q != tok_k)
+        allowed = torch.where(others.any(-1, keepdim=True), others, allowed)
+    no_key = ~allowed.any(-1, keepdim=True)
+    return (allowed | no_key).unsqueeze(1), no_key.unsqueeze(1)
+
+
+def windowed_attention_lse(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    layout: ChunkLayout,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    exclude_self: bool = False,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`windowed_attention` with explicit scores, also returning each query's log-sum-exp.
+
+    Used where rounds of attention are merged (Reformer: ``o = sum_r softmax_r(lse_r) o_r``) and for the
+    shared-QK rule ``exclude_self``. Memory O(N hops w) per head for the scores.
+
+    Returns:
+        out (blocks * N, H, D) and lse (blocks * N, H); lse is -inf for a query with no allowed key
+        (its output is zero).
+    """
+    W, H, w, D = q.shape
+    k = _KeyWindows.apply(k_rows, w, layout.hops, W)
+    v = _KeyWindows.apply(v_rows, w, layout.hops, W)
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D))  # (W, H, w, hops w)
+    attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    weights = torch.exp(scores - lse)
+    if dropout_p:
+        weights = F.dropout(weights, p=dropout_p)
+    out = weights @ v
+    if no_key is not None:
+        out = out.masked_fill(no_key, 0.0)
+        lse = lse.masked_fill(no_key, float("-inf"))
+    out = out.transpose(1, 2).reshape(W * w, H, D).index_select(0, layout.out_rows)
+    lse = lse.squeeze(-1).transpose(1, 2).reshape(W * w, H).index_select(0, layout.out_rows)
+    return out, lse
 
 
 def _attend_per_head(

@@ -1,0 +1,129 @@
+"""K-means variants shared by the mechanisms and usable on their own.
+
+* :func:`spherical_kmeans` -- Lloyd's algorithm on unit vectors (cosine assignment), for Cluster-Former's
+  centroids recomputed from its memory bank.
+* :func:`greedy_nearest_order` -- Cluster-Former's ``GetCentroids`` ordering: neighbouring ids are similar.
+* :func:`ema_centroid_update` -- one online k-means step with exponential moving averages (Routing
+  Transformer; learned k-means attention), batched over heads and rounds.
+* :func:`hamming_kmeans` -- K-means on binary hash codes with Hamming distance (clustered attention).
+
+All are vectorised over points and clusters; the only Python loops run over Lloyd iterations (and, in
+:func:`greedy_nearest_order`, over the k picks of a greedy chain that runs once per centroid refresh).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_int, check_tensor
+
+__all__ = ["ema_centroid_update", "greedy_nearest_order", "hamming_kmeans", "spherical_kmeans"]
+
+
+def _cluster_sums(points: torch.Tensor, assign: torch.Tensor, k: int, weight: torch.Tensor | None = None):
+    """Per-cluster sums and counts. points (..., n, d), assign (..., n) in [0, k), weight (..., n) or None.
+    Returns sums (..., k, d) and counts (..., k)."""
+    one_hot = F.one_hot(assign, k).to(points.dtype)  # (..., n, k)
+    if weight is not None:
+        one_hot = one_hot * weight.unsqueeze(-1).to(points.dtype)
+    return one_hot.transpose(-1, -2) @ points, one_hot.sum(-2)
+
+
+def spherical_kmeans(
+    points: torch.Tensor, k: int, *, iterations: int = 10, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Cosine k-means. points (n, d); returns k unit centroids (k, d).
+
+    Initialisation: k distinct points drawn with ``generator`` (when n < k, points repeat). Empty clusters
+    keep their previous centroid. Computed in float32 or wider."""
+    check_tensor("points", points, ndim=2, floating=True)
+    check_int("k", k, minimum=1)
+    check_int("iterations", iterations, minimum=0)
+    n = points.shape[0]
+    if n == 0:
+        raise ValueError("points must hold at least one row to compute centroids from")
+    x = F.normalize(points.to(torch.promote_types(points.dtype, torch.float32)), dim=-1)
+    pick = torch.randperm(n, generator=generator)[:k] if n >= k else torch.randint(n, (k,), generator=generator)
+    centroids = x[pick.to(x.device)]
+    for _ in range(iterations):
+        assign = (x @ centroids.T).argmax(-1)
+        sums, counts = _cluster_sums(x, assign, k)
+        centroids = torch.where(counts.unsqueeze(-1) > 0, F.normalize(sums, dim=-1), centroids)
+    return centroids
+
+
+def greedy_nearest_order(centroids: torch.Tensor) -> torch.Tensor:
+    """Cluster-Former's GetCentroids: start from centroid 0, repeatedly append the unused centroid with the
+    largest cosine similarity to the last one appended. centroids (k, d) -> the same rows reordered.
+
+    Sorting tokens by the resulting ids puts similar clusters next to each other, so uniform chunks that
+    straddle a cluster boundary still hold similar states. Runs once per centroid refresh (k small steps),
+    never per forward."""
+    k = centroids.shape[0]
+    sim = F.normalize(centroids, dim=-1) @ F.normalize(centroids, dim=-1).T
+    used = torch.zeros(k, dtype=torch.bool, device=centroids.device)
+    order = [0]
+    used[0] = True
+    for _ in range(k - 1):
+        nxt = int(sim[order[-1]].masked_fill(used, float("-inf")).argmax())
+        order.append(nxt)
+        used[nxt] = True
+    return centroids[torch.tensor(order, device=centroids.device)]
+
+
+@torch.no_grad()
+def ema_centroid_update(
+    centroids: torch.Tensor, points: torch.Tensor, assign: torch.Tensor, *, decay: float,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One online spherical k-means step: c <- normalise(decay c + (1 - decay) mean of its unit points).
+
+    centroids (G, k, d); points (G, n, d) (normalised here); assign (G, n); valid (G, n) bool or None.
+    Clusters with no point this step keep their centroid. Returns the new centroids (G, k, d)."""
+    k = centroids.shape[-2]
+    x = F.normalize(points.to(centroids.dtype), dim=-1)
+    sums, counts = _cluster_sums(x, assign, k, valid)
+    means = sums / counts.clamp(min=1).unsqueeze(-1)
+    updated = F.normalize(decay * centroids + (1.0 - decay) * means, dim=-1)
+    return torch.where(counts.unsqueeze(-1) > 0, updated, centroids)
+
+
+def hamming_kmeans(
+    codes: torch.Tensor, clusters: int, *, iterations: int = 10, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """K-means in Hamming space (clustered attention, section 3.2.2).
+
+    Args:
+        codes: (G, n, bits) bool hash codes.
+        clusters: C; clamped to n.
+        iterations: Lloyd iterations L.
+        valid: (G, n) bool, points that take part in the centroid updates (padding excluded).
+
+    Returns:
+        (G, n) long assignments in [0, min(C, n)).
+
+    Centroids start at the codes of the points at evenly spaced positions (deterministic); each iteration
+    assigns every point to the centroid at the smallest Hamming distance (ties to the lowest index) and
+    sets each centroid bit to the majority bit of its members (a tie or an empty cluster keeps the bit).
+    With C = n and distinct codes every point is its own cluster."""
+    check_tensor("codes", codes, ndim=3)
+    _G, n, _bits = codes.shape
+    C = max(1, min(check_int("clusters", clusters, minimum=1), n))
+    x = codes.to(torch.float32)  # 0/1
+    start = torch.div(torch.arange(C, device=codes.device) * n, C, rounding_mode="floor")
+    centroids = x[:, start]  # (G, C, bits)
+    weight = None if valid is None else valid.to(x.dtype)
+
+    def assign_to(c: torch.Tensor) -> torch.Tensor:
+        # Matches between x and c: x.c + (1 - x).(1 - c); the Hamming distance is bits minus that.
+        matches = x @ c.transpose(1, 2) + (1 - x) @ (1 - c).transpose(1, 2)
+        return matches.argmax(-1)  # first maximum = lowest index among ties
+
+    assign = assign_to(centroids)
+    for _ in range(iterations):
+        sums, counts = _cluster_sums(x, assign, C, weight)
+        ones, zeros = 2 * sums, counts.unsqueeze(-1)
+        centroids = torch.where(ones > zeros, 1.0, torch.where(ones < zeros, 0.0, centroids))
+        assign = assign_to(centroids)
+    return assign

@@ -1,0 +1,97 @@
+"""Shared-QK bucket attention: the Reformer family's primitive (``"lsh"``, ``"kmeans"``, ``"routing"``).
+
+Every token has one bucket id per round. Per round, tokens are sorted by bucket (stable, ties in position
+order) and cut into chunks of ``chunk_size``; each chunk attends to itself and ``look_back`` previous chunks
+(:func:`clusterformer.ops.sorted_layout`). Queries are the shared QK vectors, keys their unit-length copies
+(Reformer section 2: ``k_j = q_j / ||q_j||``); a token attends to itself only when it has no other allowed
+key. Rounds are merged with their log-sum-exp weights, ``o_i = sum_r exp(lse_r(i) - logsumexp_r lse_r(i))
+o_r(i)`` -- a key reached in several rounds counts once per round (no duplicate correction).
+
+Causal. With ``causal=True`` each bucket is chunked on its own by the token's rank among earlier tokens of
+that bucket (:func:`clusterformer.ops.cluster_causal_layout`) and later keys are masked: when the bucket ids
+depend on the token alone, output t depends on tokens 0..t only.
+
+One block per (batch, head, round); one batched attention call for all of them; no loop over buckets,
+chunks or tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .chunked import cluster_causal_layout, sorted_layout, windowed_attention_lse
+
+__all__ = ["bucketed_attention", "merge_rounds"]
+
+
+def merge_rounds(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """out (..., R, N, D), lse (..., R, N) -> (..., N, D) weighted by softmax over rounds of lse.
+    A query with no key in any round (all lse = -inf) gets zeros."""
+    top = lse.amax(dim=-2, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lse - top)  # exp(-inf) = 0 for rounds without keys
+    total = weights.sum(dim=-2, keepdim=True)
+    weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+    return (weights.unsqueeze(-1) * out).sum(dim=-3)
+
+
+def bucketed_attention(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    buckets: torch.Tensor,
+    chunk_size: int,
+    *,
+    num_buckets: int,
+    look_back: int = 1,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Shared-QK attention within sorted bucket chunks, merged over rounds.
+
+    Args:
+        qk: (B, H, N, D) shared query/key vectors.
+        v: (B, H, N, D) values.
+        buckets: (B, H, R, N) long bucket ids in [0, num_buckets), R rounds.
+        chunk_size: tokens per chunk (>= 1).
+        num_buckets: upper bound on the ids (sizes the causal layout).
+        look_back: previous chunks each chunk attends to.
+        causal: strictly causal per-bucket chunking plus masking of later keys.
+        key_padding_mask: (B, N) bool, True = padding, never attended to.
+        dropout_p: attention-weight dropout.
+
+    Returns:
+        (B, H, N, D).
+    """
+    B, H, N, D = qk.shape
+    R = buckets.shape[2]
+    blocks = B * H * R
+    if key_padding_mask is not None:  # padding goes to an extra last bucket, out of every real chunk's way
+        buckets = buckets.masked_fill(key_padding_mask[:, None, None, :], num_buckets)
+        num_buckets += 1
+    ids = buckets.reshape(blocks, N)
+    if causal:
+        layout = cluster_causal_layout(ids, chunk_size, num_buckets, look_back)
+    else:
+        layout = sorted_layout(ids, chunk_size, look_back)
+
+    # Buffer rows index (batch, head, round, position) blocks; the token's vector is the same in every
+    # round, so gather straight from the (batch, head, position) rows.
+    source = torch.div(layout.rows, R * N, rounding_mode="floor") * N + layout.rows % N
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:  # (B, H, N, D) -> (rows, 1, D)
+        return t.reshape(B * H * N, 1, D).index_select(0, source)
+
+    q_rows = rows_of(qk)
+    k_rows = F.normalize(q_rows, dim=-1)
+    W, w = layout.num_windows, layout.chunk_size
+    q_win = layout.query_rows(q_rows).view(W, w, 1, D).transpose(1, 2)
+    pad = None
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, None, :].expand(B, H, R, N).reshape(blocks, N)
+    out, lse = windowed_attention_lse(
+        q_win, k_rows, rows_of(v), layout, causal=causal, key_padding_mask=pad, exclude_self=True,
+        dropout_p=dropout_p,
+    )
+    return merge_rounds(out.view(B, H, R, N, D), lse.view(B, H, R, N))

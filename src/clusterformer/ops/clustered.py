@@ -1,0 +1,112 @@
+"""Clustered and improved-clustered attention (Vyas, Katharopoulos & Fleuret 2020, sections 3.2-3.3).
+
+Given a partition of the queries into C clusters (per batch element and head):
+
+* clustered (eqs. 3-6): centroid queries Q^c_j = mean of the cluster's queries; A^c = softmax(Q^c K^T /
+  sqrt(D)) (C x N); V^c = A^c V; every query outputs its cluster's V^c row.
+* improved (eqs. 9-11): T_j = the ``topk`` keys with the largest A^c_j; m_j = sum of A^c_j over T_j.
+  Query i of cluster j: A^t_il = m_j softmax over l in T_j of (q_i . k_l / sqrt(D)) for l in T_j, and
+  A^c_jl elsewhere; output A^t_i V = m_j softmax(q_i K_T^T) V_T + (V^c_j - A^c_{j,T} V_T).
+
+The exact top-k products are computed chunk by chunk: queries are laid out so that every chunk holds one
+cluster (:func:`clusterformer.ops.chunked.cluster_aligned_slots`), so each chunk multiplies its queries by
+its cluster's k keys in one batched matmul -- O(N k D) time and memory, no (N, k, D) gather.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .chunked import cluster_aligned_slots
+
+__all__ = ["clustered_attention"]
+
+
+def clustered_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: torch.Tensor,
+    num_clusters: int,
+    *,
+    topk: int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Args:
+        q, k, v: (B, H, N, D).
+        groups: (B, H, N) long cluster of every query, in [0, num_clusters).
+        num_clusters: C.
+        topk: None for clustered attention; an int >= 1 for improved clustered (clamped to N).
+        key_padding_mask: (B, N) bool, True = padding: never a key, and not part of any centroid.
+
+    Returns:
+        (B, H, N, D). A query whose cluster has no real member gets its own (padding) cluster's zero
+        centroid; outputs at padded positions are unspecified.
+    """
+    B, H, N, D = q.shape
+    C = num_clusters
+    scale = 1.0 / math.sqrt(D)
+    members = torch.nn.functional.one_hot(groups, C).to(q.dtype)  # (B, H, N, C)
+    key_ok = None
+    if key_padding_mask is not None:
+        key_ok = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, N)
+        members = members * key_ok.transpose(-1, -2).to(q.dtype)
+    counts = members.sum(-2)  # (B, H, C)
+    q_centroids = (members.transpose(-1, -2) @ q) / counts.clamp(min=1).unsqueeze(-1)  # eq. 3
+    scores = (q_centroids @ k.transpose(-1, -2)) * scale  # (B, H, C, N)
+    if key_ok is not None:
+        scores = scores.masked_fill(~key_ok, float("-inf"))
+    a_c = torch.softmax(scores, dim=-1)  # eq. 4
+    if key_ok is not None:
+        a_c = torch.nan_to_num(a_c, nan=0.0)  # every key padded: no attention at all
+    v_c = a_c @ v  # eq. 5, (B, H, C, D)
+    if topk is None:
+        return _per_query(v_c, groups)  # eq. 6
+
+    t = min(topk, N)
+    top_w, top_i = a_c.topk(t, dim=-1)  # (B, H, C, t)
+    mass = top_w.sum(-1)  # eq. 9, m_j
+    flat = top_i.reshape(B, H, C * t, 1)
+    k_top = k.gather(2, flat.expand(B, H, C * t, D)).view(B, H, C, t, D)
+    v_top = v.gather(2, flat.expand(B, H, C * t, D)).view(B, H, C, t, D)
+    residual = v_c - (top_w.unsqueeze(-2) @ v_top).squeeze(-2)  # clustered attention on keys outside T_j
+    top_ok = None
+    if key_ok is not None:
+        top_ok = (~key_padding_mask).gather(1, top_i.reshape(B, H * C * t)).view(B, H, C, t)
+    exact = _top_key_attention(q, k_top, v_top, top_ok, groups, scale)  # softmax over T_j, (B, H, N, D)
+    return _per_query(mass.unsqueeze(-1), groups) * exact + _per_query(residual, groups)  # eq. 10-11
+
+
+def _per_query(per_cluster: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """(B, H, C, E) -> (B, H, N, E): each query's cluster row."""
+    E = per_cluster.shape[-1]
+    return per_cluster.gather(2, groups.unsqueeze(-1).expand(*groups.shape, E))
+
+
+def _top_key_attention(q, k_top, v_top, top_ok, groups, scale):
+    """softmax(q_i K_{T_j}^T * scale) V_{T_j} for every query i of cluster j, one cluster per chunk.
+    q (B, H, N, D); k_top, v_top (B, H, C, t, D); top_ok (B, H, C, t) bool or None."""
+    B, H, N, D = q.shape
+    C, t = k_top.shape[2], k_top.shape[3]
+    blocks = B * H
+    w = max(1, min(64, N // C))
+    token_slot, num_slots = cluster_aligned_slots(groups.reshape(blocks, N), w, C)
+    n_chunks = num_slots // w
+    flat_slot = (token_slot + torch.arange(blocks, device=q.device).unsqueeze(1) * num_slots).reshape(-1)
+    q_slots = q.new_zeros(blocks * num_slots, D).index_copy(0, flat_slot, q.reshape(blocks * N, D))
+    # The cluster of every chunk (-1 for chunks with no token); chunks are cluster-pure by construction.
+    slot_cluster = torch.full((blocks * num_slots,), -1, dtype=torch.long, device=q.device)
+    slot_cluster.index_copy_(0, flat_slot, groups.reshape(-1))
+    chunk_cluster = slot_cluster.view(blocks, n_chunks, w).amax(-1).clamp(min=0)  # (blocks, n_chunks)
+    pick = chunk_cluster.unsqueeze(-1).unsqueeze(-1)
+    k_chunks = k_top.reshape(blocks, C, t, D).gather(1, pick.expand(blocks, n_chunks, t, D))
+    v_chunks = v_top.reshape(blocks, C, t, D).gather(1, pick.expand(blocks, n_chunks, t, D))
+    scores = (q_slots.view(blocks, n_chunks, w, D) @ k_chunks.transpose(-1, -2)) * scale  # (blocks, n_ch, w, t)
+    if top_ok is not None:
+        ok = top_ok.reshape(blocks, C, t).gather(1, chunk_cluster.unsqueeze(-1).expand(blocks, n_chunks, t))
+        scores = scores.masked_fill(~ok.unsqueeze(-2), float("-inf"))
+    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    out = (weights @ v_chunks).reshape(blocks * num_slots, D)
+    return out.index_select(0, flat_slot).view(B, H, N, D)

@@ -1,0 +1,84 @@
+"""Overlapping sliding windows (Cluster-Former section 3.1): windows of ``window`` rows every ``stride``
+rows, full attention inside each window, outputs of rows covered by several windows averaged.
+
+Also the attention of the Cluster-Former layer (section 3.2), which runs the same windows over the
+cluster-sorted sequence: ``positions`` carries each row's original position for the causal mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["sliding_window_attention", "window_count"]
+
+
+def window_count(length: int, window: int, stride: int) -> int:
+    """Windows needed to cover ``length`` rows: 1 if length <= window, else ceil((length - window) / stride) + 1."""
+    return 1 if length <= window else math.ceil((length - window) / stride) + 1
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    stride: int,
+    *,
+    causal: bool = False,
+    positions: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Args:
+        q, k, v: (B, H, N, D).
+        window, stride: window size l and stride m (m <= l); window i covers rows [i m, i m + l).
+        causal: mask keys whose position is after the query's.
+        positions: (B, N) long original position of every row (default: the row index); only for causal.
+        key_padding_mask: (B, N) bool, True = padding (never a key).
+        dropout_p: attention dropout.
+
+    Returns:
+        (B, H, N, D): row r's output is the mean of its outputs in the windows that contain it. Rows with
+        no allowed key in a window contribute zeros from that window.
+    """
+    B, H, N, D = q.shape
+    window = min(window, N)
+    n_w = window_count(N, window, stride)
+    L = (n_w - 1) * stride + window  # padded length, >= N
+    idx = (torch.arange(n_w, device=q.device).unsqueeze(1) * stride + torch.arange(window, device=q.device)).reshape(-1)
+
+    def windows(t: torch.Tensor) -> torch.Tensor:  # (B, H, N, D) -> (B n_w, H, window, D)
+        t = F.pad(t, (0, 0, 0, L - N))
+        t = t.index_select(2, idx).view(B, H, n_w, window, D)
+        return t.transpose(1, 2).reshape(B * n_w, H, window, D)
+
+    if not causal and key_padding_mask is None and L == N:  # nothing to mask: the unmasked fused kernel
+        out = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), dropout_p=dropout_p)
+        return _average(out, idx, B, H, n_w, window, L, N)
+    key_ok = torch.arange(L, device=q.device) < N  # rows added to fill the last window
+    key_ok = key_ok.expand(B, L)
+    if key_padding_mask is not None:
+        key_ok = key_ok & ~F.pad(key_padding_mask, (0, L - N), value=True)
+    allowed = key_ok.index_select(1, idx).view(B * n_w, 1, window).expand(B * n_w, window, window)
+    if causal:
+        pos = torch.arange(N, device=q.device).expand(B, N) if positions is None else positions
+        pos = F.pad(pos, (0, L - N), value=-1).index_select(1, idx).view(B * n_w, window)
+        allowed = allowed & (pos.unsqueeze(-1) >= pos.unsqueeze(-2))
+    no_key = ~allowed.any(-1, keepdim=True)
+    mask = (allowed | no_key).unsqueeze(1)
+    out = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), attn_mask=mask, dropout_p=dropout_p)
+    out = out.masked_fill(no_key.unsqueeze(1), 0.0)  # (B n_w, H, window, D)
+    return _average(out, idx, B, H, n_w, window, L, N)
+
+
+def _average(out: torch.Tensor, idx: torch.Tensor, B: int, H: int, n_w: int, window: int, L: int, N: int):
+    """Window outputs (B n_w, H, window, D) -> per-row means over the windows covering each row, (B, H, N, D)."""
+    D = out.shape[-1]
+    out = out.view(B, n_w, H, window, D).transpose(1, 2).reshape(B, H, n_w * window, D)
+    total = out.new_zeros(B, H, L, D).index_add(2, idx, out)
+    ones = torch.ones_like(idx, dtype=out.dtype)
+    covered = torch.zeros(L, device=out.device, dtype=out.dtype).index_add(0, idx, ones)
+    return (total / covered.view(1, 1, L, 1))[:, :, :N]
