@@ -6,22 +6,51 @@
 One file per mechanism; importing this package registers them all.
 """
 
-from . import full, neural_clustering  # noqa: F401  (registration side effect)
+from . import (  # noqa: F401  (registration side effect)
+    cluster_former,
+    clustered,
+    full,
+    kmeans,
+    lsh,
+    neural_clustering,
+    routing,
+)
 from .aux import collect_aux_losses, total_loss
-from .base import AttentionLayer
+from .base import AttentionLayer, is_replaying, replaying
+from .cluster_former import ClusterFormerAttention, ClusterFormerOptions, SlidingWindowAttention, SlidingWindowOptions
+from .clustered import ClusteredAttention, ClusteredOptions, ImprovedClusteredAttention, ImprovedClusteredOptions
 from .full import FullAttention, FullOptions
+from .kmeans import KMeansAttention, KMeansOptions
+from .lsh import LSHAttention, LSHOptions
 from .neural_clustering import NeuralClusteringAttention, NeuralClusteringOptions
 from .registry import build, describe, names
+from .routing import RoutingAttention, RoutingOptions
 
 __all__ = [
     "AttentionLayer",
+    "ClusterFormerAttention",
+    "ClusterFormerOptions",
+    "ClusteredAttention",
+    "ClusteredOptions",
     "FullAttention",
     "FullOptions",
+    "ImprovedClusteredAttention",
+    "ImprovedClusteredOptions",
+    "KMeansAttention",
+    "KMeansOptions",
+    "LSHAttention",
+    "LSHOptions",
     "NeuralClusteringAttention",
     "NeuralClusteringOptions",
+    "RoutingAttention",
+    "RoutingOptions",
+    "SlidingWindowAttention",
+    "SlidingWindowOptions",
     "build",
     "collect_aux_losses",
     "describe",
+    "is_replaying",
     "names",
+    "replaying",
     "total_loss",
 ]

@@ -7,10 +7,35 @@ mechanism's business (``_attend``), built from the primitives in :mod:`clusterfo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from .._checks import check_bool, check_int, check_padding_mask, check_tensor
+
+_REPLAYING = False
+
+
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """Context in which layers re-run a forward they already ran (the recompute of a reversible block).
+
+    Stateful mechanisms (memory banks, EMA centroids, step counters) must not change their state inside
+    it, so the recompute sees exactly what the original forward saw; see :meth:`AttentionLayer.stateful`.
+    """
+    global _REPLAYING
+    previous, _REPLAYING = _REPLAYING, True
+    try:
+        yield
+    finally:
+        _REPLAYING = previous
+
+
+def is_replaying() -> bool:
+    """True inside :func:`replaying`."""
+    return _REPLAYING
 
 
 class AttentionLayer(nn.Module):
@@ -25,9 +50,20 @@ class AttentionLayer(nn.Module):
 
     Padding. Padded input rows are zeroed on entry (so their content, even NaN, cannot leak) and the
     outputs at padded positions are zero.
+
+    Randomness. Mechanisms that draw random numbers (hash planes, rotations, initialisations) draw them
+    from :attr:`generator`, a CPU ``torch.Generator`` seeded by their ``seed`` option, never from the
+    global RNG; :meth:`draw_generator` gives a fresh generator seeded the same way in evaluation, so the
+    same input gives the same output. Dropout uses the global RNG, as everywhere in PyTorch.
+
+    State. Mechanisms whose forward updates buffers (EMA centroids, memory banks) apply those updates in
+    training mode only and never inside :func:`replaying`; an update computed in one forward takes effect
+    at the start of the next (see :meth:`apply_pending_updates`), so a reversible recompute in the backward
+    sees the state its forward saw.
     """
 
-    def __init__(self, dim: int, heads: int, *, bias: bool = True) -> None:
+    def __init__(self, dim: int, heads: int, *, bias: bool = True, shared_qk: bool = False,
+                 seed: int | None = None) -> None:
         super().__init__()
         check_int("dim", dim, minimum=1)
         check_int("heads", heads, minimum=1)
@@ -36,9 +72,35 @@ class AttentionLayer(nn.Module):
         self.dim = dim
         self.heads = heads
         self.head_dim = dim // heads
-        self.to_qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.shared_qk = shared_qk
+        self.to_qkv = nn.Linear(dim, (2 if shared_qk else 3) * dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
         self.aux_losses: dict[str, torch.Tensor] = {}
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def draw_generator(self) -> torch.Generator:
+        """The generator to draw this forward's random numbers from: the layer's own, advancing, in training;
+        a fresh one seeded with ``seed`` in evaluation (deterministic outputs)."""
+        if self.generator is None:
+            raise RuntimeError(f"{type(self).__name__} was built without a seed")
+        if self.training:
+            return self.generator
+        return torch.Generator().manual_seed(self.seed)
+
+    def updates_state(self) -> bool:
+        """Whether this forward may change buffers: training mode and not a reversible recompute."""
+        return self.training and not is_replaying()
+
+    def apply_pending_updates(self) -> None:
+        """Copy the state updates computed by the last training forward into their buffers (called at the
+        start of every training forward; call it yourself before saving if the last step's update matters)."""
+        for name, value in self._pending.items():
+            getattr(self, name).copy_(value)
+        self._pending = {}
 
     def forward(
         self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, causal: bool = False
@@ -69,8 +131,11 @@ class AttentionLayer(nn.Module):
         return y
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, N, dim) -> three (B, H, N, head_dim) tensors."""
+        """(B, N, dim) -> three (B, H, N, head_dim) tensors (with shared QK, q and k are the same tensor)."""
         B, N, _ = x.shape
+        if self.shared_qk:
+            qk, v = self.to_qkv(x).view(B, N, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            return qk, qk, v
         qkv = self.to_qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return qkv[0], qkv[1], qkv[2]
 

@@ -1,5 +1,14 @@
 """Models built from the attention registry."""
 
-from .encoder import Encoder, EncoderConfig, SequenceClassifier, sinusoidal_positions
+from .encoder import Encoder, EncoderConfig, SequenceClassifier, cluster_former_config, sinusoidal_positions
+from .reversible import ReversibleSequence, TiedConnection
 
-__all__ = ["Encoder", "EncoderConfig", "SequenceClassifier", "sinusoidal_positions"]
+__all__ = [
+    "Encoder",
+    "EncoderConfig",
+    "ReversibleSequence",
+    "SequenceClassifier",
+    "TiedConnection",
+    "cluster_former_config",
+    "sinusoidal_positions",
+]

@@ -25,8 +25,9 @@ from .._checks import (
 )
 from ..attention import AttentionLayer, NeuralClusteringAttention, build
 from ..attention.registry import make_options
+from .reversible import ReversibleSequence
 
-__all__ = ["Encoder", "EncoderConfig", "SequenceClassifier"]
+__all__ = ["Encoder", "EncoderConfig", "SequenceClassifier", "cluster_former_config"]
 
 
 @dataclass
@@ -46,6 +47,12 @@ class EncoderConfig:
         attention_options: options for that mechanism (validated by the registry).
         centroid_flow: neural-clustering only -- the paper's scheme, where layer 1 owns the centroids and
             layer l + 1 starts from layer l's updated centroids C_hat. False gives every layer its own.
+        layer_attention: per-layer overrides, {layer index: (mechanism name, options)}; other layers use
+            ``attention``. Cluster-Former stacks are built this way (:func:`cluster_former_config`).
+        reversible: reversible residual blocks (RevNet / Reformer, :mod:`clusterformer.models.reversible`):
+            activation memory flat in depth. The input is duplicated into (x1, x2) and the two streams
+            averaged at the end.
+        tied: with ``reversible``, add the tied connection H(x1, x2) of the k-means/reversible paper (§3.3).
     """
 
     vocab_size: int
@@ -59,6 +66,9 @@ class EncoderConfig:
     attention: str = "full"
     attention_options: dict[str, Any] = field(default_factory=dict)
     centroid_flow: bool = False
+    layer_attention: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    reversible: bool = False
+    tied: bool = False
 
     def __post_init__(self) -> None:
         check_int("vocab_size", self.vocab_size, minimum=2)
@@ -78,6 +88,52 @@ class EncoderConfig:
             raise ValueError(f"centroid_flow needs attention='neural-clustering', got {self.attention!r}")
         if self.centroid_flow and "own_centroids" in self.attention_options:
             raise ValueError("centroid_flow sets own_centroids per layer; do not pass it in attention_options")
+        if not isinstance(self.layer_attention, dict):
+            raise ValueError(f"layer_attention must be a dict {{layer: (name, options)}}, got {self.layer_attention!r}")
+        for layer, spec in self.layer_attention.items():
+            check_int("layer_attention key", layer, minimum=0)
+            if layer >= self.depth:
+                raise ValueError(f"layer_attention names layer {layer}, but depth is {self.depth}")
+            if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], dict)):
+                raise ValueError(f"layer_attention[{layer}] must be (name, options dict), got {spec!r}")
+            make_options(spec[0], spec[1])
+        if self.centroid_flow and self.layer_attention:
+            raise ValueError("centroid_flow cannot be combined with layer_attention overrides")
+        check_bool("reversible", self.reversible)
+        check_bool("tied", self.tied)
+        if self.tied and not self.reversible:
+            raise ValueError("tied=True needs reversible=True (the tied connection belongs to reversible blocks)")
+        if self.reversible and self.centroid_flow:
+            raise ValueError("centroid_flow is not supported with reversible=True (blocks are replayed one by one)")
+
+    def attention_for(self, layer: int) -> tuple[str, dict[str, Any]]:
+        """Mechanism name and options of block ``layer``."""
+        if layer in self.layer_attention:
+            name, options = self.layer_attention[layer]
+            return name, dict(options)
+        options = dict(self.attention_options)
+        if self.centroid_flow:
+            options["own_centroids"] = layer == 0
+        return self.attention, options
+
+
+def cluster_former_config(
+    vocab_size: int, *, depth: int = 4, cluster_layers: tuple[int, ...] = (2,), window: int = 128,
+    stride: int = 64, num_clusters: int = 32, cluster_options: dict[str, Any] | None = None, **config: Any,
+) -> EncoderConfig:
+    """The Cluster-Former stack (section 3): sliding-window layers everywhere except ``cluster_layers``
+    (0-based), which are Cluster-Former layers with the same window and stride. The paper's LM model uses
+    16 layers with Cluster-Former layers 11 and 15 (1-based); its QA model 24 layers with 15 and 20."""
+    for layer in cluster_layers:
+        check_int("cluster_layers entry", layer, minimum=0)
+        if layer >= depth:
+            raise ValueError(f"cluster_layers entry {layer} is >= depth={depth}")
+    options = {"window": window, "stride": stride, "num_clusters": num_clusters, **(cluster_options or {})}
+    return EncoderConfig(
+        vocab_size=vocab_size, depth=depth, attention="sliding-window",
+        attention_options={"window": window, "stride": stride},
+        layer_attention={layer: ("cluster-former", options) for layer in cluster_layers}, **config,
+    )
 
 
 def sinusoidal_positions(length: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
@@ -104,14 +160,20 @@ class Block(nn.Module):
         )
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, key_padding_mask=None, causal=False, centroids=None):
+    def attention_branch(self, x, key_padding_mask=None, causal=False, centroids=None):
+        """Drop(Attn(LN(x))): F of a reversible block."""
         h = self.norm_attn(x)
         if centroids is not None:
-            h = self.attn(h, key_padding_mask, causal, centroids=centroids)
-        else:
-            h = self.attn(h, key_padding_mask, causal)
-        x = x + self.drop(h)
-        return x + self.drop(self.ff(self.norm_ff(x)))
+            return self.drop(self.attn(h, key_padding_mask, causal, centroids=centroids))
+        return self.drop(self.attn(h, key_padding_mask, causal))
+
+    def ff_branch(self, x):
+        """Drop(FF(LN(x))): G of a reversible block."""
+        return self.drop(self.ff(self.norm_ff(x)))
+
+    def forward(self, x, key_padding_mask=None, causal=False, centroids=None):
+        x = x + self.attention_branch(x, key_padding_mask, causal, centroids)
+        return x + self.ff_branch(x)
 
 
 class Encoder(nn.Module):
@@ -128,12 +190,12 @@ class Encoder(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         blocks = []
         for layer in range(config.depth):
-            options = dict(config.attention_options)
-            if config.centroid_flow:
-                options["own_centroids"] = layer == 0
-            attention = build(config.attention, dim=config.dim, heads=config.heads, **options)
-            blocks.append(Block(config, attention))
+            name, options = config.attention_for(layer)
+            blocks.append(Block(config, build(name, dim=config.dim, heads=config.heads, **options)))
         self.blocks = nn.ModuleList(blocks)
+        self.reversible = None
+        if config.reversible:
+            self.reversible = ReversibleSequence(self.blocks, dim=config.dim, tied=config.tied)
         self.norm = nn.LayerNorm(config.dim)
 
     def forward(
@@ -152,6 +214,9 @@ class Encoder(nn.Module):
         elif self.positions is not None:
             x = x + self.positions(torch.arange(N, device=tokens.device))
         x = self.drop(x)
+        if self.reversible is not None:
+            y1, y2 = self.reversible(x, x, key_padding_mask=key_padding_mask, causal=causal)
+            return self.norm((y1 + y2) / 2)
         centroids = None
         for block in self.blocks:
             x = block(x, key_padding_mask, causal, centroids)

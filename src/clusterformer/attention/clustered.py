@@ -1,0 +1,140 @@
+"""``"clustered"`` and ``"improved-clustered"``: clustered attention (fast-transformers paper, sections 3.2-3.3).
+
+Two registered names, one file: improved clustered is clustered attention plus an exact top-k correction.
+
+For x (B, N, dim), per batch element and head:
+
+1. Q, K, V projections (B, H, N, D).
+2. Query clustering (section 3.2.2): each query hashed to ``bits`` signs of random projections (planes drawn
+   from the layer's generator), then K-means with Hamming distance, ``iterations`` Lloyd steps, ``clusters``
+   centroids (clamped to N) -- :func:`clusterformer.clustering.hamming_kmeans`. Padded queries do not move
+   the centroids.
+3. ``"clustered"``: attention of each cluster's mean query to all keys, broadcast to its members (eqs. 3-6).
+   ``"improved-clustered"``: plus, per cluster, its ``topk`` keys of highest centroid attention recomputed
+   exactly for every member and rescaled by the cluster's mass on them (eqs. 9-11); with ``topk >= N`` it is
+   exactly full attention. See :func:`clusterformer.ops.clustered_attention`.
+4. Output projection.
+
+Cost: O(N D bits + iterations N clusters bits) clustering + O(clusters N D) centroid attention
+(+ O(N topk D) improved). Linear in N for fixed clusters.
+
+Masks: key padding. ``causal=True`` is refused with a ``ValueError``: a cluster's centroid query mixes queries
+from all positions, so clustered attention cannot be made causal without changing the method (the paper
+evaluates it only without a causal mask).
+
+Randomness: in training each forward draws new hash planes from the layer's generator (seeded by ``seed``);
+in evaluation the planes are re-drawn from ``seed`` each call, so the same input gives the same output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._checks import check_bool, check_int
+from ..clustering.hashing import sign_codes
+from ..clustering.kmeans import hamming_kmeans
+from ..ops.clustered import clustered_attention
+from .base import AttentionLayer
+from .registry import register
+
+
+@dataclass(frozen=True)
+class ClusteredOptions:
+    """Options of ``"clustered"``.
+
+    Attributes:
+        clusters: query clusters C per sequence and head (the paper's clustered-C); clamped to N.
+        bits: bits B of the sign-of-random-projection hash.
+        iterations: Lloyd iterations L of the Hamming K-means.
+        seed: seeds the generator of the hash planes.
+        bias: bias in the projections.
+    """
+
+    clusters: int = 100
+    bits: int = 32
+    iterations: int = 10
+    seed: int = 0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("clusters", self.clusters, minimum=1)
+        check_int("bits", self.bits, minimum=1)
+        check_int("iterations", self.iterations, minimum=0)
+        check_int("seed", self.seed, minimum=0)
+        check_bool("bias", self.bias)
+
+
+@dataclass(frozen=True)
+class ImprovedClusteredOptions(ClusteredOptions):
+    """Options of ``"improved-clustered"``: those of ``"clustered"`` plus
+
+    Attributes:
+        topk: keys per cluster recomputed exactly (the paper uses 32); clamped to N.
+    """
+
+    topk: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("topk", self.topk, minimum=1)
+
+
+@register("clustered", ClusteredOptions, "clustered attention: LSH + Hamming k-means on queries; O(N C)")
+class ClusteredAttention(AttentionLayer):
+    def __init__(self, dim: int, heads: int, options: ClusteredOptions | None = None) -> None:
+        options = options or self._default_options()
+        super().__init__(dim, heads, bias=options.bias, seed=options.seed)
+        self.options = options
+        self.last_groups: torch.Tensor | None = None  # (B, H, N) query clusters of the last forward
+
+    @staticmethod
+    def _default_options() -> ClusteredOptions:
+        return ClusteredOptions()
+
+    def _topk(self) -> int | None:
+        return None
+
+    def cluster_queries(self, q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """q (B, H, N, D) -> (query clusters (B, H, N), number of clusters)."""
+        B, H, N, D = q.shape
+        o = self.options
+        planes = torch.randn(H, D, o.bits, generator=self.draw_generator()).to(q.device)
+        codes = sign_codes(q.detach(), planes).reshape(B * H, N, o.bits)
+        valid = None
+        if key_padding_mask is not None:
+            valid = (~key_padding_mask).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
+        groups = hamming_kmeans(codes, o.clusters, iterations=o.iterations, valid=valid)
+        return groups.view(B, H, N), max(1, min(o.clusters, N))
+
+    def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        if causal:
+            raise ValueError(
+                f"attention {self.registry_name!r} does not support causal=True: a cluster's centroid query mixes "
+                "all positions; use 'lsh', 'kmeans', 'routing', 'neural-clustering' or 'full' for causal models"
+            )
+        q, k, v = self.project_qkv(x)
+        if q.shape[2] == 0:
+            return self.project_out(q * 0)
+        groups, C = self.cluster_queries(q, key_padding_mask)
+        self.last_groups = groups
+        out = clustered_attention(q, k, v, groups, C, topk=self._topk(), key_padding_mask=key_padding_mask)
+        return self.project_out(out)
+
+    registry_name = "clustered"
+
+
+@register(
+    "improved-clustered", ImprovedClusteredOptions,
+    "improved clustered attention: clustered + exact top-k keys per cluster; O(N C + N k)",
+)
+class ImprovedClusteredAttention(ClusteredAttention):
+    registry_name = "improved-clustered"
+
+    @staticmethod
+    def _default_options() -> ImprovedClusteredOptions:
+        return ImprovedClusteredOptions()
+
+    def _topk(self) -> int | None:
+        return self.options.topk

@@ -1,0 +1,234 @@
+"""Reversible residual layers (RevNet; Reformer; ``reformer-kmeans-attention-tied-reversible.md`` §3.1, §3.3).
+
+A reversible block maps (x1, x2) -> (y1, y2):
+
+    y1 = x1 + F(x2) [+ H(x1, x2)]        F: attention branch (LayerNorm + any registered attention)
+    y2 = x2 + G(y1)                      G: feed-forward branch (LayerNorm + FF)
+
+with the optional *tied connection* H(x1, x2) = FF([x1, x2]) of §3.3. Inputs can be recomputed from
+outputs, x2 = y2 - G(y1) and x1 = y1 - F(x2) [- H(x1, x2)], so :class:`ReversibleSequence` keeps no
+activations: its forward runs under ``no_grad`` and saves only the last (y1, y2); the backward walks the
+blocks in reverse, reconstructs each block's inputs and backpropagates through a recomputed forward.
+Activation memory is O(1) in depth (plus one block's activations at a time).
+
+Gradients (§3.3, eqs. 4-6) -- with y1_bar = dL/dy1 + (dG/dy1)^T dL/dy2 (the total derivative of y1):
+
+    dL/dx2 = dL/dy2 + (dF/dx2 + dH/dx2)^T y1_bar                          (4)
+    dL/dx1 = y1_bar + (dH/dx1)^T y1_bar                                   (5)
+    dL/dw_H = (dH/dw_H)^T y1_bar                                          (6)
+
+The backward computes exactly these by calling autograd on the recomputed branches (G first, with dL/dy2;
+then F and H, with y1_bar), so the parameters' gradients accumulate into ``.grad`` during the backward.
+Limitation of every recomputing reversible implementation that works this way: use ``loss.backward()``,
+not ``torch.autograd.grad(loss, params)`` (the parameter gradients would not be returned).
+
+Inverting the tied block. With H, x1 appears on both sides of y1 = x1 + F(x2) + H(x1, x2); the paper does
+not say how to recover it. We solve x1 = (y1 - F(x2)) - H(x1, x2) by fixed-point iteration, which converges
+while H is a contraction in x1; H's output layer starts at zero (H = 0, exact at initialisation). If the
+iteration does not converge to ``tol`` in ``tied_iterations`` steps the backward raises a RuntimeError
+rather than returning wrong gradients. (The paper reports diverging losses with tied connections.)
+
+Replay. The recompute must see the same hashes, clusters and dropout masks as the forward: before each
+branch the forward records the global CPU (and CUDA) RNG state and the state of every attention layer's
+generator; the recompute restores them (inside :func:`torch.random.fork_rng`, so the caller's RNG stream is
+untouched) and runs under :func:`clusterformer.attention.replaying`, in which stateful layers (memory banks,
+EMA centroids) leave their state alone.
+
+Auxiliary losses (clustering, commitment) of the attention layers are returned by the autograd function as
+extra outputs and written back into each layer's ``aux_losses``, so ``collect_aux_losses`` and
+``total_loss`` work unchanged and their gradients reach the recomputed branches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..attention import AttentionLayer, replaying
+
+__all__ = ["ReversibleSequence", "TiedConnection"]
+
+
+class TiedConnection(nn.Module):
+    """H(x1, x2) = W2 GELU(W1 [x1, x2] + b1) + b2, output dim = dim (§3.3). W2, b2 start at zero."""
+
+    def __init__(self, dim: int, hidden: int | None = None) -> None:
+        super().__init__()
+        hidden = hidden or dim
+        self.net = nn.Sequential(nn.Linear(2 * dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        nn.init.zeros_(self.net[2].weight)
+        nn.init.zeros_(self.net[2].bias)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([x1, x2], dim=-1))
+
+
+Branch = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _RNGState:
+    """Global CPU/CUDA RNG states and the generators of the attention layers, captured before a branch."""
+
+    def __init__(self, generators: list[torch.Generator], device: torch.device) -> None:
+        self.generators = generators
+        self.gen_states = [g.get_state() for g in generators]
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+        for g, s in zip(self.generators, self.gen_states, strict=True):
+            g.set_state(s)
+
+
+def _aux_names(attns: list[AttentionLayer]) -> list[list[str]]:
+    return [sorted(a.aux_losses) for a in attns]
+
+
+class _ReversibleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x1, x2, seq: ReversibleSequence, kwargs: dict):
+        ctx.seq, ctx.kwargs = seq, kwargs
+        ctx.states = []
+        aux_values = []
+        ctx.aux_names = []
+        with torch.no_grad():
+            for i in range(len(seq.blocks)):
+                f_state = seq._capture(i, x2.device)
+                f_out, aux = seq._attention_branch(i, x2, kwargs)
+                x1 = x1 + f_out + (seq.tied[i](x1, x2) if seq.tied is not None else 0)
+                g_state = seq._capture(i, x2.device)
+                x2 = x2 + seq._ff_branch(i, x1)  # (x1, x2) now hold (y1, y2), the next block's inputs
+                ctx.states.append((f_state, g_state))
+                names = sorted(aux)
+                ctx.aux_names.append(names)
+                aux_values.extend(aux[n].reshape(()) for n in names)
+        ctx.save_for_backward(x1, x2)
+        aux_flat = torch.stack(aux_values) if aux_values else x1.new_zeros(0)
+        return x1, x2, aux_flat
+
+    @staticmethod
+    def backward(ctx, dy1, dy2, daux):
+        seq, kwargs = ctx.seq, ctx.kwargs
+        y1, y2 = ctx.saved_tensors
+        offsets = [0]
+        for names in ctx.aux_names:
+            offsets.append(offsets[-1] + len(names))
+        for i in reversed(range(len(seq.blocks))):
+            f_state, g_state = ctx.states[i]
+            with torch.random.fork_rng(devices=[y1.device] if y1.device.type == "cuda" else []), replaying():
+                # G: x2 = y2 - G(y1); y1_bar = dy1 + (dG/dy1)^T dy2.
+                with torch.enable_grad():
+                    y1_ = y1.detach().requires_grad_(True)
+                    g_state.restore()
+                    g_out = seq._ff_branch(i, y1_)
+                    torch.autograd.backward(g_out, dy2)
+                y1_bar = dy1 + y1_.grad
+                x2 = y2 - g_out.detach()
+                # F (and H): x1 = y1 - F(x2) [- H(x1, x2)]; eqs. (4)-(6) with y1_bar.
+                with torch.enable_grad():
+                    x2_ = x2.detach().requires_grad_(True)
+                    f_state.restore()
+                    f_out, aux = seq._attention_branch(i, x2_, kwargs)
+                    outputs, grads = [f_out], [y1_bar]
+                    x1_ = None
+                    if seq.tied is not None:
+                        x1 = seq._invert_tied(i, y1 - f_out.detach(), x2)
+                        x1_ = x1.detach().requires_grad_(True)
+                        outputs.append(seq.tied[i](x1_, x2_))
+                        grads.append(y1_bar)
+                    else:
+                        x1 = y1 - f_out.detach()
+                    names = ctx.aux_names[i]
+                    for j, n in enumerate(names):
+                        if aux[n].requires_grad:
+                            outputs.append(aux[n].reshape(()))
+                            grads.append(daux[offsets[i] + j])
+                    torch.autograd.backward(outputs, grads)
+            dx2 = dy2 + (x2_.grad if x2_.grad is not None else 0)
+            dx1 = y1_bar + (x1_.grad if x1_ is not None and x1_.grad is not None else 0)
+            y1, y2, dy1, dy2 = x1.detach(), x2.detach(), dx1, dx2
+        return dy1, dy2, None, None
+
+
+class ReversibleSequence(nn.Module):
+    """Reversible stack over the encoder's blocks: each block contributes ``attention_branch`` (F) and
+    ``ff_branch`` (G). ``forward(x1, x2, **kwargs) -> (y1, y2)``; kwargs (key_padding_mask, causal) go to F.
+
+    Args:
+        blocks: modules with ``attention_branch(x, key_padding_mask, causal)`` and ``ff_branch(x)``. They are
+            *not* registered here (the owner, e.g. :class:`clusterformer.models.Encoder`, registers them), so
+            their parameters appear once in ``state_dict``.
+        tied: add the tied connection H per block (§3.3).
+        recompute: True (default) runs the memory-saving custom backward; False runs the same equations with
+            ordinary autograd (the reference the tests compare against, and a debugging aid).
+        tied_iterations, tol: fixed-point inversion of a tied block (see module docs).
+    """
+
+    def __init__(self, blocks: nn.ModuleList, *, dim: int, tied: bool = False, recompute: bool = True,
+                 tied_iterations: int = 50, tol: float | None = None) -> None:
+        super().__init__()
+        self.blocks = list(blocks)  # a plain list: not registered twice
+        self.tied = nn.ModuleList(TiedConnection(dim) for _ in blocks) if tied else None
+        self.recompute = recompute
+        self.tied_iterations = tied_iterations
+        self.tol = tol
+
+    def _attns(self, i: int) -> list[AttentionLayer]:
+        return [m for m in self.blocks[i].modules() if isinstance(m, AttentionLayer)]
+
+    def _capture(self, i: int, device: torch.device) -> _RNGState:
+        gens = [a.generator for a in self._attns(i) if a.generator is not None]
+        return _RNGState(gens, device)
+
+    def _attention_branch(self, i: int, x: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, dict]:
+        out = self.blocks[i].attention_branch(x, **kwargs)
+        aux: dict[str, torch.Tensor] = {}
+        for j, attn in enumerate(self._attns(i)):
+            aux.update({f"{j}:{n}": v for n, v in attn.aux_losses.items()})
+        return out, aux
+
+    def _ff_branch(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[i].ff_branch(x)
+
+    @torch.no_grad()
+    def _invert_tied(self, i: int, target: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """Solve x1 + H(x1, x2) = target by fixed-point iteration."""
+        tol = self.tol if self.tol is not None else 100 * torch.finfo(target.dtype).eps
+        x1 = target
+        for _ in range(self.tied_iterations):
+            nxt = target - self.tied[i](x1, x2)
+            gap = (nxt - x1).abs().max()
+            x1 = nxt
+            if gap <= tol * (1 + x1.abs().max()):
+                return x1
+        raise RuntimeError(
+            f"could not invert tied reversible block {i}: the fixed-point iteration for x1 did not converge in "
+            f"{self.tied_iterations} steps (H is not a contraction in x1); lower the learning rate of the tied "
+            "connections, raise tied_iterations, or train without tied=True"
+        )
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.recompute or not torch.is_grad_enabled():
+            for i in range(len(self.blocks)):
+                f_out, _ = self._attention_branch(i, x2, kwargs)
+                x1 = x1 + f_out + (self.tied[i](x1, x2) if self.tied is not None else 0)
+                x2 = x2 + self._ff_branch(i, x1)
+            return x1, x2
+        y1, y2, aux_flat = _ReversibleFunction.apply(x1, x2, self, kwargs)
+        # Hand each layer its auxiliary losses as entries of the function's output (with the graph attached),
+        # in the order the function stacked them: per block, sorted "attention index:loss name".
+        k = 0
+        for i in range(len(self.blocks)):
+            attns = self._attns(i)
+            keys = sorted(f"{j}:{n}" for j, a in enumerate(attns) for n in a.aux_losses)
+            for t, key in enumerate(keys):
+                j, n = key.split(":", 1)
+                attns[int(j)].aux_losses[n] = aux_flat[k + t]
+            k += len(keys)
+        return y1, y2
