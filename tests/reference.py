@@ -62,3 +62,92 @@ def dense_reference(q, k, v, allowed_fn):
         for h in range(H):
             out[b, h] = masked_softmax_attention(q[b, h], k[b, h], v[b, h], allowed_fn(b, h))
     return out
+
+
+def bucket_round_reference(qk, v, ids, chunk_size, look_back, causal, pad):
+    """One round of shared-QK bucket attention from its definition (Reformer): keys are unit qk, a token
+    sees itself only when nothing else is allowed. qk, v: (N, D); ids: (N,) with padding already moved to
+    the last bucket. Returns (out (N, D), lse (N,)) with lse = -inf for rows with no key."""
+    N, D = qk.shape
+    if causal:
+        allowed = cluster_causal_allowed(ids, chunk_size, look_back, pad)
+    else:
+        allowed = sorted_chunk_allowed(ids, chunk_size, look_back, False, pad)
+    for i in range(N):
+        others = allowed[i].clone()
+        others[i] = False
+        if others.any():
+            allowed[i] = others
+    keys = qk / qk.norm(dim=-1, keepdim=True)
+    scores = (qk @ keys.T / math.sqrt(D)).masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = masked_softmax_attention(qk, keys, v, allowed)
+    return out, lse
+
+
+def bucket_reference(qk, v, buckets, chunk_size, look_back, causal, pad, num_buckets):
+    """All rounds merged with softmax-over-rounds of their lse. buckets: (R, N)."""
+    if pad is not None:
+        buckets = torch.where(pad, torch.full_like(buckets, num_buckets), buckets)
+    outs, lses = [], []
+    for r in range(buckets.shape[0]):
+        o, lse = bucket_round_reference(qk, v, buckets[r], chunk_size, look_back, causal, pad)
+        outs.append(o)
+        lses.append(lse)
+    out = torch.zeros_like(v)
+    lses = torch.stack(lses)  # (R, N)
+    for i in range(qk.shape[0]):
+        if torch.isfinite(lses[:, i]).any():
+            weights = torch.softmax(lses[:, i], dim=0)
+            out[i] = sum(weights[r] * outs[r][i] for r in range(len(outs)))
+    return out
+
+
+def clustered_matrices(q, k, groups, C, topk, pad=None):
+    """Dense A (full), A^c broadcast to queries, and A^t (eqs. 1, 3-4, 9-10) for one head. q, k: (N, D);
+    groups: (N,). Returns three (N, N) matrices."""
+    q, k = q.detach(), k.detach()
+    N, D = q.shape
+    key_ok = torch.ones(N, dtype=torch.bool) if pad is None else ~pad
+    full = torch.softmax((q @ k.T / math.sqrt(D)).masked_fill(~key_ok, float("-inf")), dim=-1)
+    a_c = torch.zeros(C, N, dtype=q.dtype)
+    for j in range(C):
+        members = [i for i in range(N) if int(groups[i]) == j and bool(key_ok[i])]
+        centroid = sum(q[i] for i in members) / len(members) if members else torch.zeros(D, dtype=q.dtype)
+        a_c[j] = torch.softmax((centroid @ k.T / math.sqrt(D)).masked_fill(~key_ok, float("-inf")), dim=-1)
+    clustered = torch.stack([a_c[int(groups[i])] for i in range(N)])
+    improved = clustered.clone()
+    if topk is not None:
+        t = min(topk, N)
+        for i in range(N):
+            j = int(groups[i])
+            top = [key for key in a_c[j].topk(t).indices.tolist() if bool(key_ok[key])]
+            mass = sum(float(a_c[j, key]) for key in top)
+            exp = {key: math.exp(float(q[i] @ k[key]) / math.sqrt(D)) for key in top}
+            total = sum(exp.values())
+            for key in top:
+                improved[i, key] = mass * exp[key] / total
+    return full, clustered, improved
+
+
+def sliding_reference(q, k, v, window, stride, causal, pad, positions=None):
+    """Overlapping windows from the definition, for one head. q, k, v: (N, D)."""
+    N = q.shape[0]
+    window = min(window, N)
+    starts = [0]
+    while starts[-1] + window < N:
+        starts.append(starts[-1] + stride)
+    pos = list(range(N)) if positions is None else [int(p) for p in positions]
+    total = torch.zeros_like(v)
+    count = [0] * N
+    for s in starts:
+        rows = [r for r in range(s, min(s + window, N))]
+        allowed = torch.zeros(len(rows), len(rows), dtype=torch.bool)
+        for a, i in enumerate(rows):
+            for b, j in enumerate(rows):
+                allowed[a, b] = not (pad is not None and bool(pad[j])) and not (causal and pos[j] > pos[i])
+        out = masked_softmax_attention(q[rows], k[rows], v[rows], allowed)
+        for a, i in enumerate(rows):
+            total[i] += out[a]
+            count[i] += 1
+    return total / torch.tensor(count, dtype=v.dtype).unsqueeze(-1)

@@ -35,8 +35,8 @@ def spherical_kmeans(
 ) -> torch.Tensor:
     """Cosine k-means. points (n, d); returns k unit centroids (k, d).
 
-    Initialisation: k distinct points drawn with ``generator`` (when n < k, points repeat). Empty clusters
-    keep their previous centroid. Computed in float32 or wider."""
+    Initialisation: k-means++ with cosine distance 1 - cos (Arthur & Vassilvitskii 2007), draws from
+    ``generator``. Empty clusters keep their previous centroid. Computed in float32 or wider."""
     check_tensor("points", points, ndim=2, floating=True)
     check_int("k", k, minimum=1)
     check_int("iterations", iterations, minimum=0)
@@ -44,13 +44,29 @@ def spherical_kmeans(
     if n == 0:
         raise ValueError("points must hold at least one row to compute centroids from")
     x = F.normalize(points.to(torch.promote_types(points.dtype, torch.float32)), dim=-1)
-    pick = torch.randperm(n, generator=generator)[:k] if n >= k else torch.randint(n, (k,), generator=generator)
-    centroids = x[pick.to(x.device)]
+    centroids = _kmeans_plus_plus(x, k, generator)
     for _ in range(iterations):
         assign = (x @ centroids.T).argmax(-1)
         sums, counts = _cluster_sums(x, assign, k)
         centroids = torch.where(counts.unsqueeze(-1) > 0, F.normalize(sums, dim=-1), centroids)
     return centroids
+
+
+def _kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """k seeds from unit rows x (n, d): the first uniformly, each next with probability proportional to its
+    distance 1 - cos to the nearest seed so far (uniform again if every point is already a seed)."""
+    n = x.shape[0]
+    first = int(torch.randint(n, (1,), generator=generator))
+    seeds = [first]
+    nearest = 1.0 - x @ x[first]
+    for _ in range(k - 1):
+        weights = nearest.clamp(min=0).double().cpu()
+        if float(weights.sum()) <= 0:
+            weights = torch.ones(n, dtype=torch.float64)
+        pick = int(torch.multinomial(weights, 1, generator=generator))
+        seeds.append(pick)
+        nearest = torch.minimum(nearest, 1.0 - x @ x[pick])
+    return x[torch.tensor(seeds, device=x.device)]
 
 
 def greedy_nearest_order(centroids: torch.Tensor) -> torch.Tensor:

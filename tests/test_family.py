@@ -1,0 +1,475 @@
+"""The clustering-attention family against dense float64 references written from the papers' equations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clusterformer.attention import build
+from clusterformer.attention.kmeans import vote_buckets
+from clusterformer.clustering import (
+    angular_lsh_buckets,
+    ema_centroid_update,
+    greedy_nearest_order,
+    hamming_kmeans,
+    sign_codes,
+    spherical_kmeans,
+)
+from reference import (
+    bucket_reference,
+    clustered_matrices,
+    masked_softmax_attention,
+    sliding_reference,
+)
+
+
+def _fresh_seed() -> int:
+    return torch.seed() % 2**31
+
+
+def _layer(name, dim=16, heads=2, **options):
+    torch.manual_seed(_fresh_seed())
+    return build(name, dim=dim, heads=heads, **options).double()
+
+
+def _split(layer, t):
+    return t.view(t.shape[0], layer.heads, layer.head_dim).transpose(0, 1)  # (N, dim) -> (H, N, D)
+
+
+def _shared_heads(layer, x):
+    """qk, v (H, N, D) of a shared-QK layer for one sequence x (N, dim)."""
+    qk_w, v_w = layer.to_qkv.weight.split(layer.dim)
+    qk_b, v_b = layer.to_qkv.bias.split(layer.dim)
+    return _split(layer, x @ qk_w.T + qk_b), _split(layer, x @ v_w.T + v_b)
+
+
+def _heads(layer, x):
+    w_q, w_k, w_v = layer.to_qkv.weight.split(layer.dim)
+    b_q, b_k, b_v = layer.to_qkv.bias.split(layer.dim)
+    return _split(layer, x @ w_q.T + b_q), _split(layer, x @ w_k.T + b_k), _split(layer, x @ w_v.T + b_v)
+
+
+def _project_out(layer, heads_out):
+    """(H, N, D) -> (N, dim) through the output projection."""
+    merged = heads_out.transpose(0, 1).reshape(heads_out.shape[1], layer.dim)
+    return merged @ layer.to_out.weight.T + layer.to_out.bias
+
+
+def _pad_mask(B, N, pad_last):
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if pad_last and N > 2:
+        pad[-1, N - pad_last:] = True
+    return pad
+
+
+# ---------------------------------------------------------------------------------------------------------
+# lsh, routing, kmeans: shared-QK bucket attention
+
+
+@pytest.mark.parametrize(("N", "bucket_size", "n_hashes", "look_back", "causal", "pad_last"), [
+    (16, 4, 2, 1, False, 0), (23, 5, 3, 1, False, 4), (9, 16, 2, 1, False, 0), (30, 4, 2, 2, True, 0),
+    (19, 3, 1, 1, True, 5), (1, 4, 2, 1, False, 0),
+])
+def test_lsh_matches_dense_reference(N, bucket_size, n_hashes, look_back, causal, pad_last):
+    layer = _layer("lsh", bucket_size=bucket_size, n_hashes=n_hashes, look_back=look_back, seed=_fresh_seed() % 1000)
+    B = 2
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(B, N, pad_last)
+    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
+    buckets = layer.last_buckets  # (B, H, R, N)
+    n_buckets = layer.buckets_for(N)
+    assert int(buckets.max()) < n_buckets
+    for b in range(B):
+        qk, v = _shared_heads(layer, x[b])
+        heads = torch.stack([
+            bucket_reference(qk[h], v[h], buckets[b, h], min(bucket_size, N), look_back, causal,
+                             pad[b] if pad_last else None, n_buckets)
+            for h in range(layer.heads)
+        ])
+        expected = _project_out(layer, heads)
+        real = ~pad[b]
+        torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
+
+
+def test_lsh_hash_is_argmax_of_rotations():
+    layer = _layer("lsh", n_hashes=3, n_buckets=6, seed=7).eval()
+    x = torch.randn(1, 20, layer.dim, dtype=torch.float64)
+    layer(x)
+    rotations = torch.randn(layer.heads, 3, layer.head_dim, 3, generator=torch.Generator().manual_seed(7))
+    qk, _ = _shared_heads(layer, x[0])
+    for h in range(layer.heads):
+        for r in range(3):
+            rotated = qk[h] @ rotations[h, r].double()
+            expected = torch.cat([rotated, -rotated], dim=-1).argmax(-1)
+            assert torch.equal(layer.last_buckets[0, h, r], expected)
+
+
+def test_lsh_training_redraws_rotations_and_seed_fixes_them():
+    a = _layer("lsh", n_hashes=2, seed=3)
+    x = torch.randn(1, 40, a.dim, dtype=torch.float64)
+    a(x)
+    first = a.last_buckets.clone()
+    a(x)
+    assert not torch.equal(first, a.last_buckets), "training forwards must draw new rotations"
+    b = build("lsh", dim=a.dim, heads=a.heads, n_hashes=2, seed=3).double()
+    b.load_state_dict(a.state_dict())
+    b(x)
+    assert torch.equal(first, b.last_buckets), "the same seed must give the same first rotations"
+
+
+@pytest.mark.parametrize(("N", "window", "causal", "pad_last"), [(24, 4, False, 0), (17, 5, True, 3), (6, 8, False, 2)])
+def test_routing_matches_dense_reference(N, window, causal, pad_last):
+    layer = _layer("routing", num_clusters=3, window_size=window, seed=1)
+    B = 2
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(B, N, pad_last)
+    mu = layer.centroids.clone()
+    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
+    commitment, count = 0.0, 0
+    for b in range(B):
+        qk, v = _shared_heads(layer, x[b])
+        heads = []
+        for h in range(layer.heads):
+            unit = F.normalize(qk[h], dim=-1)
+            ids = (unit @ mu[h].T).argmax(-1)
+            assert torch.equal(layer.last_clusters[b, h][~pad[b]], ids[~pad[b]])
+            heads.append(bucket_reference(qk[h], v[h], ids[None], min(window, N), 1, causal,
+                                          pad[b] if pad_last else None, 3))
+            for i in range(N):
+                if not pad[b, i] or not pad_last:
+                    commitment += float((unit[i] - mu[h, ids[i]]).pow(2).sum().detach())
+                    count += 1
+        expected = _project_out(layer, torch.stack(heads))
+        real = ~pad[b]
+        torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
+    assert layer.aux_losses["commitment"].item() == pytest.approx(commitment / count, rel=1e-9)
+
+
+def test_routing_centroids_follow_ema_of_members_on_the_next_forward():
+    layer = _layer("routing", num_clusters=4, decay=0.9, seed=2)
+    x = torch.randn(1, 30, layer.dim, dtype=torch.float64)
+    before = layer.centroids.clone()
+    layer(x)
+    assert torch.equal(layer.centroids, before), "the update is applied at the start of the next forward"
+    ids = layer.last_clusters[0]
+    qk, _ = _shared_heads(layer, x[0])
+    expected = before.clone()
+    for h in range(layer.heads):
+        unit = F.normalize(qk[h], dim=-1)
+        for c in range(4):
+            members = unit[ids[h] == c]
+            if len(members):
+                expected[h, c] = F.normalize(0.9 * before[h, c] + 0.1 * members.mean(0), dim=0)
+    layer(x)  # applies the pending update first
+    torch.testing.assert_close(layer.centroids, expected)
+    layer.eval()
+    frozen = layer.centroids.clone()
+    layer(x)
+    layer(x)
+    assert torch.equal(layer.centroids, frozen), "evaluation must not move the centroids"
+
+
+def test_vote_buckets_is_the_mode_in_round_zero_labels():
+    m, H, k, D, N = 3, 2, 4, 5, 11
+    centroids = F.normalize(torch.randn(m, H, k, D, dtype=torch.float64), dim=-1)
+    round_ids = torch.randint(k, (m, 1, H, N))
+    got = vote_buckets(round_ids, centroids)
+    for h in range(H):
+        to0 = [[int((centroids[r, h, c] @ centroids[0, h].T).argmax()) for c in range(k)] for r in range(m)]
+        for i in range(N):
+            votes = [to0[r][int(round_ids[r, 0, h, i])] for r in range(m)]
+            counts = [votes.count(c) for c in range(k)]
+            assert int(got[0, h, i]) == counts.index(max(counts))
+
+
+@pytest.mark.parametrize(("N", "causal", "pad_last"), [(21, False, 0), (26, True, 4), (5, False, 0)])
+def test_kmeans_matches_dense_reference(N, causal, pad_last):
+    layer = _layer("kmeans", num_clusters=3, n_rounds=3, bucket_size=4, seed=4)
+    B = 2
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(B, N, pad_last)
+    mu = layer.centroids.clone()
+    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
+    for b in range(B):
+        qk, v = _shared_heads(layer, x[b])
+        unit = F.normalize(qk, dim=-1)  # (H, N, D)
+        round_ids = torch.stack([(unit @ mu[r].transpose(-1, -2)).argmax(-1) for r in range(3)])  # (m, H, N)
+        buckets = vote_buckets(round_ids.unsqueeze(1), mu)[0]
+        assert torch.equal(layer.last_buckets[b][:, ~pad[b]], buckets[:, ~pad[b]])
+        heads = torch.stack([
+            bucket_reference(qk[h], v[h], buckets[h][None], min(4, N), 1, causal, pad[b] if pad_last else None, 3)
+            for h in range(layer.heads)
+        ])
+        expected = _project_out(layer, heads)
+        real = ~pad[b]
+        torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
+
+
+def test_ema_centroid_update_formula():
+    c = F.normalize(torch.randn(2, 3, 4, dtype=torch.float64), dim=-1)
+    pts = torch.randn(2, 9, 4, dtype=torch.float64)
+    assign = torch.randint(3, (2, 9))
+    valid = torch.rand(2, 9) > 0.3
+    got = ema_centroid_update(c, pts, assign, decay=0.5, valid=valid)
+    for g in range(2):
+        for j in range(3):
+            members = [F.normalize(pts[g, i], dim=0) for i in range(9) if assign[g, i] == j and valid[g, i]]
+            expected = c[g, j] if not members else F.normalize(0.5 * c[g, j] + 0.5 * sum(members) / len(members), dim=0)
+            torch.testing.assert_close(got[g, j], expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# clustered and improved-clustered
+
+
+def test_hamming_kmeans_matches_loop_reference():
+    G, n, bits, C, iters = 2, 17, 6, 4, 3
+    codes = torch.rand(G, n, bits) > 0.5
+    valid = torch.rand(G, n) > 0.2
+    got = hamming_kmeans(codes, C, iterations=iters, valid=valid)
+    for g in range(G):
+        x = codes[g].int()
+        cent = [x[(j * n) // C].clone() for j in range(C)]
+
+        def assign(cent):
+            return [min(range(C), key=lambda j: (int((x[i] != cent[j]).sum()), j)) for i in range(n)]
+
+        a = assign(cent)
+        for _ in range(iters):
+            for j in range(C):
+                members = [i for i in range(n) if a[i] == j and valid[g, i]]
+                ones = sum((x[i] for i in members), torch.zeros(bits, dtype=torch.int))
+                for b in range(bits):
+                    if 2 * ones[b] > len(members):
+                        cent[j][b] = 1
+                    elif 2 * ones[b] < len(members):
+                        cent[j][b] = 0
+            a = assign(cent)
+        assert got[g].tolist() == a
+
+
+def test_sign_codes():
+    x = torch.randn(1, 2, 5, 3, dtype=torch.float64)
+    planes = torch.randn(2, 3, 4)
+    codes = sign_codes(x, planes)
+    for h in range(2):
+        assert torch.equal(codes[0, h], (x[0, h] @ planes[h].double()) > 0)
+
+
+@pytest.mark.parametrize("improved", [False, True])
+@pytest.mark.parametrize(("N", "clusters", "topk", "pad_last"),
+                         [(20, 4, 3, 0), (13, 5, 4, 3), (7, 10, 2, 0), (33, 3, 8, 6)])
+def test_clustered_matches_dense_reference(improved, N, clusters, topk, pad_last):
+    name = "improved-clustered" if improved else "clustered"
+    options = {"clusters": clusters, "bits": 8, "iterations": 3, "seed": 5}
+    if improved:
+        options["topk"] = topk
+    layer = _layer(name, **options)
+    B = 2
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(B, N, pad_last)
+    y = layer(x, key_padding_mask=pad if pad_last else None)
+    C = min(clusters, N)
+    for b in range(B):
+        q, k, v = _heads(layer, x[b])
+        heads = []
+        for h in range(layer.heads):
+            groups = layer.last_groups[b, h]
+            _, a_c, a_t = clustered_matrices(q[h], k[h], groups, C, topk if improved else None,
+                                             pad[b] if pad_last else None)
+            heads.append((a_t if improved else a_c) @ v[h])
+        expected = _project_out(layer, torch.stack(heads))
+        real = ~pad[b]
+        torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
+
+
+def _full_twin(layer):
+    full = build("full", dim=layer.dim, heads=layer.heads).double()
+    full.to_qkv.load_state_dict(layer.to_qkv.state_dict())
+    full.to_out.load_state_dict(layer.to_out.state_dict())
+    return full
+
+
+@pytest.mark.parametrize(("N", "pad_last"), [(9, 0), (31, 5), (64, 0)])
+def test_improved_clustered_with_topk_at_least_n_is_full_attention(N, pad_last):
+    layer = _layer("improved-clustered", clusters=3, topk=N + 3)
+    x = torch.randn(2, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(2, N, pad_last) if pad_last else None
+    expected = _full_twin(layer)(x, key_padding_mask=pad)
+    torch.testing.assert_close(layer(x, key_padding_mask=pad), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("N", [6, 25])
+def test_clustered_with_one_cluster_per_query_is_full_attention(N):
+    layer = _layer("clustered", clusters=N, bits=62, iterations=2)
+    x = torch.randn(2, N, layer.dim, dtype=torch.float64)
+    y = layer(x)
+    for b in range(2):
+        for h in range(layer.heads):
+            assert len(set(layer.last_groups[b, h].tolist())) == N, "random 62-bit codes should be distinct"
+    torch.testing.assert_close(y, _full_twin(layer)(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_proposition_2_improved_is_closer_to_full_than_clustered(trial):
+    N, D, C = 40, 8, 5
+    q = torch.randn(N, D, dtype=torch.float64) * 2
+    k = torch.randn(N, D, dtype=torch.float64) * 2
+    layer = _layer("improved-clustered", clusters=C, bits=8, topk=6)
+    codes = sign_codes(q[None, None], torch.randn(1, D, 8)).reshape(1, N, 8)
+    groups = hamming_kmeans(codes, C, iterations=5)[0]
+    full, a_c, a_t = clustered_matrices(q, k, groups, C, layer.options.topk)
+    err_t = (a_t - full).abs().sum(-1)
+    err_c = (a_c - full).abs().sum(-1)
+    assert torch.all(err_t <= err_c + 1e-12)
+    assert torch.any(err_t < err_c - 1e-6), "top-k should strictly help somewhere"
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered"])
+def test_clustered_refuses_causal(name):
+    layer = build(name, dim=16, heads=2)
+    with pytest.raises(ValueError, match="causal"):
+        layer(torch.randn(1, 5, 16), causal=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sliding-window and cluster-former
+
+
+@pytest.mark.parametrize(("N", "window", "stride", "causal", "pad_last"), [
+    (20, 8, 4, False, 0), (23, 8, 5, True, 3), (5, 8, 4, False, 0), (16, 4, 4, False, 2), (17, 6, 1, True, 0),
+])
+def test_sliding_window_matches_dense_reference(N, window, stride, causal, pad_last):
+    layer = _layer("sliding-window", window=window, stride=stride)
+    x = torch.randn(2, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(2, N, pad_last)
+    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
+    for b in range(2):
+        q, k, v = _heads(layer, x[b])
+        heads = torch.stack([sliding_reference(q[h], k[h], v[h], window, stride, causal, pad[b] if pad_last else None)
+                             for h in range(layer.heads)])
+        expected = _project_out(layer, heads)
+        real = ~pad[b]
+        torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize(("N", "causal", "pad_last"), [(30, False, 0), (27, True, 4), (7, False, 0)])
+def test_cluster_former_matches_dense_reference(N, causal, pad_last):
+    layer = _layer("cluster-former", num_clusters=4, window=6, stride=3, memory_size=50, update_every=2)
+    x = torch.randn(2, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(2, N, pad_last)
+    layer(torch.randn(2, N, layer.dim, dtype=torch.float64))  # a training step fills the bank, sets centroids
+    layer.eval()
+    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
+    centroids = layer.centroids
+    for b in range(2):
+        sims = F.normalize(x[b], dim=-1) @ F.normalize(centroids, dim=-1).T
+        ids = [4 if (pad_last and pad[b, i]) else int(sims[i].argmax()) for i in range(N)]
+        order = sorted(range(N), key=lambda i: (ids[i], i))
+        q, k, v = _heads(layer, x[b])
+        p = pad[b][order] if pad_last else None
+        heads_sorted = torch.stack([
+            sliding_reference(q[h][order], k[h][order], v[h][order], 6, 3, causal, p, positions=order)
+            for h in range(layer.heads)
+        ])
+        heads = torch.empty_like(heads_sorted)
+        heads[:, order] = heads_sorted
+        expected = _project_out(layer, heads)
+        real = ~pad[b]
+        torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
+
+
+def test_cluster_former_memory_bank_is_a_fifo_and_centroids_refresh_on_schedule():
+    layer = build("cluster-former", dim=8, heads=2, num_clusters=2, memory_size=10, update_every=3)
+    a, b = torch.randn(1, 6, 8), torch.randn(1, 7, 8)
+    layer(a)
+    assert int(layer.memory_filled) == 6 and bool(layer.centroids_ready)
+    first = layer.centroids.clone()
+    layer(b)  # 13 states into a bank of 10: the 3 oldest fall out
+    assert int(layer.memory_filled) == 10
+    kept = torch.cat([a[0, 3:], b[0]])
+    stored = torch.cat([layer.memory[int(layer.memory_next):], layer.memory[: int(layer.memory_next)]])
+    torch.testing.assert_close(stored, kept)
+    assert torch.equal(layer.centroids, first), "step 2 of update_every=3 must not refresh"
+    layer(b)
+    assert not torch.equal(layer.centroids, first), "step 3 must refresh"
+    state = layer.state_dict()
+    assert {"centroids", "memory", "memory_filled", "memory_next", "steps"} <= set(state)
+    twin = build("cluster-former", dim=8, heads=2, num_clusters=2, memory_size=10, update_every=3)
+    twin.load_state_dict(state)
+    twin.eval()
+    layer.eval()
+    torch.testing.assert_close(twin(a), layer(a))
+
+
+def test_cluster_former_padding_is_not_remembered():
+    layer = build("cluster-former", dim=8, heads=2, num_clusters=2, memory_size=100)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 2:] = True
+    layer(torch.randn(2, 5, 8), key_padding_mask=pad)
+    assert int(layer.memory_filled) == 7
+
+
+def test_greedy_nearest_order_chains_by_cosine():
+    c = F.normalize(torch.randn(7, 5, dtype=torch.float64), dim=-1)
+    got = greedy_nearest_order(c)
+    chain, left = [0], set(range(1, 7))
+    while left:
+        nxt = max(left, key=lambda j: float(c[chain[-1]] @ c[j]))
+        chain.append(nxt)
+        left.remove(nxt)
+    torch.testing.assert_close(got, c[chain])
+
+
+def test_spherical_kmeans_recovers_planted_directions():
+    g = torch.Generator().manual_seed(0)
+    directions = F.normalize(torch.randn(3, 16, generator=g), dim=-1)
+    points = torch.cat([d + 0.05 * torch.randn(50, 16, generator=g) for d in directions])
+    found = spherical_kmeans(points, 3, iterations=20, generator=torch.Generator().manual_seed(1))
+    best = (found @ directions.T).max(0).values
+    assert torch.all(best > 0.99), best
+
+
+def test_angular_lsh_buckets_shapes_and_range():
+    x = torch.randn(2, 3, 10, 4)
+    rot = torch.randn(3, 5, 4, 4)
+    b = angular_lsh_buckets(x, rot)
+    assert b.shape == (2, 3, 5, 10) and int(b.max()) < 8 and int(b.min()) >= 0
+
+
+def test_merge_rounds_is_exact_attention_over_the_union_of_disjoint_rounds():
+    # Two rounds that see disjoint key sets merge into attention over their union (the lse weighting).
+    N, D = 6, 4
+    q = torch.randn(N, D, dtype=torch.float64)
+    k = torch.randn(N, D, dtype=torch.float64)
+    v = torch.randn(N, D, dtype=torch.float64)
+    from clusterformer.ops import merge_rounds
+    halves = [torch.arange(N) < 3, torch.arange(N) >= 3]
+    outs, lses = [], []
+    for keep in halves:
+        allowed = keep.expand(N, N)
+        outs.append(masked_softmax_attention(q, k, v, allowed))
+        lses.append(torch.logsumexp((q @ k.T / math.sqrt(D)).masked_fill(~allowed, float("-inf")), -1))
+    merged = merge_rounds(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(merged, masked_softmax_attention(q, k, v, torch.ones(N, N, dtype=torch.bool)))
+
+
+def test_gradcheck_of_the_family_ops():
+    from clusterformer.ops import bucketed_attention, clustered_attention, sliding_window_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, N, D = 1, 2, 9, 3
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, -2:] = True
+    buckets = torch.randint(3, (B, H, 2, N), generator=g)
+    groups = torch.randint(3, (B, H, N), generator=g)
+    assert torch.autograd.gradcheck(
+        lambda a, b: bucketed_attention(a, b, buckets, 3, num_buckets=3, causal=True, key_padding_mask=pad), (q, v))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: clustered_attention(a, b, c, groups, 3, topk=4, key_padding_mask=pad), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: sliding_window_attention(a, b, c, 4, 2, causal=True, key_padding_mask=pad), (q, k, v))

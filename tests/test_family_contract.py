@@ -1,0 +1,231 @@
+"""What every registered mechanism promises: defaults build, one calling convention, padding invariance,
+finite gradients, deterministic evaluation, strict causality where claimed, clear errors; and reversible
+blocks whose recomputing backward equals ordinary backprop for every mechanism."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from clusterformer.attention import build, collect_aux_losses, describe, names
+from clusterformer.models import Encoder, EncoderConfig, cluster_former_config
+from clusterformer.models import reversible as reversible_module
+
+ALL = names()
+NON_CAUSAL = {"clustered", "improved-clustered"}  # refuse causal=True with a ValueError
+NOT_STRICT = {"cluster-former"}  # causal mask inside sorted windows (paper); documented as not strict
+STRICT_CAUSAL = [n for n in ALL if n not in NON_CAUSAL | NOT_STRICT]
+SMALL = {  # options that make the sparse structure bite at test sizes
+    "lsh": {"bucket_size": 4, "n_hashes": 2}, "routing": {"window_size": 4, "num_clusters": 3},
+    "kmeans": {"bucket_size": 4, "num_clusters": 3}, "sliding-window": {"window": 6, "stride": 3},
+    "cluster-former": {"window": 6, "stride": 3, "num_clusters": 3}, "clustered": {"clusters": 4},
+    "improved-clustered": {"clusters": 4, "topk": 3}, "neural-clustering": {"num_clusters": 3}, "full": {},
+}
+
+
+def _small(name, **extra):
+    torch.manual_seed(torch.seed() % 2**31)
+    return build(name, dim=16, heads=2, **{**SMALL[name], **extra}).double()
+
+
+def test_every_mechanism_is_registered_and_documented():
+    assert {"full", "neural-clustering", "clustered", "improved-clustered", "cluster-former", "sliding-window",
+            "lsh", "routing", "kmeans"} <= set(ALL)
+    for name in ALL:
+        info = describe(name)
+        assert info["summary"] and isinstance(info["options"], dict)
+        layer = build(name, dim=64, heads=4)
+        assert type(layer).__module__.startswith("clusterformer.attention.")
+        assert type(layer).__doc__ or __import__(type(layer).__module__, fromlist=["x"]).__doc__
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("N", [1, 7, 40])
+def test_defaults_build_and_calling_convention(name, N):
+    layer = build(name, dim=64, heads=4)
+    x = torch.randn(2, N, 64)
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    pad[1, N // 2 + 1:] = True
+    y = layer(x, key_padding_mask=pad, causal=False)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    assert torch.all(y[pad] == 0)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_invariance(name, causal):
+    if causal and name in NON_CAUSAL:
+        pytest.skip("refuses causal=True")
+    layer = _small(name).eval()
+    N = 23
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    pad[0, 17:] = True
+    pad[1, ::4] = True  # padding in the middle too
+    y = layer(x, key_padding_mask=pad, causal=causal)
+    x2 = x.clone()
+    x2[pad] = torch.randn(int(pad.sum()), 16, dtype=torch.float64) * 100
+    y2 = layer(x2, key_padding_mask=pad, causal=causal)
+    torch.testing.assert_close(y2[~pad], y[~pad], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_finite_gradients_including_all_padding_rows(name):
+    layer = _small(name)
+    x = torch.randn(3, 19, 16, dtype=torch.float64, requires_grad=True)
+    pad = torch.zeros(3, 19, dtype=torch.bool)
+    pad[1, 10:] = True
+    pad[2, :] = True  # a sequence that is all padding
+    y = layer(x, key_padding_mask=pad)
+    aux = collect_aux_losses(layer)
+    loss = y.pow(2).sum() + sum(v for v in aux.values() if torch.isfinite(v))
+    loss.backward()
+    assert torch.isfinite(x.grad).all()
+    for p in layer.parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all()
+    assert torch.all(y[2] == 0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_evaluation_is_deterministic_and_training_runs(name):
+    layer = _small(name)
+    x = torch.randn(2, 30, 16, dtype=torch.float64)
+    layer(x)  # a training step (stateful mechanisms update their state)
+    layer.eval()
+    torch.testing.assert_close(layer(x), layer(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", STRICT_CAUSAL)
+@pytest.mark.parametrize("N", [12, 29])
+def test_strict_causal_no_future_leak(name, N):
+    layer = _small(name, **({"causal_mode": "strict"} if name == "neural-clustering" else {})).eval()
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    y = layer(x, causal=True)
+    for t in range(N - 1):
+        changed = x.clone()
+        changed[:, t + 1:] = torch.randn(2, N - t - 1, 16, dtype=torch.float64) * 3
+        y2 = layer(changed, causal=True)
+        torch.testing.assert_close(y2[:, : t + 1], y[:, : t + 1], atol=1e-10, rtol=1e-10)
+
+
+def test_cluster_former_causal_is_documented_as_not_strict():
+    from clusterformer.attention import cluster_former
+    assert "not strict" in cluster_former.__doc__
+
+
+@pytest.mark.parametrize(("name", "options", "match"), [
+    ("lsh", {"n_buckets": 3}, "n_buckets"), ("lsh", {"n_hashes": 0}, "n_hashes"),
+    ("lsh", {"bucket_size": "8"}, "bucket_size"),
+    ("routing", {"decay": 1.0}, "decay"), ("routing", {"num_clusters": 0}, "num_clusters"),
+    ("kmeans", {"n_rounds": 0}, "n_rounds"), ("kmeans", {"seed": -1}, "seed"),
+    ("clustered", {"bits": 0}, "bits"), ("clustered", {"topk": 4}, "topk"), ("improved-clustered", {"topk": 0}, "topk"),
+    ("sliding-window", {"stride": 9, "window": 8}, "stride"), ("cluster-former", {"memory_size": 0}, "memory_size"),
+    ("cluster-former", {"update_every": 0}, "update_every"), ("cluster-former", {"bogus": 1}, "bogus"),
+])
+def test_bad_options_give_clear_errors(name, options, match):
+    with pytest.raises(ValueError, match=match):
+        build(name, dim=16, heads=2, **options)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_bad_inputs_give_clear_errors(name):
+    layer = build(name, dim=16, heads=2)
+    with pytest.raises(ValueError, match="x must have shape"):
+        layer(torch.randn(1, 5, 8))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        layer(torch.randn(1, 5, 16), key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+
+
+def test_cluster_former_stack_builder():
+    config = cluster_former_config(100, depth=4, cluster_layers=(1, 3), window=8, stride=4, num_clusters=3, dim=32,
+                                   heads=2)
+    model = Encoder(config)
+    kinds = [type(b.attn).__name__ for b in model.blocks]
+    assert kinds == ["SlidingWindowAttention", "ClusterFormerAttention", "SlidingWindowAttention",
+                     "ClusterFormerAttention"]
+    out = model(torch.randint(1, 100, (2, 30)))
+    assert out.shape == (2, 30, 32)
+    with pytest.raises(ValueError, match="cluster_layers"):
+        cluster_former_config(100, depth=2, cluster_layers=(2,))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reversible blocks
+
+
+def _reversible_pair(name, tied, dropout=0.1):
+    options = {k: v for k, v in SMALL[name].items()}
+    if "dropout" in describe(name)["options"]:
+        options["dropout"] = dropout
+    config = EncoderConfig(vocab_size=40, dim=16, depth=3, heads=2, dropout=dropout, attention=name,
+                           attention_options=options, reversible=True, tied=tied)
+    torch.manual_seed(torch.seed() % 2**31)
+    model = Encoder(config).double()
+    if tied:  # leave the zero initialisation so H matters, but keep it a contraction
+        for h in model.reversible.tied:
+            torch.nn.init.normal_(h.net[2].weight, std=0.05)
+    plain = copy.deepcopy(model)
+    plain.reversible.recompute = False
+    return model, plain
+
+
+def _grads(model, tokens, pad, causal, seed):
+    torch.manual_seed(seed)
+    y = model(tokens, key_padding_mask=pad, causal=causal)
+    aux = collect_aux_losses(model)
+    loss = (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).pow(2).sum() + sum(aux.values(), torch.zeros(()))
+    loss.backward()
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("tied", [False, True])
+def test_reversible_recompute_equals_ordinary_backprop(name, tied):
+    model, plain = _reversible_pair(name, tied)
+    tokens = torch.randint(1, 40, (2, 26))
+    pad = torch.zeros(2, 26, dtype=torch.bool)
+    pad[1, 20:] = True
+    causal = name not in NON_CAUSAL
+    seed = torch.seed() % 2**31
+    y_rev, g_rev = _grads(model, tokens, pad, causal, seed)
+    y_ref, g_ref = _grads(plain, tokens, pad, causal, seed)
+    torch.testing.assert_close(y_rev, y_ref, atol=1e-12, rtol=0)
+    assert g_rev.keys() == g_ref.keys() and len(g_ref) > 10
+    for n in g_ref:
+        torch.testing.assert_close(g_rev[n], g_ref[n], atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_reversible_check_fails_without_rng_replay(monkeypatch):
+    """The equality above depends on replaying hashing and dropout: without it the gradients differ."""
+    model, plain = _reversible_pair("lsh", tied=False, dropout=0.3)
+    monkeypatch.setattr(reversible_module._RNGState, "restore", lambda self: None)
+    tokens = torch.randint(1, 40, (2, 26))
+    _, g_rev = _grads(model, tokens, None, True, 5)
+    _, g_ref = _grads(plain, tokens, None, True, 5)
+    assert any(not torch.allclose(g_rev[n], g_ref[n], atol=1e-5, rtol=1e-5) for n in g_ref)
+
+
+def test_reversible_aux_losses_reach_the_loss():
+    model, _plain = _reversible_pair("routing", tied=False, dropout=0.0)
+    tokens = torch.randint(1, 40, (2, 26))
+    model(tokens, causal=True)
+    aux = collect_aux_losses(model)
+    assert set(aux) == {"commitment"} and aux["commitment"].requires_grad
+
+
+def test_tied_inversion_failure_is_reported():
+    model, _ = _reversible_pair("full", tied=True, dropout=0.0)
+    for h in model.reversible.tied:
+        torch.nn.init.normal_(h.net[2].weight, std=5.0)  # far from a contraction
+    y = model(torch.randint(1, 40, (1, 12)))
+    with pytest.raises(RuntimeError, match="could not invert tied reversible block"):
+        y.sum().backward()
+
+
+def test_reversible_config_errors():
+    with pytest.raises(ValueError, match="tied=True needs reversible=True"):
+        EncoderConfig(vocab_size=10, tied=True)
+    with pytest.raises(ValueError, match="centroid_flow"):
+        EncoderConfig(vocab_size=10, attention="neural-clustering", centroid_flow=True, reversible=True)
