@@ -17,8 +17,14 @@ def angular_lsh_buckets(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tenso
     Returns:
         (B, H, R, N) long bucket ids in [0, n_buckets).
     """
-    rotated = torch.einsum("bhnd,hrdk->bhrnk", x, rotations.to(x.dtype))
-    return torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)
+    H, R, D, half = rotations.shape
+    B, _, N, _ = x.shape
+    flat = rotations.to(x.dtype).permute(0, 2, 1, 3).reshape(1, H, D, R * half)
+    rotated = (x @ flat).view(B, H, N, R, half)  # one matmul per head for all rounds
+    # argmax over [xR; -xR] without building it: the largest of max(xR) and -min(xR).
+    top, top_at = rotated.max(dim=-1)
+    low, low_at = rotated.min(dim=-1)
+    return torch.where(top >= -low, top_at, low_at + half).transpose(2, 3)  # (B, H, R, N)
 
 
 def sign_codes(x: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:

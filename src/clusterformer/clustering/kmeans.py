@@ -23,11 +23,15 @@ __all__ = ["ema_centroid_update", "greedy_nearest_order", "hamming_kmeans", "sph
 
 def _cluster_sums(points: torch.Tensor, assign: torch.Tensor, k: int, weight: torch.Tensor | None = None):
     """Per-cluster sums and counts. points (..., n, d), assign (..., n) in [0, k), weight (..., n) or None.
-    Returns sums (..., k, d) and counts (..., k)."""
-    one_hot = F.one_hot(assign, k).to(points.dtype)  # (..., n, k)
+    Returns sums (..., k, d) and counts (..., k). Scatter-adds: O(n d), no (n, k) one-hot."""
+    ones = torch.ones_like(assign, dtype=points.dtype)
     if weight is not None:
-        one_hot = one_hot * weight.unsqueeze(-1).to(points.dtype)
-    return one_hot.transpose(-1, -2) @ points, one_hot.sum(-2)
+        ones = ones * weight.to(points.dtype)
+        points = points * weight.unsqueeze(-1).to(points.dtype)
+    *batch, n, d = points.shape
+    sums = points.new_zeros(*batch, k, d).scatter_add_(-2, assign.unsqueeze(-1).expand(*batch, n, d), points)
+    counts = ones.new_zeros(*batch, k).scatter_add_(-1, assign, ones)
+    return sums, counts
 
 
 def spherical_kmeans(
@@ -132,9 +136,10 @@ def hamming_kmeans(
     weight = None if valid is None else valid.to(x.dtype)
 
     def assign_to(c: torch.Tensor) -> torch.Tensor:
-        # Matches between x and c: x.c + (1 - x).(1 - c); the Hamming distance is bits minus that.
-        matches = x @ c.transpose(1, 2) + (1 - x) @ (1 - c).transpose(1, 2)
-        return matches.argmax(-1)  # first maximum = lowest index among ties
+        # Hamming distance = |x| + |c| - 2 x.c; |x| is the same for every centroid, so the nearest
+        # centroid maximises 2 x.c - |c| (one matmul; exact in float32 for bits < 2^24).
+        score = 2 * (x @ c.transpose(1, 2)) - c.sum(-1).unsqueeze(1)
+        return score.argmax(-1)  # first maximum = lowest index among ties
 
     assign = assign_to(centroids)
     for _ in range(iterations):

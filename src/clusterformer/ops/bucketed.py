@@ -84,7 +84,7 @@ def bucketed_attention(
         return t.reshape(B * H * N, 1, D).index_select(0, source)
 
     q_rows = rows_of(qk)
-    k_rows = F.normalize(q_rows, dim=-1)
+    k_rows = rows_of(F.normalize(qk, dim=-1))  # normalise once per token, not once per round
     W, w = layout.num_windows, layout.chunk_size
     q_win = layout.query_rows(q_rows).view(W, w, 1, D).transpose(1, 2)
     pad = None

@@ -228,8 +228,15 @@ def _window_mask(
     With ``exclude_self`` a query may attend to its own token only when it has no other allowed key
     (Reformer's shared-QK rule, where q.k_self would dominate)."""
     needs_mask = causal or key_padding_mask is not None or layout.row_group is not None
-    if not (needs_mask or layout.has_empty_slots or exclude_self):
-        return None, None
+    if not (needs_mask or layout.has_empty_slots):
+        if not exclude_self or layout.hops * w == 1:
+            return None, None
+        # Every slot holds a token and each chunk appears once per window, so a query's own key sits at
+        # column (hops - 1) w + i of its row i: one small (w, hops w) pattern, broadcast over windows.
+        own = torch.arange(w, device=layout.rows.device)
+        allowed = torch.ones(w, layout.hops * w, dtype=torch.bool, device=layout.rows.device)
+        allowed[own, (layout.hops - 1) * w + own] = False
+        return allowed.view(1, 1, w, layout.hops * w), None
     W = layout.num_windows
     key_ok = layout.row_valid
     if key_padding_mask is not None:
@@ -273,12 +280,9 @@ def windowed_attention_lse(
     W, H, w, D = q.shape
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
-    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D))  # (W, H, w, hops w)
+    scores = (q * (1.0 / math.sqrt(D))) @ k.transpose(-1, -2)  # (W, H, w, hops w); scale folded into q
     attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    weights = torch.exp(scores - lse)
+    weights, lse = _SoftmaxLSE.apply(scores, attn_mask)
     if dropout_p:
         weights = F.dropout(weights, p=dropout_p)
     out = weights @ v
@@ -288,6 +292,35 @@ def windowed_attention_lse(
     out = out.transpose(1, 2).reshape(W * w, H, D).index_select(0, layout.out_rows)
     lse = lse.squeeze(-1).transpose(1, 2).reshape(W * w, H).index_select(0, layout.out_rows)
     return out, lse
+
+
+class _SoftmaxLSE(torch.autograd.Function):
+    """(scores, mask) -> (softmax over allowed keys, log-sum-exp), keeping only the softmax for the backward.
+
+    d scores = p * (g_p - sum(g_p p) + g_lse): the softmax backward plus the log-sum-exp's (whose gradient is
+    p itself); masked scores get p = 0 and hence zero gradient.
+    Every row must have an allowed key (callers allow all keys in rows without one and zero them after).
+    Saves memory and passes over the (W, H, w, hops w) scores compared with ``masked_fill`` + ``softmax`` +
+    ``logsumexp``."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask: torch.Tensor | None):
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        # lse = s_j - log p_j for any allowed j; j = the argmax keeps p_j >= 1 / n, so the log is safe. Two
+        # reductions instead of a second exp pass over the scores.
+        lse = scores.amax(dim=-1, keepdim=True) - torch.log(p.amax(dim=-1, keepdim=True))
+        ctx.save_for_backward(p)
+        return p, lse
+
+    @staticmethod
+    def backward(ctx, g_p: torch.Tensor | None, g_lse: torch.Tensor | None):
+        (p,) = ctx.saved_tensors
+        grad = torch.zeros_like(p) if g_p is None else torch._softmax_backward_data(g_p, p, -1, p.dtype)
+        if g_lse is not None:
+            grad = grad.addcmul_(p, g_lse)  # d lse / d s = p
+        return grad, None
 
 
 def _attend_per_head(
