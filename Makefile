@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(VENV)/bin/clusterformer bench attention --names full,neural-clustering \
+	$(VENV)/bin/clusterformer bench attention --names all \
 		--lengths 1024,2048,4096,8192,16384 --batch 1 --heads 4 --head-dim 64 \
 		--device cpu --json out/bench.json --plot out/bench.png
 

@@ -229,3 +229,14 @@ def test_reversible_config_errors():
         EncoderConfig(vocab_size=10, tied=True)
     with pytest.raises(ValueError, match="centroid_flow"):
         EncoderConfig(vocab_size=10, attention="neural-clustering", centroid_flow=True, reversible=True)
+
+
+def test_reversible_backward_releases_recomputed_graphs():
+    """Nothing the recompute builds may outlive the backward (it would keep every block's inputs alive)."""
+    model, _ = _reversible_pair("neural-clustering", tied=False, dropout=0.0)
+    y = model(torch.randint(1, 40, (2, 26)))
+    published = [dict(b.attn.aux_losses) for b in model.blocks]
+    y.sum().backward()
+    for block, aux in zip(model.blocks, published, strict=True):
+        assert block.attn.aux_losses == aux, "the function's aux outputs are given back after the recompute"
+        assert not block.attn.updated_centroids.requires_grad

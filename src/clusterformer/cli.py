@@ -21,6 +21,8 @@ def _int_list(text: str) -> list[int]:
 def _name_list(text: str) -> list[str]:
     from .attention import names
 
+    if text.strip() == "all":
+        return names()
     values = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in values if v not in names()]
     if not values or unknown:
@@ -76,6 +78,28 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_reversible(args: argparse.Namespace) -> int:
+    from .bench.reversible import ReversibleBenchConfig, run_reversible_benchmark
+
+    options = json.loads(args.options) if args.options else {}
+    if not isinstance(options, dict):
+        raise ValueError('--options must be a JSON object {"option": value}')
+    if any(d < 1 for d in args.depths):
+        raise ValueError(f"--depths must be positive, got {args.depths}")
+    config = ReversibleBenchConfig(depths=args.depths, attention=args.attention, options=options, length=args.length,
+                                   batch=args.batch, dim=args.dim, heads=args.heads, tied=args.tied,
+                                   device=args.device, repeats=args.repeats)
+    records = run_reversible_benchmark(config, progress=_log)
+    text = json.dumps(records, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+        _log(f"wrote {args.json}")
+    else:
+        print(text)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
@@ -95,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="what", required=True)
     p = bench_sub.add_parser("attention", help="time and memory of attention layers against length")
-    p.add_argument("--names", type=_name_list, default=_name_list("full,neural-clustering"))
+    p.add_argument("--names", type=_name_list, default=_name_list("full,neural-clustering"),
+                   help="comma-separated mechanism names, or 'all'")
     p.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=4)
@@ -110,6 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.add_argument("--plot", default=None, help="write a log-log time/memory plot here (PNG)")
     p.set_defaults(func=cmd_bench_attention)
+
+    p = bench_sub.add_parser("reversible", help="peak memory of an encoder against depth, reversible or not")
+    p.add_argument("--depths", type=_int_list, default=[1, 2, 4, 8])
+    p.add_argument("--attention", type=lambda s: _name_list(s)[0], default="neural-clustering")
+    p.add_argument("--options", default=None, help="options of that mechanism as JSON")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--tied", action="store_true", help="reversible blocks with the tied connection H")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the records here (default: stdout)")
+    p.set_defaults(func=cmd_bench_reversible)
 
     p = sub.add_parser("demo", help="benchmark + short training of full vs neural-clustering (CPU, < 5 min)")
     p.add_argument("--out", default="out/demo", help="output directory")

@@ -86,8 +86,15 @@ class _RNGState:
             g.set_state(s)
 
 
-def _aux_names(attns: list[AttentionLayer]) -> list[list[str]]:
-    return [sorted(a.aux_losses) for a in attns]
+def _release(attns: list[AttentionLayer], published: list[dict]) -> None:
+    """After a block's recompute: give the layers back the aux losses the forward published, and detach any
+    other tensor attribute the recompute left with a graph (e.g. ``updated_centroids``), which would otherwise
+    keep the block's recomputed inputs and their gradients alive until the next forward."""
+    for attn, aux in zip(attns, published, strict=True):
+        attn.aux_losses = aux
+        for name, value in list(vars(attn).items()):
+            if torch.is_tensor(value) and value.requires_grad:
+                setattr(attn, name, value.detach())
 
 
 class _ReversibleFunction(torch.autograd.Function):
@@ -131,6 +138,8 @@ class _ReversibleFunction(torch.autograd.Function):
                 y1_bar = dy1 + y1_.grad
                 x2 = y2 - g_out.detach()
                 # F (and H): x1 = y1 - F(x2) [- H(x1, x2)]; eqs. (4)-(6) with y1_bar.
+                attns = seq._attns(i)
+                published = [a.aux_losses for a in attns]  # the function's outputs, to put back below
                 with torch.enable_grad():
                     x2_ = x2.detach().requires_grad_(True)
                     f_state.restore()
@@ -150,6 +159,7 @@ class _ReversibleFunction(torch.autograd.Function):
                             outputs.append(aux[n].reshape(()))
                             grads.append(daux[offsets[i] + j])
                     torch.autograd.backward(outputs, grads)
+                _release(attns, published)
             dx2 = dy2 + (x2_.grad if x2_.grad is not None else 0)
             dx1 = y1_bar + (x1_.grad if x1_ is not None and x1_.grad is not None else 0)
             y1, y2, dy1, dy2 = x1.detach(), x2.detach(), dx1, dx2

@@ -17,6 +17,8 @@ chunks or tokens.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -83,7 +85,8 @@ def bucketed_attention(
     def rows_of(t: torch.Tensor) -> torch.Tensor:  # (B, H, N, D) -> (rows, 1, D)
         return t.reshape(B * H * N, 1, D).index_select(0, source)
 
-    q_rows = rows_of(qk)
+    scale = 1.0 / math.sqrt(D)
+    q_rows = rows_of(qk * scale)  # the softmax scale folded into q once per token, not once per round
     k_rows = rows_of(F.normalize(qk, dim=-1))  # normalise once per token, not once per round
     W, w = layout.num_windows, layout.chunk_size
     q_win = layout.query_rows(q_rows).view(W, w, 1, D).transpose(1, 2)
@@ -92,6 +95,6 @@ def bucketed_attention(
         pad = key_padding_mask[:, None, None, :].expand(B, H, R, N).reshape(blocks, N)
     out, lse = windowed_attention_lse(
         q_win, k_rows, rows_of(v), layout, causal=causal, key_padding_mask=pad, exclude_self=True,
-        dropout_p=dropout_p,
+        dropout_p=dropout_p, scale=scale,
     )
     return merge_rounds(out.view(B, H, R, N, D), lse.view(B, H, R, N))

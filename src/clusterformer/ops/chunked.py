@@ -217,6 +217,11 @@ def windowed_attention(
     return out.index_select(0, layout.out_rows)
 
 
+def _needs_mask(layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None) -> bool:
+    """Whether any key of any window can be disallowed (besides a shared-QK query's own key)."""
+    return bool(causal or key_padding_mask is not None or layout.row_group is not None or layout.has_empty_slots)
+
+
 def _window_mask(
     layout: ChunkLayout, w: int, causal: bool, key_padding_mask: torch.Tensor | None, exclude_self: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -227,16 +232,8 @@ def _window_mask(
     caller zeroes its output, which also zeroes every gradient flowing through that row. Never NaN.
     With ``exclude_self`` a query may attend to its own token only when it has no other allowed key
     (Reformer's shared-QK rule, where q.k_self would dominate)."""
-    needs_mask = causal or key_padding_mask is not None or layout.row_group is not None
-    if not (needs_mask or layout.has_empty_slots):
-        if not exclude_self or layout.hops * w == 1:
-            return None, None
-        # Every slot holds a token and each chunk appears once per window, so a query's own key sits at
-        # column (hops - 1) w + i of its row i: one small (w, hops w) pattern, broadcast over windows.
-        own = torch.arange(w, device=layout.rows.device)
-        allowed = torch.ones(w, layout.hops * w, dtype=torch.bool, device=layout.rows.device)
-        allowed[own, (layout.hops - 1) * w + own] = False
-        return allowed.view(1, 1, w, layout.hops * w), None
+    if not _needs_mask(layout, causal, key_padding_mask):
+        return None, None
     W = layout.num_windows
     key_ok = layout.row_valid
     if key_padding_mask is not None:
@@ -267,11 +264,15 @@ def windowed_attention_lse(
     key_padding_mask: torch.Tensor | None = None,
     exclude_self: bool = False,
     dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`windowed_attention` with explicit scores, also returning each query's log-sum-exp.
 
     Used where rounds of attention are merged (Reformer: ``o = sum_r softmax_r(lse_r) o_r``) and for the
     shared-QK rule ``exclude_self``. Memory O(N hops w) per head for the scores.
+
+    ``scale``: None applies 1/sqrt(D) to the scores; pass the scale you already folded into ``q`` (it is then
+    not applied again; only documentation of what the caller did).
 
     Returns:
         out (blocks * N, H, D) and lse (blocks * N, H); lse is -inf for a query with no allowed key
@@ -280,8 +281,17 @@ def windowed_attention_lse(
     W, H, w, D = q.shape
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
-    scores = (q * (1.0 / math.sqrt(D))) @ k.transpose(-1, -2)  # (W, H, w, hops w); scale folded into q
-    attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self)
+    scores = q @ k.transpose(-1, -2)  # (W, H, w, hops w)
+    if scale is None:
+        scores = scores * (1.0 / math.sqrt(D))
+    if exclude_self and not _needs_mask(layout, causal, key_padding_mask) and layout.hops * w > 1:
+        # Every slot holds a token and each chunk appears once per window, so a query's own key sits at
+        # column (hops - 1) w + i of its row i: mask that diagonal in place (autograd-tracked; the product's
+        # backward does not need its output) instead of building a (W, w, hops w) mask.
+        scores.diagonal(offset=(layout.hops - 1) * w, dim1=-2, dim2=-1).fill_(float("-inf"))
+        attn_mask = no_key = None
+    else:
+        attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self)
     weights, lse = _SoftmaxLSE.apply(scores, attn_mask)
     if dropout_p:
         weights = F.dropout(weights, p=dropout_p)
