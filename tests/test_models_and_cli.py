@@ -100,10 +100,34 @@ def test_bench_cli_writes_records_and_plot(tmp_path, capsys):
     assert "[4/4] neural-clustering N=96" in capsys.readouterr().err  # progress
 
 
+def test_bench_reversible_and_report_cli(tmp_path, capsys):
+    out = tmp_path / "rev.json"
+    code = main(["bench", "reversible", "--depths", "1,2", "--attention", "lsh", "--length", "32", "--dim", "16",
+                 "--heads", "2", "--repeats", "1", "--json", str(out)])
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert [(r["depth"], r["reversible"]) for r in records] == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(r["fwd_bwd_ms"] > 0 and r["attention"] == "lsh" for r in records)
+    capsys.readouterr()
+    assert main(["bench", "report", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| depth |") and len(table.splitlines()) == 4
+    bench = tmp_path / "att.json"
+    main(["bench", "attention", "--names", "full,lsh", "--lengths", "32", "--repeats", "1", "--warmup", "0",
+          "--json", str(bench)])
+    capsys.readouterr()
+    main(["bench", "report", "--json", str(bench)])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].startswith("| full | 32 |") and rows[2].endswith("| 1.0x | 1.0x |")
+    assert rows[3].startswith("| lsh | 32 |")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["bench", "attention", "--names", "full,bogus"], "unknown attention name"),
+        (["bench", "report", "--json", "/nonexistent.json"], "is not a file"),
+        (["bench", "reversible", "--attention", "bogus"], "unknown attention name"),
         (["bench", "attention", "--lengths", "0"], "expected positive integers"),
         (["bench", "attention", "--options", '{"full": {"look_back": 1}}', "--lengths", "8"], "unknown option"),
     ],

@@ -100,6 +100,29 @@ def cmd_bench_reversible(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from .bench.report import attention_table, reversible_table
+
+    path = Path(args.json)
+    if not path.is_file():
+        raise ValueError(f"--json {args.json!r} is not a file")
+    try:
+        records = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{args.json} is not valid JSON: {exc}") from None
+    if not isinstance(records, list) or not records or not isinstance(records[0], dict):
+        raise ValueError(f"{args.json} must hold a non-empty list of benchmark records")
+    reversible = "depth" in records[0]
+    print(reversible_table(records) if reversible else attention_table(records))
+    if args.plot:
+        if reversible:
+            raise ValueError("--plot is for bench attention records")
+        from .bench.plot import plot_attention_benchmark
+
+        _log(f"wrote {plot_attention_benchmark(records, args.plot)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
@@ -149,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.set_defaults(func=cmd_bench_reversible)
+
+    p = bench_sub.add_parser("report", help="markdown table of a benchmark JSON file")
+    p.add_argument("--json", required=True, help="records written by bench attention or bench reversible")
+    p.add_argument("--plot", default=None, help="also (re)draw the time/memory plot of attention records (PNG)")
+    p.set_defaults(func=cmd_bench_report)
 
     p = sub.add_parser("demo", help="benchmark + short training of full vs neural-clustering (CPU, < 5 min)")
     p.add_argument("--out", default="out/demo", help="output directory")

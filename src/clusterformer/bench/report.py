@@ -1,0 +1,45 @@
+"""Markdown tables from benchmark records, so the numbers in docs/benchmarks.md are pasted, never retyped."""
+
+from __future__ import annotations
+
+__all__ = ["attention_table", "reversible_table"]
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def attention_table(records: list[dict], baseline: str = "full") -> str:
+    """One row per (mechanism, length): times, peak memory and the speed-ups over ``baseline`` at that length
+    (from the same records, i.e. the same run)."""
+    base = {r["length"]: r for r in records if r["name"] == baseline}
+    lines = [
+        "| mechanism | N | fwd ms | fwd+bwd ms | fwd+bwd+aux ms | peak MB | fwd+bwd speed-up vs full | fwd speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    names = list(dict.fromkeys(r["name"] for r in records))
+    for name in names:
+        for r in sorted((r for r in records if r["name"] == name), key=lambda r: r["length"]):
+            b = base.get(r["length"])
+            speed = f"{b['fwd_bwd_ms'] / r['fwd_bwd_ms']:.1f}x" if b else "-"
+            speed_f = f"{b['fwd_ms'] / r['fwd_ms']:.1f}x" if b else "-"
+            lines.append(
+                f"| {name} | {r['length']} | {_fmt(r['fwd_ms'])} | {_fmt(r['fwd_bwd_ms'])} | "
+                f"{_fmt(r.get('fwd_bwd_aux_ms'))} | {_fmt(r['peak_mem_mb'], 0)} | {speed} | {speed_f} |"
+            )
+    return "\n".join(lines)
+
+
+def reversible_table(records: list[dict]) -> str:
+    """Peak memory and time per depth, standard vs reversible."""
+    depths = sorted({r["depth"] for r in records})
+    get = {(r["depth"], r["reversible"]): r for r in records}
+    lines = ["| depth | standard peak MB | reversible peak MB | standard fwd+bwd ms | reversible fwd+bwd ms |",
+             "|---|---|---|---|---|"]
+    for d in depths:
+        s, v = get.get((d, False)), get.get((d, True))
+        lines.append(
+            f"| {d} | {_fmt(s and s['peak_mem_mb'], 0)} | {_fmt(v and v['peak_mem_mb'], 0)} | "
+            f"{_fmt(s and s['fwd_bwd_ms'], 0)} | {_fmt(v and v['fwd_bwd_ms'], 0)} |"
+        )
+    return "\n".join(lines)
