@@ -1,0 +1,78 @@
+"""Tokenisers: word-level (Hugging Face ``tokenizers``, trained on the training split) and byte-level (the
+Long Range Arena text setting). Both reserve id 0 for padding; :meth:`encode` returns padded ids and the
+key-padding mask the attention layers take (True = padding)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_int
+
+__all__ = ["ByteTokenizer", "WordTokenizer"]
+
+PAD, UNK = "[PAD]", "[UNK]"
+
+
+def _pad(rows: list[list[int]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(1, min(max_len, max((len(r) for r in rows), default=1)))
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):  # per example, not per token: a list -> tensor copy each
+        row = row[:length]
+        if row:
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return ids, ids == 0
+
+
+class WordTokenizer:
+    """Word-level vocabulary from the training texts: lower-cased, split on whitespace and punctuation,
+    words seen fewer than ``min_frequency`` times (or beyond ``vocab_size``) map to [UNK] (id 1)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+
+    @classmethod
+    def train(cls, texts: list[str], vocab_size: int = 30000, min_frequency: int = 1) -> WordTokenizer:
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+        check_int("vocab_size", vocab_size, minimum=3)
+        check_int("min_frequency", min_frequency, minimum=1)
+        if not texts:
+            raise ValueError("texts must not be empty: the vocabulary is trained on them")
+        tok = Tokenizer(models.WordLevel(unk_token=UNK))
+        tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                            special_tokens=[PAD, UNK], show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_str(cls, text: str) -> WordTokenizer:
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(text))
+
+    def to_str(self) -> str:
+        return self._tok.to_str()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> ids (B, N) long (0 = padding), padding mask (B, N) bool; N = min(max_len, longest)."""
+        check_int("max_len", max_len, minimum=1)
+        return _pad([e.ids for e in self._tok.encode_batch(texts)], max_len)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes, id = byte + 1 (0 = padding): vocabulary 257, no training (LRA text: 4,000 bytes)."""
+
+    vocab_size = 257
+
+    def encode(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        check_int("max_len", max_len, minimum=1)
+        return _pad([[b + 1 for b in t.encode("utf-8")[:max_len]] for t in texts], max_len)
+
+    def to_str(self) -> str:
+        return "bytes"
