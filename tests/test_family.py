@@ -109,15 +109,21 @@ def test_lsh_hash_is_argmax_of_rotations():
 
 def test_lsh_training_redraws_rotations_and_seed_fixes_them():
     a = _layer("lsh", n_hashes=2, seed=3)
+    initial = {k: v.clone() if torch.is_tensor(v) else v for k, v in a.state_dict().items()}
     x = torch.randn(1, 40, a.dim, dtype=torch.float64)
     a(x)
     first = a.last_buckets.clone()
     a(x)
     assert not torch.equal(first, a.last_buckets), "training forwards must draw new rotations"
     b = build("lsh", dim=a.dim, heads=a.heads, n_hashes=2, seed=3).double()
-    b.load_state_dict(a.state_dict())
+    b.load_state_dict(initial)
     b(x)
     assert torch.equal(first, b.last_buckets), "the same seed must give the same first rotations"
+    c = build("lsh", dim=a.dim, heads=a.heads, n_hashes=2, seed=3).double()
+    c.load_state_dict(a.state_dict())  # the generator state travels with the state_dict
+    a(x)
+    c(x)
+    assert torch.equal(a.last_buckets, c.last_buckets)
 
 
 @pytest.mark.parametrize(("N", "window", "causal", "pad_last"), [(24, 4, False, 0), (17, 5, True, 3), (6, 8, False, 2)])

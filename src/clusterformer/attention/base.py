@@ -82,6 +82,14 @@ class AttentionLayer(nn.Module):
             self.generator = torch.Generator().manual_seed(seed)
         self._pending: dict[str, torch.Tensor] = {}
 
+    def get_extra_state(self) -> dict | None:
+        """The generator's state travels with ``state_dict``, so a resumed run draws the same hashes."""
+        return None if self.generator is None else {"generator": self.generator.get_state()}
+
+    def set_extra_state(self, state: dict | None) -> None:
+        if state is not None and self.generator is not None:
+            self.generator.set_state(state["generator"])
+
     def draw_generator(self) -> torch.Generator:
         """The generator to draw this forward's random numbers from: the layer's own, advancing, in training;
         a fresh one seeded with ``seed`` in evaluation (deterministic outputs)."""

@@ -10,7 +10,7 @@ from .._checks import check_int
 
 __all__ = ["ByteTokenizer", "WordTokenizer"]
 
-PAD, UNK = "[PAD]", "[UNK]"
+PAD, UNK, SEP = "[PAD]", "[UNK]", "[SEP]"
 
 
 def _pad(rows: list[list[int]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,8 +31,10 @@ class WordTokenizer:
         self._tok = tokenizer
 
     @classmethod
-    def train(cls, texts: list[str], vocab_size: int = 30000, min_frequency: int = 1) -> WordTokenizer:
-        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    def train(cls, texts: list[str], vocab_size: int = 30000, min_frequency: int = 1,
+              pairs: bool = False) -> WordTokenizer:
+        """``pairs=True`` adds a [SEP] token (id 2) and encodes pairs as ``A [SEP] B`` (:meth:`encode_pairs`)."""
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
         check_int("vocab_size", vocab_size, minimum=3)
         check_int("min_frequency", min_frequency, minimum=1)
@@ -41,9 +43,13 @@ class WordTokenizer:
         tok = Tokenizer(models.WordLevel(unk_token=UNK))
         tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        specials = [PAD, UNK, SEP] if pairs else [PAD, UNK]
         trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                            special_tokens=[PAD, UNK], show_progress=False)
+                                            special_tokens=specials, show_progress=False)
         tok.train_from_iterator(texts, trainer=trainer)
+        if pairs:
+            tok.post_processor = processors.TemplateProcessing(
+                single="$A", pair=f"$A {SEP} $B:1", special_tokens=[(SEP, tok.token_to_id(SEP))])
         return cls(tok)
 
     @classmethod
@@ -63,6 +69,13 @@ class WordTokenizer:
         """-> ids (B, N) long (0 = padding), padding mask (B, N) bool; N = min(max_len, longest)."""
         check_int("max_len", max_len, minimum=1)
         return _pad([e.ids for e in self._tok.encode_batch(texts)], max_len)
+
+    def encode_pairs(self, pairs: list[tuple[str, str]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A [SEP] B`` per pair (a tokenizer trained with ``pairs=True``), padded like :meth:`encode`."""
+        check_int("max_len", max_len, minimum=1)
+        if self._tok.token_to_id(SEP) is None:
+            raise ValueError("this tokenizer was trained without pairs=True: it has no [SEP] token")
+        return _pad([e.ids for e in self._tok.encode_batch(pairs)], max_len)
 
 
 class ByteTokenizer:

@@ -1,0 +1,17 @@
+"""Training on the papers' tasks: ``clusterformer train`` / ``clusterformer eval``."""
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .loop import TrainConfig, evaluate_checkpoint, run_training
+from .tasks import TASKS, PreparedTask, prepare_task, ranking_metrics
+
+__all__ = [
+    "TASKS",
+    "PreparedTask",
+    "TrainConfig",
+    "evaluate_checkpoint",
+    "load_checkpoint",
+    "prepare_task",
+    "ranking_metrics",
+    "run_training",
+    "save_checkpoint",
+]

@@ -1,0 +1,442 @@
+"""The training loop behind ``clusterformer train`` and ``clusterformer eval``.
+
+Semantics (what the tests check):
+
+* **Batches.** Each epoch visits a permutation of the training examples drawn from ``seed + epoch``; step s of
+  the epoch takes the s-th run of ``batch_size * world_size`` examples (the last incomplete run is dropped) and
+  rank r trains on the r-th contiguous slice of ``batch_size``. Language modelling draws
+  ``batch_size * world_size`` random windows per step from a generator seeded with ``(seed, step)``.
+* **Distributed.** Under ``torchrun --nproc_per_node=N`` (``WORLD_SIZE`` > 1) the model is wrapped in PyTorch
+  ``DistributedDataParallel`` (gloo on CPU, nccl on CUDA), which averages gradients over ranks: with equal
+  slices and no dropout, N ranks of ``batch_size`` give the same update as one process with
+  ``batch_size * N`` (every batch is trimmed to the longest example of the global batch, so all ranks see one
+  padded length). Per-example task losses average exactly; token-averaged auxiliary losses (L1, commitment)
+  are averaged per rank first, which differs from the global token mean when ranks hold different numbers of
+  real tokens. Rank 0 evaluates, logs and writes checkpoints. Dropout RNG is seeded ``seed + rank``.
+* **Loss.** ``task_weight * task + clustering_weight * L1 + centroid_sorting_weight * L2 + commitment_weight *
+  commitment`` (:func:`clusterformer.attention.total_loss`; aux losses averaged over layers).
+* **Schedule.** AdamW; learning rate warms up linearly over ``warmup_steps`` then decays (``linear`` to 0 at the
+  last step, ``cosine``, or ``constant``); gradient norm clipped to ``clip`` (0 = off).
+* **Checkpoints** (:mod:`clusterformer.train.checkpoint`): every ``checkpoint_every`` steps and at the end, with
+  model, optimiser, schedule, step, every rank's RNG state and the tokenizer. ``resume=True`` continues from
+  ``out/checkpoint.pt`` and reproduces the uninterrupted run exactly (same data order, same RNG).
+* **Mixed precision.** ``amp="auto"`` uses bfloat16 autocast on CUDA devices that support it and float32 on
+  CPU; ``"bf16"`` forces bfloat16 autocast (CPU too), ``"off"`` disables it.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_choice, check_float, check_int
+from ..attention import collect_aux_losses, total_loss
+from ..attention.registry import make_options
+from ..models import EncoderConfig, SequenceClassifier
+from ..models.lm import LanguageModel
+from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from .tasks import TASKS, PreparedTask, prepare_task, ranking_metrics
+
+__all__ = ["TrainConfig", "evaluate_checkpoint", "run_training"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``clusterformer train`` takes; see ``clusterformer train --help`` for each option."""
+
+    task: str
+    out: str
+    attention: str = "full"
+    attention_options: dict[str, Any] = field(default_factory=dict)
+    data_dir: str | None = None
+    train_file: str | None = None
+    test_file: str | None = None
+    limit: int | None = None
+    fold: int | None = None
+    folds: int = 10
+    tokenizer: str = "auto"
+    vocab_size: int = 20000
+    max_len: int = 256
+    dim: int = 128
+    depth: int = 2
+    heads: int = 4
+    ff_dim: int | None = None
+    dropout: float = 0.1
+    reversible: bool = False
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    schedule: str = "linear"
+    clip: float = 1.0
+    epochs: int | None = None
+    max_steps: int | None = None
+    task_weight: float = 1.0
+    clustering_weight: float = 0.1
+    centroid_sorting_weight: float = 0.1
+    commitment_weight: float = 1e-4
+    seed: int = 0
+    checkpoint_every: int = 500
+    eval_every: int = 0
+    log_every: int = 10
+    resume: bool = False
+    device: str = "auto"
+    amp: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("task", self.task, TASKS)
+        make_options(self.attention, self.attention_options)
+        for name in ("vocab_size", "max_len", "dim", "depth", "heads", "batch_size", "log_every", "folds"):
+            check_int(name, getattr(self, name), minimum=1)
+        for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed"):
+            check_int(name, getattr(self, name), minimum=0)
+        if self.epochs is None and self.max_steps is None:
+            raise ValueError("give --epochs or --max-steps (or both: training stops at whichever comes first)")
+        if self.epochs is not None:
+            check_int("epochs", self.epochs, minimum=1)
+        if self.max_steps is not None:
+            check_int("max_steps", self.max_steps, minimum=1)
+        check_float("lr", self.lr, minimum=0.0, exclusive_minimum=True)
+        check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        for name in ("weight_decay", "clip", "task_weight", "clustering_weight", "centroid_sorting_weight",
+                     "commitment_weight"):
+            check_float(name, getattr(self, name), minimum=0.0)
+        check_choice("schedule", self.schedule, ("linear", "cosine", "constant"))
+        check_choice("amp", self.amp, ("auto", "off", "bf16"))
+        check_choice("tokenizer", self.tokenizer, ("auto", "word", "bytes"))
+
+
+# ----------------------------------------------------------------------------------------------- set-up
+
+
+def _distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    return rank, world
+
+
+def _device(name: str, rank: int) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} was given but CUDA is not available")
+    return device
+
+
+def build_model(config: TrainConfig, task: PreparedTask) -> torch.nn.Module:
+    max_len = config.max_len + (1 if task.kind == "lm" else 0)
+    enc = EncoderConfig(vocab_size=task.vocab_size, dim=config.dim, depth=config.depth, heads=config.heads,
+                        ff_dim=config.ff_dim, dropout=config.dropout, max_len=max_len, attention=config.attention,
+                        attention_options=dict(config.attention_options), reversible=config.reversible)
+    if task.kind == "lm":
+        return LanguageModel(enc)
+    return SequenceClassifier(enc, task.num_classes)
+
+
+def _schedule(config: TrainConfig, total: int):
+    def factor(step: int) -> float:
+        if config.warmup_steps and step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.schedule == "constant":
+            return 1.0
+        progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        return 1.0 - progress if config.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# ----------------------------------------------------------------------------------------------- batches
+
+
+def _steps_per_epoch(task: PreparedTask, config: TrainConfig, world: int) -> int:
+    if task.kind == "lm":
+        span = config.max_len + 1
+        return max(1, (len(task.train["stream"]) - span) // (span * config.batch_size * world))
+    n = len(task.train["labels"])
+    steps = n // (config.batch_size * world)
+    if steps == 0:
+        raise ValueError(f"the training set has {n} examples, fewer than batch_size * world_size = "
+                         f"{config.batch_size * world}; lower --batch-size")
+    return steps
+
+
+def _batch(task: PreparedTask, config: TrainConfig, step: int, per_epoch: int, rank: int, world: int):
+    """The rank's slice of global step ``step`` (see module docs)."""
+    B = config.batch_size
+    if task.kind == "lm":
+        stream, span = task.train["stream"], config.max_len + 1
+        g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+        starts = torch.randint(len(stream) - span + 1, (B * world,), generator=g)[rank * B:(rank + 1) * B]
+        windows = stream[starts.unsqueeze(1) + torch.arange(span)]
+        return windows[:, :-1], None, windows[:, 1:]
+    epoch, within = divmod(step, per_epoch)
+    order = torch.randperm(len(task.train["labels"]), generator=torch.Generator().manual_seed(config.seed + epoch))
+    global_index = order[within * world * B:(within + 1) * world * B]
+    # Trim to the longest example of the *global* batch, so every rank (and a single process with the whole
+    # batch) sees the same padded length -- mechanisms such as neural-clustering size k and chunks from it.
+    keep = int((~task.train["pad"][global_index]).sum(1).max().clamp(min=1))
+    index = global_index[rank * B:(rank + 1) * B]
+    return task.train["ids"][index, :keep], task.train["pad"][index, :keep], task.train["labels"][index]
+
+
+def _autocast(config: TrainConfig, device: torch.device):
+    use = config.amp == "bf16" or (config.amp == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
+
+
+def _loss(model, task, config, ids, pad, labels, device):
+    ids, labels = ids.to(device), labels.to(device)
+    pad = pad.to(device) if pad is not None else None
+    with _autocast(config, device):
+        logits = model(ids, pad)
+    if task.kind == "lm":
+        task_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    else:
+        task_loss = F.cross_entropy(logits.float(), labels)
+    aux = collect_aux_losses(model)
+    weights = {"clustering": config.clustering_weight, "centroid_sorting": config.centroid_sorting_weight,
+               "commitment": config.commitment_weight}
+    return total_loss(task_loss, aux, weights, task_weight=config.task_weight), task_loss, aux
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, task: PreparedTask, config: TrainConfig, device: torch.device) -> dict:
+    """The task's test metric: accuracy, MAP/MRR, or bits per character (non-overlapping windows)."""
+    was_training = model.training
+    model.eval()
+    try:
+        if task.kind == "lm":
+            stream, span = task.test["stream"], config.max_len + 1
+            n = (len(stream) - 1) // config.max_len
+            if n == 0:
+                raise ValueError(f"the held-out text ({len(stream)} tokens) is shorter than max_len + 1 = {span}")
+            total, count = 0.0, 0
+            for start in range(0, n, config.batch_size):  # batches of windows
+                rows = torch.arange(start, min(n, start + config.batch_size)).unsqueeze(1) * config.max_len
+                windows = stream[rows + torch.arange(span)]
+                with _autocast(config, device):
+                    logits = model(windows[:, :-1].to(device))
+                total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                         windows[:, 1:].reshape(-1).to(device), reduction="sum").item()
+                count += windows[:, 1:].numel()
+            return {"bpc": total / count / math.log(2), "test_tokens": count}
+        ids, pad, labels = task.test["ids"], task.test["pad"], task.test["labels"]
+        scores, predictions = [], []
+        for start in range(0, len(labels), config.batch_size):
+            b_ids, b_pad = ids[start:start + config.batch_size], pad[start:start + config.batch_size]
+            keep = int((~b_pad).sum(1).max().clamp(min=1))
+            with _autocast(config, device):
+                logits = model(b_ids[:, :keep].to(device), b_pad[:, :keep].to(device)).float().cpu()
+            predictions.append(logits.argmax(-1))
+            scores.append(logits.softmax(-1)[:, -1])
+        predictions, scores = torch.cat(predictions), torch.cat(scores)
+        result = {"accuracy": (predictions == labels).float().mean().item(), "test_examples": len(labels)}
+        if task.metric == "map_mrr":
+            result.update(ranking_metrics(scores, labels, task.test["groups"]))
+        return result
+    finally:
+        model.train(was_training)
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+def _rng_state(device: torch.device) -> dict:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class _Logger:
+    """metrics.jsonl (one object per log step) and metrics.csv (same columns), appended on resume."""
+
+    COLUMNS = ("step", "epoch", "loss", "task_loss", "clustering", "centroid_sorting", "commitment", "lr",
+               "examples_per_s", "elapsed_s")
+
+    def __init__(self, out: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.jsonl, self.csv = out / "metrics.jsonl", out / "metrics.csv"
+        if enabled and not self.csv.exists():
+            with open(self.csv, "w", newline="") as f:
+                csv.writer(f).writerow(self.COLUMNS)
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        with open(self.csv, "a", newline="") as f:
+            csv.writer(f).writerow([row.get(c, "") for c in self.COLUMNS])
+
+
+def _checksum(model: torch.nn.Module) -> float:
+    """Sum of every parameter (float64): equal on ranks that hold equal weights."""
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
+    """Train, evaluate and write ``out/metrics.json``; returns its content (on rank 0; ``{}`` elsewhere)."""
+    started = time.time()
+    rank, world = _distributed()
+    device = _device(config.device, rank)
+    out = Path(config.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    state = None
+    if config.resume:
+        state = load_checkpoint(out / CHECKPOINT)
+        saved = state["config"]
+        changed = {k for k in ("task", "attention", "attention_options", "dim", "depth", "heads", "max_len", "seed",
+                               "batch_size") if saved.get(k) != getattr(config, k)}
+        if changed:
+            raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
+        if state["world_size"] != world:
+            raise ValueError(f"the checkpoint was written with {state['world_size']} processes, not {world}")
+    if task is None:
+        task = prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len, tokenizer=config.tokenizer,
+                            vocab_size=config.vocab_size, seed=config.seed, fold=config.fold, folds=config.folds,
+                            limit=config.limit, train_file=config.train_file, test_file=config.test_file,
+                            tokenizer_state=state["tokenizer"] if state else None)
+    torch.manual_seed(config.seed)  # identical initial weights on every rank
+    model = build_model(config, task).to(device)
+    per_epoch = _steps_per_epoch(task, config, world)
+    total = min(x for x in (config.max_steps, config.epochs and config.epochs * per_epoch) if x)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total))
+    step, train_seconds = 0, 0.0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, train_seconds = state["step"], state["train_seconds"]
+        _set_rng_state(state["rng"][rank], device)
+    else:
+        torch.manual_seed(config.seed + rank)  # dropout differs across ranks
+    trained = model
+    if world > 1:
+        # Some parameters get no gradient in some configurations (e.g. neural-clustering's W^C and centroids
+        # when the clustering losses are weighted 0: the argmax assignment is not differentiable).
+        trained = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
+    logger = _Logger(out, rank == 0)
+    bar = None
+    if rank == 0 and config.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, desc=f"{config.task}/{config.attention}", unit="step",
+                   dynamic_ncols=True, file=sys.stderr)
+    model.train()
+
+    def checkpoint() -> None:
+        rngs = [None] * world
+        if world > 1:
+            torch.distributed.all_gather_object(rngs, _rng_state(device))
+        else:
+            rngs = [_rng_state(device)]
+        if rank == 0:
+            save_checkpoint(out, {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "step": step, "train_seconds": train_seconds,
+                "rng": rngs, "config": asdict(config), "tokenizer": task.tokenizer, "world_size": world,
+                "task": {"name": task.name, "kind": task.kind, "vocab_size": task.vocab_size,
+                         "num_classes": task.num_classes, "metric": task.metric, "info": task.info},
+            })
+
+    evaluations = []
+    while step < total:
+        tick = time.perf_counter()
+        ids, pad, labels = _batch(task, config, step, per_epoch, rank, world)
+        loss, task_loss, aux = _loss(trained, task, config, ids, pad, labels, device)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        seconds = time.perf_counter() - tick
+        train_seconds += seconds
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}", ex_s=f"{len(labels) * world / seconds:.0f}")
+        if step % config.log_every == 0 or step == total:
+            logger.log({"step": step, "epoch": step / per_epoch, "loss": loss.item(), "task_loss": task_loss.item(),
+                        **{k: v.item() for k, v in aux.items()}, "lr": scheduler.get_last_lr()[0],
+                        "examples_per_s": len(labels) * world / seconds, "elapsed_s": time.time() - started})
+        if config.eval_every and step % config.eval_every == 0 and step < total and rank == 0:
+            evaluations.append({"step": step, **evaluate(model, task, config, device)})
+            logger.log({"step": step, **evaluations[-1]})
+        if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == total:
+            checkpoint()
+    if bar is not None:
+        bar.close()
+    checksums = [_checksum(model)]
+    if world > 1:  # every rank's final weights, to show they agree
+        checksums = [None] * world
+        torch.distributed.all_gather_object(checksums, _checksum(model))
+    result: dict = {}
+    if rank == 0:
+        metrics = evaluate(model, task, config, device)
+        result = {
+            "task": task.name, "attention": config.attention, "metrics": metrics, "evaluations": evaluations,
+            "protocol": task.info.get("protocol"), "steps": step, "epochs": step / per_epoch,
+            "steps_per_epoch": per_epoch, "train_seconds": train_seconds,
+            "seconds_per_epoch": train_seconds / max(step / per_epoch, 1e-9), "wall_seconds": time.time() - started,
+            "world_size": world, "rank_weight_checksums": checksums, "device": str(device),
+            "machine": f"{platform.machine()} {os.cpu_count()} CPUs"
+            + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(config),
+        }
+        tmp = out / "metrics.json.tmp"
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, out / "metrics.json")
+    if world > 1:
+        torch.distributed.barrier()
+    return result
+
+
+def evaluate_checkpoint(path: str | Path, data_dir: str | None = None, device: str = "auto") -> dict:
+    """Rebuild the model of a checkpoint (directory or file) and evaluate it on its task's test split."""
+    state = load_checkpoint(path)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
+    if data_dir is not None:
+        config.data_dir = data_dir
+    task = prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len, tokenizer=config.tokenizer,
+                        vocab_size=config.vocab_size, seed=config.seed, fold=config.fold, folds=config.folds,
+                        limit=config.limit, train_file=config.train_file, test_file=config.test_file,
+                        tokenizer_state=state["tokenizer"])
+    dev = _device(device, 0)
+    model = build_model(config, task).to(dev)
+    model.load_state_dict(state["model"])
+    return {"task": task.name, "attention": config.attention, "step": state["step"],
+            "metrics": evaluate(model, task, config, dev)}

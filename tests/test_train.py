@@ -1,0 +1,190 @@
+"""Training: end-to-end runs on small data, exact resume after SIGKILL, two-process DDP, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from clusterformer.cli import main
+from clusterformer.train import TrainConfig, load_checkpoint, ranking_metrics, run_training, save_checkpoint
+from test_data import SHARED, needs_data
+
+WORDS = ["good", "great", "fine", "bad", "awful", "poor", "film", "plot", "actor", "the", "a", "very"]
+
+
+def _write_task(tmp_path: Path, n_train: int = 240, n_test: int = 60) -> tuple[Path, Path]:
+    """A small real-format text-classification task: label = whether positive words outnumber negative ones."""
+    g = torch.Generator().manual_seed(0)
+
+    def lines(n):
+        rows = []
+        for _ in range(n):
+            words = [WORDS[i] for i in torch.randint(len(WORDS), (int(torch.randint(5, 15, (1,), generator=g)),),
+                                                         generator=g)]
+            pos = sum(w in WORDS[:3] for w in words) >= sum(w in WORDS[3:6] for w in words)
+            rows.append(f"{int(pos)} {' '.join(words)}")
+        return "\n".join(rows) + "\n"
+
+    train, test = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text(lines(n_train))
+    test.write_text(lines(n_test))
+    return train, test
+
+
+def _argv(train, test, out, *extra):
+    return ["train", "--task", "text-classification", "--train-file", str(train), "--test-file", str(test),
+            "--out", str(out), "--dim", "16", "--depth", "2", "--heads", "2", "--max-len", "16", "--no-progress",
+            "--warmup-steps", "5", *extra]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(out)["model"]
+
+
+def test_train_writes_metrics_logs_and_learns(tmp_path):
+    train, test = _write_task(tmp_path)
+    out = tmp_path / "run"
+    assert main(_argv(train, test, out, "--attention", "neural-clustering", "--epochs", "8", "--batch-size", "16",
+                      "--log-every", "5", "--lr", "3e-3")) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    assert result["steps"] == 8 * (240 // 16) and result["attention"] == "neural-clustering"
+    assert result["metrics"]["accuracy"] > 0.75, result["metrics"]  # the rule is learnable from word counts
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 5 and "clustering" in rows[0] and rows[-1]["step"] == result["steps"]
+    assert (out / "metrics.csv").read_text().startswith("step,epoch,loss")
+    evaluated = json.loads(subprocess.run([sys.executable, "-m", "clusterformer", "eval", "--checkpoint", str(out)],
+                                          capture_output=True, text=True, check=True).stdout)
+    assert evaluated["metrics"]["accuracy"] == pytest.approx(result["metrics"]["accuracy"])
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
+    train, test = _write_task(tmp_path, n_train=400)
+    common = ["--attention", "lsh", "--attention-options", '{"bucket_size": 4}', "--max-steps", "150",
+              "--batch-size", "8", "--checkpoint-every", "5", "--dropout", "0.2"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert main(_argv(train, test, straight, *common)) == 0
+    cmd = [sys.executable, "-m", "clusterformer", *_argv(train, test, killed, *common)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / "checkpoint.prev.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run must have been killed mid-way"
+    assert not (killed / "metrics.json").exists()
+    step = load_checkpoint(killed)["step"]
+    assert 0 < step < 150
+    assert main(_argv(train, test, killed, *common, "--resume")) == 0
+    a, b = _weights(straight), _weights(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        if torch.is_tensor(a[name]):
+            assert torch.equal(a[name], b[name]), name
+        elif a[name] is not None:  # an attention layer's generator state (extra state)
+            assert torch.equal(a[name]["generator"], b[name]["generator"]), name
+    lines = [json.loads(x) for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 150
+
+
+def test_corrupt_checkpoint_is_reported_and_the_previous_one_kept(tmp_path, capsys):
+    train, test = _write_task(tmp_path)
+    out = tmp_path / "run"
+    assert main(_argv(train, test, out, "--max-steps", "10", "--batch-size", "8", "--checkpoint-every", "5")) == 0
+    good = (out / "checkpoint.prev.pt").read_bytes()
+    data = (out / "checkpoint.pt").read_bytes()
+    (out / "checkpoint.pt").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(train, test, out, "--max-steps", "20", "--batch-size", "8", "--resume"))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "corrupt or truncated" in err and "checkpoint.prev.pt" in err and "Traceback" not in err
+    assert (out / "checkpoint.prev.pt").read_bytes() == good
+    assert load_checkpoint(out / "checkpoint.prev.pt")["step"] == 5
+
+
+def test_save_checkpoint_is_atomic_under_failure(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, {"step": 1})
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path, {"step": 2})
+    assert load_checkpoint(tmp_path)["step"] == 1  # the last good checkpoint survives a failed write
+
+
+def test_two_process_ddp_equals_one_process_with_the_global_batch(tmp_path):
+    train, test = _write_task(tmp_path)
+    # Token-averaged aux losses are averaged per rank (documented), so they are switched off for exact equality.
+    common = ["--attention", "neural-clustering", "--max-steps", "12", "--dropout", "0", "--checkpoint-every", "0",
+              "--clustering-weight", "0", "--centroid-sorting-weight", "0"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert main(_argv(train, test, single, *common, "--batch-size", "8")) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    "-m", "clusterformer", *_argv(train, test, ddp, *common, "--batch-size", "4")],
+                   check=True, env=env, capture_output=True, timeout=300)
+    result = json.loads((ddp / "metrics.json").read_text())
+    assert result["world_size"] == 2
+    c0, c1 = result["rank_weight_checksums"]
+    assert c0 == c1, "both ranks must end with identical weights"
+    a, b = _weights(single), _weights(ddp)
+    for name in a:
+        if not torch.is_tensor(a[name]):
+            continue
+        if name.endswith("attn.to_qkv.bias"):
+            # The key bias shifts every score of a query's row equally: softmax ignores it, so its true gradient
+            # is 0 and Adam turns float noise (which differs with the reduction order) into lr-sized steps.
+            # Compare the query and value biases only.
+            dim = a[name].shape[0] // 3
+            a[name] = torch.cat([a[name][:dim], a[name][2 * dim:]])
+            b[name] = torch.cat([b[name][:dim], b[name][2 * dim:]])
+        torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_ranking_metrics_on_a_known_example():
+    scores = torch.tensor([0.9, 0.8, 0.1, 0.3, 0.7, 0.2, 0.5])
+    labels = torch.tensor([0, 1, 1, 1, 0, 0, 0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])  # question 2 has no correct answer: filtered out
+    m = ranking_metrics(scores, labels, groups)
+    # q0: ranks 0.9(0) 0.8(1) 0.1(1): AP = (1/2 + 2/3) / 2, RR = 1/2. q1: 0.7(0) 0.3(1) 0.2(0): AP = 1/2, RR = 1/2.
+    assert m["map"] == pytest.approx(((1 / 2 + 2 / 3) / 2 + 1 / 2) / 2)
+    assert m["mrr"] == pytest.approx(0.5)
+
+
+def test_train_config_errors():
+    with pytest.raises(ValueError, match="--epochs or --max-steps"):
+        TrainConfig(task="mr", out="x")
+    with pytest.raises(ValueError, match="task"):
+        TrainConfig(task="sst2", out="x", max_steps=1)
+    with pytest.raises(ValueError, match="unknown option"):
+        TrainConfig(task="mr", out="x", max_steps=1, attention="lsh", attention_options={"num_clusters": 3})
+
+
+def test_causal_lm_refuses_non_causal_mechanisms(tmp_path):
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_text("to be or not to be, that is the question\n" * 40)
+    with pytest.raises(ValueError, match="causal"):
+        run_training(TrainConfig(task="shakespeare-char", out=str(tmp_path / "o"), attention="clustered",
+                                 data_dir=str(tmp_path), max_steps=2, max_len=16, batch_size=2, progress=False))
+
+
+@needs_data
+@pytest.mark.parametrize("task", ["mr", "20news", "imdb", "wikiqa", "shakespeare-char"])
+def test_real_task_slices_train_end_to_end(tmp_path, task):
+    limit = {"mr": 300, "20news": 6, "imdb": 20, "wikiqa": 300, "shakespeare-char": 20000}[task]
+    result = run_training(TrainConfig(task=task, out=str(tmp_path / task), data_dir=str(SHARED), limit=limit,
+                                      attention="neural-clustering", max_steps=4, max_len=64, batch_size=8,
+                                      dim=16, heads=2, progress=False))
+    metric = {"shakespeare-char": "bpc", "wikiqa": "map"}.get(task, "accuracy")
+    assert torch.isfinite(torch.tensor(result["metrics"][metric]))
+    if task == "wikiqa":
+        assert 0 < result["metrics"]["mrr"] <= 1
