@@ -188,3 +188,21 @@ def test_real_task_slices_train_end_to_end(tmp_path, task):
     assert torch.isfinite(torch.tensor(result["metrics"][metric]))
     if task == "wikiqa":
         assert 0 < result["metrics"]["mrr"] <= 1
+
+
+def test_report_table_and_plot(tmp_path, capsys):
+    runs = []
+    for attention, acc, seconds in (("full", 0.8, 20.0), ("neural-clustering", 0.79, 15.0)):
+        run = tmp_path / attention
+        run.mkdir()
+        (run / "metrics.json").write_text(json.dumps({
+            "task": "mr", "attention": attention, "metrics": {"accuracy": acc}, "epochs": 5.0,
+            "seconds_per_epoch": seconds, "train_seconds": 5 * seconds, "wall_seconds": 5 * seconds + 3,
+            "device": "cpu"}))
+        runs.append(str(run))
+    assert main(["report", *runs, "--plot", str(tmp_path / "p.png")]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2] == "| mr | full | accuracy | 80.00 | 5.00 | 20.0 | 100 | 103 | cpu |"
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path / "missing")])

@@ -165,6 +165,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_download(args: argparse.Namespace) -> int:
+    import os
+
+    from .data.download import download
+
+    dest = args.data_dir or os.environ.get("CLUSTERFORMER_DATA") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clusterformer" / "data")
+    for name in args.names:
+        for path in download(name, dest, log=_log):
+            _log(f"ok {path}")
+    return 0
+
+
+def cmd_data_list(args: argparse.Namespace) -> int:
+    from .data.download import SOURCES
+
+    for name, files in SOURCES.items():
+        print(f"{name}: " + ", ".join(rel for rel, _, _, _ in files))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .train.report import load_runs, plot_metric_vs_time, results_table
+
+    runs = load_runs(args.runs)
+    print(results_table(runs))
+    if args.plot:
+        _log(f"wrote {plot_metric_vs_time(runs, args.plot)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
@@ -270,6 +301,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_eval)
+
+    data = sub.add_parser("data", help="datasets: list, download")
+    data_sub = data.add_subparsers(dest="what", required=True)
+    p = data_sub.add_parser("list", help="datasets that can be downloaded, and their files")
+    p.set_defaults(func=cmd_data_list)
+    p = data_sub.add_parser("download", help="fetch public originals, verified by checksum")
+    p.add_argument("names", nargs="+", help="mr cr subj mpqa 20news imdb wikiqa tinyshakespeare")
+    p.add_argument("--data-dir", default=None, help="destination (default: $CLUSTERFORMER_DATA, else the user cache)")
+    p.set_defaults(func=cmd_data_download)
+
+    p = sub.add_parser("report", help="markdown table (and plot) of training runs")
+    p.add_argument("runs", nargs="+", help="run directories (or metrics.json files)")
+    p.add_argument("--plot", default=None, help="accuracy against seconds per epoch (PNG)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("demo", help="benchmark + short training of full vs neural-clustering (CPU, < 5 min)")
     p.add_argument("--out", default="out/demo", help="output directory")
