@@ -198,11 +198,13 @@ def test_report_table_and_plot(tmp_path, capsys):
         (run / "metrics.json").write_text(json.dumps({
             "task": "mr", "attention": attention, "metrics": {"accuracy": acc}, "epochs": 5.0,
             "seconds_per_epoch": seconds, "train_seconds": 5 * seconds, "wall_seconds": 5 * seconds + 3,
-            "device": "cpu"}))
+            "device": "cpu", "config": {"out": str(run), "seed": 3,
+                                        "attention_options": {"look_back": 2} if attention != "full" else {}}}))
         runs.append(str(run))
     assert main(["report", *runs, "--plot", str(tmp_path / "p.png")]) == 0
     rows = capsys.readouterr().out.splitlines()
-    assert rows[2] == "| mr | full | accuracy | 80.00 | 5.00 | 20.0 | 100 | 103 | cpu |"
+    assert rows[2] == "| full | mr | full | 3 | accuracy | 80.00 | 5.00 | 20.0 | 100 | 103 | cpu |"
+    assert rows[3].startswith("| neural-clustering | mr | neural-clustering (look_back=2) | 3 | accuracy | 79.00 |")
     assert (tmp_path / "p.png").stat().st_size > 1000
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path / "missing")])

@@ -35,9 +35,10 @@ def _headline(run: dict) -> tuple[str, float]:
 
 
 def results_table(runs: list[dict]) -> str:
-    """One row per run: task, attention, metric, epochs, seconds per epoch, training and wall time, device."""
-    lines = ["| task | attention | metric | value | epochs | s / epoch | train s | wall s | device |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """One row per run: run directory, task, attention (with any non-default options), seed, metric, epochs,
+    seconds per epoch, training and wall time, device."""
+    lines = ["| run | task | attention | seed | metric | value | epochs | s / epoch | train s | wall s | device |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         name, _ = _headline(run)
         m = run["metrics"]
@@ -47,8 +48,12 @@ def results_table(runs: list[dict]) -> str:
             value = f"{m['map']:.4f} / {m['mrr']:.4f}"
         else:
             value = f"{100 * m['accuracy']:.2f}" + (f" ± {100 * m['accuracy_std']:.2f}" if "accuracy_std" in m else "")
+        config = run.get("config", {})
+        options = ", ".join(f"{k}={v}" for k, v in (config.get("attention_options") or {}).items())
+        attention = run["attention"] + (f" ({options})" if options else "")
         lines.append(
-            f"| {run['task']} | {run['attention']} | {name} | {value} | {run.get('epochs', 0):.2f} | "
+            f"| {Path(config.get('out', '?')).name} | {run['task']} | {attention} | {config.get('seed', '?')} | "
+            f"{name} | {value} | {run.get('epochs', 0):.2f} | "
             f"{run['seconds_per_epoch']:.1f} | {run.get('train_seconds', 0):.0f} | {run.get('wall_seconds', 0):.0f} | "
             f"{run.get('device', '?')} |"
         )
