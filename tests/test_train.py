@@ -208,3 +208,26 @@ def test_report_table_and_plot(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 1000
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path / "missing")])
+
+
+def test_cross_validation_runs_every_fold_and_summarises(tmp_path, capsys):
+    """--cv: one run per fold under out/fold-i, a summary with the mean and sample std of the fold accuracies;
+    the test folds partition the data."""
+    train, _ = _write_task(tmp_path, n_train=100)
+    (tmp_path / "mr").mkdir()
+    (tmp_path / "mr" / "rt-polarity.all").write_text(train.read_text())
+    out = tmp_path / "cv"
+    assert main(["train", "--task", "mr", "--cv", "--folds", "3", "--data-dir", str(tmp_path), "--out", str(out),
+                 "--dim", "16", "--depth", "1", "--heads", "2", "--max-len", "16", "--no-progress",
+                 "--max-steps", "2", "--batch-size", "8", "--attention", "neural-clustering"]) == 0
+    summary = json.loads((out / "metrics.json").read_text())
+    folds = [json.loads((out / f"fold-{i}" / "metrics.json").read_text()) for i in range(3)]
+    accs = [f["metrics"]["accuracy"] for f in folds]
+    assert summary["metrics"]["fold_accuracy"] == accs and summary["protocol"] == "3-fold CV"
+    assert summary["metrics"]["accuracy"] == pytest.approx(sum(accs) / 3)
+    assert summary["metrics"]["accuracy_std"] == pytest.approx(torch.tensor(accs).std().item())
+    assert sum(f["metrics"]["test_examples"] for f in folds) == 100
+    with pytest.raises(SystemExit):
+        main(["train", "--task", "20news", "--cv", "--max-steps", "1", "--data-dir", str(tmp_path),
+              "--out", str(tmp_path / "x")])
+    assert "--cv is for the sentence tasks" in capsys.readouterr().err

@@ -149,7 +149,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     std = (sum((a - mean) ** 2 for a in accs) / max(1, len(accs) - 1)) ** 0.5
     summary = {"task": args.task, "attention": args.attention, "protocol": f"{args.folds}-fold CV",
                "metrics": {"accuracy": mean, "accuracy_std": std, "fold_accuracy": accs},
-               "train_seconds": sum(f["train_seconds"] for f in folds),
+               "epochs": folds[0]["epochs"], "train_seconds": sum(f["train_seconds"] for f in folds),
+               "wall_seconds": sum(f["wall_seconds"] for f in folds),
                "seconds_per_epoch": sum(f["seconds_per_epoch"] for f in folds) / len(folds),
                "device": folds[0]["device"], "config": dataclasses.asdict(config)}
     Path(config.out).mkdir(parents=True, exist_ok=True)
