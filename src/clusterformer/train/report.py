@@ -11,7 +11,8 @@ _METRIC = {"map_mrr": "map", "bpc": "bpc"}
 
 
 def load_runs(paths: list[str | Path]) -> list[dict]:
-    """metrics.json of each run directory (or file); a missing or unreadable one raises ValueError naming it."""
+    """metrics.json of each run directory (or file), with ``run_dir`` (where it was read) added; a missing or
+    unreadable one raises ValueError naming it."""
     runs = []
     for path in paths:
         path = Path(path)
@@ -19,9 +20,11 @@ def load_runs(paths: list[str | Path]) -> list[dict]:
         if not file.is_file():
             raise ValueError(f"no metrics.json in {str(path)!r} (did the run finish?)")
         try:
-            runs.append(json.loads(file.read_text()))
+            run = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{file} is not valid JSON: {exc}") from None
+        run["run_dir"] = str(file.parent)
+        runs.append(run)
     return runs
 
 
@@ -51,8 +54,9 @@ def results_table(runs: list[dict]) -> str:
         config = run.get("config", {})
         options = ", ".join(f"{k}={v}" for k, v in (config.get("attention_options") or {}).items())
         attention = run["attention"] + (f" ({options})" if options else "")
+        run_name = Path(run.get("run_dir") or config.get("out", "?")).name
         lines.append(
-            f"| {Path(config.get('out', '?')).name} | {run['task']} | {attention} | {config.get('seed', '?')} | "
+            f"| {run_name} | {run['task']} | {attention} | {config.get('seed', '?')} | "
             f"{name} | {value} | {run.get('epochs', 0):.2f} | "
             f"{run['seconds_per_epoch']:.1f} | {run.get('train_seconds', 0):.0f} | {run.get('wall_seconds', 0):.0f} | "
             f"{run.get('device', '?')} |"
