@@ -238,7 +238,8 @@ def test_hamming_kmeans_matches_loop_reference():
     got = hamming_kmeans(codes, C, iterations=iters, valid=valid)
     for g in range(G):
         x = codes[g].int()
-        cent = [x[(j * n) // C].clone() for j in range(C)]
+        real = [i for i in range(n) if valid[g, i]]  # seeds: evenly spaced among the valid points
+        cent = [x[real[(j * len(real)) // C]].clone() for j in range(C)]
 
         def assign(cent):
             return [min(range(C), key=lambda j: (int((x[i] != cent[j]).sum()), j)) for i in range(n)]

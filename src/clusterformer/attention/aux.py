@@ -19,17 +19,17 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .base import AttentionLayer
-
 __all__ = ["collect_aux_losses", "total_loss"]
 
 
 def collect_aux_losses(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Mean of each named auxiliary loss over all attention layers in ``model`` (from their last forward)."""
+    """Mean of each named auxiliary loss over all attention layers in ``model`` (from their last forward):
+    every :class:`~clusterformer.attention.AttentionLayer`, and any other module with an ``aux_losses`` dict
+    (e.g. the attention that :func:`clusterformer.hf.patch` puts into a pretrained model)."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, AttentionLayer):
+        if isinstance(getattr(module, "aux_losses", None), dict):
             for name, value in module.aux_losses.items():
                 sums[name] = sums[name] + value if name in sums else value
                 counts[name] = counts.get(name, 0) + 1

@@ -38,7 +38,37 @@ def is_replaying() -> bool:
     return _REPLAYING
 
 
-class AttentionLayer(nn.Module):
+class SeededModule(nn.Module):
+    """A module with its own CPU ``torch.Generator`` seeded by ``seed`` (None: no generator).
+
+    The generator's state travels with ``state_dict`` (extra state), so a resumed run draws the same random
+    numbers. :meth:`draw_generator` gives the generator to draw a forward's numbers from."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__()
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+
+    def get_extra_state(self) -> dict | None:
+        return None if self.generator is None else {"generator": self.generator.get_state()}
+
+    def set_extra_state(self, state: dict | None) -> None:
+        if state is not None and self.generator is not None:
+            self.generator.set_state(state["generator"])
+
+    def draw_generator(self) -> torch.Generator:
+        """The module's own generator, advancing, in training; a fresh one seeded with ``seed`` in evaluation
+        (so the same input gives the same output)."""
+        if self.generator is None:
+            raise RuntimeError(f"{type(self).__name__} was built without a seed")
+        if self.training:
+            return self.generator
+        return torch.Generator().manual_seed(self.seed)
+
+
+class AttentionLayer(SeededModule):
     """Multi-head self-attention layer: ``layer(x, key_padding_mask=None, causal=False)`` -> (B, N, dim).
 
     Subclasses implement :meth:`_attend` on (B, N, dim) inputs whose padded rows are already zero.
@@ -64,7 +94,7 @@ class AttentionLayer(nn.Module):
 
     def __init__(self, dim: int, heads: int, *, bias: bool = True, shared_qk: bool = False,
                  seed: int | None = None) -> None:
-        super().__init__()
+        super().__init__(seed)
         check_int("dim", dim, minimum=1)
         check_int("heads", heads, minimum=1)
         if dim % heads:
@@ -76,28 +106,7 @@ class AttentionLayer(nn.Module):
         self.to_qkv = nn.Linear(dim, (2 if shared_qk else 3) * dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
         self.aux_losses: dict[str, torch.Tensor] = {}
-        self.seed = seed
-        self.generator: torch.Generator | None = None
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed)
         self._pending: dict[str, torch.Tensor] = {}
-
-    def get_extra_state(self) -> dict | None:
-        """The generator's state travels with ``state_dict``, so a resumed run draws the same hashes."""
-        return None if self.generator is None else {"generator": self.generator.get_state()}
-
-    def set_extra_state(self, state: dict | None) -> None:
-        if state is not None and self.generator is not None:
-            self.generator.set_state(state["generator"])
-
-    def draw_generator(self) -> torch.Generator:
-        """The generator to draw this forward's random numbers from: the layer's own, advancing, in training;
-        a fresh one seeded with ``seed`` in evaluation (deterministic outputs)."""
-        if self.generator is None:
-            raise RuntimeError(f"{type(self).__name__} was built without a seed")
-        if self.training:
-            return self.generator
-        return torch.Generator().manual_seed(self.seed)
 
     def updates_state(self) -> bool:
         """Whether this forward may change buffers: training mode and not a reversible recompute."""

@@ -81,6 +81,23 @@ class ImprovedClusteredOptions(ClusteredOptions):
         check_int("topk", self.topk, minimum=1)
 
 
+def cluster_queries(
+    q: torch.Tensor, options: ClusteredOptions, generator: torch.Generator, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, int]:
+    """Step 2: q (B, H, N, D) -> (query clusters (B, H, N), number of clusters C = min(clusters, N)).
+
+    Hash planes (H, D, bits) are drawn from ``generator``; padded queries do not move the centroids. Shared
+    with :mod:`clusterformer.hf`, which clusters a pretrained model's own queries."""
+    B, H, N, D = q.shape
+    planes = torch.randn(H, D, options.bits, generator=generator).to(q.device)
+    codes = sign_codes(q.detach(), planes).reshape(B * H, N, options.bits)
+    valid = None
+    if key_padding_mask is not None:
+        valid = (~key_padding_mask).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
+    groups = hamming_kmeans(codes, options.clusters, iterations=options.iterations, valid=valid)
+    return groups.view(B, H, N), max(1, min(options.clusters, N))
+
+
 @register("clustered", ClusteredOptions, "clustered attention: LSH + Hamming k-means on queries; O(N C)")
 class ClusteredAttention(AttentionLayer):
     def __init__(self, dim: int, heads: int, options: ClusteredOptions | None = None) -> None:
@@ -98,15 +115,7 @@ class ClusteredAttention(AttentionLayer):
 
     def cluster_queries(self, q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """q (B, H, N, D) -> (query clusters (B, H, N), number of clusters)."""
-        B, H, N, D = q.shape
-        o = self.options
-        planes = torch.randn(H, D, o.bits, generator=self.draw_generator()).to(q.device)
-        codes = sign_codes(q.detach(), planes).reshape(B * H, N, o.bits)
-        valid = None
-        if key_padding_mask is not None:
-            valid = (~key_padding_mask).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
-        groups = hamming_kmeans(codes, o.clusters, iterations=o.iterations, valid=valid)
-        return groups.view(B, H, N), max(1, min(o.clusters, N))
+        return cluster_queries(q, self.options, self.draw_generator(), key_padding_mask)
 
     def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         if causal:

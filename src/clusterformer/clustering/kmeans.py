@@ -123,7 +123,8 @@ def hamming_kmeans(
     Returns:
         (G, n) long assignments in [0, min(C, n)).
 
-    Centroids start at the codes of the points at evenly spaced positions (deterministic); each iteration
+    Centroids start at the codes of evenly spaced *valid* points (the (c * n_valid // C)-th valid point for
+    c = 0..C-1; deterministic, and independent of how much padding follows the sequence); each iteration
     assigns every point to the centroid at the smallest Hamming distance (ties to the lowest index) and
     sets each centroid bit to the majority bit of its members (a tie or an empty cluster keeps the bit).
     With C = n and distinct codes every point is its own cluster."""
@@ -131,8 +132,15 @@ def hamming_kmeans(
     _G, n, _bits = codes.shape
     C = max(1, min(check_int("clusters", clusters, minimum=1), n))
     x = codes.to(torch.float32)  # 0/1
-    start = torch.div(torch.arange(C, device=codes.device) * n, C, rounding_mode="floor")
-    centroids = x[:, start]  # (G, C, bits)
+    if valid is None:
+        start = torch.div(torch.arange(C, device=codes.device) * n, C, rounding_mode="floor")
+        centroids = x[:, start]  # (G, C, bits)
+    else:  # valid points first, in order (stable sort), then the (c * n_valid // C)-th of them
+        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices  # (G, n)
+        n_valid = valid.sum(1, keepdim=True).clamp(min=1)  # (G, 1); an all-padding row seeds from padding
+        rank = torch.div(torch.arange(C, device=codes.device) * n_valid, C, rounding_mode="floor")  # (G, C)
+        start = order.gather(1, rank)
+        centroids = x.gather(1, start.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
     weight = None if valid is None else valid.to(x.dtype)
 
     def assign_to(c: torch.Tensor) -> torch.Tensor:

