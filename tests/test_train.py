@@ -63,6 +63,10 @@ def test_train_writes_metrics_logs_and_learns(tmp_path):
     evaluated = json.loads(subprocess.run([sys.executable, "-m", "clusterformer", "eval", "--checkpoint", str(out)],
                                           capture_output=True, text=True, check=True).stdout)
     assert evaluated["metrics"]["accuracy"] == pytest.approx(result["metrics"]["accuracy"])
+    # a new run (no --resume) in the same directory starts its logs afresh
+    assert main(_argv(train, test, out, "--max-steps", "10", "--batch-size", "16", "--log-every", "5")) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [5, 10]
+    assert len((out / "metrics.csv").read_text().splitlines()) == 3
 
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):

@@ -197,6 +197,80 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_approx(args: argparse.Namespace) -> int:
+    from .approx import ApproxConfig, run_approx
+
+    config = ApproxConfig(model=args.model, attention=args.attention, clusters=args.clusters, topk=args.topk,
+                          bits=args.bits, seed=args.seed, data_dir=args.data_dir, limit=args.limit,
+                          long_docs=args.long_docs, folds=args.folds, batch_size=args.batch_size,
+                          device=args.device, progress=not args.no_progress)
+    record = run_approx(config, log=_log)
+    text = json.dumps(record, indent=2) + "\n"
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+        _log(f"wrote {args.json}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .clustering.standalone import run_clustering
+
+    if (args.dataset is None) == (args.data is None):
+        raise ValueError("give exactly one of --dataset digits or --data X.npy")
+    if args.dataset == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x, labels, source = digits.data, digits.target, "sklearn load_digits (1797 x 64)"
+    else:
+        x = _load_npy("--data", args.data)
+        labels = _load_npy("--labels", args.labels) if args.labels else None
+        if x.ndim != 2:
+            raise ValueError(f"--data must hold a 2-D array (points x features), got shape {x.shape}")
+        if labels is not None and labels.shape != (x.shape[0],):
+            raise ValueError(f"--labels must hold one label per point: shape ({x.shape[0]},), got {labels.shape}")
+        source = args.data
+    options = json.loads(args.options) if args.options else {}
+    results = []
+    for seed in args.seeds:
+        result = run_clustering(args.method, args.k, x, labels, seed=seed, **options)
+        if not args.keep_labels:
+            result.pop("labels")
+        scores = {m: round(result[m], 4) for m in ("accuracy", "purity", "nmi") if m in result}
+        _log(f"{args.method} k={args.k} seed={seed}: {scores} ({result['seconds']:.1f} s)")
+        results.append(result)
+    record = {"method": args.method, "k": args.k, "data": source, "runs": results}
+    for metric in ("accuracy", "purity", "nmi"):
+        values = np.array([r[metric] for r in results if metric in r])
+        if len(values):
+            record[metric] = float(values.mean())
+            record[f"{metric}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    text = json.dumps(record, indent=2) + "\n"
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+        _log(f"wrote {args.json}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def _load_npy(flag: str, path: str):
+    import numpy as np
+
+    if not Path(path).is_file():
+        raise ValueError(f"{flag}: no such file {path!r} (expected a .npy array)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{flag}: {path!r} is not a readable .npy array ({exc})") from None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
@@ -316,6 +390,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", help="run directories (or metrics.json files)")
     p.add_argument("--plot", default=None, help="accuracy against seconds per epoch (PNG)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("approx", help="clustered attention inside a pretrained model, no retraining: cosine to "
+                                      "the unpatched embeddings and downstream accuracy (needs [minilm])")
+    p.add_argument("--model", default="minilm", help="pretrained model (minilm: all-MiniLM-L6-v2)")
+    p.add_argument("--attention", default="improved-clustered", choices=["clustered", "improved-clustered"])
+    p.add_argument("--clusters", type=_int_list, default=[25], help="cluster counts, e.g. 8,16,25,32")
+    p.add_argument("--topk", type=int, default=None, help="improved-clustered: exact keys per cluster (32)")
+    p.add_argument("--bits", type=int, default=None, help="hash bits (default 32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default=None, help="datasets (default: $CLUSTERFORMER_DATA, else the user cache)")
+    p.add_argument("--limit", type=int, default=None, help="sentences per task (MR, SUBJ, CR); default all")
+    p.add_argument("--long-docs", type=int, default=200, help="20NEWS test documents at 512 tokens (cosine)")
+    p.add_argument("--folds", type=int, default=10, help="cross-validation folds of the logistic regression")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="write the record here (default: stdout)")
+    p.set_defaults(func=cmd_approx)
+
+    p = sub.add_parser("cluster", help="stand-alone clustering: neural clustering method vs k-means vs SOM "
+                                       "(accuracy by Hungarian matching, purity, NMI)")
+    p.add_argument("--method", required=True, choices=["neural", "kmeans", "som"])
+    p.add_argument("--k", type=int, required=True, help="number of clusters")
+    p.add_argument("--dataset", choices=["digits"], default=None, help="built-in data: scikit-learn's digits")
+    p.add_argument("--data", default=None, help="points as a .npy array (n, d)")
+    p.add_argument("--labels", default=None, help="labels as a .npy array (n,) (optional)")
+    p.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",")], default=[0],
+                   help="comma-separated seeds; mean and std over them are reported")
+    p.add_argument("--options", default=None, help='method options as JSON, e.g. {"steps": 500}')
+    p.add_argument("--keep-labels", action="store_true", help="include every point's cluster in the JSON")
+    p.add_argument("--json", default=None, help="write the record here (default: stdout)")
+    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("demo", help="benchmark + short training of full vs neural-clustering (CPU, < 5 min)")
     p.add_argument("--out", default="out/demo", help="output directory")

@@ -276,14 +276,18 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 
 class _Logger:
-    """metrics.jsonl (one object per log step) and metrics.csv (same columns), appended on resume."""
+    """metrics.jsonl (one object per log step) and metrics.csv (same columns): appended on resume, started
+    afresh otherwise (so the logs of an earlier run in the same directory never mix with this one's)."""
 
     COLUMNS = ("step", "epoch", "loss", "task_loss", "clustering", "centroid_sorting", "commitment", "lr",
                "examples_per_s", "elapsed_s")
 
-    def __init__(self, out: Path, enabled: bool) -> None:
+    def __init__(self, out: Path, enabled: bool, resume: bool) -> None:
         self.enabled = enabled
         self.jsonl, self.csv = out / "metrics.jsonl", out / "metrics.csv"
+        if enabled and not resume:
+            self.jsonl.unlink(missing_ok=True)
+            self.csv.unlink(missing_ok=True)
         if enabled and not self.csv.exists():
             with open(self.csv, "w", newline="") as f:
                 csv.writer(f).writerow(self.COLUMNS)
@@ -346,7 +350,7 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
         # when the clustering losses are weighted 0: the argmax assignment is not differentiable).
         trained = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
-    logger = _Logger(out, rank == 0)
+    logger = _Logger(out, rank == 0, config.resume)
     bar = None
     if rank == 0 and config.progress:
         from tqdm import tqdm

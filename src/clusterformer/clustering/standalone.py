@@ -1,0 +1,145 @@
+"""Stand-alone clustering (ClusterFormer paper, appendix A, Table 6): the Neural Clustering Method against
+k-means and a self-organising map, scored against labels.
+
+``run_clustering(method, k, x, labels)`` fits one method and returns ``accuracy``, ``purity`` and ``nmi``:
+
+* ``accuracy``: the best one-to-one matching of clusters to labels (Hungarian algorithm,
+  ``scipy.optimize.linear_sum_assignment`` on the k x classes contingency table); points in unmatched
+  clusters count as errors, so with k > classes it is capped by the largest ``classes`` clusters.
+* ``purity``: every cluster labelled with its majority class (many-to-one). This is what a table whose
+  accuracy *grows* with k > classes (the paper's Table 6, k = 10 ... 300 on MNIST) can only be measuring.
+* ``nmi``: normalised mutual information (scikit-learn, arithmetic mean).
+
+Methods (all on the same centred features; centring changes neither k-means nor the SOM, which are
+translation invariant, but matters for the cosine similarity of the neural method):
+
+* ``neural``: :class:`NeuralClusterer` -- the Neural Clustering Method of section 3.1 on its clustering loss
+  alone: learnable centroids C (k x d, started at k random points), U = softmax over points of
+  ``scale`` * cos(C_i, x_j) (eq. 2), C_hat = U X (eq. 3), I_j = argmax_i U_ij (eq. 4), and L1 = -mean_j
+  cos(x_j, C_hat_{I_j}) (eq. 6) minimised with Adam over the full data set. No W^C projection by default: with
+  the clustering loss alone, L1 has a degenerate minimum (W^C mapping every point to one direction gives
+  L1 = -1 whatever the clusters), so the projection only makes sense with a task loss beside it
+  (``projection=True`` keeps it; the tests show it lowers L1 further).
+* ``kmeans``: scikit-learn ``KMeans(n_clusters=k, n_init=10)``.
+* ``som``: :class:`clusterformer.clustering.som.SOM`, batch SOM on a near-square grid.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .._checks import check_choice, check_float, check_int, check_tensor
+from .neural import neural_clustering
+from .som import SOM
+
+__all__ = ["METHODS", "NeuralClusterer", "cluster_scores", "hungarian_accuracy", "purity", "run_clustering"]
+
+METHODS = ("neural", "kmeans", "som")
+
+
+class NeuralClusterer:
+    """The Neural Clustering Method as a clusterer; ``NeuralClusterer(k).fit(x).labels_``."""
+
+    def __init__(self, k: int, *, steps: int = 300, lr: float = 0.05, scale: float = 10.0,
+                 assign: str = "subordinate", projection: bool = False, seed: int = 0) -> None:
+        self.k = check_int("k", k, minimum=1)
+        self.steps = check_int("steps", steps, minimum=0)
+        self.lr = check_float("lr", lr, minimum=0.0, exclusive_minimum=True)
+        self.scale = check_float("scale", scale, minimum=0.0, exclusive_minimum=True)
+        self.assign = check_choice("assign", assign, ("subordinate", "nearest"))
+        self.projection = projection
+        self.seed = check_int("seed", seed, minimum=0)
+        self.centroids: torch.Tensor | None = None
+        self.labels_: torch.Tensor | None = None
+        self.losses: list[float] = []
+
+    def fit(self, x: torch.Tensor) -> NeuralClusterer:
+        check_tensor("x", x, ndim=2, floating=True)
+        n, d = x.shape
+        if n < self.k:
+            raise ValueError(f"x must have at least k={self.k} points, got {n}")
+        g = torch.Generator().manual_seed(self.seed)
+        x = x.double().unsqueeze(0)  # one "sequence" of n points
+        centroids = torch.nn.Parameter(x[0, torch.randperm(n, generator=g)[: self.k]].clone())
+        params = [centroids]
+        w = None
+        if self.projection:
+            w = torch.nn.Parameter(torch.eye(d, dtype=x.dtype))
+            params.append(w)
+        opt = torch.optim.Adam(params, lr=self.lr)
+        for _ in range(self.steps):
+            out = neural_clustering(x if w is None else x @ w, centroids, scale=self.scale, assign=self.assign)
+            opt.zero_grad()
+            out.clustering_loss.backward()
+            opt.step()
+            self.losses.append(out.clustering_loss.item())
+        with torch.no_grad():
+            out = neural_clustering(x if w is None else x @ w, centroids, scale=self.scale, assign=self.assign)
+        self.centroids = centroids.detach()
+        self.labels_ = out.assignments[0]
+        return self
+
+
+def _contingency(clusters: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    _, c = np.unique(clusters, return_inverse=True)
+    _, y = np.unique(labels, return_inverse=True)
+    table = np.zeros((c.max() + 1, y.max() + 1), dtype=np.int64)
+    np.add.at(table, (c, y), 1)
+    return table
+
+
+def hungarian_accuracy(clusters, labels) -> float:
+    """Fraction of points whose cluster is matched to their label by the best one-to-one matching."""
+    from scipy.optimize import linear_sum_assignment
+
+    table = _contingency(np.asarray(clusters), np.asarray(labels))
+    rows, cols = linear_sum_assignment(table, maximize=True)
+    return float(table[rows, cols].sum() / table.sum())
+
+
+def purity(clusters, labels) -> float:
+    """Fraction of points carrying their cluster's majority label."""
+    table = _contingency(np.asarray(clusters), np.asarray(labels))
+    return float(table.max(1).sum() / table.sum())
+
+
+def cluster_scores(clusters, labels) -> dict[str, float]:
+    """accuracy (Hungarian), purity and NMI of a clustering against labels."""
+    from sklearn.metrics import normalized_mutual_info_score
+
+    clusters, labels = np.asarray(clusters), np.asarray(labels)
+    if clusters.shape != labels.shape:
+        raise ValueError(f"labels must have one entry per point: {labels.shape} vs {clusters.shape}")
+    return {"accuracy": hungarian_accuracy(clusters, labels), "purity": purity(clusters, labels),
+            "nmi": float(normalized_mutual_info_score(labels, clusters))}
+
+
+def run_clustering(method: str, k: int, x: torch.Tensor | np.ndarray, labels=None, *, seed: int = 0,
+                   **options) -> dict:
+    """Fit ``method`` with ``k`` clusters on x (n, d); returns labels, scores (if ``labels``), seconds."""
+    check_choice("method", method, METHODS)
+    check_int("k", k, minimum=1)
+    x = torch.as_tensor(np.asarray(x, dtype=np.float64))
+    check_tensor("x", x, ndim=2, floating=True)
+    if x.shape[0] < k:
+        raise ValueError(f"k must be <= the number of points ({x.shape[0]}), got {k}")
+    x = x - x.mean(0)
+    started = time.perf_counter()
+    if method == "neural":
+        assignments = NeuralClusterer(k, seed=seed, **options).fit(x).labels_.numpy()
+    elif method == "som":
+        assignments = SOM(k, seed=seed, **options).fit(x).labels_.numpy()
+    else:
+        from sklearn.cluster import KMeans
+
+        kmeans_options = {"n_init": 10, **options}
+        assignments = KMeans(n_clusters=k, random_state=seed, **kmeans_options).fit(x.numpy()).labels_
+    result = {"method": method, "k": k, "seed": seed, "options": options, "n": int(x.shape[0]),
+              "clusters_used": len(np.unique(assignments)), "seconds": time.perf_counter() - started}
+    if labels is not None:
+        result.update(cluster_scores(assignments, labels))
+    result["labels"] = assignments.tolist()
+    return result

@@ -1,0 +1,103 @@
+"""Stand-alone clustering: metrics against brute force, the batch SOM step against its definition, recovery
+of planted clusters by every method, and the `clusterformer cluster` command."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+pytest.importorskip("scipy")
+
+from clusterformer.cli import main
+from clusterformer.clustering.som import SOM, grid_shape, som_step
+from clusterformer.clustering.standalone import (
+    NeuralClusterer,
+    hungarian_accuracy,
+    purity,
+    run_clustering,
+)
+
+
+def _blobs(n_per: int, centres: int, dim: int, seed: int, spread: float = 0.3):
+    g = torch.Generator().manual_seed(seed)
+    means = torch.randn(centres, dim, generator=g, dtype=torch.float64) * 4
+    labels = torch.arange(centres).repeat_interleave(n_per)
+    x = means[labels] + spread * torch.randn(len(labels), dim, generator=g, dtype=torch.float64)
+    return x, labels
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hungarian_accuracy_and_purity_match_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    clusters, labels = rng.integers(0, 4, 50), rng.integers(0, 4, 50)
+    best = max(np.mean([perm[c] == y for c, y in zip(clusters, labels, strict=True)])
+               for perm in itertools.permutations(range(4)))
+    assert hungarian_accuracy(clusters, labels) == pytest.approx(best)
+    majority = sum(np.bincount(labels[clusters == c]).max() for c in np.unique(clusters)) / 50
+    assert purity(clusters, labels) == pytest.approx(majority)
+    # more clusters than labels: one-to-one accuracy never exceeds purity
+    many = rng.integers(0, 9, 50)
+    assert hungarian_accuracy(many, labels) <= purity(many, labels)
+
+
+def test_som_step_matches_its_definition():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(13, 3, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g, dtype=torch.float64)
+    grid = SOM(6).grid
+    sigma = 0.8
+    new = som_step(x, w, grid, sigma)
+    for i in range(6):
+        num, den = torch.zeros(3, dtype=torch.float64), 0.0
+        for j in range(13):
+            b = min(range(6), key=lambda u: float((x[j] - w[u]).norm()))
+            h = float(torch.exp(-((grid[i] - grid[b]) ** 2).sum() / (2 * sigma**2)))
+            num, den = num + h * x[j], den + h
+        torch.testing.assert_close(new[i], num / den)
+    assert grid_shape(10) == (2, 5) and grid_shape(100) == (10, 10) and grid_shape(7) == (1, 7)
+
+
+@pytest.mark.parametrize("method", ["neural", "kmeans", "som"])
+def test_every_method_recovers_planted_clusters(method):
+    x, labels = _blobs(40, 5, 6, seed=3)
+    result = run_clustering(method, 5, x, labels.numpy(), seed=0)
+    assert result["accuracy"] > 0.95 and result["nmi"] > 0.9, result
+
+
+def test_neural_clusterer_lowers_its_loss_and_a_free_projection_lowers_it_further():
+    x, _ = _blobs(30, 4, 5, seed=4)
+    x = x - x.mean(0)
+    model = NeuralClusterer(4, steps=100, seed=0).fit(x)
+    assert model.losses[-1] < model.losses[0]
+    projected = NeuralClusterer(4, steps=100, seed=0, projection=True).fit(x)
+    assert projected.losses[-1] < model.losses[-1]  # W^C gives L1 another way down (towards one direction)
+
+
+def test_cluster_command_digits_and_npy(tmp_path, capsys):
+    out = tmp_path / "digits.json"
+    assert main(["cluster", "--method", "kmeans", "--k", "10", "--dataset", "digits", "--seeds", "0,1",
+                 "--options", '{"n_init": 1}', "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert len(record["runs"]) == 2 and 0.5 < record["accuracy"] <= 1 and 0.5 < record["nmi"] <= 1
+    assert record["accuracy_std"] >= 0 and "labels" not in record["runs"][0]
+    x, labels = _blobs(20, 3, 4, seed=5)
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "y.npy", labels.numpy())
+    assert main(["cluster", "--method", "som", "--k", "3", "--data", str(tmp_path / "x.npy"), "--labels",
+                 str(tmp_path / "y.npy"), "--keep-labels"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["accuracy"] > 0.95 and len(record["runs"][0]["labels"]) == 60
+    for argv, message in [
+        (["--data", str(tmp_path / "missing.npy")], "no such file"),
+        (["--data", str(tmp_path / "x.npy"), "--labels", str(tmp_path / "x.npy")], "one label per point"),
+        (["--dataset", "digits", "--data", str(tmp_path / "x.npy")], "exactly one of"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["cluster", "--method", "kmeans", "--k", "3", *argv])
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="k must be <="):
+        run_clustering("kmeans", 100, x, labels)
