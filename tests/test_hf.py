@@ -207,3 +207,38 @@ def test_minilm_loads_offline_and_embeds_like_sentence_transformers(monkeypatch)
     patch(model, "improved-clustered", clusters=25)
     cos = (embed(model, tokenizer, texts) * ours).sum(-1)
     assert (cos > 0.99).all(), cos  # short sentences: 25 clusters >= tokens, top-32 covers every key
+
+
+@needs_minilm
+def test_pretrained_tokenizer_matches_transformers():
+    from clusterformer.data.tokenize import PretrainedTokenizer
+    from clusterformer.hf import pretrained_path
+
+    texts = ["A gripping, beautifully-acted film!", "naïve café owners", ""]
+    ids, pad = PretrainedTokenizer("minilm").encode(texts, 8)
+    reference = transformers.AutoTokenizer.from_pretrained(str(pretrained_path("minilm")))(
+        texts, padding=True, truncation=True, max_length=8, return_tensors="pt")
+    assert torch.equal(ids, reference["input_ids"]) and torch.equal(pad, reference["attention_mask"] == 0)
+
+
+@needs_minilm
+def test_train_init_minilm_fine_tunes_and_evaluates(tmp_path):
+    """`train --init minilm` fine-tunes the patched pretrained model; `eval` rebuilds it from the checkpoint."""
+    import json
+
+    from clusterformer.cli import main
+    from clusterformer.train import evaluate_checkpoint
+
+    rows = [f"{i % 2} " + ("a wonderful , moving film" if i % 2 else "a dull , tedious mess") for i in range(24)]
+    (tmp_path / "train.txt").write_text("\n".join(rows) + "\n")
+    (tmp_path / "test.txt").write_text("\n".join(rows[:8]) + "\n")
+    out = tmp_path / "run"
+    assert main(["train", "--task", "text-classification", "--train-file", str(tmp_path / "train.txt"),
+                 "--test-file", str(tmp_path / "test.txt"), "--init", "minilm", "--attention", "neural-clustering",
+                 "--attention-options", '{"num_clusters": 2}', "--max-len", "16", "--batch-size", "8",
+                 "--max-steps", "6", "--lr", "1e-4", "--warmup-steps", "1", "--no-progress", "--out", str(out)]) == 0
+    result = json.loads((out / "metrics.json").read_text())
+    assert result["metrics"]["accuracy"] == 1.0  # the two phrases are trivially separable from MiniLM features
+    assert evaluate_checkpoint(out)["metrics"]["accuracy"] == result["metrics"]["accuracy"]
+    with pytest.raises(SystemExit):
+        main(["train", "--task", "wikiqa", "--init", "minilm", "--max-steps", "1", "--out", str(tmp_path / "x")])

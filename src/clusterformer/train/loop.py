@@ -95,10 +95,26 @@ class TrainConfig:
     device: str = "auto"
     amp: str = "auto"
     progress: bool = True
+    init: str | None = None  # a pretrained model of clusterformer.hf (e.g. "minilm") to fine-tune
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
-        make_options(self.attention, self.attention_options)
+        if self.init is None:
+            make_options(self.attention, self.attention_options)
+        else:
+            from ..hf import PRETRAINED, validate_patch_options
+
+            check_choice("init", self.init, tuple(PRETRAINED))
+            validate_patch_options(self.attention, self.attention_options)
+            if self.task in ("wikiqa", "shakespeare-char"):
+                raise ValueError(f"--init fine-tunes single-text classifiers; task {self.task!r} is not one")
+            if self.tokenizer != "auto":
+                raise ValueError("--init uses the pretrained model's own tokenizer; leave --tokenizer at auto")
+            if self.reversible:
+                raise ValueError("--init and --reversible cannot be combined (the pretrained blocks are not "
+                                 "reversible)")
+            if self.max_len > 512:
+                raise ValueError(f"max_len must be <= 512 (the pretrained model's positions), got {self.max_len}")
         for name in ("vocab_size", "max_len", "dim", "depth", "heads", "batch_size", "log_every", "folds"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed"):
@@ -142,7 +158,16 @@ def _device(name: str, rank: int) -> torch.device:
     return device
 
 
+def _tokenizer_kind(config: TrainConfig) -> str:
+    return f"pretrained:{config.init}" if config.init else config.tokenizer
+
+
 def build_model(config: TrainConfig, task: PreparedTask) -> torch.nn.Module:
+    if config.init:
+        from ..hf import PretrainedClassifier
+
+        return PretrainedClassifier(config.init, task.num_classes, attention=config.attention,
+                                    options=dict(config.attention_options))
     max_len = config.max_len + (1 if task.kind == "lm" else 0)
     enc = EncoderConfig(vocab_size=task.vocab_size, dim=config.dim, depth=config.depth, heads=config.heads,
                         ff_dim=config.ff_dim, dropout=config.dropout, max_len=max_len, attention=config.attention,
@@ -325,7 +350,8 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
         if state["world_size"] != world:
             raise ValueError(f"the checkpoint was written with {state['world_size']} processes, not {world}")
     if task is None:
-        task = prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len, tokenizer=config.tokenizer,
+        task = prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len,
+                            tokenizer=_tokenizer_kind(config),
                             vocab_size=config.vocab_size, seed=config.seed, fold=config.fold, folds=config.folds,
                             limit=config.limit, train_file=config.train_file, test_file=config.test_file,
                             tokenizer_state=state["tokenizer"] if state else None)
@@ -435,7 +461,8 @@ def evaluate_checkpoint(path: str | Path, data_dir: str | None = None, device: s
     config = TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
     if data_dir is not None:
         config.data_dir = data_dir
-    task = prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len, tokenizer=config.tokenizer,
+    task = prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len,
+                        tokenizer=_tokenizer_kind(config),
                         vocab_size=config.vocab_size, seed=config.seed, fold=config.fold, folds=config.folds,
                         limit=config.limit, train_file=config.train_file, test_file=config.test_file,
                         tokenizer_state=state["tokenizer"])

@@ -21,6 +21,7 @@ import torch
 
 from ..data import ByteTokenizer, WordTokenizer, kfold_indices, load_classification_task, load_labeled_file
 from ..data.paths import resolve_data_dir
+from ..data.tokenize import PretrainedTokenizer
 
 __all__ = ["TASKS", "PreparedTask", "prepare_task"]
 
@@ -48,10 +49,13 @@ class PreparedTask:
 def _tokenizer(kind: str, texts: list[str], vocab_size: int, state: str | None, pairs: bool = False):
     if kind == "bytes" or state == "bytes":
         return ByteTokenizer()
+    pretrained = state if state and state.startswith("pretrained:") else kind
+    if pretrained.startswith("pretrained:"):
+        return PretrainedTokenizer(pretrained.split(":", 1)[1])
     if state is not None:
         return WordTokenizer.from_str(state)
     if kind != "word":
-        raise ValueError(f"tokenizer must be 'word' or 'bytes', got {kind!r}")
+        raise ValueError(f"tokenizer must be 'word', 'bytes' or 'pretrained:NAME', got {kind!r}")
     return WordTokenizer.train(texts, vocab_size=vocab_size, pairs=pairs)
 
 
