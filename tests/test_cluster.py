@@ -87,7 +87,7 @@ def test_cluster_command_digits_and_npy(tmp_path, capsys):
     x, labels = _blobs(20, 3, 4, seed=5)
     np.save(tmp_path / "x.npy", x.numpy())
     np.save(tmp_path / "y.npy", labels.numpy())
-    assert main(["cluster", "--method", "som", "--k", "3", "--data", str(tmp_path / "x.npy"), "--labels",
+    assert main(["cluster", "--method", "kmeans", "--k", "3", "--data", str(tmp_path / "x.npy"), "--labels",
                  str(tmp_path / "y.npy"), "--keep-labels"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["accuracy"] > 0.95 and len(record["runs"][0]["labels"]) == 60
