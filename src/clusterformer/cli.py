@@ -197,6 +197,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emit_json(record: dict, path: str | None) -> None:
+    """Write ``record`` as indented JSON to ``path`` (creating its folder), or to stdout without a path."""
+    text = json.dumps(record, indent=2) + "\n"
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+        _log(f"wrote {path}")
+    else:
+        print(text, end="")
+
+
 def cmd_approx(args: argparse.Namespace) -> int:
     from .approx import ApproxConfig, run_approx
 
@@ -205,13 +216,7 @@ def cmd_approx(args: argparse.Namespace) -> int:
                           long_docs=args.long_docs, folds=args.folds, batch_size=args.batch_size,
                           device=args.device, progress=not args.no_progress)
     record = run_approx(config, log=_log)
-    text = json.dumps(record, indent=2) + "\n"
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
-        _log(f"wrote {args.json}")
-    else:
-        print(text, end="")
+    _emit_json(record, args.json)
     return 0
 
 
@@ -250,13 +255,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         if len(values):
             record[metric] = float(values.mean())
             record[f"{metric}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-    text = json.dumps(record, indent=2) + "\n"
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
-        _log(f"wrote {args.json}")
-    else:
-        print(text, end="")
+    _emit_json(record, args.json)
     return 0
 
 
