@@ -135,7 +135,7 @@ class PatchedSelfAttention(SeededModule):
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.last_groups: torch.Tensor | None = None
         if attention == "neural-clustering":
-            k = options.max_clusters if options.num_clusters == "sqrt" else options.num_clusters
+            k = options.n_centroids
             self.to_cluster = nn.Linear(hidden, hidden, bias=False)  # W^C
             with torch.no_grad():
                 self.to_cluster.weight.copy_(torch.eye(hidden))
@@ -144,13 +144,6 @@ class PatchedSelfAttention(SeededModule):
         self.to(device=param.device)
         if attention == "neural-clustering":
             self.to(dtype=param.dtype)
-
-    def clusters_for(self, length: int) -> int:
-        """neural-clustering: k for a batch padded to ``length`` tokens."""
-        o = self.options
-        if o.num_clusters == "sqrt":
-            return max(1, min(o.max_clusters, round(math.sqrt(length))))
-        return o.num_clusters
 
     def forward(
         self,
@@ -183,7 +176,7 @@ class PatchedSelfAttention(SeededModule):
             out = clustered_attention(q, k, v, groups, C, topk=getattr(self.options, "topk", None),
                                       key_padding_mask=padding)
         else:
-            kc = self.clusters_for(N)
+            kc = self.options.clusters_for(N)
             x = hidden_states if padding is None else hidden_states.masked_fill(padding.unsqueeze(-1), 0.0)
             clustering = neural_clustering(self.to_cluster(x), self.centroids[:kc], key_padding_mask=padding,
                                            similarity=self.options.similarity, scale=self.options.similarity_scale)

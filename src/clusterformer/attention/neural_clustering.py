@@ -104,6 +104,17 @@ class NeuralClusteringOptions:
         check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
         check_bool("bias", self.bias)
 
+    @property
+    def n_centroids(self) -> int:
+        """Centroids a layer owns: ``max_clusters`` with ``"sqrt"`` (the first k are used), else ``num_clusters``."""
+        return self.max_clusters if self.num_clusters == "sqrt" else self.num_clusters
+
+    def clusters_for(self, length: int) -> int:
+        """k used for a batch padded to ``length`` tokens."""
+        if self.num_clusters == "sqrt":
+            return max(1, min(self.max_clusters, round(math.sqrt(length))))
+        return self.num_clusters
+
 
 @register(
     "neural-clustering",
@@ -116,7 +127,7 @@ class NeuralClusteringAttention(AttentionLayer):
         super().__init__(dim, heads, bias=options.bias)
         self.options = options
         self.to_cluster = nn.Linear(dim, dim, bias=False)  # W^C
-        n_centroids = options.max_clusters if options.num_clusters == "sqrt" else options.num_clusters
+        n_centroids = options.n_centroids
         self.n_centroids = n_centroids
         if options.own_centroids:
             self.centroids = nn.Parameter(torch.randn(n_centroids, dim))  # C, random init as in the paper
@@ -126,9 +137,7 @@ class NeuralClusteringAttention(AttentionLayer):
 
     def clusters_for(self, length: int) -> int:
         """k used for a batch padded to ``length`` tokens."""
-        if self.options.num_clusters == "sqrt":
-            return max(1, min(self.options.max_clusters, round(math.sqrt(length))))
-        return self.options.num_clusters
+        return self.options.clusters_for(length)
 
     def forward(
         self,
