@@ -266,10 +266,20 @@ def test_sign_codes():
         assert torch.equal(codes[0, h], (x[0, h] @ planes[h].double()) > 0)
 
 
-@pytest.mark.parametrize("improved", [False, True])
+# The exact top-k part of improved clustered has two implementations (a masked dense attention for short
+# sequences, cluster-aligned chunks for long ones); DENSE_TOPK_FACTOR picks between them, so forcing it to 0
+# (always chunked) or to a huge value (always dense) tests both on every size.
+EXACT_PATHS = {"chunked": 0, "dense": 10**9}
+
+
+@pytest.mark.parametrize("improved", ["", "chunked", "dense"])
 @pytest.mark.parametrize(("N", "clusters", "topk", "pad_last"),
-                         [(20, 4, 3, 0), (13, 5, 4, 3), (7, 10, 2, 0), (33, 3, 8, 6)])
-def test_clustered_matches_dense_reference(improved, N, clusters, topk, pad_last):
+                         [(20, 4, 3, 0), (13, 5, 4, 3), (7, 10, 2, 0), (33, 3, 8, 6), (70, 4, 3, 5)])
+def test_clustered_matches_dense_reference(improved, N, clusters, topk, pad_last, monkeypatch):
+    from clusterformer.ops import clustered as clustered_ops
+
+    if improved:
+        monkeypatch.setattr(clustered_ops, "DENSE_TOPK_FACTOR", EXACT_PATHS[improved])
     name = "improved-clustered" if improved else "clustered"
     options = {"clusters": clusters, "bits": 8, "iterations": 3, "seed": 5}
     if improved:
@@ -301,7 +311,11 @@ def _full_twin(layer):
 
 
 @pytest.mark.parametrize(("N", "pad_last"), [(9, 0), (31, 5), (64, 0)])
-def test_improved_clustered_with_topk_at_least_n_is_full_attention(N, pad_last):
+@pytest.mark.parametrize("exact_path", sorted(EXACT_PATHS))
+def test_improved_clustered_with_topk_at_least_n_is_full_attention(N, pad_last, exact_path, monkeypatch):
+    from clusterformer.ops import clustered as clustered_ops
+
+    monkeypatch.setattr(clustered_ops, "DENSE_TOPK_FACTOR", EXACT_PATHS[exact_path])
     layer = _layer("improved-clustered", clusters=3, topk=N + 3)
     x = torch.randn(2, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(2, N, pad_last) if pad_last else None
@@ -464,8 +478,12 @@ def test_merge_rounds_is_exact_attention_over_the_union_of_disjoint_rounds():
     torch.testing.assert_close(merged, masked_softmax_attention(q, k, v, torch.ones(N, N, dtype=torch.bool)))
 
 
-def test_gradcheck_of_the_family_ops():
+@pytest.mark.parametrize("exact_path", sorted(EXACT_PATHS))
+def test_gradcheck_of_the_family_ops(exact_path, monkeypatch):
     from clusterformer.ops import bucketed_attention, clustered_attention, sliding_window_attention
+    from clusterformer.ops import clustered as clustered_ops
+
+    monkeypatch.setattr(clustered_ops, "DENSE_TOPK_FACTOR", EXACT_PATHS[exact_path])
 
     g = torch.Generator().manual_seed(0)
     B, H, N, D = 1, 2, 9, 3
