@@ -14,6 +14,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("scipy")
 
 from clusterformer.cli import main
+from clusterformer.clustering.neural import neural_clustering
 from clusterformer.clustering.som import SOM, grid_shape, som_step
 from clusterformer.clustering.standalone import (
     NeuralClusterer,
@@ -64,17 +65,38 @@ def test_som_step_matches_its_definition():
 @pytest.mark.parametrize("method", ["neural", "kmeans", "som"])
 def test_every_method_recovers_planted_clusters(method):
     x, labels = _blobs(40, 5, 6, seed=3)
-    result = run_clustering(method, 5, x, labels.numpy(), seed=0)
+    options = {"steps": 200, "n_init": 3} if method == "neural" else {}  # CI-sized
+    result = run_clustering(method, 5, x, labels.numpy(), seed=0, **options)
     assert result["accuracy"] > 0.95 and result["nmi"] > 0.9, result
 
 
 def test_neural_clusterer_lowers_its_loss_and_a_free_projection_lowers_it_further():
     x, _ = _blobs(30, 4, 5, seed=4)
     x = x - x.mean(0)
-    model = NeuralClusterer(4, steps=100, seed=0).fit(x)
+    model = NeuralClusterer(4, steps=100, n_init=1, seed=0).fit(x)
     assert model.losses[-1] < model.losses[0]
-    projected = NeuralClusterer(4, steps=100, seed=0, projection=True).fit(x)
+    projected = NeuralClusterer(4, steps=100, n_init=1, seed=0, projection=True).fit(x)
     assert projected.losses[-1] < model.losses[-1]  # W^C gives L1 another way down (towards one direction)
+
+
+def test_neural_clusterer_restarts_train_independently_and_the_lowest_loss_is_kept():
+    x, _ = _blobs(25, 5, 6, seed=6)
+    x = x - x.mean(0)
+    single = NeuralClusterer(5, steps=60, n_init=1, seed=2).fit(x)
+    several = NeuralClusterer(5, steps=60, n_init=4, seed=2).fit(x)
+    assert several.restart_losses.shape == (4,)
+    # restart 0 starts from the same points as the single run and trains the same way (Adam is invariant
+    # to the 1/R scale of the batched loss), so it ends at the same loss
+    torch.testing.assert_close(several.restart_losses[0], single.restart_losses[0], atol=1e-6, rtol=0)
+    best = int(several.restart_losses.argmin())
+    assert several.restart_losses[best] <= single.restart_losses[0] + 1e-9
+    # the kept labels are those of the best restart: recompute its loss from them
+    points = x.double().unsqueeze(0)
+    out = neural_clustering(points, several.centroids.unsqueeze(0))
+    torch.testing.assert_close(out.assignments[0], several.labels_)
+    torch.testing.assert_close(out.clustering_loss, several.restart_losses[best])
+    with pytest.raises(ValueError, match="n_init"):
+        NeuralClusterer(3, n_init=0)
 
 
 def test_cluster_command_digits_and_npy(tmp_path, capsys):

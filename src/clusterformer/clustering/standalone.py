@@ -16,8 +16,9 @@ translation invariant, but matters for the cosine similarity of the neural metho
 * ``neural``: :class:`NeuralClusterer` -- the Neural Clustering Method of section 3.1 on its clustering loss
   alone: learnable centroids C (k x d, started at k random points), U = softmax over points of
   ``scale`` * cos(C_i, x_j) (eq. 2), C_hat = U X (eq. 3), I_j = argmax_i U_ij (eq. 4), and L1 = -mean_j
-  cos(x_j, C_hat_{I_j}) (eq. 6) minimised with Adam over the full data set. No W^C projection by default: with
-  the clustering loss alone, L1 has a degenerate minimum (W^C mapping every point to one direction gives
+  cos(x_j, C_hat_{I_j}) (eq. 6) minimised with Adam over the full data set (1,000 steps); like k-means,
+  10 restarts from different initial points, keeping the one of lowest final L1. No W^C projection by
+  default: with the clustering loss alone, L1 has a degenerate minimum (W^C mapping every point to one direction gives
   L1 = -1 whatever the clusters), so the projection only makes sense with a task loss beside it
   (``projection=True`` keeps it; the tests show it lowers L1 further).
 * ``kmeans``: scikit-learn ``KMeans(n_clusters=k, n_init=10)``.
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from .._checks import check_choice, check_float, check_int, check_tensor
-from .neural import neural_clustering
+from .neural import NeuralClusteringOutput, neural_clustering
 from .som import SOM
 
 __all__ = ["METHODS", "NeuralClusterer", "cluster_scores", "hungarian_accuracy", "purity", "run_clustering"]
@@ -41,20 +42,28 @@ METHODS = ("neural", "kmeans", "som")
 
 
 class NeuralClusterer:
-    """The Neural Clustering Method as a clusterer; ``NeuralClusterer(k).fit(x).labels_``."""
+    """The Neural Clustering Method as a clusterer; ``NeuralClusterer(k).fit(x).labels_``.
 
-    def __init__(self, k: int, *, steps: int = 300, lr: float = 0.05, scale: float = 10.0,
-                 assign: str = "subordinate", projection: bool = False, seed: int = 0) -> None:
+    ``n_init`` restarts (different random points as initial centroids) are trained side by side, as one
+    batch of ``n_init`` "sequences" through :func:`neural_clustering` (no loop over restarts), and the one
+    with the lowest final clustering loss L1 is kept -- the analogue of k-means keeping its lowest-inertia
+    restart. ``losses`` records the mean L1 over restarts at every step; ``restart_losses`` the final L1 of
+    each restart."""
+
+    def __init__(self, k: int, *, steps: int = 1000, lr: float = 0.05, scale: float = 10.0,
+                 assign: str = "subordinate", projection: bool = False, n_init: int = 10, seed: int = 0) -> None:
         self.k = check_int("k", k, minimum=1)
         self.steps = check_int("steps", steps, minimum=0)
         self.lr = check_float("lr", lr, minimum=0.0, exclusive_minimum=True)
         self.scale = check_float("scale", scale, minimum=0.0, exclusive_minimum=True)
         self.assign = check_choice("assign", assign, ("subordinate", "nearest"))
         self.projection = projection
+        self.n_init = check_int("n_init", n_init, minimum=1)
         self.seed = check_int("seed", seed, minimum=0)
         self.centroids: torch.Tensor | None = None
         self.labels_: torch.Tensor | None = None
         self.losses: list[float] = []
+        self.restart_losses: torch.Tensor | None = None
 
     def fit(self, x: torch.Tensor) -> NeuralClusterer:
         check_tensor("x", x, ndim=2, floating=True)
@@ -62,25 +71,42 @@ class NeuralClusterer:
         if n < self.k:
             raise ValueError(f"x must have at least k={self.k} points, got {n}")
         g = torch.Generator().manual_seed(self.seed)
-        x = x.double().unsqueeze(0)  # one "sequence" of n points
-        centroids = torch.nn.Parameter(x[0, torch.randperm(n, generator=g)[: self.k]].clone())
+        R = self.n_init
+        x = x.double().unsqueeze(0)  # (1, n, d); broadcast over the R restarts
+        start = torch.rand(R, n, generator=g).argsort(-1)[:, : self.k]  # k distinct random points per restart
+        centroids = torch.nn.Parameter(x[0][start].clone())  # (R, k, d)
         params = [centroids]
         w = None
         if self.projection:
-            w = torch.nn.Parameter(torch.eye(d, dtype=x.dtype))
+            w = torch.nn.Parameter(torch.eye(d, dtype=x.dtype).repeat(R, 1, 1))  # (R, d, d)
             params.append(w)
+
+        def step() -> tuple[torch.Tensor, NeuralClusteringOutput]:
+            points = x.expand(R, n, d) if w is None else x @ w
+            return points, neural_clustering(points, centroids, scale=self.scale, assign=self.assign)
+
+        # The loss is a mean over the R restarts, so each restart's gradient is 1/R of its own; Adam's
+        # update is invariant to that scale, so the restarts train exactly as if each were alone.
         opt = torch.optim.Adam(params, lr=self.lr)
         for _ in range(self.steps):
-            out = neural_clustering(x if w is None else x @ w, centroids, scale=self.scale, assign=self.assign)
+            _, out = step()
             opt.zero_grad()
             out.clustering_loss.backward()
             opt.step()
             self.losses.append(out.clustering_loss.item())
         with torch.no_grad():
-            out = neural_clustering(x if w is None else x @ w, centroids, scale=self.scale, assign=self.assign)
-        self.centroids = centroids.detach()
-        self.labels_ = out.assignments[0]
+            points, out = step()
+            self.restart_losses = _per_sequence_clustering_loss(points, out)
+        best = int(self.restart_losses.argmin())
+        self.centroids = centroids.detach()[best]
+        self.labels_ = out.assignments[best]
         return self
+
+
+def _per_sequence_clustering_loss(points: torch.Tensor, out: NeuralClusteringOutput) -> torch.Tensor:
+    """L1 (eq. 6, cosine) of every sequence separately: (B, N, d) points -> (B,)."""
+    chosen = out.updated_centroids.gather(1, out.assignments.unsqueeze(-1).expand_as(points))
+    return -torch.nn.functional.cosine_similarity(points, chosen, dim=-1).mean(-1)
 
 
 def _contingency(clusters: np.ndarray, labels: np.ndarray) -> np.ndarray:
