@@ -242,3 +242,13 @@ def test_train_init_minilm_fine_tunes_and_evaluates(tmp_path):
     assert evaluate_checkpoint(out)["metrics"]["accuracy"] == result["metrics"]["accuracy"]
     with pytest.raises(SystemExit):
         main(["train", "--task", "wikiqa", "--init", "minilm", "--max-steps", "1", "--out", str(tmp_path / "x")])
+    assert result["config"]["lr"] == 1e-4  # an explicit --lr wins; without one, fine-tuning gets FINE_TUNE_LR
+
+
+def test_fine_tuning_learning_rate_default():
+    from clusterformer.train import TrainConfig
+    from clusterformer.train.loop import FINE_TUNE_LR
+
+    assert TrainConfig(task="mr", out="x", max_steps=1, init="minilm").lr == FINE_TUNE_LR == 5e-5
+    assert TrainConfig(task="mr", out="x", max_steps=1).lr == 1e-3
+    assert TrainConfig(task="mr", out="x", max_steps=1, init="minilm", lr=2e-5).lr == 2e-5

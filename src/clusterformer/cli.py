@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fine-tune a pretrained model (its own width, depth and tokenizer; --dim/--depth/--heads "
                         "are ignored) with --attention patched in; needs the [minilm] extra")
     p.add_argument("--batch-size", type=int, default=32, help="per process")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 1e-3, or 5e-5 when fine-tuning with --init)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--schedule", default="linear", choices=["linear", "cosine", "constant"])

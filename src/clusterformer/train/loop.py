@@ -49,7 +49,11 @@ from ..models.lm import LanguageModel
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .tasks import TASKS, PreparedTask, prepare_task, ranking_metrics
 
-__all__ = ["TrainConfig", "evaluate_checkpoint", "run_training"]
+__all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "run_training"]
+
+# Default peak learning rate when fine-tuning a pretrained model (``init``): the usual BERT fine-tuning range
+# (2e-5 .. 5e-5); the from-scratch default 1e-3 would wreck the pretrained weights.
+FINE_TUNE_LR = 5e-5
 
 
 @dataclass
@@ -76,7 +80,7 @@ class TrainConfig:
     dropout: float = 0.1
     reversible: bool = False
     batch_size: int = 32
-    lr: float = 1e-3
+    lr: float | None = None  # None: 1e-3 from scratch, FINE_TUNE_LR with init
     weight_decay: float = 0.01
     warmup_steps: int = 100
     schedule: str = "linear"
@@ -125,6 +129,8 @@ class TrainConfig:
             check_int("epochs", self.epochs, minimum=1)
         if self.max_steps is not None:
             check_int("max_steps", self.max_steps, minimum=1)
+        if self.lr is None:
+            self.lr = FINE_TUNE_LR if self.init else 1e-3
         check_float("lr", self.lr, minimum=0.0, exclusive_minimum=True)
         check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
         for name in ("weight_decay", "clip", "task_weight", "clustering_weight", "centroid_sorting_weight",
