@@ -123,6 +123,8 @@ def test_real_sentence_tasks(name, size, classes):
     assert all("\n" not in t for t in data.train_texts) and sum(1 for t in data.train_texts if t) > size - 10
     small = load_classification_task(name, SHARED, limit=50)
     assert len(small.train_texts) == 50 and len(set(small.train_labels)) == 2  # the slice mixes both classes
+    most = load_classification_task(name, SHARED, limit=size - 1)  # beyond half the file: no silent cap
+    assert len(most.train_texts) == size - 1 and len(set(most.train_labels[:50])) == 2
 
 
 @needs_data

@@ -100,8 +100,8 @@ def load_sentence_task(name: str, data_dir: str | Path | None = None, limit: int
     if name not in SENTENCE_FILES:
         raise ValueError(f"unknown sentence task {name!r}; expected one of {', '.join(SENTENCE_FILES)}")
     texts, labels, names = load_labeled_file(resolve_data_dir(data_dir) / SENTENCE_FILES[name], limit=None)
-    if limit is not None:  # a class-balanced-ish slice: interleave the two halves
-        order = kfold_indices(len(texts), 2, seed=0)[0][1][:limit]
+    if limit is not None:  # a seeded, class-balanced-ish slice (the file lists one class, then the other)
+        order = [i for _, half in kfold_indices(len(texts), 2, seed=0) for i in half][:limit]
         texts, labels = [texts[i] for i in order], [labels[i] for i in order]
     return ClassificationData(name, texts, labels, [], [], names)
 
