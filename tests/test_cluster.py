@@ -92,7 +92,7 @@ def test_neural_clusterer_restarts_train_independently_and_the_lowest_loss_is_ke
     assert several.restart_losses[best] <= single.restart_losses[0] + 1e-9
     # the kept labels are those of the best restart: recompute its loss from them
     points = x.double().unsqueeze(0)
-    out = neural_clustering(points, several.centroids.unsqueeze(0))
+    out = neural_clustering(points, several.centroids.unsqueeze(0), scale=several.scale)
     torch.testing.assert_close(out.assignments[0], several.labels_)
     torch.testing.assert_close(out.clustering_loss, several.restart_losses[best])
     with pytest.raises(ValueError, match="n_init"):

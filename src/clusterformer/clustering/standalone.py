@@ -17,7 +17,9 @@ translation invariant, but matters for the cosine similarity of the neural metho
   alone: learnable centroids C (k x d, started at k random points), U = softmax over points of
   ``scale`` * cos(C_i, x_j) (eq. 2), C_hat = U X (eq. 3), I_j = argmax_i U_ij (eq. 4), and L1 = -mean_j
   cos(x_j, C_hat_{I_j}) (eq. 6) minimised with Adam over the full data set (1,000 steps); like k-means,
-  10 restarts from different initial points, keeping the one of lowest final L1. No W^C projection by
+  10 restarts from different initial points, keeping the one of lowest final L1. ``scale`` defaults to 3
+  (the attention layer's 10 is too sharp over a whole data set: eq. 2's softmax runs over all n points, so
+  C_hat collapses onto the few points nearest each centroid; docs/results.md has the sweep). No W^C projection by
   default: with the clustering loss alone, L1 has a degenerate minimum (W^C mapping every point to one direction gives
   L1 = -1 whatever the clusters), so the projection only makes sense with a task loss beside it
   (``projection=True`` keeps it; the tests show it lowers L1 further).
@@ -50,7 +52,7 @@ class NeuralClusterer:
     restart. ``losses`` records the mean L1 over restarts at every step; ``restart_losses`` the final L1 of
     each restart."""
 
-    def __init__(self, k: int, *, steps: int = 1000, lr: float = 0.05, scale: float = 10.0,
+    def __init__(self, k: int, *, steps: int = 1000, lr: float = 0.05, scale: float = 3.0,
                  assign: str = "subordinate", projection: bool = False, n_init: int = 10, seed: int = 0) -> None:
         self.k = check_int("k", k, minimum=1)
         self.steps = check_int("steps", steps, minimum=0)
