@@ -204,6 +204,18 @@ def test_minilm_loads_offline_and_embeds_like_sentence_transformers(monkeypatch)
     theirs = torch.as_tensor(st.SentenceTransformer(str(pretrained_path("minilm")), device="cpu")
                              .encode(texts, normalize_embeddings=True))
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    # top-k >= every sequence length: improved clustered is exact (eq. 11 with T_j = all keys), so the patched
+    # pretrained model reproduces the unpatched hidden states on real tokens
+    long_texts = [*texts, "a much longer review that goes on about the cast, the score and the pacing " * 4]
+    batch = tokenizer(long_texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        reference = model(**batch).last_hidden_state
+        patch(model, "improved-clustered", clusters=4, topk=512)
+        patched = model(**batch).last_hidden_state
+    real = batch["attention_mask"].bool()
+    assert real.shape[1] > 50 and (~real).any()  # several lengths, padding included
+    torch.testing.assert_close(patched[real], reference[real], rtol=1e-4, atol=1e-4)
+    unpatch(model)
     patch(model, "improved-clustered", clusters=25)
     cos = (embed(model, tokenizer, texts) * ours).sum(-1)
     assert (cos > 0.99).all(), cos  # short sentences: 25 clusters >= tokens, top-32 covers every key
