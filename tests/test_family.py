@@ -13,6 +13,7 @@ from clusterformer.attention.kmeans import vote_buckets
 from clusterformer.clustering import (
     angular_lsh_buckets,
     ema_centroid_update,
+    euclidean_kmeans,
     greedy_nearest_order,
     hamming_kmeans,
     sign_codes,
@@ -256,6 +257,76 @@ def test_hamming_kmeans_matches_loop_reference():
                         cent[j][b] = 0
             a = assign(cent)
         assert got[g].tolist() == a
+
+
+@pytest.mark.parametrize(("G", "n", "d", "C", "iters"), [(2, 17, 3, 4, 3), (1, 9, 5, 9, 2), (3, 30, 4, 7, 6)])
+def test_euclidean_kmeans_matches_loop_reference(G, n, d, C, iters):
+    points = torch.randn(G, n, d, dtype=torch.float64)
+    valid = torch.rand(G, n) > 0.2
+    got = euclidean_kmeans(points, C, iterations=iters, valid=valid)
+    for g in range(G):
+        x = points[g]
+        real = [i for i in range(n) if valid[g, i]] or list(range(n))  # seeds: evenly spaced valid points
+        cent = [x[real[(j * len(real)) // C]].clone() for j in range(C)]
+
+        def assign(cent):
+            return [min(range(C), key=lambda j: (float(((x[i] - cent[j]) ** 2).sum()), j)) for i in range(n)]
+
+        a = assign(cent)
+        for _ in range(iters):
+            for j in range(C):
+                members = [i for i in range(n) if a[i] == j and valid[g, i]]
+                if members:
+                    cent[j] = sum(x[i] for i in members) / len(members)
+            a = assign(cent)
+        assert got[g].tolist() == a
+
+
+def test_euclidean_kmeans_recovers_planted_clusters_and_ignores_padding():
+    G, per, C, d = 3, 12, 4, 6
+    centres = torch.randn(G, C, d, dtype=torch.float64) * 10
+    # contiguous blocks, so the evenly spaced seeds start one per planted cluster (Lloyd from seeds that share
+    # a cluster can stop in a local minimum -- that is K-means, not a bug)
+    truth = torch.arange(C * per) // per
+    points = centres[:, truth] + 0.1 * torch.randn(G, C * per, d, dtype=torch.float64)
+    groups = euclidean_kmeans(points, C, iterations=10)
+    for g in range(G):  # the partition is the planted one (labels may be permuted)
+        pairs = set(zip(groups[g].tolist(), truth.tolist(), strict=True))
+        assert len(pairs) == C and len({a for a, _ in pairs}) == C
+    padded = torch.cat([points, 1e3 * torch.randn(G, 5, d, dtype=torch.float64)], 1)
+    valid = torch.ones(G, C * per + 5, dtype=torch.bool)
+    valid[:, C * per:] = False
+    torch.testing.assert_close(euclidean_kmeans(padded, C, iterations=10, valid=valid)[:, : C * per], groups,
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="points"):
+        euclidean_kmeans(torch.randn(5, 3), 2)
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered"])
+def test_euclidean_query_clustering_clusters_the_queries_and_matches_the_reference(name):
+    options = {"clusters": 4, "iterations": 4, "query_clustering": "euclidean"}
+    if name == "improved-clustered":
+        options["topk"] = 3
+    layer = _layer(name, **options)
+    N, B = 19, 2
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(B, N, 4)
+    y = layer(x, key_padding_mask=pad)
+    for b in range(B):
+        q, k, v = _heads(layer, x[b])
+        groups = euclidean_kmeans(q, 4, iterations=4, valid=(~pad[b]).expand(layer.heads, N))
+        real = ~pad[b]  # padded queries are not clustered from x (their outputs are zero)
+        assert torch.equal(layer.last_groups[b][:, real], groups[:, real])
+        which = 2 if "topk" in options else 1  # A^t for improved, A^c broadcast for plain
+        heads = [clustered_matrices(q[h], k[h], groups[h], 4, options.get("topk"), pad[b])[which] @ v[h]
+                 for h in range(layer.heads)]
+        expected = _project_out(layer, torch.stack(heads))
+        torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
+    longer = torch.cat([x, torch.randn(B, 6, layer.dim, dtype=torch.float64)], 1)
+    longer_pad = torch.cat([pad, torch.ones(B, 6, dtype=torch.bool)], 1)
+    torch.testing.assert_close(layer(longer, key_padding_mask=longer_pad)[:, :N][~pad], y[~pad], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="query_clustering"):
+        build(name, dim=16, heads=2, query_clustering="cosine")
 
 
 def test_sign_codes():

@@ -113,6 +113,7 @@ def test_clustered_matches_its_dense_reference_with_padding():
 
 @pytest.mark.parametrize(("attention", "options"), [
     ("clustered", {"clusters": 3}), ("improved-clustered", {"clusters": 3, "topk": 4}),
+    ("improved-clustered", {"clusters": 3, "topk": 4, "query_clustering": "euclidean"}),
     ("neural-clustering", {"num_clusters": 3}),
 ])
 def test_padding_does_not_change_real_tokens(attention, options):

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import hf
-from ._checks import check_int
+from ._checks import check_choice, check_int
+from .attention.clustered import QUERY_CLUSTERINGS
 from .data.classification import kfold_indices, load_20news, load_sentence_task
 
 __all__ = ["ApproxConfig", "logistic_cv_accuracy", "run_approx"]
@@ -42,6 +43,7 @@ class ApproxConfig:
     clusters: list[int] = field(default_factory=lambda: [25])
     topk: int | None = None  # improved-clustered; None = the mechanism's default (32)
     bits: int | None = None
+    query_clustering: str = "hamming"  # or "euclidean": k-means on the queries themselves
     seed: int = 0
     data_dir: str | None = None
     limit: int | None = None  # sentences per sentence task (None: all)
@@ -64,6 +66,7 @@ class ApproxConfig:
             check_int("topk", self.topk, minimum=1)
         for name in ("long_docs", "folds", "batch_size", "sentence_len", "long_len"):
             check_int(name, getattr(self, name), minimum=0 if name == "long_docs" else 1)
+        check_choice("query_clustering", self.query_clustering, QUERY_CLUSTERINGS)
         if self.folds < 2:
             raise ValueError(f"folds must be >= 2; got {self.folds}")
 
@@ -123,6 +126,8 @@ def run_approx(config: ApproxConfig, log: Callable[[str], None] = print) -> dict
             options["topk"] = config.topk
         if config.bits is not None:
             options["bits"] = config.bits
+        if config.query_clustering != "hamming":
+            options["query_clustering"] = config.query_clustering
         hf.patch(model, config.attention, **options)
         t0 = time.perf_counter()
         try:

@@ -212,7 +212,8 @@ def cmd_approx(args: argparse.Namespace) -> int:
     from .approx import ApproxConfig, run_approx
 
     config = ApproxConfig(model=args.model, attention=args.attention, clusters=args.clusters, topk=args.topk,
-                          bits=args.bits, seed=args.seed, data_dir=args.data_dir, limit=args.limit,
+                          bits=args.bits, query_clustering=args.query_clustering, seed=args.seed,
+                          data_dir=args.data_dir, limit=args.limit,
                           long_docs=args.long_docs, folds=args.folds, batch_size=args.batch_size,
                           device=args.device, progress=not args.no_progress)
     record = run_approx(config, log=_log)
@@ -401,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clusters", type=_int_list, default=[25], help="cluster counts, e.g. 8,16,25,32")
     p.add_argument("--topk", type=int, default=None, help="improved-clustered: exact keys per cluster (32)")
     p.add_argument("--bits", type=int, default=None, help="hash bits (default 32)")
+    p.add_argument("--query-clustering", default="hamming", choices=["hamming", "euclidean"],
+                   help="hamming: hash + Hamming k-means (the paper); euclidean: k-means on the queries")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None, help="datasets (default: $CLUSTERFORMER_DATA, else the user cache)")
     p.add_argument("--limit", type=int, default=None, help="sentences per task (MR, SUBJ, CR); default all")

@@ -15,8 +15,8 @@ untouched):
 * ``"full"``: softmax attention over all keys (SDPA); equals the unpatched model (a test checks it).
 * ``"clustered"`` / ``"improved-clustered"``: the fast-transformers mechanisms (hashing + Hamming k-means on
   the queries, centroid attention, optional exact top-k); options ``clusters``, ``bits``, ``iterations``,
-  ``seed`` (and ``topk``). This is the clustered-attention paper's "approximate a pretrained model without
-  retraining" setting.
+  ``seed``, ``query_clustering`` (and ``topk``). This is the clustered-attention paper's "approximate a
+  pretrained model without retraining" setting.
 * ``"neural-clustering"``: ClusterFormer's chunked attention in cluster order, with the clustering
   parameters added here (W^C, initialised to the identity so the clustering starts on the model's own hidden
   states, and ``max_clusters`` / ``num_clusters`` centroids); options ``num_clusters``, ``max_clusters``,
@@ -71,8 +71,8 @@ def validate_patch_options(attention: str, options: dict[str, Any]) -> Any:
                          f"Q, K, V); got {attention!r}")
     allowed = {
         "full": (),
-        "clustered": ("clusters", "bits", "iterations", "seed"),
-        "improved-clustered": ("clusters", "bits", "iterations", "seed", "topk"),
+        "clustered": ("clusters", "bits", "iterations", "seed", "query_clustering"),
+        "improved-clustered": ("clusters", "bits", "iterations", "seed", "query_clustering", "topk"),
         "neural-clustering": _NC_OPTIONS,
     }[attention]
     unknown = sorted(set(options) - set(allowed))

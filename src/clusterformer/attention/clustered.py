@@ -8,15 +8,17 @@ For x (B, N, dim), per batch element and head:
 2. Query clustering (section 3.2.2): each query hashed to ``bits`` signs of random projections (planes drawn
    from the layer's generator), then K-means with Hamming distance, ``iterations`` Lloyd steps, ``clusters``
    centroids (clamped to N) -- :func:`clusterformer.clustering.hamming_kmeans`. Padded queries do not move
-   the centroids.
+   the centroids. ``query_clustering="euclidean"`` instead runs the same Lloyd steps on the queries themselves
+   (:func:`clusterformer.clustering.euclidean_kmeans`): the K-means the paper's analysis asks for, which it
+   hashes only to save distance computations -- no saving when the head dimension D <= bits.
 3. ``"clustered"``: attention of each cluster's mean query to all keys, broadcast to its members (eqs. 3-6).
    ``"improved-clustered"``: plus, per cluster, its ``topk`` keys of highest centroid attention recomputed
    exactly for every member and rescaled by the cluster's mass on them (eqs. 9-11); with ``topk >= N`` it is
    exactly full attention. See :func:`clusterformer.ops.clustered_attention`.
 4. Output projection.
 
-Cost: O(N D bits + iterations N clusters bits) clustering + O(clusters N D) centroid attention
-(+ O(N topk D) improved). Linear in N for fixed clusters.
+Cost: O(N D bits + iterations N clusters bits) clustering (euclidean: O(iterations N clusters D)) + O(clusters N D)
+centroid attention (+ O(N topk D) improved). Linear in N for fixed clusters.
 
 Masks: key padding. ``causal=True`` is refused with a ``ValueError``: a cluster's centroid query mixes queries
 from all positions, so clustered attention cannot be made causal without changing the method (the paper
@@ -32,12 +34,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_bool, check_int
+from .._checks import check_bool, check_choice, check_int
 from ..clustering.hashing import sign_codes
-from ..clustering.kmeans import hamming_kmeans
+from ..clustering.kmeans import euclidean_kmeans, hamming_kmeans
 from ..ops.clustered import clustered_attention
 from .base import AttentionLayer
 from .registry import register
+
+QUERY_CLUSTERINGS = ("hamming", "euclidean")
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,11 @@ class ClusteredOptions:
     Attributes:
         clusters: query clusters C per sequence and head (the paper's clustered-C); clamped to N.
         bits: bits B of the sign-of-random-projection hash.
-        iterations: Lloyd iterations L of the Hamming K-means.
+        iterations: Lloyd iterations L of the K-means.
         seed: seeds the generator of the hash planes.
         bias: bias in the projections.
+        query_clustering: ``"hamming"`` (the paper: hash, then K-means in Hamming space) or ``"euclidean"``
+            (K-means on the real-valued queries; ``bits`` and ``seed`` are then unused).
     """
 
     clusters: int = 100
@@ -57,11 +63,13 @@ class ClusteredOptions:
     iterations: int = 10
     seed: int = 0
     bias: bool = True
+    query_clustering: str = "hamming"
 
     def __post_init__(self) -> None:
         check_int("clusters", self.clusters, minimum=1)
         check_int("bits", self.bits, minimum=1)
         check_int("iterations", self.iterations, minimum=0)
+        check_choice("query_clustering", self.query_clustering, QUERY_CLUSTERINGS)
         check_int("seed", self.seed, minimum=0)
         check_bool("bias", self.bias)
 
@@ -86,14 +94,18 @@ def cluster_queries(
 ) -> tuple[torch.Tensor, int]:
     """Step 2: q (B, H, N, D) -> (query clusters (B, H, N), number of clusters C = min(clusters, N)).
 
-    Hash planes (H, D, bits) are drawn from ``generator``; padded queries do not move the centroids. Shared
-    with :mod:`clusterformer.hf`, which clusters a pretrained model's own queries."""
+    Hash planes (H, D, bits) are drawn from ``generator`` (Hamming clustering only); padded queries do not move
+    the centroids. Shared with :mod:`clusterformer.hf`, which clusters a pretrained model's own queries."""
     B, H, N, D = q.shape
-    planes = torch.randn(H, D, options.bits, generator=generator).to(q.device)
-    codes = sign_codes(q.detach(), planes).reshape(B * H, N, options.bits)
     valid = None
     if key_padding_mask is not None:
         valid = (~key_padding_mask).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
+    if options.query_clustering == "euclidean":
+        groups = euclidean_kmeans(q.detach().reshape(B * H, N, D), options.clusters,
+                                  iterations=options.iterations, valid=valid)
+        return groups.view(B, H, N), max(1, min(options.clusters, N))
+    planes = torch.randn(H, D, options.bits, generator=generator).to(q.device)
+    codes = sign_codes(q.detach(), planes).reshape(B * H, N, options.bits)
     groups = hamming_kmeans(codes, options.clusters, iterations=options.iterations, valid=valid)
     return groups.view(B, H, N), max(1, min(options.clusters, N))
 
