@@ -265,3 +265,53 @@ def test_fine_tuning_learning_rate_default():
     assert TrainConfig(task="mr", out="x", max_steps=1, init="minilm").lr == FINE_TUNE_LR == 5e-5
     assert TrainConfig(task="mr", out="x", max_steps=1).lr == 1e-3
     assert TrainConfig(task="mr", out="x", max_steps=1, init="minilm", lr=2e-5).lr == 2e-5
+
+
+def _approx_data(root):
+    """A tiny data dir in the real formats: MR/SUBJ/CR files (label text) and a 20NEWS by-date archive."""
+    import io
+    import tarfile
+
+    phrases = ("a wonderful , moving film", "a dull , tedious mess")
+    for rel in ("mr/rt-polarity.all", "subj/subj.all", "cr/custrev.all"):
+        (root / rel).parent.mkdir(parents=True)
+        (root / rel).write_text("".join(f"{i % 2} {phrases[i % 2]} number {i}\n" for i in range(20)))
+    (root / "20news").mkdir()
+    with tarfile.open(root / "20news" / "20news-bydate.tar.gz", "w:gz") as archive:
+        for split in ("train", "test"):
+            for group in ("sci.space", "rec.autos"):
+                for i in range(2):
+                    body = " ".join(f"{group} post {i} about orbits, engines and launch windows {j}."
+                                    for j in range(20)).encode()
+                    info = tarfile.TarInfo(f"20news-bydate-{split}/{group}/{i}")
+                    info.size = len(body)
+                    archive.addfile(info, io.BytesIO(body))
+
+
+@needs_minilm
+def test_approx_cli_writes_cosines_and_accuracies(tmp_path):
+    """`clusterformer approx` end to end on a tiny data dir: the unpatched model separates the two phrases; the
+    sentences (< 32 tokens, so top-32 covers every key) come back exactly, the long documents do not."""
+    import json
+
+    from clusterformer.approx import ApproxConfig
+    from clusterformer.cli import main
+
+    _approx_data(tmp_path)
+    out = tmp_path / "approx.json"
+    assert main(["approx", "--attention", "improved-clustered", "--query-clustering", "euclidean",
+                 "--clusters", "2,4", "--data-dir", str(tmp_path), "--folds", "2", "--long-docs", "4",
+                 "--no-progress", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["unpatched"]["accuracy"] == {"mr": 1.0, "subj": 1.0, "cr": 1.0}
+    assert record["examples"] == {"mr": 20, "subj": 20, "cr": 20, "20news": 4}
+    assert [row["clusters"] for row in record["rows"]] == [2, 4]
+    for row in record["rows"]:
+        assert row["options"]["query_clustering"] == "euclidean"
+        assert all(row["cosine"][task] > 1 - 1e-5 for task in ("mr", "subj", "cr"))
+        assert 0.5 < row["cosine"]["20news"] < 1 - 1e-4  # ~200 tokens, 2-4 clusters: an approximation
+        assert row["accuracy"] == record["unpatched"]["accuracy"]
+    with pytest.raises(ValueError, match="query_clustering"):
+        ApproxConfig(query_clustering="cosine")
+    with pytest.raises(SystemExit):
+        main(["approx", "--attention", "full", "--data-dir", str(tmp_path)])

@@ -43,6 +43,7 @@ class ApproxConfig:
     clusters: list[int] = field(default_factory=lambda: [25])
     topk: int | None = None  # improved-clustered; None = the mechanism's default (32)
     bits: int | None = None
+    iterations: int | None = None  # Lloyd iterations; None = the mechanism's default (10)
     query_clustering: str = "hamming"  # or "euclidean": k-means on the queries themselves
     seed: int = 0
     data_dir: str | None = None
@@ -126,6 +127,8 @@ def run_approx(config: ApproxConfig, log: Callable[[str], None] = print) -> dict
             options["topk"] = config.topk
         if config.bits is not None:
             options["bits"] = config.bits
+        if config.iterations is not None:
+            options["iterations"] = config.iterations
         if config.query_clustering != "hamming":
             options["query_clustering"] = config.query_clustering
         hf.patch(model, config.attention, **options)

@@ -212,10 +212,10 @@ def cmd_approx(args: argparse.Namespace) -> int:
     from .approx import ApproxConfig, run_approx
 
     config = ApproxConfig(model=args.model, attention=args.attention, clusters=args.clusters, topk=args.topk,
-                          bits=args.bits, query_clustering=args.query_clustering, seed=args.seed,
-                          data_dir=args.data_dir, limit=args.limit,
-                          long_docs=args.long_docs, folds=args.folds, batch_size=args.batch_size,
-                          device=args.device, progress=not args.no_progress)
+                          bits=args.bits, iterations=args.iterations, query_clustering=args.query_clustering,
+                          seed=args.seed, data_dir=args.data_dir, limit=args.limit, long_docs=args.long_docs,
+                          folds=args.folds, batch_size=args.batch_size, device=args.device,
+                          progress=not args.no_progress)
     record = run_approx(config, log=_log)
     _emit_json(record, args.json)
     return 0
@@ -402,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clusters", type=_int_list, default=[25], help="cluster counts, e.g. 8,16,25,32")
     p.add_argument("--topk", type=int, default=None, help="improved-clustered: exact keys per cluster (32)")
     p.add_argument("--bits", type=int, default=None, help="hash bits (default 32)")
+    p.add_argument("--iterations", type=int, default=None, help="Lloyd iterations of the query k-means (default 10)")
     p.add_argument("--query-clustering", default="hamming", choices=["hamming", "euclidean"],
                    help="hamming: hash + Hamming k-means (the paper); euclidean: k-means on the queries")
     p.add_argument("--seed", type=int, default=0)
