@@ -263,6 +263,9 @@ def test_hamming_kmeans_matches_loop_reference():
 def test_euclidean_kmeans_matches_loop_reference(G, n, d, C, iters):
     points = torch.randn(G, n, d, dtype=torch.float64)
     valid = torch.rand(G, n) > 0.2
+    # at least C valid points, so the seeds are distinct points: with repeated seeds two centroids coincide and
+    # which of them takes a point is up to the matmul's rounding (an equivalent partition, other labels)
+    valid[:, torch.randperm(n)[:C]] = True
     got = euclidean_kmeans(points, C, iterations=iters, valid=valid)
     for g in range(G):
         x = points[g]
