@@ -103,10 +103,10 @@ def cluster_queries(
     if options.query_clustering == "euclidean":
         groups = euclidean_kmeans(q.detach().reshape(B * H, N, D), options.clusters,
                                   iterations=options.iterations, valid=valid)
-        return groups.view(B, H, N), max(1, min(options.clusters, N))
-    planes = torch.randn(H, D, options.bits, generator=generator).to(q.device)
-    codes = sign_codes(q.detach(), planes).reshape(B * H, N, options.bits)
-    groups = hamming_kmeans(codes, options.clusters, iterations=options.iterations, valid=valid)
+    else:
+        planes = torch.randn(H, D, options.bits, generator=generator).to(q.device)
+        codes = sign_codes(q.detach(), planes).reshape(B * H, N, options.bits)
+        groups = hamming_kmeans(codes, options.clusters, iterations=options.iterations, valid=valid)
     return groups.view(B, H, N), max(1, min(options.clusters, N))
 
 

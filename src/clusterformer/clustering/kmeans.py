@@ -36,9 +36,10 @@ def _cluster_sums(points: torch.Tensor, assign: torch.Tensor, k: int, weight: to
     groups = math.prod(batch)
     rows = assign.reshape(groups, n) + k * torch.arange(groups, device=assign.device).unsqueeze(1)
     rows = rows.reshape(-1)
-    ones = torch.ones(groups * n, dtype=points.dtype, device=points.device)
     flat = points.reshape(groups * n, d)
-    if weight is not None:
+    if weight is None:
+        ones = torch.ones(groups * n, dtype=points.dtype, device=points.device)
+    else:
         ones = weight.reshape(-1).to(points.dtype)
         flat = flat * ones.unsqueeze(-1)
     sums = points.new_zeros(groups * k, d).index_add_(0, rows, flat).view(*batch, k, d)
