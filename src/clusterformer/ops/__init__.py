@@ -7,6 +7,7 @@ from .chunked import (
     cluster_causal_layout,
     sorted_chunk_attention,
     sorted_layout,
+    use_fused_kernel,
     windowed_attention,
     windowed_attention_lse,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "sliding_window_attention",
     "sorted_chunk_attention",
     "sorted_layout",
+    "use_fused_kernel",
     "window_count",
     "windowed_attention",
     "windowed_attention_lse",

@@ -49,6 +49,7 @@ def bucketed_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Shared-QK attention within sorted bucket chunks, merged over rounds.
 
@@ -62,6 +63,7 @@ def bucketed_attention(
         causal: strictly causal per-bucket chunking plus masking of later keys.
         key_padding_mask: (B, N) bool, True = padding, never attended to.
         dropout_p: attention-weight dropout.
+        kernel: ``"auto"``, ``"fused"`` or ``"sdpa"``; see :func:`clusterformer.ops.windowed_attention`.
 
     Returns:
         (B, H, N, D).
@@ -95,6 +97,6 @@ def bucketed_attention(
         pad = key_padding_mask[:, None, None, :].expand(B, H, R, N).reshape(blocks, N)
     out, lse = windowed_attention_lse(
         q_win, k_rows, rows_of(v), layout, causal=causal, key_padding_mask=pad, exclude_self=True,
-        dropout_p=dropout_p, scale=scale,
+        dropout_p=dropout_p, scale=scale, kernel=kernel,
     )
     return merge_rounds(out.view(B, H, R, N, D), lse.view(B, H, R, N))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_int, check_padding_mask, check_tensor
+from .._checks import check_bool, check_choice, check_int, check_padding_mask, check_tensor
 
 __all__ = [
     "ChunkLayout",
@@ -35,6 +35,7 @@ __all__ = [
     "cluster_causal_layout",
     "sorted_chunk_attention",
     "sorted_layout",
+    "use_fused_kernel",
     "windowed_attention",
     "windowed_attention_lse",
 ]
@@ -193,6 +194,7 @@ def windowed_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Attention of every chunk's queries to its key window.
 
@@ -202,11 +204,22 @@ def windowed_attention(
         layout: the :class:`ChunkLayout` the rows were gathered with.
         causal: mask keys at later original positions.
         key_padding_mask: (blocks, N) bool, True marks padding.
+        kernel: ``"auto"`` (the fused Triton kernel where :func:`use_fused_kernel` says so, else SDPA over
+            key-window views), ``"fused"`` (require the kernel) or ``"sdpa"``.
 
     Returns:
         (blocks * N, H, D): each token's output, in flat token order.
     """
     W, H, w, D = q.shape
+    if use_fused_kernel(q, dropout_p, kernel):
+        from .fused_chunked import fused_chunk_attention
+
+        key_ok, positions = _row_meta(layout, causal, key_padding_mask)
+        out, _ = fused_chunk_attention(
+            q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
+            positions=positions, groups=layout.row_group, scale=1.0 / math.sqrt(D),
+        )
+        return out.index_select(0, layout.out_rows)
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
     attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self=False)
@@ -215,6 +228,45 @@ def windowed_attention(
         out = out.masked_fill(no_key, 0.0)
     out = out.transpose(1, 2).reshape(W * w, H, D)
     return out.index_select(0, layout.out_rows)
+
+
+KERNELS = ("auto", "fused", "sdpa")
+
+
+def use_fused_kernel(q: torch.Tensor, dropout_p: float, kernel: str = "auto") -> bool:
+    """Whether windowed attention runs the fused Triton kernel (:mod:`clusterformer.ops.fused_chunked`).
+
+    ``"auto"``: on CUDA tensors of float16/bfloat16/float32 when Triton is installed and there is no
+    attention dropout (the kernel does not fuse dropout). ``"fused"``: always, or a ``ValueError`` saying
+    why not; on CPU this needs Triton's interpreter (``TRITON_INTERPRET=1``, for tests). ``"sdpa"``: never.
+    """
+    check_choice("kernel", kernel, KERNELS)
+    if kernel == "sdpa":
+        return False
+    from .fused_chunked import fused_available
+
+    available = fused_available(q)
+    if kernel == "auto":  # the interpreter is for tests: "auto" never sends CPU tensors to it
+        return available and q.is_cuda and not dropout_p
+    if not available:
+        raise ValueError(
+            "kernel='fused' needs Triton and a CUDA tensor of float16/bfloat16/float32 (or TRITON_INTERPRET=1 "
+            f"on CPU); got a {q.dtype} tensor on {q.device}"
+        )
+    if dropout_p:
+        raise ValueError(f"kernel='fused' does not support attention dropout; got dropout_p={dropout_p}")
+    return True
+
+
+def _row_meta(
+    layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per buffer row: may it be attended to (holds a token, not padding), and its position when causal."""
+    key_ok = layout.row_valid
+    if key_padding_mask is not None:
+        key_ok = key_ok & ~key_padding_mask.reshape(-1)[layout.rows]
+    positions = layout.rows % max(layout.length, 1) if causal else None
+    return key_ok, positions
 
 
 def _needs_mask(layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None) -> bool:
@@ -265,6 +317,7 @@ def windowed_attention_lse(
     exclude_self: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`windowed_attention` with explicit scores, also returning each query's log-sum-exp.
 
@@ -272,13 +325,24 @@ def windowed_attention_lse(
     shared-QK rule ``exclude_self``. Memory O(N hops w) per head for the scores.
 
     ``scale``: None applies 1/sqrt(D) to the scores; pass the scale you already folded into ``q`` (it is then
-    not applied again; only documentation of what the caller did).
+    not applied again; only documentation of what the caller did). ``kernel``: as in
+    :func:`windowed_attention`.
 
     Returns:
         out (blocks * N, H, D) and lse (blocks * N, H); lse is -inf for a query with no allowed key
         (its output is zero).
     """
     W, H, w, D = q.shape
+    if use_fused_kernel(q, dropout_p, kernel):
+        from .fused_chunked import fused_chunk_attention
+
+        key_ok, positions = _row_meta(layout, causal, key_padding_mask)
+        out, lse = fused_chunk_attention(
+            q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
+            positions=positions, groups=layout.row_group, exclude_self=exclude_self,
+            scale=1.0 / math.sqrt(D) if scale is None else 1.0,
+        )
+        return out.index_select(0, layout.out_rows), lse.to(q.dtype).index_select(0, layout.out_rows)
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
     scores = q @ k.transpose(-1, -2)  # (W, H, w, hops w)
@@ -335,7 +399,7 @@ class _SoftmaxLSE(torch.autograd.Function):
 
 def _attend_per_head(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ChunkLayout, *,
-    causal: bool, key_padding_mask: torch.Tensor | None, dropout_p: float,
+    causal: bool, key_padding_mask: torch.Tensor | None, dropout_p: float, kernel: str,
 ) -> torch.Tensor:
     """(B, H, N, D) inputs with one block per (batch, head) -> (B, H, N, D)."""
     B, H, N, D = q.shape
@@ -349,7 +413,7 @@ def _attend_per_head(
     if key_padding_mask is not None:
         pad = key_padding_mask.unsqueeze(1).expand(B, H, N).reshape(B * H, N)
     out = windowed_attention(q_win, rows_of(k), rows_of(v), layout, causal=causal,
-                             key_padding_mask=pad, dropout_p=dropout_p)
+                             key_padding_mask=pad, dropout_p=dropout_p, kernel=kernel)
     return out.view(B, H, N, D)
 
 
@@ -371,6 +435,7 @@ def sorted_chunk_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention restricted to chunks of the cluster-sorted sequence.
 
@@ -393,6 +458,7 @@ def sorted_chunk_attention(
         causal: additionally mask keys that come after the query in the original order.
         key_padding_mask: optional bool (B, N), True marks padding (never attended to).
         dropout_p: attention dropout probability (pass 0 in evaluation).
+        kernel: ``"auto"``, ``"fused"`` or ``"sdpa"``; see :func:`windowed_attention`.
 
     Returns:
         (B, H, N, D) in the original token order. Outputs at padded query positions are unspecified.
@@ -409,7 +475,7 @@ def sorted_chunk_attention(
         return q * 0  # keeps the autograd graph for empty batches / sequences
     layout = sorted_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, look_back)
     return _attend_per_head(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
-                            dropout_p=dropout_p)
+                            dropout_p=dropout_p, kernel=kernel)
 
 
 def cluster_causal_attention(
@@ -423,6 +489,7 @@ def cluster_causal_attention(
     look_back: int = 1,
     key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Strictly causal clustered chunk attention: output t depends on tokens 0..t only.
 
@@ -440,6 +507,7 @@ def cluster_causal_attention(
         num_clusters: upper bound on the ids (sizes the padded layout).
         look_back: previous blocks of the same cluster to attend to.
         key_padding_mask: optional (B, N) bool, True marks padding.
+        kernel: ``"auto"``, ``"fused"`` or ``"sdpa"``; see :func:`windowed_attention`.
 
     Returns:
         (B, H, N, D) in the original token order.
@@ -458,7 +526,7 @@ def cluster_causal_attention(
         return q * 0
     layout = cluster_causal_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, num_clusters, look_back)
     return _attend_per_head(q, k, v, layout, causal=True, key_padding_mask=key_padding_mask,
-                            dropout_p=dropout_p)
+                            dropout_p=dropout_p, kernel=kernel)
 
 
 def _check_dropout(p: float) -> None:
