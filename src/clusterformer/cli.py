@@ -50,6 +50,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_bench_attention(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, run_attention_benchmark
+    from .bench.attention import DTYPE_ALIASES
 
     options = json.loads(args.options) if args.options else {}
     if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
@@ -61,8 +62,8 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
             raise ValueError("--device cuda was given but CUDA is not available")
     config = BenchConfig(
         names=args.names, lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-        device=args.device, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
-        threads=args.threads, options=options,
+        device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), warmup=args.warmup,
+        repeats=args.repeats, threads=args.threads, options=options,
     )
     records = run_attention_benchmark(config, progress=_log)
     text = json.dumps(records, indent=2)
@@ -297,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32",
+                   choices=["float32", "float64", "bfloat16", "float16", "fp32", "fp64", "bf16", "fp16"],
+                   help="bf16/fp16/fp32/fp64 are aliases")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -11,7 +11,16 @@ Timing: ``warmup`` untimed runs, then the median of ``repeats`` timed runs, for
 * ``fwd_bwd_aux_ms``: the same with the layer's auxiliary losses (e.g. clustering L1 and centroid
   sorting L2) added to the backward, as in training with mu = nu = 1; null for mechanisms without any.
 ``peak_mem_mb``: peak memory of one forward + backward pass above what was allocated before it
-(parameters and input included in the baseline).
+(parameters and input included in the baseline): the resident-set high-water mark on CPU (noisy: tens of MB
+between identical runs), ``torch.cuda.max_memory_allocated`` on CUDA. ``peak_tensor_mb``: the most bytes
+of tensors created by that pass alive at once, counted exactly by
+:class:`clusterformer.bench.memory.TensorMemoryTracker` in a separate untimed pass (any device;
+deterministic, the number to compare mechanisms by on CPU).
+
+On CUDA, times are CUDA-event intervals (one ``cudaEventSynchronize`` per timed run, no host timers), and
+``full`` runs SDPA forced to the FlashAttention backend in float16/bfloat16 (``sdpa_backend`` in the record;
+an error, not a silent fallback, if flash cannot run). A configuration that fails (e.g. out of memory) is
+recorded with its ``error`` instead of times and the benchmark goes on.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["BenchConfig", "run_attention_benchmark"]
+__all__ = ["DTYPE_ALIASES", "BenchConfig", "run_attention_benchmark"]
+
+DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass
@@ -67,7 +78,13 @@ def run_attention_benchmark(config: BenchConfig, progress: Callable[[str], None]
                 capture_output=True, text=True, check=False,
             )
             if proc.returncode != 0:
-                raise RuntimeError(f"benchmark of {name} at N={length} failed:\n{proc.stderr[-4000:]}")
+                lines = proc.stderr.strip().splitlines() or ["no output"]
+                error = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])
+                records.append({"name": name, "length": length, "device": config.device, "dtype": config.dtype,
+                                "error": error[-300:]})
+                if progress:
+                    progress(f"[{step}/{total}] {name} N={length}: FAILED: {error[-300:]}")
+                continue
             record = json.loads(proc.stdout.strip().splitlines()[-1])
             records.append(record)
             if progress:
@@ -81,16 +98,27 @@ def run_attention_benchmark(config: BenchConfig, progress: Callable[[str], None]
     return records
 
 
-def _median_ms(fn: Callable[[], None], warmup: int, repeats: int, sync: Callable[[], None]) -> float:
+def _median_ms(fn: Callable[[], None], warmup: int, repeats: int, sync: Callable[[], None],
+               cuda: bool = False) -> float:
+    import torch
+
     for _ in range(warmup):
         fn()
     sync()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1000.0)
+        if cuda:
+            start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_event.record()
+            fn()
+            end_event.record()
+            end_event.synchronize()
+            times.append(start_event.elapsed_time(end_event))
+        else:
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append((time.perf_counter() - start) * 1000.0)
     return statistics.median(times)
 
 
@@ -115,9 +143,11 @@ def _reset_peak_rss() -> bool:
 
 
 def _worker(job: dict) -> dict:
+    import contextlib
+
     import torch
 
-    from ..attention import build, collect_aux_losses
+    from ..attention import build
 
     if job["threads"]:
         torch.set_num_threads(job["threads"])
@@ -130,6 +160,20 @@ def _worker(job: dict) -> dict:
     x = torch.randn(job["batch"], job["length"], dim, device=device, dtype=dtype, requires_grad=True)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    backend = contextlib.nullcontext()
+    sdpa_backend = None
+    if cuda and job["name"] == "full" and dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend, sdpa_backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION), "flash"
+    with backend:
+        return _measure(job, layer, x, device, cuda, sync, sdpa_backend)
+
+
+def _measure(job, layer, x, device, cuda, sync, sdpa_backend) -> dict:
+    import torch
+
+    from ..attention import collect_aux_losses
 
     def fwd() -> None:
         layer.eval()
@@ -166,6 +210,13 @@ def _worker(job: dict) -> dict:
         hwm = _rss_mb("VmHWM")
         peak = (hwm - base) if (reset and hwm is not None and base is not None) else float("nan")
 
+    # Exact peak of live tensor bytes during one training pass (deterministic; see bench/memory.py).
+    from .memory import TensorMemoryTracker
+
+    with TensorMemoryTracker() as tracker:
+        fwd_bwd(False)()
+    sync()
+
     has_aux = bool(layer.aux_losses)
     warmup, repeats = job["warmup"], job["repeats"]
     return {
@@ -176,10 +227,12 @@ def _worker(job: dict) -> dict:
         "head_dim": job["head_dim"],
         "device": str(device),
         "dtype": job["dtype"],
-        "fwd_ms": _median_ms(fwd, warmup, repeats, sync),
-        "fwd_bwd_ms": _median_ms(fwd_bwd(False), warmup, repeats, sync),
-        "fwd_bwd_aux_ms": _median_ms(fwd_bwd(True), warmup, repeats, sync) if has_aux else None,
+        "fwd_ms": _median_ms(fwd, warmup, repeats, sync, cuda),
+        "fwd_bwd_ms": _median_ms(fwd_bwd(False), warmup, repeats, sync, cuda),
+        "fwd_bwd_aux_ms": _median_ms(fwd_bwd(True), warmup, repeats, sync, cuda) if has_aux else None,
         "peak_mem_mb": peak,
+        "peak_tensor_mb": tracker.peak_bytes / 2**20,
+        "sdpa_backend": sdpa_backend,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} logical CPUs"

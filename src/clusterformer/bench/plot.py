@@ -17,6 +17,7 @@ def plot_attention_benchmark(records: list[dict], path: str | Path, title: str |
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    records = [r for r in records if "error" not in r]  # failed configurations (e.g. out of memory)
     names = list(dict.fromkeys(r["name"] for r in records))
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
     for i, name in enumerate(names):

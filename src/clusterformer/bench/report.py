@@ -12,10 +12,13 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def attention_table(records: list[dict], baseline: str = "full") -> str:
     """One row per (mechanism, length): times, peak memory and the speed-ups over ``baseline`` at that length
     (from the same records, i.e. the same run)."""
+    failed = [r for r in records if "error" in r]
+    records = [r for r in records if "error" not in r]
     base = {r["length"]: r for r in records if r["name"] == baseline}
     lines = [
-        "| mechanism | N | fwd ms | fwd+bwd ms | fwd+bwd+aux ms | peak MB | fwd+bwd speed-up vs full | fwd speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mechanism | N | fwd ms | fwd+bwd ms | fwd+bwd+aux ms | peak MB | tensor peak MiB | fwd+bwd speed-up vs full "
+        "| fwd speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     names = list(dict.fromkeys(r["name"] for r in records))
     for name in names:
@@ -25,8 +28,11 @@ def attention_table(records: list[dict], baseline: str = "full") -> str:
             speed_f = f"{b['fwd_ms'] / r['fwd_ms']:.1f}x" if b else "-"
             lines.append(
                 f"| {name} | {r['length']} | {_fmt(r['fwd_ms'])} | {_fmt(r['fwd_bwd_ms'])} | "
-                f"{_fmt(r.get('fwd_bwd_aux_ms'))} | {_fmt(r['peak_mem_mb'], 0)} | {speed} | {speed_f} |"
+                f"{_fmt(r.get('fwd_bwd_aux_ms'))} | {_fmt(r['peak_mem_mb'], 0)} | {_fmt(r.get('peak_tensor_mb'), 0)} | "
+                f"{speed} | {speed_f} |"
             )
+    for r in failed:
+        lines.append(f"| {r['name']} | {r['length']} | failed: {r['error']} | | | | | | |")
     return "\n".join(lines)
 
 
