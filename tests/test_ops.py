@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from clusterformer.ops import cluster_causal_attention, sorted_chunk_attention
+from clusterformer.ops import cluster_causal_attention, cluster_causal_layout, sorted_chunk_attention, sorted_layout
 from reference import cluster_causal_allowed, dense_reference, sorted_chunk_allowed
 
 
@@ -206,3 +206,25 @@ def test_cluster_causal_rejects_ids_out_of_range():
     q = torch.randn(1, 1, 5, 2)
     with pytest.raises(ValueError, match="cluster_ids must be < num_clusters=2"):
         cluster_causal_attention(q, q, q, torch.tensor([[0, 1, 2, 0, 1]]), 2, 2)
+
+
+@pytest.mark.parametrize("causal_layout", [False, True])
+def test_chunk_size_larger_than_the_sequence_is_clamped(causal_layout):
+    """A 4-token input with chunk_size 2048 must not build a 2048-row buffer (issue #12): the layout is the
+    one of chunk_size = N, and so are the outputs."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 3, (2, 4), generator=g)
+    if causal_layout:
+        big, exact = cluster_causal_layout(ids, 2048, 3), cluster_causal_layout(ids, 4, 3)
+    else:
+        big, exact = sorted_layout(ids, 2048), sorted_layout(ids, 4)
+    assert big.chunk_size == 4
+    assert big.rows.numel() == exact.rows.numel() <= 2 * 3 * 4 * 2
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    if causal_layout:
+        a = cluster_causal_attention(q, k, v, ids, 2048, 3)
+        b = cluster_causal_attention(q, k, v, ids, 4, 3)
+    else:
+        a = sorted_chunk_attention(q, k, v, ids, 2048, causal=True)
+        b = sorted_chunk_attention(q, k, v, ids, 4, causal=True)
+    assert torch.equal(a, b)

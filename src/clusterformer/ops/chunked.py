@@ -115,6 +115,7 @@ def sorted_layout(cluster_ids: torch.Tensor, chunk_size: int, look_back: int = 1
     """Layout of :func:`sorted_chunk_attention`: stable sort by id, consecutive chunks.
     cluster_ids: (blocks, N) integers."""
     blocks, N = cluster_ids.shape
+    chunk_size = min(chunk_size, max(N, 1))  # a chunk longer than the sequence is the whole sequence
     n_c = max(1, math.ceil(N / chunk_size))
     order = torch.sort(cluster_ids, dim=-1, stable=True).indices  # slot -> token
     positions = torch.arange(N, device=cluster_ids.device).expand(blocks, N)
@@ -129,6 +130,7 @@ def cluster_causal_layout(
 
     Token i of cluster c with r earlier tokens in c goes to slot start[c] + r, where every cluster starts
     on a chunk boundary; its chunk is therefore fixed by tokens 0..i alone."""
+    chunk_size = min(chunk_size, max(cluster_ids.shape[1], 1))
     token_slot, num_slots = cluster_aligned_slots(cluster_ids, chunk_size, num_clusters)
     return _layout_from_slots(token_slot, num_slots, chunk_size, look_back, token_group=cluster_ids)
 
@@ -142,7 +144,7 @@ def cluster_aligned_slots(cluster_ids: torch.Tensor, chunk_size: int, num_cluste
     static bound (each non-empty cluster wastes at most chunk_size - 1 slots), a multiple of chunk_size."""
     blocks, N = cluster_ids.shape
     device = cluster_ids.device
-    w = chunk_size
+    w = min(chunk_size, max(N, 1))  # no cluster has more than N tokens: same blocks, a smaller buffer
     order = torch.sort(cluster_ids, dim=-1, stable=True).indices
     positions = torch.arange(N, device=device).expand(blocks, N)
     sorted_pos = torch.empty_like(order).scatter_(1, order, positions)
