@@ -157,3 +157,28 @@ def test_demo_runs_end_to_end_on_a_tiny_budget(tmp_path):
     assert {r["attention"] for r in summary["training"]} == {"full", "neural-clustering"}
     assert (tmp_path / "demo.json").exists() and (tmp_path / "bench.png").exists()
     assert any("speed-up" in line for line in lines)
+
+
+@pytest.mark.parametrize("name", ["lsh", "kmeans", "routing", "clustered"])
+def test_each_layer_gets_its_own_seed(name):
+    """Issue #12: layers of a model must not share hash rotations / planes / initial centroids. Layer 1's
+    parameters (not its seeded buffers or generator) are copied into layer 0; with a shared seed the two
+    would then compute the same function."""
+    from clusterformer.models import Encoder, EncoderConfig
+
+    config = EncoderConfig(vocab_size=30, dim=32, depth=2, heads=2, attention=name,
+                           attention_options={"seed": 3})
+    tokens = torch.randint(1, 30, (2, 40), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    model = Encoder(config).eval()
+    torch.manual_seed(0)
+    again = Encoder(config).eval()
+    with torch.no_grad():  # a fixed seed still reproduces the whole model
+        assert torch.equal(model(tokens), again(tokens))
+    first, second = (block.attn for block in model.blocks)
+    assert first.seed != second.seed
+    with torch.no_grad():
+        for p_first, p_second in zip(first.parameters(), second.parameters(), strict=True):
+            p_first.copy_(p_second)
+        x = torch.randn(2, 150, 32, generator=torch.Generator().manual_seed(1))
+        assert not torch.allclose(first(x), second(x))

@@ -23,7 +23,7 @@ from .._checks import (
     check_padding_mask,
     check_tensor,
 )
-from ..attention import AttentionLayer, NeuralClusteringAttention, build
+from ..attention import AttentionLayer, NeuralClusteringAttention, build, describe
 from ..attention.registry import make_options
 from .reversible import ReversibleSequence
 
@@ -107,14 +107,30 @@ class EncoderConfig:
             raise ValueError("centroid_flow is not supported with reversible=True (blocks are replayed one by one)")
 
     def attention_for(self, layer: int) -> tuple[str, dict[str, Any]]:
-        """Mechanism name and options of block ``layer``."""
+        """Mechanism name and options of block ``layer``.
+
+        Mechanisms with a ``seed`` option (hash rotations, hash planes, initial centroids) get a distinct seed
+        per layer, ``seed + LAYER_SEED_STRIDE * layer`` (``seed`` as given, or the mechanism's default), so
+        layers hash independently as in the Reformer while a fixed seed still reproduces the whole model."""
         if layer in self.layer_attention:
             name, options = self.layer_attention[layer]
-            return name, dict(options)
-        options = dict(self.attention_options)
-        if self.centroid_flow:
-            options["own_centroids"] = layer == 0
-        return self.attention, options
+            options = dict(options)
+        else:
+            name, options = self.attention, dict(self.attention_options)
+            if self.centroid_flow:
+                options["own_centroids"] = layer == 0
+        defaults = describe(name)["options"]
+        if "seed" in defaults:
+            options["seed"] = layer_seed(options.get("seed", defaults["seed"]), layer)
+        return name, options
+
+
+LAYER_SEED_STRIDE = 1_000_003  # a prime: layer seeds of nearby base seeds do not collide in practice
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The seed of block ``layer``'s attention in a model built with ``seed``."""
+    return (seed + LAYER_SEED_STRIDE * layer) % 2**63
 
 
 def cluster_former_config(
