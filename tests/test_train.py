@@ -235,3 +235,31 @@ def test_cross_validation_runs_every_fold_and_summarises(tmp_path, capsys):
         main(["train", "--task", "20news", "--cv", "--max-steps", "1", "--data-dir", str(tmp_path),
               "--out", str(tmp_path / "x")])
     assert "--cv is for the sentence tasks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("attention", "options", "message"), [
+    ("cluster-former", {}, "allow-non-strict-causal"),
+    ("neural-clustering", {"causal_mode": "paper"}, "allow-non-strict-causal"),
+    ("clustered", {}, "cannot be causal"),
+])
+def test_language_model_refuses_mechanisms_that_are_not_strictly_causal(tmp_path, attention, options, message):
+    """Issue #12: a non-strict causal mode sees more than the past, so its bits per character are optimistic."""
+    from clusterformer.train import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(task="shakespeare-char", attention=attention, attention_options=options, out=str(tmp_path),
+                    max_steps=1)
+    if message == "allow-non-strict-causal":  # the explicit opt-in is honoured
+        config = TrainConfig(task="shakespeare-char", attention=attention, attention_options=options,
+                             out=str(tmp_path), max_steps=1, allow_non_strict_causal=True)
+        assert config.allow_non_strict_causal
+    for strict in ("full", "neural-clustering", "lsh"):
+        TrainConfig(task="shakespeare-char", attention=strict, out=str(tmp_path), max_steps=1)
+
+
+def test_cli_names_the_opt_in_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--task", "shakespeare-char", "--attention", "cluster-former", "--max-steps", "1",
+              "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "--allow-non-strict-causal" in capsys.readouterr().err

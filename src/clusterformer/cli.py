@@ -352,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ff-dim", type=int, default=None)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--reversible", action="store_true", help="reversible residual blocks")
+    p.add_argument("--allow-non-strict-causal", action="store_true",
+                   help="shakespeare-char: accept a mechanism whose causal mode is not strict (cluster-former, "
+                   "neural-clustering causal_mode=paper); its bits per character are then optimistic")
     p.add_argument("--init", default=None, choices=["minilm"],
                    help="fine-tune a pretrained model (its own width, depth and tokenizer; --dim/--depth/--heads "
                         "are ignored) with --attention patched in; needs the [minilm] extra")

@@ -112,6 +112,11 @@ class ClusterFormerOptions:
         check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
         check_bool("bias", self.bias)
 
+    def causal_semantics(self) -> str:
+        """What ``causal=True`` means here: "strict" (output t depends on tokens 0..t only), "paper" (no
+        direct future leak, but which past keys are seen depends on the whole sequence) or "refused"."""
+        return "paper"  # masking inside sorted windows whose membership depends on all tokens
+
 
 @register("sliding-window", SlidingWindowOptions, "Cluster-Former's local layer: overlapping windows, averaged")
 class SlidingWindowAttention(AttentionLayer):

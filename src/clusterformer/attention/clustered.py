@@ -73,6 +73,11 @@ class ClusteredOptions:
         check_int("seed", self.seed, minimum=0)
         check_bool("bias", self.bias)
 
+    def causal_semantics(self) -> str:
+        """What ``causal=True`` means here: "strict" (output t depends on tokens 0..t only), "paper" (no
+        direct future leak, but which past keys are seen depends on the whole sequence) or "refused"."""
+        return "refused"  # a centroid query mixes every position
+
 
 @dataclass(frozen=True)
 class ImprovedClusteredOptions(ClusteredOptions):

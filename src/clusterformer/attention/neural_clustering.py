@@ -115,6 +115,11 @@ class NeuralClusteringOptions:
             return max(1, min(self.max_clusters, round(math.sqrt(length))))
         return self.num_clusters
 
+    def causal_semantics(self) -> str:
+        """What ``causal=True`` means here: "strict" (output t depends on tokens 0..t only), "paper" (no
+        direct future leak, but which past keys are seen depends on the whole sequence) or "refused"."""
+        return self.causal_mode
+
 
 @register(
     "neural-clustering",

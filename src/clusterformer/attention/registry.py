@@ -14,7 +14,7 @@ from typing import Any
 
 from .base import AttentionLayer
 
-__all__ = ["Mechanism", "build", "describe", "names", "register"]
+__all__ = ["Mechanism", "build", "causal_semantics", "describe", "names", "register"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,12 @@ def build(name: str, *, dim: int, heads: int, **options: Any) -> AttentionLayer:
     """
     mech = _get(name)
     return mech.layer(dim, heads, make_options(name, options))
+
+
+def causal_semantics(name: str, options: Any) -> str:
+    """``"strict"``, ``"paper"`` or ``"refused"`` for mechanism ``name`` with ``options`` (a dict or its
+    options dataclass): the option class's ``causal_semantics()``, "strict" when it defines none."""
+    if isinstance(options, dict):
+        options = make_options(name, options)
+    method = getattr(options, "causal_semantics", None)
+    return "strict" if method is None else method()

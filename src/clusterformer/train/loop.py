@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_int
 from ..attention import collect_aux_losses, total_loss
-from ..attention.registry import make_options
+from ..attention.registry import causal_semantics, make_options
 from ..models import EncoderConfig, SequenceClassifier
 from ..models.lm import LanguageModel
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
@@ -100,11 +100,22 @@ class TrainConfig:
     amp: str = "auto"
     progress: bool = True
     init: str | None = None  # a pretrained model of clusterformer.hf (e.g. "minilm") to fine-tune
+    allow_non_strict_causal: bool = False  # LM with a mechanism whose causal mode is not strict (optimistic bpc)
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
         if self.init is None:
             make_options(self.attention, self.attention_options)
+            if self.task == "shakespeare-char":
+                semantics = causal_semantics(self.attention, self.attention_options)
+                if semantics == "refused":
+                    raise ValueError(f"attention {self.attention!r} cannot be causal, so it cannot train a "
+                                     "language model")
+                if semantics != "strict" and not self.allow_non_strict_causal:
+                    raise ValueError(
+                        f"attention {self.attention!r} with these options is not strictly causal (which past "
+                        "keys a token sees depends on later tokens), so its bits per character would be "
+                        "optimistic; pass --allow-non-strict-causal to train it anyway")
         else:
             from ..hf import PRETRAINED, validate_patch_options
 
