@@ -263,3 +263,15 @@ def test_cli_names_the_opt_in_flag(tmp_path, capsys):
               "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "--allow-non-strict-causal" in capsys.readouterr().err
+
+
+def test_no_character_gets_the_padding_id(tmp_path):
+    """Issue #12: the newline had id 0, the embedding's padding_idx, so its embedding was frozen at zero."""
+    from clusterformer.train.tasks import prepare_task
+
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_text("\nA b\n" * 30)  # '\n' sorts first
+    task = prepare_task("shakespeare-char", data_dir=tmp_path, max_len=8)
+    stream = torch.cat([task.train["stream"], task.test["stream"]])
+    assert int(stream.min()) >= 1
+    assert task.vocab_size == int(stream.max()) + 1 == 5  # '\n', ' ', 'A', 'b' and the padding id

@@ -158,14 +158,15 @@ def _shakespeare(data_dir, limit, state) -> PreparedTask:
     if limit is not None:
         text = text[:limit]
     chars = state.split("\x00") if state else sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
+    index = {c: i + 1 for i, c in enumerate(chars)}  # id 0 is the embedding's padding index: no character
     unknown = set(text) - set(index)
     if unknown:
         raise ValueError(f"{path} holds characters the saved vocabulary lacks: {sorted(unknown)[:10]}")
     stream = torch.tensor([index[c] for c in text], dtype=torch.long)
     cut = int(len(stream) * 0.9)
-    return PreparedTask("shakespeare-char", "lm", {"stream": stream[:cut]}, {"stream": stream[cut:]}, len(chars),
-                        len(chars), "\x00".join(chars), "bpc", {"protocol": "first 90% / last 10% of characters"})
+    vocab = len(chars) + 1  # id 0 (padding) is never a target: the head learns to give it no mass
+    return PreparedTask("shakespeare-char", "lm", {"stream": stream[:cut]}, {"stream": stream[cut:]}, vocab,
+                        vocab, "\x00".join(chars), "bpc", {"protocol": "first 90% / last 10% of characters"})
 
 
 def ranking_metrics(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
