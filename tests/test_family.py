@@ -365,11 +365,19 @@ def test_clustered_matches_dense_reference(improved, N, clusters, topk, pad_last
     pad = _pad_mask(B, N, pad_last)
     y = layer(x, key_padding_mask=pad if pad_last else None)
     C = min(clusters, N)
+    # The query clusters, recomputed here from the definition (section 3.2.2): per head, the signs of the
+    # *queries* projected on that head's planes, drawn from the layer's seed, then Hamming k-means (itself
+    # tested against a loop reference). A wiring bug (hashing K, another head's planes) fails here.
+    planes = torch.randn(layer.heads, layer.head_dim, 8, generator=torch.Generator().manual_seed(5))
     for b in range(B):
         q, k, v = _heads(layer, x[b])
         heads = []
         for h in range(layer.heads):
-            groups = layer.last_groups[b, h]
+            codes = (q[h] @ planes[h].double()) > 0
+            valid = None if not pad_last else ~pad[b][None]
+            groups = hamming_kmeans(codes[None], clusters, iterations=3, valid=valid)[0]
+            real = ~pad[b]
+            assert torch.equal(layer.last_groups[b, h][real], groups[real])
             _, a_c, a_t = clustered_matrices(q[h], k[h], groups, C, topk if improved else None,
                                              pad[b] if pad_last else None)
             heads.append((a_t if improved else a_c) @ v[h])
