@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from clusterformer.attention import build, collect_aux_losses, describe, names
+from clusterformer.attention.registry import causal_semantics
 from clusterformer.models import Encoder, EncoderConfig, cluster_former_config
 from clusterformer.models import reversible as reversible_module
 from seeds import fixed_seed
@@ -111,9 +112,27 @@ def test_strict_causal_no_future_leak(name, N):
         torch.testing.assert_close(y2[:, : t + 1], y[:, : t + 1], atol=1e-10, rtol=1e-10)
 
 
-def test_cluster_former_causal_is_documented_as_not_strict():
-    from clusterformer.attention import cluster_former
-    assert "not strict" in cluster_former.__doc__
+@pytest.mark.parametrize(("name", "options"), [("cluster-former", {}), ("neural-clustering", {"causal_mode": "paper"})])
+def test_paper_causal_modes_are_declared_and_really_not_strict(name, options):
+    """Mechanisms whose causal mode is the papers' (masking inside groups built from the whole sequence)
+    declare it, and the declaration is true: changing later tokens changes some earlier output. Training a
+    language model refuses them (tests/test_train.py)."""
+    assert causal_semantics(name, options) == "paper"
+    layer = _small(name, **options).eval()
+    x = torch.randn(2, 29, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(fixed_seed()))
+    y = layer(x, causal=True)
+    moved = 0.0
+    for t in range(4, 28, 4):
+        changed = x.clone()
+        changed[:, t + 1:] = 3 * torch.randn(2, 28 - t, 16, dtype=torch.float64)
+        moved = max(moved, (layer(changed, causal=True)[:, : t + 1] - y[:, : t + 1]).abs().max().item())
+    assert moved > 1e-6
+
+
+def test_declared_causal_semantics_match_the_test_lists():
+    for name in ALL:
+        assert causal_semantics(name, {}) == (
+            "refused" if name in NON_CAUSAL else "paper" if name in NOT_STRICT else "strict"), name
 
 
 @pytest.mark.parametrize(("name", "options", "match"), [
