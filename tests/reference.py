@@ -134,8 +134,10 @@ def sliding_reference(q, k, v, window, stride, causal, pad, positions=None):
     """Overlapping windows from the definition, for one head. q, k, v: (N, D)."""
     N = q.shape[0]
     window = min(window, N)
+    # the windows of the sequence's own length: up to its last real row (right padding adds no window)
+    length = N if pad is None else max([i + 1 for i in range(N) if not bool(pad[i])], default=0)
     starts = [0]
-    while starts[-1] + window < N:
+    while starts[-1] + window < length:
         starts.append(starts[-1] + stride)
     pos = list(range(N)) if positions is None else [int(p) for p in positions]
     total = torch.zeros_like(v)

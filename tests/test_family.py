@@ -469,6 +469,7 @@ def test_clustered_refuses_causal(name):
 
 @pytest.mark.parametrize(("N", "window", "stride", "causal", "pad_last"), [
     (20, 8, 4, False, 0), (23, 8, 5, True, 3), (5, 8, 4, False, 0), (16, 4, 4, False, 2), (17, 6, 1, True, 0),
+    (30, 8, 4, False, 17), (40, 8, 3, True, 31),  # padding long enough to add windows of the padded length
 ])
 def test_sliding_window_matches_dense_reference(N, window, stride, causal, pad_last):
     layer = _layer("sliding-window", window=window, stride=stride)

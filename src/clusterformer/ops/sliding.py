@@ -43,6 +43,10 @@ def sliding_window_attention(
     Returns:
         (B, H, N, D): row r's output is the mean of its outputs in the windows that contain it. Rows with
         no allowed key in a window contribute zeros from that window.
+
+    Windows are those of each sequence's own length, not of the padded batch: with ``key_padding_mask``, a
+    sequence whose last real row is row L - 1 uses windows 0 .. window_count(L) - 1 only, so right padding
+    (its amount, and so the other sequences of the batch) cannot add windows to a real row's average.
     """
     B, H, N, D = q.shape
     window = min(window, N)
@@ -71,14 +75,28 @@ def sliding_window_attention(
     mask = (allowed | no_key).unsqueeze(1)
     out = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), attn_mask=mask, dropout_p=dropout_p)
     out = out.masked_fill(no_key.unsqueeze(1), 0.0)  # (B n_w, H, window, D)
-    return _average(out, idx, B, H, n_w, window, L, N)
+    window_used = None
+    if key_padding_mask is not None:  # each sequence keeps the windows of its own length
+        real = ~key_padding_mask
+        length = torch.where(real, torch.arange(1, N + 1, device=q.device), 0).amax(1)  # last real row + 1
+        own = torch.where(length <= window, 1, torch.div(length - window + stride - 1, stride,
+                                                          rounding_mode="floor") + 1)  # window_count(length)
+        window_used = torch.arange(n_w, device=q.device) < own.unsqueeze(1)  # (B, n_w)
+    return _average(out, idx, B, H, n_w, window, L, N, window_used)
 
 
-def _average(out: torch.Tensor, idx: torch.Tensor, B: int, H: int, n_w: int, window: int, L: int, N: int):
-    """Window outputs (B n_w, H, window, D) -> per-row means over the windows covering each row, (B, H, N, D)."""
+def _average(out: torch.Tensor, idx: torch.Tensor, B: int, H: int, n_w: int, window: int, L: int, N: int,
+             window_used: torch.Tensor | None = None):
+    """Window outputs (B n_w, H, window, D) -> per-row means over the windows covering each row, (B, H, N, D);
+    ``window_used`` (B, n_w) bool leaves windows out of a sequence's means."""
     D = out.shape[-1]
     out = out.view(B, n_w, H, window, D).transpose(1, 2).reshape(B, H, n_w * window, D)
-    total = out.new_zeros(B, H, L, D).index_add(2, idx, out)
-    ones = torch.ones_like(idx, dtype=out.dtype)
-    covered = torch.zeros(L, device=out.device, dtype=out.dtype).index_add(0, idx, ones)
-    return (total / covered.view(1, 1, L, 1))[:, :, :N]
+    if window_used is None:
+        total = out.new_zeros(B, H, L, D).index_add(2, idx, out)
+        ones = torch.ones_like(idx, dtype=out.dtype)
+        covered = torch.zeros(L, device=out.device, dtype=out.dtype).index_add(0, idx, ones)
+        return (total / covered.view(1, 1, L, 1))[:, :, :N]
+    weight = window_used.to(out.dtype).repeat_interleave(window, dim=1)  # (B, n_w window)
+    total = out.new_zeros(B, H, L, D).index_add(2, idx, out * weight[:, None, :, None])
+    covered = out.new_zeros(B, L).index_add(1, idx, weight)
+    return (total / covered.clamp(min=1).view(B, 1, L, 1))[:, :, :N]
