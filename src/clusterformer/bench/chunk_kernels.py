@@ -15,24 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
 
 
-def _time(fn, warmup: int = 3, repeats: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _time(fn) -> float:
+    from .attention import _median_ms
+
+    return _median_ms(fn, 3, 10, torch.cuda.synchronize, cuda=True)
 
 
 def _peak(fn) -> float:

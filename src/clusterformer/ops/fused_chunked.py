@@ -86,6 +86,15 @@ if triton is not None:
         return allowed
 
     @triton.jit
+    def _query_tile(w, hops, BLOCK_M: tl.constexpr):
+        """This program's query tile: (window, query-buffer rows, the same tokens' key rows, valid rows)."""
+        tiles = tl.cdiv(w, BLOCK_M)
+        win = tl.program_id(0) // tiles
+        local = (tl.program_id(0) % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_row = win * w + local  # row in the query buffer
+        return win, q_row, q_row + (hops - 1) * w, local < w  # key row r + (hops - 1) w is query row r
+
+    @triton.jit
     def _fwd_kernel(
         Q, K, V, OUT, LSE, SELF_ONLY, KEY_OK, POS, GRP,
         stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_om, stride_oh,
@@ -94,14 +103,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         ACC: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        tiles = tl.cdiv(w, BLOCK_M)
-        win = pid_m // tiles
-        local = (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = local < w
-        q_row = win * w + local  # row in the query buffer
-        self_row = q_row + (hops - 1) * w  # the same token's row in the key buffer
+        win, q_row, self_row, m_ok = _query_tile(w, hops, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
         q = tl.load(Q + q_row[:, None] * stride_qm + h * stride_qh + d[None, :],
@@ -157,14 +160,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         ACC: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        tiles = tl.cdiv(w, BLOCK_M)
-        win = pid_m // tiles
-        local = (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = local < w
-        q_row = win * w + local
-        self_row = q_row + (hops - 1) * w
+        win, q_row, self_row, m_ok = _query_tile(w, hops, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
         qd_mask = m_ok[:, None] & d_ok[None, :]
