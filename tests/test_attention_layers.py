@@ -38,7 +38,10 @@ def _reference_clustering(layer, x, real, strict):
     """Eqs. 2-4, 6, 11 with cosine phi, for one sequence x (N, dim) whose real tokens are ``real``."""
     scale = layer.options.similarity_scale
     N = x.shape[0]
-    k = layer.clusters_for(N)
+    o = layer.options
+    # strict causal mode: k and the block size are fixed options (prefix invariance); otherwise from N
+    k = (o.num_clusters if o.num_clusters != "sqrt" else min(o.causal_clusters, o.max_clusters)) if strict else (
+        layer.clusters_for(N))
     C = layer.centroids[:k]
     P = x @ layer.to_cluster.weight.T  # X W^C
     phi = torch.zeros(k, N, dtype=x.dtype)
@@ -54,7 +57,7 @@ def _reference_clustering(layer, x, real, strict):
     L1 = -sum(F.cosine_similarity(P[j], C_hat[ids[j]], dim=0) for j in reals) / len(reals)  # eq. 6
     ring = sum(F.cosine_similarity(C_hat[i], C_hat[i - 1], dim=0) for i in range(1, k))
     L2 = -(ring + F.cosine_similarity(C_hat[0], C_hat[k - 1], dim=0)) / k  # eq. 11
-    return ids, L1, L2, math.ceil(N / k)
+    return ids, L1, L2, o.causal_chunk_size if strict else math.ceil(N / k)
 
 
 @pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(12, 3, 1), (13, 4, 1), (10, 3, 2), (9, "sqrt", 1),
@@ -62,7 +65,7 @@ def _reference_clustering(layer, x, real, strict):
 @pytest.mark.parametrize("mode", ["none", "paper", "strict"])
 def test_neural_clustering_matches_paper_equations(N, num_clusters, look_back, mode):
     layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back,
-                   causal_mode="strict" if mode == "strict" else "paper")
+                   causal_mode="strict" if mode == "strict" else "paper", causal_clusters=3, causal_chunk_size=2)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)
@@ -297,3 +300,19 @@ def test_bad_layer_input_raises_value_error(name, args, match):
     x, mask, causal = args()
     with pytest.raises(ValueError, match=match):
         layer(x, key_padding_mask=mask, causal=causal)
+
+
+@pytest.mark.parametrize("options", [{}, {"num_clusters": 3, "causal_clusters": 2, "causal_chunk_size": 3},
+                                     {"causal_clusters": 3, "causal_chunk_size": 4, "look_back": 2}])
+def test_strict_causal_prefix_gives_the_same_outputs_alone(options):
+    """Issue #12 §2: outputs at 0..t are the same whether the layer sees t + 1 tokens or more -- including
+    with num_clusters="sqrt" (the default), whose k and chunk once followed the length -- at several t on
+    and around block boundaries."""
+    layer = _layer("neural-clustering", causal_mode="strict", **options).eval()
+    g = torch.Generator().manual_seed(fixed_seed())
+    N = 200 if not options else 37
+    x = torch.randn(2, N, layer.dim, dtype=torch.float64, generator=g)
+    y = layer(x, causal=True)
+    w = layer.options.causal_chunk_size
+    for t in sorted({1, w - 1, w, w + 1, 2 * w, N // 2, N - 2}):
+        torch.testing.assert_close(layer(x[:, :t], causal=True), y[:, :t], atol=1e-12, rtol=0)

@@ -21,8 +21,12 @@ Causal modes (``causal=True`` in the call):
 * ``causal_mode="strict"`` (default): output t depends on tokens 0..t only. The assignment is each token's
   nearest parameter centroid (argmax_i phi(C_i, x_t W^C): no normalisation over positions), and each
   cluster is chunked on its own by the token's rank among *earlier* tokens of its cluster
-  (:func:`clusterformer.ops.cluster_causal_attention`). Centroids flowing from a previous layer would
-  carry information from the whole sequence, so strict mode refuses them.
+  (:func:`clusterformer.ops.cluster_causal_attention`). The number of clusters (``causal_clusters`` with
+  ``num_clusters="sqrt"``, default 16) and the block size (``causal_chunk_size``, default 64) are fixed, not
+  derived from N, so the outputs at positions 0..t are the same whether the layer sees t + 1 tokens or more
+  (prefix invariance, what cached generation needs). Cost O(N (look_back + 1) causal_chunk_size d).
+  Centroids flowing from a previous layer would carry information from the whole sequence, so strict mode
+  refuses them.
 * ``causal_mode="paper"``: appendix B. Same clustering and chunking as without a mask; inside chunks keys
   after the query are masked (eqs. 12-14). The assignment (U is normalised over *all* positions) and the
   chunk boundaries depend on the whole sequence, so *which* past keys a token sees can change when a
@@ -73,6 +77,11 @@ class NeuralClusteringOptions:
         look_back: previous chunks each query chunk attends to (the paper uses 1: "two blocks").
         causal_mode: "strict" (no dependence on later tokens) or "paper" (appendix B); used when the
             layer is called with causal=True.
+        causal_clusters: strict causal mode with ``num_clusters="sqrt"``: the number of clusters, fixed so
+            that a prefix is clustered the same whatever follows it; clamped to ``max_clusters`` (an int
+            ``num_clusters`` is used as is).
+        causal_chunk_size: strict causal mode: tokens per block of a cluster, fixed for the same reason
+            (the non-causal layer uses ceil(N / k)).
         similarity: "cosine" (bounded, default) or "dot" (the paper's literal inner product).
         similarity_scale: multiplies phi inside the softmax over positions (eq. 2).
         own_centroids: own a centroid parameter; False means centroids are passed at call time.
@@ -84,6 +93,8 @@ class NeuralClusteringOptions:
     max_clusters: int = 128
     look_back: int = 1
     causal_mode: str = "strict"
+    causal_clusters: int = 16
+    causal_chunk_size: int = 64
     similarity: str = "cosine"
     similarity_scale: float = 10.0
     own_centroids: bool = True
@@ -98,6 +109,8 @@ class NeuralClusteringOptions:
         check_int("max_clusters", self.max_clusters, minimum=1)
         check_int("look_back", self.look_back, minimum=0)
         check_choice("causal_mode", self.causal_mode, ("strict", "paper"))
+        check_int("causal_clusters", self.causal_clusters, minimum=1)
+        check_int("causal_chunk_size", self.causal_chunk_size, minimum=1)
         check_choice("similarity", self.similarity, ("cosine", "dot"))
         check_float("similarity_scale", self.similarity_scale, minimum=0.0, exclusive_minimum=True)
         check_bool("own_centroids", self.own_centroids)
@@ -110,10 +123,14 @@ class NeuralClusteringOptions:
         return self.max_clusters if self.num_clusters == "sqrt" else self.num_clusters
 
     def clusters_for(self, length: int) -> int:
-        """k used for a batch padded to ``length`` tokens."""
+        """k used for a batch padded to ``length`` tokens (without a strict causal mask)."""
         if self.num_clusters == "sqrt":
             return max(1, min(self.max_clusters, round(math.sqrt(length))))
         return self.num_clusters
+
+    def strict_causal_clusters(self) -> int:
+        """k under a strict causal mask: independent of the length."""
+        return min(self.causal_clusters, self.max_clusters) if self.num_clusters == "sqrt" else self.num_clusters
 
     def causal_semantics(self) -> str:
         """What ``causal=True`` means here: "strict" (output t depends on tokens 0..t only), "paper" (no
@@ -156,8 +173,9 @@ class NeuralClusteringAttention(AttentionLayer):
         (k, dim) centroids replacing the layer's own (the paper's flow between layers). Returns (B, N, dim)."""
         x, key_padding_mask = self._prepare(x, key_padding_mask, causal)
         B, N, _ = x.shape
-        k = self.clusters_for(N)
         strict = causal and self.options.causal_mode == "strict"
+        # Strict mode fixes k and the block size, so the outputs for a prefix do not change as tokens follow.
+        k = self.options.strict_causal_clusters() if strict else self.clusters_for(N)
         if centroids is None:
             if self.centroids is None:
                 raise ValueError("centroids must be given: this layer was built with own_centroids=False")
@@ -189,7 +207,7 @@ class NeuralClusteringAttention(AttentionLayer):
 
         if B == 0 or N == 0:
             return self.to_out(self.to_qkv(x)[..., : self.dim])  # empty, with an autograd graph
-        chunk = math.ceil(N / k)
+        chunk = self.options.causal_chunk_size if strict else math.ceil(N / k)
         if strict:
             layout = cluster_causal_layout(ids, chunk, k + 1, self.options.look_back)
         else:
