@@ -22,9 +22,13 @@ Causal modes (``causal=True`` in the call):
   nearest parameter centroid (argmax_i phi(C_i, x_t W^C): no normalisation over positions), and each
   cluster is chunked on its own by the token's rank among *earlier* tokens of its cluster
   (:func:`clusterformer.ops.cluster_causal_attention`). The number of clusters (``causal_clusters`` with
-  ``num_clusters="sqrt"``, default 16) and the block size (``causal_chunk_size``, default 64) are fixed, not
+  ``num_clusters="sqrt"``, default 16) and the block size (``causal_chunk_size``, default 16) are fixed, not
   derived from N, so the outputs at positions 0..t are the same whether the layer sees t + 1 tokens or more
-  (prefix invariance, what cached generation needs). Cost O(N (look_back + 1) causal_chunk_size d).
+  (prefix invariance, what cached generation needs). The defaults are what "sqrt" gives at N = 256
+  (k = 16, w = 16); a token attends to at most (look_back + 1) * causal_chunk_size earlier tokens of its
+  cluster at any length. Cost O(N (look_back + 1) causal_chunk_size d), plus the empty slots of the
+  cluster-aligned layout (each cluster rounded up to whole blocks): a larger block costs more than its
+  keys (64 at N = 256 doubled the training time of the character LM).
   Centroids flowing from a previous layer would carry information from the whole sequence, so strict mode
   refuses them.
 * ``causal_mode="paper"``: appendix B. Same clustering and chunking as without a mask; inside chunks keys
@@ -94,7 +98,7 @@ class NeuralClusteringOptions:
     look_back: int = 1
     causal_mode: str = "strict"
     causal_clusters: int = 16
-    causal_chunk_size: int = 64
+    causal_chunk_size: int = 16
     similarity: str = "cosine"
     similarity_scale: float = 10.0
     own_centroids: bool = True
