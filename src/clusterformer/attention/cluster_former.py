@@ -113,8 +113,7 @@ class ClusterFormerOptions:
         check_bool("bias", self.bias)
 
     def causal_semantics(self) -> str:
-        """What ``causal=True`` means here: "strict" (output t depends on tokens 0..t only), "paper" (no
-        direct future leak, but which past keys are seen depends on the whole sequence) or "refused"."""
+        """See :func:`clusterformer.attention.registry.causal_semantics`."""
         return "paper"  # masking inside sorted windows whose membership depends on all tokens
 
 

@@ -74,8 +74,7 @@ class ClusteredOptions:
         check_bool("bias", self.bias)
 
     def causal_semantics(self) -> str:
-        """What ``causal=True`` means here: "strict" (output t depends on tokens 0..t only), "paper" (no
-        direct future leak, but which past keys are seen depends on the whole sequence) or "refused"."""
+        """See :func:`clusterformer.attention.registry.causal_semantics`."""
         return "refused"  # a centroid query mixes every position
 
 

@@ -137,8 +137,7 @@ class NeuralClusteringOptions:
         return min(self.causal_clusters, self.max_clusters) if self.num_clusters == "sqrt" else self.num_clusters
 
     def causal_semantics(self) -> str:
-        """What ``causal=True`` means here: "strict" (output t depends on tokens 0..t only), "paper" (no
-        direct future leak, but which past keys are seen depends on the whole sequence) or "refused"."""
+        """See :func:`clusterformer.attention.registry.causal_semantics`."""
         return self.causal_mode
 
 

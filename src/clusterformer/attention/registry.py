@@ -87,8 +87,10 @@ def build(name: str, *, dim: int, heads: int, **options: Any) -> AttentionLayer:
 
 
 def causal_semantics(name: str, options: Any) -> str:
-    """``"strict"``, ``"paper"`` or ``"refused"`` for mechanism ``name`` with ``options`` (a dict or its
-    options dataclass): the option class's ``causal_semantics()``, "strict" when it defines none."""
+    """What ``causal=True`` means for mechanism ``name`` with ``options`` (a dict or its options dataclass):
+    ``"strict"`` (output t depends on tokens 0..t only), ``"paper"`` (no direct future leak, but which past
+    keys a token sees depends on the whole sequence) or ``"refused"``. The option class's
+    ``causal_semantics()``; "strict" when it defines none."""
     if isinstance(options, dict):
         options = make_options(name, options)
     method = getattr(options, "causal_semantics", None)

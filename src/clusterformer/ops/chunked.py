@@ -130,6 +130,7 @@ def cluster_causal_layout(
 
     Token i of cluster c with r earlier tokens in c goes to slot start[c] + r, where every cluster starts
     on a chunk boundary; its chunk is therefore fixed by tokens 0..i alone."""
+    # no cluster has more than N tokens: the same blocks, a smaller buffer
     chunk_size = min(chunk_size, max(cluster_ids.shape[1], 1))
     token_slot, num_slots = cluster_aligned_slots(cluster_ids, chunk_size, num_clusters)
     return _layout_from_slots(token_slot, num_slots, chunk_size, look_back, token_group=cluster_ids)
@@ -144,7 +145,7 @@ def cluster_aligned_slots(cluster_ids: torch.Tensor, chunk_size: int, num_cluste
     static bound (each non-empty cluster wastes at most chunk_size - 1 slots), a multiple of chunk_size."""
     blocks, N = cluster_ids.shape
     device = cluster_ids.device
-    w = min(chunk_size, max(N, 1))  # no cluster has more than N tokens: same blocks, a smaller buffer
+    w = chunk_size
     order = torch.sort(cluster_ids, dim=-1, stable=True).indices
     positions = torch.arange(N, device=device).expand(blocks, N)
     sorted_pos = torch.empty_like(order).scatter_(1, order, positions)
@@ -214,14 +215,7 @@ def windowed_attention(
     """
     W, H, w, D = q.shape
     if use_fused_kernel(q, dropout_p, kernel):
-        from .fused_chunked import fused_chunk_attention
-
-        key_ok, positions = _row_meta(layout, causal, key_padding_mask)
-        out, _ = fused_chunk_attention(
-            q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
-            positions=positions, groups=layout.row_group, scale=1.0 / math.sqrt(D),
-        )
-        return out.index_select(0, layout.out_rows)
+        return _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, False, 1.0 / math.sqrt(D))[0]
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
     attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self=False)
@@ -260,6 +254,22 @@ def use_fused_kernel(q: torch.Tensor, dropout_p: float, kernel: str = "auto") ->
     return True
 
 
+def _fused_windowed(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, layout: ChunkLayout, causal: bool,
+    key_padding_mask: torch.Tensor | None, exclude_self: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windowed attention by the fused kernel: (out (blocks * N, H, D), lse (blocks * N, H)) in token order."""
+    from .fused_chunked import fused_chunk_attention
+
+    W, H, w, D = q.shape
+    key_ok, positions = _row_meta(layout, causal, key_padding_mask)
+    out, lse = fused_chunk_attention(
+        q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
+        positions=positions, groups=layout.row_group, exclude_self=exclude_self, scale=scale,
+    )
+    return out.index_select(0, layout.out_rows), lse.index_select(0, layout.out_rows)
+
+
 def _row_meta(
     layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -289,12 +299,10 @@ def _window_mask(
     if not _needs_mask(layout, causal, key_padding_mask):
         return None, None
     W = layout.num_windows
-    key_ok = layout.row_valid
-    if key_padding_mask is not None:
-        key_ok = key_ok & ~key_padding_mask.reshape(-1)[layout.rows]
+    key_ok, positions = _row_meta(layout, causal, key_padding_mask)
     _, allowed = _window_meta(layout, key_ok)  # (W, 1, hops w)
     if causal:
-        pos_q, pos_k = _window_meta(layout, layout.rows % max(layout.length, 1))
+        pos_q, pos_k = _window_meta(layout, positions)
         allowed = allowed & (pos_q >= pos_k)
     if layout.row_group is not None:
         grp_q, grp_k = _window_meta(layout, layout.row_group)
@@ -336,15 +344,9 @@ def windowed_attention_lse(
     """
     W, H, w, D = q.shape
     if use_fused_kernel(q, dropout_p, kernel):
-        from .fused_chunked import fused_chunk_attention
-
-        key_ok, positions = _row_meta(layout, causal, key_padding_mask)
-        out, lse = fused_chunk_attention(
-            q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
-            positions=positions, groups=layout.row_group, exclude_self=exclude_self,
-            scale=1.0 / math.sqrt(D) if scale is None else 1.0,
-        )
-        return out.index_select(0, layout.out_rows), lse.to(q.dtype).index_select(0, layout.out_rows)
+        out, lse = _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, exclude_self,
+                                   1.0 / math.sqrt(D) if scale is None else 1.0)
+        return out, lse.to(q.dtype)
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
     scores = q @ k.transpose(-1, -2)  # (W, H, w, hops w)

@@ -7,17 +7,17 @@ cluster-sorted sequence: ``positions`` carries each row's original position for 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 __all__ = ["sliding_window_attention", "window_count"]
 
 
-def window_count(length: int, window: int, stride: int) -> int:
-    """Windows needed to cover ``length`` rows: 1 if length <= window, else ceil((length - window) / stride) + 1."""
-    return 1 if length <= window else math.ceil((length - window) / stride) + 1
+def window_count(length: int | torch.Tensor, window: int, stride: int) -> int | torch.Tensor:
+    """Windows needed to cover ``length`` rows (an int, or a tensor of lengths): 1 if length <= window, else
+    ceil((length - window) / stride) + 1."""
+    over = (length - window).clamp(min=0) if isinstance(length, torch.Tensor) else max(length - window, 0)
+    return (over + stride - 1) // stride + 1
 
 
 def sliding_window_attention(
@@ -79,8 +79,7 @@ def sliding_window_attention(
     if key_padding_mask is not None:  # each sequence keeps the windows of its own length
         real = ~key_padding_mask
         length = torch.where(real, torch.arange(1, N + 1, device=q.device), 0).amax(1)  # last real row + 1
-        own = torch.where(length <= window, 1, torch.div(length - window + stride - 1, stride,
-                                                          rounding_mode="floor") + 1)  # window_count(length)
+        own = window_count(length, window, stride)
         window_used = torch.arange(n_w, device=q.device) < own.unsqueeze(1)  # (B, n_w)
     return _average(out, idx, B, H, n_w, window, L, N, window_used)
 
