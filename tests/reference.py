@@ -18,18 +18,20 @@ def masked_softmax_attention(q, k, v, allowed):
 
 
 def sorted_chunk_allowed(ids, chunk_size, look_back, causal, pad):
-    """The N x N allowed mask of sorted_chunk_attention, from its definition. ids: (N,) ints."""
+    """The N x N allowed mask of sorted_chunk_attention, from its definition. ids: (N,) ints. Only the
+    sequence's real tokens are sorted and chunked; padding is in no chunk (and its rows are unspecified)."""
     N = ids.shape[0]
-    order = sorted(range(N), key=lambda i: (int(ids[i]), i))  # stable sort by cluster id
-    chunk = [0] * N
+    real = [i for i in range(N) if not (pad is not None and bool(pad[i]))]
+    order = sorted(real, key=lambda i: (int(ids[i]), i))  # stable sort by cluster id
+    chunk = [None] * N
     for sorted_pos, token in enumerate(order):
         chunk[token] = sorted_pos // chunk_size
-    n_c = math.ceil(N / chunk_size)
+    n_c = max(1, math.ceil(len(real) / chunk_size))
     allowed = torch.zeros(N, N, dtype=torch.bool)
-    for i in range(N):
+    for i in real:
         reachable = {(chunk[i] - o) % n_c for o in range(look_back + 1)}
         for j in range(N):
-            ok = chunk[j] in reachable
+            ok = chunk[j] is not None and chunk[j] in reachable
             ok = ok and not (pad is not None and bool(pad[j]))
             ok = ok and not (causal and j > i)
             allowed[i, j] = ok

@@ -100,13 +100,34 @@ def test_lsh_hash_is_argmax_of_rotations():
     layer = _layer("lsh", n_hashes=3, n_buckets=6, seed=7).eval()
     x = torch.randn(1, 20, layer.dim, dtype=torch.float64)
     layer(x)
-    rotations = torch.randn(layer.heads, 3, layer.head_dim, 3, generator=torch.Generator().manual_seed(7))
+    rotations = layer.rotations(3, layer.head_dim)  # evaluation: drawn from the seed alone
     qk, _ = _shared_heads(layer, x[0])
     for h in range(layer.heads):
         for r in range(3):
             rotated = qk[h] @ rotations[h, r].double()
             expected = torch.cat([rotated, -rotated], dim=-1).argmax(-1)
             assert torch.equal(layer.last_buckets[0, h, r], expected)
+
+
+def test_lsh_buckets_follow_each_sequence_length():
+    """n_buckets="auto" per sequence: a 9-token sequence padded beside a 20-token one hashes into its own
+    2 * ceil(9 / 8) = 4 buckets with the first 2 columns of the rotations, which are those it gets alone."""
+    layer = _layer("lsh", n_hashes=2, bucket_size=4, seed=3).eval()
+    x = torch.randn(2, 20, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(2, 20, dtype=torch.bool)
+    pad[0, 9:] = True
+    layer(x, key_padding_mask=pad)
+    assert layer.buckets_for(9) == 4 and layer.buckets_for(20) == 6
+    wide = layer.rotations(3, layer.head_dim)
+    torch.testing.assert_close(wide[..., :2], layer.rotations(2, layer.head_dim), atol=0, rtol=0)
+    for b, n in ((0, 4), (1, 6)):
+        qk, _ = _shared_heads(layer, x[b])
+        for h in range(layer.heads):
+            for r in range(2):
+                rotated = qk[h] @ wide[h, r, :, : n // 2]
+                expected = torch.cat([rotated, -rotated], dim=-1).argmax(-1)
+                real = ~pad[b]
+                assert torch.equal(layer.last_buckets[b, h, r][real], expected[real])
 
 
 def test_lsh_training_redraws_rotations_and_seed_fixes_them():

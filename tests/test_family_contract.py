@@ -73,24 +73,22 @@ def test_padding_invariance(name, causal):
     torch.testing.assert_close(y2[~pad], y[~pad], atol=1e-10, rtol=1e-10)
 
 
-# Issue #12 §1, still open for these (mechanism, causal) pairs: their chunk size, bucket count or wrap-around
-# follows the padded length. strict=True: the day one of them becomes batch-invariant the mark must go.
-NOT_YET_BATCH_INVARIANT = {("neural-clustering", False), ("cluster-former", False),
-                           ("cluster-former", True), ("lsh", False), ("lsh", True), ("kmeans", False),
-                           ("routing", False)}
-
-
-@pytest.mark.parametrize(("name", "causal"), [
-    pytest.param(n, c, marks=pytest.mark.xfail(strict=True, reason="issue #12 §1 open for this mechanism"))
-    if (n, c) in NOT_YET_BATCH_INVARIANT else (n, c) for n in ALL for c in (False, True)])
-def test_outputs_do_not_depend_on_the_batch(name, causal):
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("trained", [False, True])
+def test_outputs_do_not_depend_on_the_batch(name, causal, trained):
     """A sequence alone, and right-padded (by two different amounts) in a batch beside longer sequences,
-    with every mechanism's defaults: the same outputs on its real tokens (float64, eval)."""
+    with every mechanism's defaults: the same outputs on its real tokens (float64, eval). ``trained``: after
+    one training forward, so that stateful mechanisms (centroids, memory bank) evaluate with learnt state."""
     if causal and name in NON_CAUSAL:
         pytest.skip("refuses causal=True")
     torch.manual_seed(fixed_seed())
-    layer = build(name, dim=32, heads=2).double().eval()
+    layer = build(name, dim=32, heads=2).double()
     g = torch.Generator().manual_seed(fixed_seed())
+    if trained:
+        layer(torch.randn(3, 200, 32, dtype=torch.float64, generator=g))
+        layer(torch.randn(3, 200, 32, dtype=torch.float64, generator=g))  # applies the first step's update
+    layer.eval()
     L = 150
     x = torch.randn(1, L, 32, dtype=torch.float64, generator=g)
     alone = layer(x, causal=causal)

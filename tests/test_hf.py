@@ -114,18 +114,20 @@ def test_clustered_matches_its_dense_reference_with_padding():
 @pytest.mark.parametrize(("attention", "options"), [
     ("clustered", {"clusters": 3}), ("improved-clustered", {"clusters": 3, "topk": 4}),
     ("improved-clustered", {"clusters": 3, "topk": 4, "query_clustering": "euclidean"}),
-    ("neural-clustering", {"num_clusters": 3}),
+    ("neural-clustering", {}),  # defaults: k = sqrt(L) clusters and chunks of ceil(L / k), L the real length
+    ("full", {}),
 ])
 def test_padding_does_not_change_real_tokens(attention, options):
-    """The same sequences with more padding after them (a longer batch) give the same outputs."""
+    """A sequence alone, and inside batches padded to two other lengths beside other sequences, gives the
+    same hidden states on its real tokens (issue #12: the amount of padding and the other sequences change)."""
     model = patch(_bert(), attention, **options)
-    batch = _batch([6, 4], 6, seed=1)
-    longer = {k: torch.cat([v, torch.zeros(2, 5, dtype=v.dtype) + (1 if k == "input_ids" else 0)], 1)
-              for k, v in batch.items()}
-    if attention == "neural-clustering":
-        # chunk size ceil(N / k) depends on the padded length; with k = 1 per 6 tokens it does not
-        model = patch(unpatch(model), attention, num_clusters="sqrt", max_clusters=1)
-    torch.testing.assert_close(_hidden(model, longer)[:, :6], _hidden(model, batch), rtol=1e-9, atol=1e-9)
+    alone = _batch([30], 30, seed=1)
+    reference = _hidden(model, alone)
+    for total, seed in ((47, 2), (90, 3)):
+        others = _batch([total, total - 9], total, seed=seed)
+        batch = {k: torch.cat([torch.cat([alone[k], torch.zeros(1, total - 30, dtype=alone[k].dtype)], 1), v])
+                 for k, v in others.items()}
+        torch.testing.assert_close(_hidden(model, batch)[:1, :30], reference, rtol=1e-9, atol=1e-9)
 
 
 def test_clustered_is_an_approximation_and_deterministic_in_eval():

@@ -56,6 +56,45 @@ def test_sorted_chunk_matches_dense_reference(N, chunk_size, look_back, causal):
         assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("look_back", [0, 1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sorted_chunk_per_sequence_lengths_and_chunk_sizes(look_back, causal):
+    """Each sequence is sorted and chunked over its own real tokens with its own chunk size (a (B,) tensor):
+    right, left and scattered padding, a sequence of padding only, and sequences with fewer chunks than
+    look_back + 1 (each chunk then sees every chunk once) beside ones with many."""
+    B, H, N, D = 5, 2, 19, 4
+    q, k, v, ids, _ = _inputs(B, H, N, D, num_clusters=4, per_head=True, pad_fraction=0.0)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, 11:] = True  # right padding
+    pad[1, :6] = True  # left padding
+    pad[2, ::3] = True  # scattered
+    pad[3, :] = True  # nothing real
+    chunk = torch.tensor([3, 5, 2, 4, 7])
+    out = sorted_chunk_attention(q, k, v, ids, chunk, look_back=look_back, causal=causal, key_padding_mask=pad)
+    ref = dense_reference(q, k, v, lambda b, h: sorted_chunk_allowed(
+        ids[b, h], min(int(chunk[b]), max(int((~pad[b]).sum()), 1)), look_back, causal, pad[b]))
+    real = (~pad)[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(out).all()
+    # and alone: each sequence's real tokens, unpadded, give the same outputs
+    for b in (0, 1, 2, 4):
+        keep = ~pad[b]
+        alone = sorted_chunk_attention(q[b:b + 1, :, keep], k[b:b + 1, :, keep], v[b:b + 1, :, keep],
+                                       ids[b:b + 1, :, keep], int(chunk[b]), look_back=look_back, causal=causal)
+        torch.testing.assert_close(out[b][:, keep], alone[0], rtol=1e-12, atol=1e-12)
+
+
+def test_sorted_chunk_rejects_bad_chunk_size_tensors():
+    q = torch.randn(2, 1, 5, 3)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    for bad, match in ((torch.tensor([2, 0]), ">= 1"), (torch.tensor([2]), r"\(B,\)"),
+                       (torch.tensor([2.0, 3.0]), "integer tensor")):
+        with pytest.raises(ValueError, match="chunk_size"):
+            sorted_chunk_attention(q, q, q, ids, bad)
+        with pytest.raises(ValueError, match=match):
+            sorted_chunk_attention(q, q, q, ids, bad)
+
+
 @pytest.mark.parametrize(("N", "chunk_size", "look_back"), [(13, 4, 1), (9, 3, 2), (5, 8, 1), (16, 4, 0)])
 def test_sorted_chunk_gradients_match_dense_reference(N, chunk_size, look_back):
     for causal, per_head in itertools.product([False, True], [False, True]):

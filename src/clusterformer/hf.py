@@ -176,14 +176,19 @@ class PatchedSelfAttention(SeededModule):
             out = clustered_attention(q, k, v, groups, C, topk=getattr(self.options, "topk", None),
                                       key_padding_mask=padding)
         else:
-            kc = self.options.clusters_for(N)
+            # k_b and the chunk size from each sequence's real length (batch invariance), as in the layer
+            lengths = torch.full((B,), N, device=q.device) if padding is None else (~padding).sum(1)
+            k_seq = self.options.clusters_for_lengths(lengths)
+            kc = int(k_seq.max()) if B else 1
             x = hidden_states if padding is None else hidden_states.masked_fill(padding.unsqueeze(-1), 0.0)
             clustering = neural_clustering(self.to_cluster(x), self.centroids[:kc], key_padding_mask=padding,
-                                           similarity=self.options.similarity, scale=self.options.similarity_scale)
+                                           similarity=self.options.similarity, scale=self.options.similarity_scale,
+                                           num_clusters=k_seq)
             self.aux_losses = {"clustering": clustering.clustering_loss,
                                "centroid_sorting": clustering.sorting_loss}
             self.last_groups = clustering.assignments
-            out = sorted_chunk_attention(q, k, v, clustering.assignments, max(1, math.ceil(N / kc)),
+            chunk = ((lengths + k_seq - 1) // k_seq).clamp(min=1)  # ceil(L_b / k_b)
+            out = sorted_chunk_attention(q, k, v, clustering.assignments, chunk,
                                          look_back=self.options.look_back, key_padding_mask=padding,
                                          dropout_p=dropout_p)
         out = out.transpose(1, 2).reshape(B, N, self.heads * self.head_dim)

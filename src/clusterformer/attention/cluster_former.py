@@ -27,9 +27,14 @@ original positions inside each window, as the paper does for language modelling;
 window boundaries on the sorted sequence move with the cluster sizes of the whole sequence, so which past
 keys a token sees can depend on later tokens (no future value is attended directly).
 
-Before the first centroid update (a layer built and put in ``eval()`` without training), centroids are
-computed from the current batch with a generator seeded by ``seed`` and not stored: deterministic, but
-dependent on the batch. Train, or call ``update_centroids``, for the paper's behaviour.
+Before the first centroid update (a layer built and put in ``eval()`` without training), the centroids are
+random directions drawn from a generator seeded by ``seed`` (not stored): deterministic and independent of
+the batch, but not clusters of anything. Train, or call ``update_centroids``, for the paper's behaviour.
+
+Batch invariance: centroids are layer state, a token's id depends on the token alone, padding sorts after
+every real token and the sorted windows are those of the sequence's own length, so a sequence's outputs on
+its real tokens do not depend on the amount of padding or on the other sequences of its batch (in training
+the memory bank, and so the next centroids, do depend on the batches seen).
 
 Randomness: K-means initialisation from the layer's generator (``seed``).
 """
@@ -191,13 +196,9 @@ class ClusterFormerAttention(AttentionLayer):
                 self.update_centroids()
         if bool(self.centroids_ready):
             centroids = self.centroids
-        elif B * N:  # untrained layer in eval: centroids of this batch, not stored (see module docs)
-            states = x.detach().reshape(-1, self.dim) if real is None else x.detach()[real]
-            if states.shape[0] == 0:
-                states = x.detach().reshape(-1, self.dim)
-            centroids = self._kmeans(states, torch.Generator().manual_seed(self.options.seed))
-        else:
-            centroids = self.centroids
+        else:  # never updated (an untrained layer in eval): seeded random directions, not stored (module docs)
+            draw = torch.Generator().manual_seed(self.options.seed)
+            centroids = torch.randn(self.options.num_clusters, self.dim, generator=draw, dtype=torch.float64)
         q, k, v = self.project_qkv(x)
         if N == 0:
             return self.project_out(q * 0)

@@ -5,6 +5,8 @@ For x (B, N, dim):
 1. Shared QK and values: qk = x W^QK, v = x W^V (B, H, N, D); keys are qk / ||qk||.
 2. ``n_hashes`` rounds of angular LSH, h(x) = argmax([xR; -xR]) with a fresh Gaussian R (D x n_buckets/2)
    per head and round, drawn from the layer's seeded generator (:mod:`clusterformer.clustering.hashing`).
+   With ``n_buckets="auto"`` each sequence's bucket count follows its own real length, and its R is the
+   first n_b/2 columns of one draw (:meth:`LSHAttention.rotations`), the same as if it were alone.
 3. Per round: sort by bucket (ties by position), chunks of ``bucket_size``, each chunk attends to itself
    and ``look_back`` previous chunks; a token attends to itself only when it has no other target; rounds
    merged with log-sum-exp weights (:func:`clusterformer.ops.bucketed_attention`).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .._checks import check_bool, check_float, check_int
@@ -41,8 +44,8 @@ class LSHOptions:
     Attributes:
         bucket_size: tokens per chunk after sorting by bucket.
         n_hashes: hashing rounds.
-        n_buckets: buckets per round, an even int >= 2, or "auto" for ceil(N / bucket_size) rounded up to
-            an even number (at least 2).
+        n_buckets: buckets per round, an even int >= 2, or "auto" for ceil(L / bucket_size) rounded up to
+            an even number (at least 2), L being each sequence's real length.
         look_back: previous chunks each chunk attends to (Reformer: 1).
         seed: seeds the generator of the random rotations.
         dropout: attention-weight dropout probability during training.
@@ -80,18 +83,38 @@ class LSHAttention(AttentionLayer):
         self.options = options
         self.last_buckets: torch.Tensor | None = None  # (B, H, n_hashes, N) of the last forward
 
-    def buckets_for(self, length: int) -> int:
-        """Buckets per round for a batch padded to ``length`` tokens."""
+    def buckets_for(self, length: int | torch.Tensor) -> int | torch.Tensor:
+        """Buckets per round for a sequence of ``length`` real tokens (an int, or a tensor of lengths)."""
         if self.options.n_buckets == "auto":
-            return max(2, 2 * math.ceil(length / (2 * self.options.bucket_size)))
+            size = 2 * self.options.bucket_size
+            if isinstance(length, torch.Tensor):
+                return ((length + size - 1) // size * 2).clamp(min=2)
+            return max(2, 2 * math.ceil(length / size))
+        if isinstance(length, torch.Tensor):
+            return torch.full_like(length, self.options.n_buckets)
         return self.options.n_buckets
+
+    def rotations(self, half: int, head_dim: int) -> torch.Tensor:
+        """The random rotations of this forward, (heads, n_hashes, head_dim, half) float64.
+
+        Column j of every rotation is the same whatever ``half`` is (the draw is a prefix of one stream,
+        laid out column by column), so a sequence hashed with its own n_b / 2 columns gets the rotations it
+        would get alone. The stream is seeded by one number drawn from the layer's generator (advancing in
+        training, re-seeded by ``seed`` in evaluation); numpy's normal sampler fills arrays in order,
+        torch's CPU one does not."""
+        stream_seed = int(torch.randint(0, 2**62, (1,), generator=self.draw_generator()))
+        draw = np.random.default_rng(stream_seed).standard_normal((half, self.heads, self.options.n_hashes, head_dim))
+        return torch.from_numpy(draw).permute(1, 2, 3, 0)
 
     def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         qk, _, v = self.project_qkv(x)
-        _B, H, N, D = qk.shape
-        n_buckets = self.buckets_for(N)
-        rotations = torch.randn(H, self.options.n_hashes, D, n_buckets // 2, generator=self.draw_generator())
-        buckets = angular_lsh_buckets(qk.detach(), rotations.to(x.device))
+        B, _, N, D = qk.shape
+        # n_buckets follows each sequence's real length, not the padded length of the batch
+        lengths = torch.full((B,), N, device=x.device) if key_padding_mask is None else (~key_padding_mask).sum(1)
+        per_sequence = self.buckets_for(lengths)
+        n_buckets = int(per_sequence.max()) if B else 2
+        rotations = self.rotations(n_buckets // 2, D).to(device=x.device, dtype=qk.dtype)
+        buckets = angular_lsh_buckets(qk.detach(), rotations, num_buckets=per_sequence)
         self.last_buckets = buckets
         out = bucketed_attention(
             qk, v, buckets, min(self.options.bucket_size, max(N, 1)), num_buckets=n_buckets,

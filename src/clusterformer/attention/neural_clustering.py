@@ -43,13 +43,16 @@ C_hat): the encoder does this with ``centroid_flow=True``, building later layers
 ``own_centroids=False`` and passing ``centroids=`` at call time. :attr:`updated_centroids` holds the last
 C_hat.
 
-Number of clusters. ``num_clusters`` is an int, or ``"sqrt"``: k = round(sqrt(N)) for the padded length N
-of the batch, clamped to [1, max_clusters]; the layer then owns ``max_clusters`` centroids and uses the
-first k. k >= N is allowed (chunks of one token).
+Number of clusters. ``num_clusters`` is an int, or ``"sqrt"``: k_b = round(sqrt(L_b)) for each sequence's
+real length L_b (not the padded length of the batch), clamped to [1, max_clusters]; the layer then owns
+``max_clusters`` centroids and sequence b uses the first k_b. k >= N is allowed (chunks of one token).
 
-Padding. Padded tokens are excluded from U, C_hat and the losses, get cluster id k (sorted after every
-real token) and are never attended to, so they cannot change any real token's output. Chunk size is
-computed from the padded length N.
+Padding and batch invariance. Padded tokens are excluded from U, C_hat and the losses, get cluster id
+max_b k_b (sorted after every real token), take no part in the chunks and are never attended to. k_b and
+the chunk size w_b = ceil(L_b / k_b) come from the sequence's own length, and the first chunk looks back to
+the sequence's own last chunk, so a sequence's outputs on its real tokens do not depend on the amount of
+padding or on the other sequences of its batch. (The auxiliary losses are batch means.) With a centroid
+flow, ``centroids`` / :attr:`updated_centroids` have max_b k_b rows; rows at or after k_b are unused (zero).
 
 NaN input. Not checked (a check would cost a device sync per call): NaN in one sequence stays in that
 sequence's outputs (attention and clustering are per sequence), but the batch-averaged losses become NaN.
@@ -76,7 +79,7 @@ class NeuralClusteringOptions:
     """Options of ``"neural-clustering"``.
 
     Attributes:
-        num_clusters: k, an int >= 1, or "sqrt" for round(sqrt(N)) per batch.
+        num_clusters: k, an int >= 1, or "sqrt" for round(sqrt(L)) from each sequence's real length L.
         max_clusters: with "sqrt", the number of centroids owned (k is clamped to it).
         look_back: previous chunks each query chunk attends to (the paper uses 1: "two blocks").
         causal_mode: "strict" (no dependence on later tokens) or "paper" (appendix B); used when the
@@ -127,10 +130,18 @@ class NeuralClusteringOptions:
         return self.max_clusters if self.num_clusters == "sqrt" else self.num_clusters
 
     def clusters_for(self, length: int) -> int:
-        """k used for a batch padded to ``length`` tokens (without a strict causal mask)."""
+        """k for a sequence of ``length`` real tokens (without a strict causal mask)."""
         if self.num_clusters == "sqrt":
             return max(1, min(self.max_clusters, round(math.sqrt(length))))
         return self.num_clusters
+
+    def clusters_for_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """k for each sequence from its real length, (B,) long: round(sqrt(L_b)) clamped to [1, max_clusters]
+        with "sqrt", else ``num_clusters``."""
+        if self.num_clusters == "sqrt":
+            k = torch.sqrt(lengths.to(torch.float64)).round().long()  # sqrt(L) is never exactly n + 1/2
+            return k.clamp(min=1, max=self.max_clusters)
+        return torch.full_like(lengths, self.num_clusters)
 
     def strict_causal_clusters(self) -> int:
         """k under a strict causal mask: independent of the length."""
@@ -161,7 +172,7 @@ class NeuralClusteringAttention(AttentionLayer):
         self.updated_centroids: torch.Tensor | None = None
 
     def clusters_for(self, length: int) -> int:
-        """k used for a batch padded to ``length`` tokens."""
+        """k for a sequence of ``length`` real tokens."""
         return self.options.clusters_for(length)
 
     def forward(
@@ -178,7 +189,17 @@ class NeuralClusteringAttention(AttentionLayer):
         B, N, _ = x.shape
         strict = causal and self.options.causal_mode == "strict"
         # Strict mode fixes k and the block size, so the outputs for a prefix do not change as tokens follow.
-        k = self.options.strict_causal_clusters() if strict else self.clusters_for(N)
+        # Otherwise k and the chunk size follow each sequence's real length L_b (k_b = sqrt(L_b), w_b =
+        # ceil(L_b / k_b)), so padding and the other sequences of the batch cannot change them.
+        k_seq = lengths = None
+        if strict:
+            k = self.options.strict_causal_clusters()
+        elif key_padding_mask is None:
+            k = self.clusters_for(N)
+        else:
+            lengths = (~key_padding_mask).sum(1)
+            k_seq = self.options.clusters_for_lengths(lengths)
+            k = int(k_seq.max()) if B else 1
         if centroids is None:
             if self.centroids is None:
                 raise ValueError("centroids must be given: this layer was built with own_centroids=False")
@@ -199,7 +220,7 @@ class NeuralClusteringAttention(AttentionLayer):
         clustering = neural_clustering(
             self.to_cluster(x), centroids, key_padding_mask=key_padding_mask,
             similarity=self.options.similarity, scale=self.options.similarity_scale,
-            assign="nearest" if strict else "subordinate",
+            assign="nearest" if strict else "subordinate", num_clusters=k_seq,
         )
         self.aux_losses = {
             "clustering": clustering.clustering_loss,
@@ -210,11 +231,13 @@ class NeuralClusteringAttention(AttentionLayer):
 
         if B == 0 or N == 0:
             return self.to_out(self.to_qkv(x)[..., : self.dim])  # empty, with an autograd graph
-        chunk = self.options.causal_chunk_size if strict else math.ceil(N / k)
         if strict:
-            layout = cluster_causal_layout(ids, chunk, k + 1, self.options.look_back)
+            layout = cluster_causal_layout(ids, self.options.causal_chunk_size, k + 1, self.options.look_back)
+        elif lengths is None:
+            layout = sorted_layout(ids, math.ceil(N / k), self.options.look_back)
         else:
-            layout = sorted_layout(ids, chunk, self.options.look_back)
+            chunk = (lengths + k_seq - 1) // k_seq  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
+            layout = sorted_layout(ids, chunk, self.options.look_back, key_padding_mask=key_padding_mask)
         out = self._chunk_attention(x, layout, causal, key_padding_mask)
         return self._finish(self.to_out(out.reshape(B, N, self.dim)), key_padding_mask)
 

@@ -56,6 +56,7 @@ def neural_clustering(
     similarity: str = "cosine",
     scale: float = 10.0,
     assign: str = "subordinate",
+    num_clusters: torch.Tensor | None = None,
 ) -> NeuralClusteringOutput:
     """Soft-cluster ``points`` around ``centroids`` (eqs. 2-4), with the losses of eqs. 6 and 11.
 
@@ -69,6 +70,9 @@ def neural_clustering(
         assign: "subordinate" -- I_j = argmax_i U_ij, the paper's eq. 4 (U normalised over positions, so the
             assignment of one token depends on the whole sequence); or "nearest" -- I_j = argmax_i
             phi(C_i, X_j W^C), which depends on token j alone (used by the strictly causal mode).
+        num_clusters: optional (B,) ints: sequence b uses only the first ``num_clusters[b]`` centroids (its own
+            k, e.g. round(sqrt(L_b)) from its real length); the others get U = 0, C_hat = 0 and no tokens, and
+            the ring of eq. 11 closes at its own k. Default: all k centroids.
 
     Returns:
         :class:`NeuralClusteringOutput`.
@@ -90,11 +94,16 @@ def neural_clustering(
         if similarity == "cosine":
             scores = scores * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
         scores = scale * scores
+        unused = None  # (B, 1, k) True for the centroids a sequence does not use
+        if num_clusters is not None:
+            unused = (torch.arange(k, device=points.device) >= num_clusters.unsqueeze(1)).unsqueeze(1)
+            scores = scores.masked_fill(unused, float("-inf"))
         if key_padding_mask is not None:
             scores = scores.masked_fill(key_padding_mask.unsqueeze(-1), float("-inf"))
-        # Eq. 2: U_ij = softmax over positions j. A sequence that is all padding has no positions: U = 0.
+        # Eq. 2: U_ij = softmax over positions j. A sequence that is all padding has no positions, and an unused
+        # centroid no scores: U = 0 for both.
         u = torch.softmax(scores, dim=1)
-        if key_padding_mask is not None:
+        if key_padding_mask is not None or unused is not None:
             u = torch.nan_to_num(u, nan=0.0)
         updated = u.transpose(1, 2) @ points  # eq. 3: C_hat_i = sum_j U_ij X_j W^C, (B, k, d)
 
@@ -102,7 +111,10 @@ def neural_clustering(
         # assignment is a hard argmax in the paper too, and the temporaries are freed at once.
         with torch.no_grad():
             if assign == "subordinate":
-                ids = (scores - torch.logsumexp(scores, dim=1, keepdim=True)).argmax(dim=-1)
+                relative = scores - torch.logsumexp(scores, dim=1, keepdim=True)
+                if unused is not None:  # -inf - -inf is NaN: take unused centroids out of the argmax again
+                    relative = relative.masked_fill(unused, float("-inf"))
+                ids = relative.argmax(dim=-1)
             else:
                 ids = scores.argmax(dim=-1)
             if key_padding_mask is not None:
@@ -121,7 +133,14 @@ def neural_clustering(
         clustering_loss = -(members[:, :k] * unit_updated).sum() / real.sum().clamp(min=1)
 
         # Eq. 11: L2 = -(1/k) (sum_{i>=2} phi(C_hat_i, C_hat_{i-1}) + phi(C_hat_1, C_hat_k)): a ring.
-        ring = (unit_updated * unit_updated.roll(1, dims=1)).sum(-1).mean(-1)  # (B,)
+        if num_clusters is None:
+            ring = (unit_updated * unit_updated.roll(1, dims=1)).sum(-1).mean(-1)  # (B,)
+        else:  # each sequence's ring closes at its own k: C_hat_1 follows C_hat_{k_b}
+            k_b = num_clusters.clamp(min=1).unsqueeze(1)
+            previous = (torch.arange(k, device=points.device) - 1) % k_b  # (B, k)
+            neighbour = unit_updated.gather(1, previous.unsqueeze(-1).expand(B, k, d))
+            terms = (unit_updated * neighbour).sum(-1).masked_fill(unused.squeeze(1), 0.0)
+            ring = terms.sum(-1) / k_b.squeeze(1)
         has_real = real.any(-1)
         ring = torch.where(has_real, ring, torch.zeros_like(ring))
         sorting_loss = -ring.sum() / has_real.sum().clamp(min=1)

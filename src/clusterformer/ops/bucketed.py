@@ -1,11 +1,13 @@
 """Shared-QK bucket attention: the Reformer family's primitive (``"lsh"``, ``"kmeans"``, ``"routing"``).
 
-Every token has one bucket id per round. Per round, tokens are sorted by bucket (stable, ties in position
-order) and cut into chunks of ``chunk_size``; each chunk attends to itself and ``look_back`` previous chunks
-(:func:`clusterformer.ops.sorted_layout`). Queries are the shared QK vectors, keys their unit-length copies
-(Reformer section 2: ``k_j = q_j / ||q_j||``); a token attends to itself only when it has no other allowed
-key. Rounds are merged with their log-sum-exp weights, ``o_i = sum_r exp(lse_r(i) - logsumexp_r lse_r(i))
-o_r(i)`` -- a key reached in several rounds counts once per round (no duplicate correction).
+Every token has one bucket id per round. Per round, a sequence's real tokens are sorted by bucket (stable,
+ties in position order) and cut into chunks of ``chunk_size``; each chunk attends to itself and ``look_back``
+previous chunks, the first looking back to the sequence's own last chunk (:func:`clusterformer.ops.sorted_layout`).
+Padding is in no chunk, so it cannot change a real token's output. Queries are the shared QK vectors, keys
+their unit-length copies (Reformer section 2: ``k_j = q_j / ||q_j||``); a token attends to itself only when it
+has no other allowed key. Rounds are merged with their log-sum-exp weights,
+``o_i = sum_r exp(lse_r(i) - logsumexp_r lse_r(i)) o_r(i)`` -- a key reached in several rounds counts once per
+round (no duplicate correction).
 
 Causal. With ``causal=True`` each bucket is chunked on its own by the token's rank among earlier tokens of
 that bucket (:func:`clusterformer.ops.cluster_causal_layout`) and later keys are masked: when the bucket ids
@@ -75,10 +77,13 @@ def bucketed_attention(
         buckets = buckets.masked_fill(key_padding_mask[:, None, None, :], num_buckets)
         num_buckets += 1
     ids = buckets.reshape(blocks, N)
+    pad = None
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, None, :].expand(B, H, R, N).reshape(blocks, N)
     if causal:
         layout = cluster_causal_layout(ids, chunk_size, num_buckets, look_back)
-    else:
-        layout = sorted_layout(ids, chunk_size, look_back)
+    else:  # chunks and their wrap-around are those of each sequence's real tokens
+        layout = sorted_layout(ids, chunk_size, look_back, key_padding_mask=pad)
 
     # Buffer rows index (batch, head, round, position) blocks; the token's vector is the same in every
     # round, so gather straight from the (batch, head, position) rows.
@@ -92,9 +97,6 @@ def bucketed_attention(
     k_rows = rows_of(F.normalize(qk, dim=-1))  # normalise once per token, not once per round
     W, w = layout.num_windows, layout.chunk_size
     q_win = layout.query_rows(q_rows).view(W, w, 1, D).transpose(1, 2)
-    pad = None
-    if key_padding_mask is not None:
-        pad = key_padding_mask[:, None, None, :].expand(B, H, R, N).reshape(blocks, N)
     out, lse = windowed_attention_lse(
         q_win, k_rows, rows_of(v), layout, causal=causal, key_padding_mask=pad, exclude_self=True,
         dropout_p=dropout_p, scale=scale, kernel=kernel,

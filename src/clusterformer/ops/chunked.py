@@ -8,9 +8,15 @@ A clustering mechanism decides which *slot* of a reordered sequence each token g
 * :func:`cluster_causal_layout` -- strictly causal: each cluster starts on a chunk boundary and a token's
   slot within its cluster is its rank among *earlier* tokens of that cluster.
 
+Padding. :func:`sorted_layout` sorts and chunks each sequence's *real* tokens only, with its own chunk size if
+asked (a tensor), and the first chunk looks back to the sequence's own last real chunk; padding sits after
+the real chunks. So the chunks a real token sees never depend on the amount of padding or on the other
+sequences of a batch (batch invariance; ``docs/ARCHITECTURE.md``).
+
 Window buffer. Each sequence ("block") is written into one flat buffer of rows as
 ``[last L chunks | chunk 0 | chunk 1 | ... | chunk n_c-1]`` (L = effective look-back), blocks one after
-another, plus L chunks of tail. Then the keys of chunk c of a block -- chunks c-L..c, wrapped -- are the
+another, plus L chunks of tail. The lead holds the block's own last L real chunks (fewer when it has fewer
+chunks, so that no window holds a chunk twice). Then the keys of chunk c of a block -- chunks c-L..c, wrapped -- are the
 *contiguous* rows starting L chunks before it, so every key window is a strided view of the buffer
 (``unfold``), never a copy; queries are a plain view. One ``index_select`` fills the buffer, one
 ``F.scaled_dot_product_attention`` call on 4-D tensors attends all windows of all blocks (the fused CPU
@@ -77,22 +83,39 @@ class ChunkLayout:
 
 def _layout_from_slots(
     token_slot: torch.Tensor, num_slots: int, chunk_size: int, look_back: int,
-    token_group: torch.Tensor | None = None,
+    token_group: torch.Tensor | None = None, real_chunks: torch.Tensor | None = None,
 ) -> ChunkLayout:
     """Build the window buffer from each token's slot. token_slot: (blocks, N), a permutation into
-    [0, num_slots) per block; num_slots a multiple of chunk_size."""
+    [0, num_slots) per block; num_slots a multiple of chunk_size.
+
+    ``real_chunks`` (blocks,): the chunks of each block that hold its real tokens (chunks 0..n_b - 1; padding
+    and empty chunks follow). The wrap-around of a block's first chunks then reaches *its own* last real
+    chunks, not the buffer's last chunks. Default: every chunk of the buffer is real."""
     blocks, N = token_slot.shape
     device = token_slot.device
     w = chunk_size
     n_c = num_slots // w
-    hops = min(look_back, n_c - 1) + 1
+    if real_chunks is None:
+        real_chunks = torch.full((blocks,), n_c, dtype=torch.long, device=device)
+        longest = n_c
+    else:
+        longest = max(1, int(real_chunks.max())) if blocks else 1
+    hops = min(look_back, longest - 1) + 1
     lead = (hops - 1) * w  # rows copied from the end of each block to its front
     period = num_slots + lead
     positions = torch.arange(N, device=device).expand(blocks, N)
     slot_token = torch.full((blocks, num_slots), -1, dtype=torch.long, device=device)
     slot_token.scatter_(1, token_slot, positions)
-    block_rows = torch.cat([slot_token[:, num_slots - lead :], slot_token], dim=1)  # (blocks, period)
-    valid = block_rows >= 0
+    # Lead chunk j of a block is read by the windows of its chunks 0..j. With n_b >= hops real chunks it holds
+    # chunk n_b - (hops - 1) + j (the wrap-around); a block with fewer chunks (n_b < hops: every chunk sees
+    # every other) holds chunk j + 1 there, or nothing, so that each window holds each chunk exactly once.
+    j = torch.arange(hops - 1, device=device)
+    n_b = real_chunks.unsqueeze(1)
+    lead_chunk = torch.where(n_b >= hops, n_b - (hops - 1) + j, torch.where(j + 1 < n_b, j + 1, -1))
+    lead_slot = (lead_chunk.clamp(min=0).unsqueeze(-1) * w + torch.arange(w, device=device)).reshape(blocks, lead)
+    lead_ok = (lead_chunk >= 0).repeat_interleave(w, dim=1)
+    block_rows = torch.cat([slot_token.gather(1, lead_slot).masked_fill(~lead_ok, -1), slot_token], dim=1)
+    valid = block_rows >= 0  # (blocks, period)
     offset = (torch.arange(blocks, device=device) * N).unsqueeze(1)
     flat = torch.where(valid, block_rows + offset, torch.zeros_like(block_rows))
     tail = torch.zeros(lead, dtype=torch.long, device=device)
@@ -103,24 +126,64 @@ def _layout_from_slots(
     if token_group is not None:
         slot_group = torch.full((blocks, num_slots), -1, dtype=torch.long, device=device)
         slot_group.scatter_(1, token_slot, token_group)
-        group_rows = torch.cat([slot_group[:, num_slots - lead :], slot_group], dim=1)
+        group_rows = torch.cat([slot_group.gather(1, lead_slot).masked_fill(~lead_ok, -1), slot_group], dim=1)
         row_group = torch.cat([group_rows.reshape(-1), tail - 1])
     return ChunkLayout(
         rows=rows, row_valid=row_valid, out_rows=out_rows, row_group=row_group, chunk_size=w,
-        hops=hops, num_windows=blocks * (n_c + hops - 1), length=N, has_empty_slots=num_slots > N,
+        hops=hops, num_windows=blocks * (n_c + hops - 1), length=N,
+        has_empty_slots=num_slots > N or bool((lead_chunk < 0).any()),
     )
 
 
-def sorted_layout(cluster_ids: torch.Tensor, chunk_size: int, look_back: int = 1) -> ChunkLayout:
-    """Layout of :func:`sorted_chunk_attention`: stable sort by id, consecutive chunks.
-    cluster_ids: (blocks, N) integers."""
+def sorted_layout(
+    cluster_ids: torch.Tensor, chunk_size: int | torch.Tensor, look_back: int = 1, *,
+    key_padding_mask: torch.Tensor | None = None,
+) -> ChunkLayout:
+    """Layout of :func:`sorted_chunk_attention`: per block, a stable sort of its *real* tokens by id, cut into
+    consecutive chunks.
+
+    Args:
+        cluster_ids: (blocks, N) integers.
+        chunk_size: an int, or a (blocks,) integer tensor (each block's own chunk size, e.g. ceil(L_b / k_b)
+            from its real length L_b); clamped to [1, L_b] (a chunk longer than the sequence is the sequence).
+        look_back: previous chunks each chunk attends to (wrapping around within the block's real chunks).
+        key_padding_mask: (blocks, N) bool, True = padding. Padding takes no part in the sort or the chunks:
+            it sits after the block's last real chunk, so the chunks, their number and the wrap-around of a
+            block are those of its real tokens alone, whatever the amount of padding (batch invariance).
+
+    The buffer's chunks are ``max_b chunk_size_b`` slots wide; a block with a smaller chunk size leaves the
+    rest of each chunk empty (masked)."""
     blocks, N = cluster_ids.shape
-    chunk_size = min(chunk_size, max(N, 1))  # a chunk longer than the sequence is the whole sequence
-    n_c = max(1, math.ceil(N / chunk_size))
-    order = torch.sort(cluster_ids, dim=-1, stable=True).indices  # slot -> token
-    positions = torch.arange(N, device=cluster_ids.device).expand(blocks, N)
-    token_slot = torch.empty_like(order).scatter_(1, order, positions)  # token -> slot
-    return _layout_from_slots(token_slot, n_c * chunk_size, chunk_size, look_back)
+    device = cluster_ids.device
+    if key_padding_mask is None and not isinstance(chunk_size, torch.Tensor):
+        # Every block has N real tokens and one chunk size: the slots are the sorted positions.
+        chunk_size = min(chunk_size, max(N, 1))
+        n_c = max(1, math.ceil(N / chunk_size))
+        order = torch.sort(cluster_ids, dim=-1, stable=True).indices  # slot -> token
+        positions = torch.arange(N, device=device).expand(blocks, N)
+        token_slot = torch.empty_like(order).scatter_(1, order, positions)  # token -> slot
+        return _layout_from_slots(token_slot, n_c * chunk_size, chunk_size, look_back)
+    if key_padding_mask is None:
+        lengths = torch.full((blocks,), N, dtype=torch.long, device=device)
+        key = cluster_ids
+    else:
+        lengths = (~key_padding_mask).sum(1)
+        key = cluster_ids.masked_fill(key_padding_mask, torch.iinfo(torch.long).max)  # padding sorts last
+    sizes = torch.as_tensor(chunk_size, dtype=torch.long, device=device).expand(blocks)
+    sizes = torch.minimum(sizes, lengths.clamp(min=1)).clamp(min=1)
+    w = int(sizes.max()) if blocks else 1
+    n_real = (lengths + sizes - 1) // sizes  # each block's real chunks (0 for a block of padding only)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    positions = torch.arange(N, device=device).expand(blocks, N)
+    sorted_pos = torch.empty_like(order).scatter_(1, order, positions)  # token -> position among the sorted
+    length, size, n_b = lengths.unsqueeze(1), sizes.unsqueeze(1), n_real.unsqueeze(1)
+    token_slot = torch.where(
+        sorted_pos < length,
+        torch.div(sorted_pos, size, rounding_mode="floor") * w + sorted_pos % size,  # chunk c, place in chunk
+        n_b * w + (sorted_pos - length),  # padding: packed after the real chunks
+    )
+    n_c = max(1, int((n_real + (N - lengths + w - 1) // w).max())) if blocks else 1
+    return _layout_from_slots(token_slot, n_c * w, w, look_back, real_chunks=n_real)
 
 
 def cluster_causal_layout(
@@ -433,7 +496,7 @@ def sorted_chunk_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     cluster_ids: torch.Tensor,
-    chunk_size: int,
+    chunk_size: int | torch.Tensor,
     *,
     look_back: int = 1,
     causal: bool = False,
@@ -445,19 +508,23 @@ def sorted_chunk_attention(
 
     Semantics (exact; the tests build an N x N dense reference from this text):
 
-    * Tokens are ordered by a *stable* sort on ``cluster_ids`` (ties keep the original order) and that
-      order is cut into consecutive chunks of ``chunk_size`` tokens; the last chunk may be shorter.
-      Let c(i) be token i's chunk and n_c the number of chunks.
+    * Per sequence, its real (non-padding) tokens are ordered by a *stable* sort on ``cluster_ids`` (ties
+      keep the original order) and that order is cut into consecutive chunks of ``chunk_size`` tokens
+      (that sequence's entry when ``chunk_size`` is a tensor); the last chunk may be shorter. Let c(i) be
+      token i's chunk and n_c the sequence's number of chunks. Padding is in no chunk.
     * Query i may attend to key j iff c(j) is one of c(i), c(i)-1, ..., c(i)-look_back modulo n_c
-      (the first chunk looks back to the last one), j is not padding, and, when ``causal``, j <= i in
-      original positions. This is a set: a chunk reachable twice (n_c <= look_back) counts once.
+      (the first chunk looks back to the sequence's last one), j is not padding, and, when ``causal``,
+      j <= i in original positions. This is a set: a chunk reachable twice (n_c <= look_back) counts once.
+    * So a sequence's outputs on its real tokens do not depend on the amount of padding or on the other
+      sequences of the batch.
     * Softmax with scale 1/sqrt(D) over the allowed keys. A query with no allowed key outputs zeros
       (never NaN, in outputs or gradients).
 
     Args:
         q, k, v: (B, H, N, D) floating tensors of one dtype and device.
         cluster_ids: integer tensor (B, N) shared by all heads, or (B, H, N); non-negative.
-        chunk_size: tokens per chunk, >= 1.
+        chunk_size: tokens per chunk, >= 1: an int, or a (B,) integer tensor with one per sequence (e.g.
+            ceil(L_b / k_b) from each sequence's real length L_b).
         look_back: number of previous chunks each chunk also attends to, >= 0.
         causal: additionally mask keys that come after the query in the original order.
         key_padding_mask: optional bool (B, N), True marks padding (never attended to).
@@ -470,14 +537,17 @@ def sorted_chunk_attention(
     _check_qkv(q, k, v)
     B, H, N, _ = q.shape
     cluster_ids = _check_cluster_ids(cluster_ids, B, H, N, q.device)
-    chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+    chunk_size = _check_chunk_sizes(chunk_size, B, q.device)
     look_back = check_int("look_back", look_back, minimum=0)
     causal = check_bool("causal", causal)
     key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=q.device)
     _check_dropout(dropout_p)
     if q.numel() == 0:
         return q * 0  # keeps the autograd graph for empty batches / sequences
-    layout = sorted_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, look_back)
+    pad = None if key_padding_mask is None else key_padding_mask.repeat_interleave(H, dim=0)
+    if isinstance(chunk_size, torch.Tensor):
+        chunk_size = chunk_size.repeat_interleave(H)  # one block per (batch, head)
+    layout = sorted_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, look_back, key_padding_mask=pad)
     return _attend_per_head(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
                             dropout_p=dropout_p, kernel=kernel)
 
@@ -531,6 +601,20 @@ def cluster_causal_attention(
     layout = cluster_causal_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, num_clusters, look_back)
     return _attend_per_head(q, k, v, layout, causal=True, key_padding_mask=key_padding_mask,
                             dropout_p=dropout_p, kernel=kernel)
+
+
+def _check_chunk_sizes(chunk_size: int | torch.Tensor, B: int, device: torch.device) -> int | torch.Tensor:
+    """An int >= 1, or a (B,) integer tensor of values >= 1 on ``device``."""
+    if not isinstance(chunk_size, torch.Tensor):
+        return check_int("chunk_size", chunk_size, minimum=1)
+    if chunk_size.is_floating_point() or chunk_size.dtype == torch.bool or tuple(chunk_size.shape) != (B,):
+        raise ValueError(f"chunk_size must be an int or a (B,) = ({B},) integer tensor, got {chunk_size.dtype} "
+                         f"tensor of shape {tuple(chunk_size.shape)}")
+    if chunk_size.device != device:
+        raise ValueError(f"chunk_size is on {chunk_size.device} but q is on {device}")
+    if chunk_size.numel() and int(chunk_size.min()) < 1:
+        raise ValueError(f"chunk_size must be >= 1, got minimum {int(chunk_size.min())}")
+    return chunk_size.long()
 
 
 def _check_dropout(p: float) -> None:
