@@ -17,10 +17,10 @@ Gradients (§3.3, eqs. 4-6) -- with y1_bar = dL/dy1 + (dG/dy1)^T dL/dy2 (the tot
     dL/dx1 = y1_bar + (dH/dx1)^T y1_bar                                   (5)
     dL/dw_H = (dH/dw_H)^T y1_bar                                          (6)
 
-The backward computes exactly these by calling autograd on the recomputed branches (G first, with dL/dy2;
-then F and H, with y1_bar), so the parameters' gradients accumulate into ``.grad`` during the backward.
-Limitation of every recomputing reversible implementation that works this way: use ``loss.backward()``,
-not ``torch.autograd.grad(loss, params)`` (the parameter gradients would not be returned).
+The backward computes exactly these by calling ``torch.autograd.grad`` on the recomputed branches (G first,
+with dL/dy2; then F and H, with y1_bar). The blocks' parameters are inputs of the autograd function, so
+their gradients are returned by its backward like any input's: ``torch.autograd.grad(loss, params)`` works,
+and under DistributedDataParallel every parameter's gradient hook fires exactly once.
 
 Inverting the tied block. With H, x1 appears on both sides of y1 = x1 + F(x2) + H(x1, x2); the paper does
 not say how to recover it. We solve x1 = (y1 - F(x2)) - H(x1, x2) by fixed-point iteration, which converges
@@ -97,10 +97,22 @@ def _release(attns: list[AttentionLayer], published: list[dict]) -> None:
                 setattr(attn, name, value.detach())
 
 
+def _accumulate(total: dict[int, torch.Tensor], params: list[nn.Parameter], grads) -> None:
+    for p, g in zip(params, grads, strict=True):
+        if g is not None:
+            total[id(p)] = total[id(p)] + g if id(p) in total else g
+
+
 class _ReversibleFunction(torch.autograd.Function):
+    """(x1, x2, *params) -> (y1, y2, aux losses). The parameters of every block are explicit inputs, so their
+    gradients leave ``backward`` as outputs and reach ``.grad`` through the outer autograd pass only, once per
+    parameter: DistributedDataParallel sees them in the graph and its gradient hooks fire once (a nested
+    ``backward`` that accumulated them itself would mark them ready twice)."""
+
     @staticmethod
-    def forward(ctx, x1, x2, seq: ReversibleSequence, kwargs: dict):
+    def forward(ctx, x1, x2, seq: ReversibleSequence, kwargs: dict, *params):
         ctx.seq, ctx.kwargs = seq, kwargs
+        ctx.params = params
         ctx.states = []
         aux_values = []
         ctx.aux_names = []
@@ -126,7 +138,9 @@ class _ReversibleFunction(torch.autograd.Function):
         offsets = [0]
         for names in ctx.aux_names:
             offsets.append(offsets[-1] + len(names))
+        param_grads: dict[int, torch.Tensor] = {}
         for i in reversed(range(len(seq.blocks))):
+            params = seq._block_parameters(i)
             f_state, g_state = ctx.states[i]
             with torch.random.fork_rng(devices=[y1.device] if y1.device.type == "cuda" else []), replaying():
                 # G: x2 = y2 - G(y1); y1_bar = dy1 + (dG/dy1)^T dy2.
@@ -134,8 +148,9 @@ class _ReversibleFunction(torch.autograd.Function):
                     y1_ = y1.detach().requires_grad_(True)
                     g_state.restore()
                     g_out = seq._ff_branch(i, y1_)
-                    torch.autograd.backward(g_out, dy2)
-                y1_bar = dy1 + y1_.grad
+                    d_y1, *d_params = torch.autograd.grad(g_out, [y1_, *params], dy2, allow_unused=True)
+                _accumulate(param_grads, params, d_params)
+                y1_bar = dy1 + (d_y1 if d_y1 is not None else 0)
                 x2 = y2 - g_out.detach()
                 # F (and H): x1 = y1 - F(x2) [- H(x1, x2)]; eqs. (4)-(6) with y1_bar.
                 attns = seq._attns(i)
@@ -158,12 +173,14 @@ class _ReversibleFunction(torch.autograd.Function):
                         if aux[n].requires_grad:
                             outputs.append(aux[n].reshape(()))
                             grads.append(daux[offsets[i] + j])
-                    torch.autograd.backward(outputs, grads)
+                    inputs = [x2_] + ([x1_] if x1_ is not None else [])
+                    d_inputs = torch.autograd.grad(outputs, inputs + params, grads, allow_unused=True)
+                _accumulate(param_grads, params, d_inputs[len(inputs):])
                 _release(attns, published)
-            dx2 = dy2 + (x2_.grad if x2_.grad is not None else 0)
-            dx1 = y1_bar + (x1_.grad if x1_ is not None and x1_.grad is not None else 0)
+            dx2 = dy2 + (d_inputs[0] if d_inputs[0] is not None else 0)
+            dx1 = y1_bar + (d_inputs[1] if x1_ is not None and d_inputs[1] is not None else 0)
             y1, y2, dy1, dy2 = x1.detach(), x2.detach(), dx1, dx2
-        return dy1, dy2, None, None
+        return (dy1, dy2, None, None, *(param_grads.get(id(p)) for p in ctx.params))
 
 
 class ReversibleSequence(nn.Module):
@@ -188,6 +205,17 @@ class ReversibleSequence(nn.Module):
         self.recompute = recompute
         self.tied_iterations = tied_iterations
         self.tol = tol
+
+    def _block_parameters(self, i: int) -> list[nn.Parameter]:
+        """Block i's trainable parameters, with its tied connection's."""
+        params = list(self.blocks[i].parameters()) + (list(self.tied[i].parameters()) if self.tied is not None else [])
+        return [p for p in params if p.requires_grad]
+
+    def _trainable_parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for i in range(len(self.blocks)):
+            seen.update((id(p), p) for p in self._block_parameters(i))
+        return list(seen.values())
 
     def _attns(self, i: int) -> list[AttentionLayer]:
         return [m for m in self.blocks[i].modules() if isinstance(m, AttentionLayer)]
@@ -230,7 +258,7 @@ class ReversibleSequence(nn.Module):
                 x1 = x1 + f_out + (self.tied[i](x1, x2) if self.tied is not None else 0)
                 x2 = x2 + self._ff_branch(i, x1)
             return x1, x2
-        y1, y2, aux_flat = _ReversibleFunction.apply(x1, x2, self, kwargs)
+        y1, y2, aux_flat = _ReversibleFunction.apply(x1, x2, self, kwargs, *self._trainable_parameters())
         # Hand each layer its auxiliary losses as entries of the function's output (with the graph attached),
         # in the order the function stacked them: per block, sorted "attention index:loss name".
         k = 0
