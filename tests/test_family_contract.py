@@ -248,6 +248,26 @@ def test_reversible_recompute_equals_ordinary_backprop(name, tied):
         torch.testing.assert_close(g_rev[n], g_ref[n], atol=1e-10, rtol=1e-10, msg=n)  # measured ~1e-14
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_reversible_parameter_gradients_come_back_from_autograd_grad(tied):
+    """The blocks' parameters are inputs of the reversible function: torch.autograd.grad(loss, params) returns
+    their gradients (equal to ordinary backprop's) and leaves .grad alone -- no nested accumulation, which is
+    what lets DDP's gradient hooks fire once per parameter."""
+    model, plain = _reversible_pair("neural-clustering", tied)
+    tokens = torch.randint(1, 40, (2, 26))
+    _, g_ref = _grads(plain, tokens, None, False, 3)
+    torch.manual_seed(3)
+    y = model(tokens, causal=False)
+    loss = (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).pow(2).sum() + sum(
+        collect_aux_losses(model).values(), torch.zeros(()))
+    named = [(n, p) for n, p in model.named_parameters() if n in g_ref]
+    grads = torch.autograd.grad(loss, [p for _, p in named])
+    assert all(p.grad is None for p in model.parameters())
+    assert len(named) == len(g_ref) > 10
+    for (n, _), g in zip(named, grads, strict=True):
+        torch.testing.assert_close(g, g_ref[n], atol=1e-10, rtol=1e-10, msg=n)
+
+
 def test_reversible_check_fails_without_rng_replay(monkeypatch):
     """The equality above depends on replaying hashing and dropout: without it the gradients differ."""
     model, plain = _reversible_pair("lsh", tied=False, dropout=0.3)

@@ -97,6 +97,78 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     assert lines[-1]["step"] == 150
 
 
+@pytest.mark.parametrize(("attention", "options"), [
+    ("routing", '{"window_size": 4, "num_clusters": 3, "decay": 0.5}'),
+    ("kmeans", '{"bucket_size": 4, "num_clusters": 3, "decay": 0.5}'),
+    ("cluster-former", '{"window": 4, "stride": 2, "num_clusters": 3, "update_every": 4}'),
+    ("lsh", '{"bucket_size": 4}'),
+    ("neural-clustering", "{}"),
+])
+def test_a_crashed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeypatch, attention, options):
+    """Every stateful mechanism: a run that crashes at step 23 (checkpoints every 5) and is resumed ends with
+    bit-identical weights, buffers and extra state (generators, pending updates), the same final metrics and
+    evaluation history, and logs every step exactly once."""
+    from clusterformer.train import loop
+
+    train, test = _write_task(tmp_path)
+    common = ["--attention", attention, "--attention-options", options, "--max-steps", "30", "--batch-size", "8",
+              "--checkpoint-every", "5", "--log-every", "1", "--eval-every", "10", "--dropout", "0.1"]
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert main(_argv(train, test, straight, *common)) == 0
+
+    original = loop._batch
+
+    def crash_at_23(task, config, step, *args):
+        if step == 23:
+            raise RuntimeError("simulated crash")
+        return original(task, config, step, *args)
+
+    monkeypatch.setattr(loop, "_batch", crash_at_23)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(_argv(train, test, crashed, *common))
+    monkeypatch.setattr(loop, "_batch", original)
+    assert load_checkpoint(crashed)["step"] == 20
+    assert main(_argv(train, test, crashed, *common, "--resume")) == 0
+
+    a, b = load_checkpoint(straight)["model"], load_checkpoint(crashed)["model"]
+    assert a.keys() == b.keys()
+    for name in a:
+        if torch.is_tensor(a[name]):
+            assert torch.equal(a[name], b[name]), name
+        else:  # extra state: generator states and pending updates
+            assert (a[name] is None) == (b[name] is None), name
+            for key in (a[name] or {}):
+                left, right = a[name][key], b[name][key]
+                if isinstance(left, dict):
+                    assert left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left), name
+                else:
+                    assert torch.equal(left, right), name
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (straight, crashed))
+    assert ma["metrics"] == mb["metrics"] and ma["evaluations"] == mb["evaluations"]
+    assert [e["step"] for e in mb["evaluations"]] == [10, 20]
+    logged = [json.loads(x) for x in (crashed / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in logged if "loss" in r]
+    assert train_steps == list(range(1, 31)), "every step logged exactly once"
+    straight_rows = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("examples_per_s", "elapsed_s")} for r in rows]  # noqa: E731
+    assert strip(logged) == strip(straight_rows)
+    csv_steps = [line.split(",")[0] for line in (crashed / "metrics.csv").read_text().splitlines()[1:]]
+    assert csv_steps == [str(r["step"]) for r in logged]
+
+
+def test_evaluation_sees_the_last_steps_centroids(tmp_path):
+    """The final evaluation (and a checkpoint) holds the centroids after the last step's EMA update, not the
+    ones before it: the pending update is applied after each optimiser step."""
+    train, test = _write_task(tmp_path)
+    out = tmp_path / "run"
+    assert main(_argv(train, test, out, "--attention", "routing", "--attention-options",
+                      '{"window_size": 4, "num_clusters": 3, "decay": 0.5}', "--max-steps", "6",
+                      "--batch-size", "8")) == 0
+    state = load_checkpoint(out)["model"]
+    pending = [v for k, v in state.items() if k.endswith("_extra_state") and v and "pending" in v]
+    assert pending == [], "no update may be left pending in the final checkpoint"
+
+
 def test_corrupt_checkpoint_is_reported_and_the_previous_one_kept(tmp_path, capsys):
     train, test = _write_task(tmp_path)
     out = tmp_path / "run"
@@ -125,33 +197,87 @@ def test_save_checkpoint_is_atomic_under_failure(tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path)["step"] == 1  # the last good checkpoint survives a failed write
 
 
-def test_two_process_ddp_equals_one_process_with_the_global_batch(tmp_path):
-    train, test = _write_task(tmp_path)
-    # Token-averaged aux losses are averaged per rank (documented), so they are switched off for exact equality.
-    common = ["--attention", "neural-clustering", "--max-steps", "12", "--dropout", "0", "--checkpoint-every", "0",
-              "--clustering-weight", "0", "--centroid-sorting-weight", "0"]
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    assert main(_argv(train, test, single, *common, "--batch-size", "8")) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    "-m", "clusterformer", *_argv(train, test, ddp, *common, "--batch-size", "4")],
-                   check=True, env=env, capture_output=True, timeout=300)
+def _write_fixed_length_task(tmp_path: Path, n_train: int = 96, n_test: int = 24, words: int = 10):
+    """Like _write_task, but every example has ``words`` words: no padding, so every rank of a distributed run
+    holds the same number of real tokens and token-averaged auxiliary losses average exactly over ranks."""
+    g = torch.Generator().manual_seed(1)
+
+    def lines(n):
+        rows = []
+        for _ in range(n):
+            picked = [WORDS[i] for i in torch.randint(len(WORDS), (words,), generator=g)]
+            rows.append(f"{int(sum(w in WORDS[:3] for w in picked) >= sum(w in WORDS[3:6] for w in picked))} "
+                        + " ".join(picked))
+        return "\n".join(rows) + "\n"
+
+    train, test = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text(lines(n_train))
+    test.write_text(lines(n_test))
+    return train, test
+
+
+def _compare_ddp_with_single(single: Path, ddp: Path) -> None:
     result = json.loads((ddp / "metrics.json").read_text())
     assert result["world_size"] == 2
-    c0, c1 = result["rank_weight_checksums"]
-    assert c0 == c1, "both ranks must end with identical weights"
+    w0, w1 = result["rank_weight_checksums"]
+    assert w0 == w1, "both ranks must end with identical weights"
+    b0, b1 = result["rank_buffer_checksums"]
+    assert b0 == b1, "both ranks must end with identical buffers (centroids, memory banks)"
     a, b = _weights(single), _weights(ddp)
     for name in a:
         if not torch.is_tensor(a[name]):
             continue
-        if name.endswith("attn.to_qkv.bias"):
+        if name.endswith("attn.to_qkv.bias") and a[name].shape[0] % 3 == 0 and not name.startswith("x"):
             # The key bias shifts every score of a query's row equally: softmax ignores it, so its true gradient
             # is 0 and Adam turns float noise (which differs with the reduction order) into lr-sized steps.
-            # Compare the query and value biases only.
+            # Compare the query and value biases only (shared-QK layers have no separate key bias).
             dim = a[name].shape[0] // 3
             a[name] = torch.cat([a[name][:dim], a[name][2 * dim:]])
             b[name] = torch.cat([b[name][:dim], b[name][2 * dim:]])
+        if not a[name].is_floating_point():
+            assert torch.equal(b[name], a[name]), name
+            continue
         torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _run_ddp(argv: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "clusterformer", *argv], env=env, capture_output=True, timeout=300, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("attention", "options", "extra"), [
+    # auxiliary losses on (L1, L2), equal real tokens per rank
+    ("neural-clustering", "{}", []),
+    # stateful: EMA centroids (all-reduced statistics), commitment loss on
+    ("routing", '{"window_size": 4, "num_clusters": 3, "decay": 0.5}', []),
+    ("kmeans", '{"bucket_size": 4, "num_clusters": 3, "decay": 0.5}', []),
+    # stateful: memory bank gathered from both ranks, centroids recomputed every 3 steps
+    ("cluster-former", '{"window": 4, "stride": 2, "num_clusters": 3, "update_every": 3}', []),
+    # reversible blocks (nested recompute in the backward) with a stateful mechanism
+    ("routing", '{"window_size": 4, "num_clusters": 3, "decay": 0.5}', ["--reversible"]),
+])
+def test_two_process_ddp_equals_one_process_with_the_global_batch(tmp_path, attention, options, extra):
+    train, test = _write_fixed_length_task(tmp_path)
+    common = ["--attention", attention, "--attention-options", options, "--max-steps", "8", "--dropout", "0",
+              "--checkpoint-every", "0", "--commitment-weight", "0.1", *extra]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert main(_argv(train, test, single, *common, "--batch-size", "8")) == 0
+    _run_ddp(_argv(train, test, ddp, *common, "--batch-size", "4"))
+    _compare_ddp_with_single(single, ddp)
+
+
+def test_two_process_ddp_with_padding_and_aux_losses_off(tmp_path):
+    """Sequences of different lengths (padding): exact with the token-averaged aux losses switched off (they
+    are averaged per rank, documented)."""
+    train, test = _write_task(tmp_path)
+    common = ["--attention", "neural-clustering", "--max-steps", "12", "--dropout", "0", "--checkpoint-every", "0",
+              "--clustering-weight", "0", "--centroid-sorting-weight", "0"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert main(_argv(train, test, single, *common, "--batch-size", "8")) == 0
+    _run_ddp(_argv(train, test, ddp, *common, "--batch-size", "4"))
+    _compare_ddp_with_single(single, ddp)
 
 
 def test_ranking_metrics_on_a_known_example():

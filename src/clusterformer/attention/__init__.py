@@ -16,7 +16,7 @@ from . import (  # noqa: F401  (registration side effect)
     routing,
 )
 from .aux import collect_aux_losses, total_loss
-from .base import AttentionLayer, is_replaying, replaying
+from .base import AttentionLayer, apply_pending_updates, is_replaying, replaying
 from .cluster_former import ClusterFormerAttention, ClusterFormerOptions, SlidingWindowAttention, SlidingWindowOptions
 from .clustered import ClusteredAttention, ClusteredOptions, ImprovedClusteredAttention, ImprovedClusteredOptions
 from .full import FullAttention, FullOptions
@@ -46,6 +46,7 @@ __all__ = [
     "RoutingOptions",
     "SlidingWindowAttention",
     "SlidingWindowOptions",
+    "apply_pending_updates",
     "build",
     "collect_aux_losses",
     "describe",

@@ -55,7 +55,7 @@ class SeededModule(nn.Module):
         return None if self.generator is None else {"generator": self.generator.get_state()}
 
     def set_extra_state(self, state: dict | None) -> None:
-        if state is not None and self.generator is not None:
+        if state is not None and self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
 
     def draw_generator(self) -> torch.Generator:
@@ -66,6 +66,15 @@ class SeededModule(nn.Module):
         if self.training:
             return self.generator
         return torch.Generator().manual_seed(self.seed)
+
+
+def apply_pending_updates(model: nn.Module) -> None:
+    """Apply every attention layer's pending state update (EMA centroids) now instead of at its next training
+    forward. The result is the same -- nothing else touches the state in between -- but the buffers, and so a
+    checkpoint or an evaluation, then hold the state after the last step rather than one step old."""
+    for module in model.modules():
+        if isinstance(module, AttentionLayer):
+            module.apply_pending_updates()
 
 
 class AttentionLayer(SeededModule):
@@ -114,10 +123,21 @@ class AttentionLayer(SeededModule):
 
     def apply_pending_updates(self) -> None:
         """Copy the state updates computed by the last training forward into their buffers (called at the
-        start of every training forward; call it yourself before saving if the last step's update matters)."""
+        start of every training forward, and by :func:`apply_pending_updates` after each optimiser step)."""
         for name, value in self._pending.items():
             getattr(self, name).copy_(value)
         self._pending = {}
+
+    def get_extra_state(self) -> dict | None:
+        """The generator's state (if any) and any pending state update, so ``state_dict`` holds all state."""
+        state = super().get_extra_state() or {}
+        if self._pending:
+            state["pending"] = {name: value.detach().clone() for name, value in self._pending.items()}
+        return state or None
+
+    def set_extra_state(self, state: dict | None) -> None:
+        super().set_extra_state(state)
+        self._pending = {} if state is None else {k: v.clone() for k, v in state.get("pending", {}).items()}
 
     def forward(
         self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, causal: bool = False

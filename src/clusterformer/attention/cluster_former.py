@@ -10,9 +10,11 @@ padding; ``causal=True`` is strict (windows are fixed, later keys masked).
 ``"cluster-former"`` (section 3.2, Algorithm 1), for x (B, N, dim):
 
 1. Memory bank: a FIFO buffer of the last ``memory_size`` input hidden states (real tokens only, detached).
-   Every training forward appends its inputs; every ``update_every`` training forwards (and on the first)
-   the centroids are recomputed from the bank: spherical K-means with ``kmeans_iterations`` Lloyd steps,
-   then ``GetCentroids``' greedy nearest-neighbour chain by cosine, so neighbouring ids are similar
+   Every training forward appends its inputs (in a distributed run, every rank's, in rank order:
+   :mod:`clusterformer.distributed`, so the bank and the centroids are the same on every rank); every
+   ``update_every`` training forwards (and on the first) the centroids are recomputed from the bank:
+   spherical K-means with ``kmeans_iterations`` Lloyd steps, then ``GetCentroids``' greedy nearest-neighbour
+   chain by cosine, so neighbouring ids are similar
    (:mod:`clusterformer.clustering.kmeans`). :meth:`ClusterFormerAttention.update_centroids` does it on
    demand. Centroids, bank and counters are buffers, saved in ``state_dict``.
 2. Each token goes to the centroid of maximum cosine similarity; tokens are stably sorted by id.
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 
 from .._checks import check_bool, check_float, check_int, check_tensor
 from ..clustering.kmeans import greedy_nearest_order, spherical_kmeans
+from ..distributed import all_gather_rows
 from ..ops.sliding import sliding_window_attention
 from .base import AttentionLayer
 from .registry import register
@@ -189,10 +192,11 @@ class ClusterFormerAttention(AttentionLayer):
     def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         B, N, _ = x.shape
         real = None if key_padding_mask is None else ~key_padding_mask
-        if self.updates_state() and B * N:
-            self.remember(x.detach().reshape(-1, self.dim) if real is None else x.detach()[real])
+        if self.updates_state():  # every rank's real tokens, in rank order (a no-op without a process group)
+            self.remember(all_gather_rows(x.detach().reshape(-1, self.dim) if real is None else x.detach()[real]))
             self.steps += 1
-            if not bool(self.centroids_ready) or int(self.steps) % self.options.update_every == 0:
+            due = not bool(self.centroids_ready) or int(self.steps) % self.options.update_every == 0
+            if due and int(self.memory_filled) > 0:
                 self.update_centroids()
         if bool(self.centroids_ready):
             centroids = self.centroids

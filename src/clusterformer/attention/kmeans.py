@@ -16,7 +16,9 @@ For x (B, N, dim):
 5. Learning: "at each training iteration, we compute clusters for each vector and reassign means according
    to the canonical k-means approach" -- each round's centroids move to the mean of their members, smoothed
    by an EMA with ``decay`` (``decay=0`` is the plain k-means reassignment). No gradient reaches the
-   centroids; the update from one training forward is applied at the start of the next.
+   centroids; the update from one training forward is applied at the start of the next (or by
+   :func:`clusterformer.attention.apply_pending_updates`) and is saved in ``state_dict`` while pending. In a
+   distributed run the statistics are summed over ranks, so every rank applies the global batch's update.
 
 Cost: O(n_rounds N k D) for the assignments + O(N (look_back + 1) bucket_size D) attention.
 Masks: key padding; ``causal=True`` strict (the bucket depends on the token alone; per-bucket chunking).
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 from .._checks import check_bool, check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
+from ..distributed import all_reduce_sum
 from ..ops.bucketed import bucketed_attention
 from .base import AttentionLayer
 from .registry import register
@@ -113,7 +116,7 @@ class KMeansAttention(AttentionLayer):
             points = unit.transpose(0, 1).reshape(1, H, B * N, D).expand(m, H, B * N, D).reshape(m * H, B * N, D)
             updated = ema_centroid_update(
                 self.centroids.reshape(m * H, k, D), points, round_ids.transpose(1, 2).reshape(m * H, B * N),
-                decay=self.options.decay, valid=valid,
+                decay=self.options.decay, valid=valid, reduce=all_reduce_sum,
             )
             self._pending["centroids"] = updated.view(m, H, k, D)
         out = bucketed_attention(

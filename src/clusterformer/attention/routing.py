@@ -13,7 +13,10 @@ For x (B, N, dim):
    self only when nothing else; output projection.
 4. Centroids follow the tokens by an exponential moving average of their members (mini-batch spherical
    k-means, :func:`clusterformer.clustering.ema_centroid_update`) -- never by gradient. The update from one
-   training forward is applied at the start of the next (so a reversible recompute sees the same centroids).
+   training forward is applied at the start of the next (so a reversible recompute sees the same centroids),
+   or earlier by :func:`clusterformer.attention.apply_pending_updates` (the training loop calls it after each
+   optimiser step); a pending update is part of ``state_dict`` (extra state). In a distributed run the
+   per-centroid sums and counts are summed over ranks first, so every rank applies the global batch's update.
 5. Commitment loss, ``aux_losses["commitment"]`` = mean over real tokens and heads of ||u - mu_id||^2; its
    gradient pulls the projections towards their centroids. Weight it in
    :func:`clusterformer.attention.total_loss` (the Routing Transformer uses a small weight, e.g. 1e-4).
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from .._checks import check_bool, check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
+from ..distributed import all_reduce_sum
 from ..ops.bucketed import bucketed_attention
 from .base import AttentionLayer
 from .registry import register
@@ -97,7 +101,7 @@ class RoutingAttention(AttentionLayer):
             points = unit.detach().transpose(0, 1).reshape(H, B * N, D)
             self._pending["centroids"] = ema_centroid_update(
                 self.centroids, points, ids.transpose(0, 1).reshape(H, B * N), decay=self.options.decay,
-                valid=weight.transpose(0, 1).reshape(H, B * N) > 0,
+                valid=weight.transpose(0, 1).reshape(H, B * N) > 0, reduce=all_reduce_sum,
             )
         out = bucketed_attention(
             qk, v, ids.unsqueeze(2), min(self.options.window_size, max(N, 1)), num_buckets=k,

@@ -16,6 +16,7 @@ All are vectorised over points and clusters; the only Python loops run over Lloy
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -108,15 +109,19 @@ def greedy_nearest_order(centroids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def ema_centroid_update(
     centroids: torch.Tensor, points: torch.Tensor, assign: torch.Tensor, *, decay: float,
-    valid: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One online spherical k-means step: c <- normalise(decay c + (1 - decay) mean of its unit points).
 
     centroids (G, k, d); points (G, n, d) (normalised here); assign (G, n); valid (G, n) bool or None.
+    ``reduce``: applied to the per-cluster sums and counts before the means are taken, e.g.
+    :func:`clusterformer.distributed.all_reduce_sum` to use the points of every rank of a distributed run.
     Clusters with no point this step keep their centroid. Returns the new centroids (G, k, d)."""
     k = centroids.shape[-2]
     x = F.normalize(points.to(centroids.dtype), dim=-1)
     sums, counts = _cluster_sums(x, assign, k, valid)
+    if reduce is not None:
+        sums, counts = reduce(sums), reduce(counts)
     means = sums / counts.clamp(min=1).unsqueeze(-1)
     updated = F.normalize(decay * centroids + (1.0 - decay) * means, dim=-1)
     return torch.where(counts.unsqueeze(-1) > 0, updated, centroids)

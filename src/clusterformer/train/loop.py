@@ -18,8 +18,14 @@ Semantics (what the tests check):
 * **Schedule.** AdamW; learning rate warms up linearly over ``warmup_steps`` then decays (``linear`` to 0 at the
   last step, ``cosine``, or ``constant``); gradient norm clipped to ``clip`` (0 = off).
 * **Checkpoints** (:mod:`clusterformer.train.checkpoint`): every ``checkpoint_every`` steps and at the end, with
-  model, optimiser, schedule, step, every rank's RNG state and the tokenizer. ``resume=True`` continues from
-  ``out/checkpoint.pt`` and reproduces the uninterrupted run exactly (same data order, same RNG).
+  model (with every layer's state: centroids, memory banks, generators; pending EMA updates are applied
+  after each optimiser step, so the buffers are never one step old), optimiser, schedule, step, every rank's
+  RNG state, the evaluation history and the tokenizer. ``resume=True`` continues from ``out/checkpoint.pt``
+  and reproduces the uninterrupted run exactly (same data order, same RNG, bit-identical final weights and
+  buffers); the logs are cut back to the checkpoint's step, so no step is logged twice.
+* **Stateful layers under DDP.** Routing/kmeans centroid statistics are all-reduced and Cluster-Former's
+  memory bank gathers every rank's tokens (:mod:`clusterformer.distributed`), so buffers are identical on
+  every rank and equal to a single process's with the global batch; DDP does not broadcast buffers.
 * **Mixed precision.** ``amp="auto"`` uses bfloat16 autocast on CUDA devices that support it and float32 on
   CPU; ``"bf16"`` forces bfloat16 autocast (CPU too), ``"off"`` disables it.
 """
@@ -42,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_int
-from ..attention import collect_aux_losses, total_loss
+from ..attention import apply_pending_updates, collect_aux_losses, total_loss
 from ..attention.registry import causal_semantics, make_options
 from ..models import EncoderConfig, SequenceClassifier
 from ..models.lm import LanguageModel
@@ -235,7 +241,8 @@ def _batch(task: PreparedTask, config: TrainConfig, step: int, per_epoch: int, r
     order = torch.randperm(len(task.train["labels"]), generator=torch.Generator().manual_seed(config.seed + epoch))
     global_index = order[within * world * B:(within + 1) * world * B]
     # Trim to the longest example of the *global* batch, so every rank (and a single process with the whole
-    # batch) sees the same padded length -- mechanisms such as neural-clustering size k and chunks from it.
+    # batch) sees the same padded length. (Every mechanism's outputs are independent of the padding amount;
+    # equal shapes keep the float reduction order, and so the last bits, equal too.)
     keep = int((~task.train["pad"][global_index]).sum(1).max().clamp(min=1))
     index = global_index[rank * B:(rank + 1) * B]
     return task.train["ids"][index, :keep], task.train["pad"][index, :keep], task.train["labels"][index]
@@ -246,19 +253,41 @@ def _autocast(config: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
-def _loss(model, task, config, ids, pad, labels, device):
+def _aux_weights(config: TrainConfig) -> dict[str, float]:
+    return {"clustering": config.clustering_weight, "centroid_sorting": config.centroid_sorting_weight,
+            "commitment": config.commitment_weight}
+
+
+class _WithAuxLosses(torch.nn.Module):
+    """``model(ids, pad)`` -> (logits, the weighted auxiliary losses). The losses are forward *outputs*, so
+    DistributedDataParallel (``find_unused_parameters=True``) finds the parameters that only they reach
+    (neural-clustering's W^C and centroids) when it walks the graph from the outputs; read from the layers
+    after the forward, those parameters would look unused and then be marked ready twice. Losses weighted 0
+    are left out: their parameters get no gradient and must look unused."""
+
+    def __init__(self, model: torch.nn.Module, weights: dict[str, float]) -> None:
+        super().__init__()
+        self.model = model
+        self.weights = weights
+
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor | None):
+        logits = self.model(ids, pad)
+        aux = {k: v for k, v in collect_aux_losses(self.model).items() if self.weights.get(k, 0.0)}
+        return logits, aux
+
+
+def _loss(step_module, task, config, ids, pad, labels, device):
     ids, labels = ids.to(device), labels.to(device)
     pad = pad.to(device) if pad is not None else None
     with _autocast(config, device):
-        logits = model(ids, pad)
+        logits, weighted_aux = step_module(ids, pad)
     if task.kind == "lm":
         task_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
     else:
         task_loss = F.cross_entropy(logits.float(), labels)
-    aux = collect_aux_losses(model)
-    weights = {"clustering": config.clustering_weight, "centroid_sorting": config.centroid_sorting_weight,
-               "commitment": config.commitment_weight}
-    return total_loss(task_loss, aux, weights, task_weight=config.task_weight), task_loss, aux
+    loss = total_loss(task_loss, weighted_aux, _aux_weights(config), task_weight=config.task_weight)
+    model = step_module.module.model if hasattr(step_module, "module") else step_module.model
+    return loss, task_loss, collect_aux_losses(model)  # every aux loss, weighted or not, for the logs
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
@@ -268,6 +297,7 @@ def _loss(model, task, config, ids, pad, labels, device):
 def evaluate(model: torch.nn.Module, task: PreparedTask, config: TrainConfig, device: torch.device) -> dict:
     """The task's test metric: accuracy, MAP/MRR, or bits per character (non-overlapping windows)."""
     was_training = model.training
+    apply_pending_updates(model)  # evaluate the state after the last step, not one step old
     model.eval()
     try:
         if task.kind == "lm":
@@ -318,21 +348,38 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 
 class _Logger:
-    """metrics.jsonl (one object per log step) and metrics.csv (same columns): appended on resume, started
-    afresh otherwise (so the logs of an earlier run in the same directory never mix with this one's)."""
+    """metrics.jsonl (one object per log step) and metrics.csv (same columns): started afresh for a new run (so
+    the logs of an earlier run in the same directory never mix with this one's); on resume, cut back to the
+    checkpoint's step (rows an interrupted run wrote after its last checkpoint are logged again by the resumed
+    one, and must not appear twice), then appended."""
 
     COLUMNS = ("step", "epoch", "loss", "task_loss", "clustering", "centroid_sorting", "commitment", "lr",
                "examples_per_s", "elapsed_s")
 
-    def __init__(self, out: Path, enabled: bool, resume: bool) -> None:
+    def __init__(self, out: Path, enabled: bool, resume: bool, resumed_step: int = 0) -> None:
         self.enabled = enabled
         self.jsonl, self.csv = out / "metrics.jsonl", out / "metrics.csv"
         if enabled and not resume:
             self.jsonl.unlink(missing_ok=True)
             self.csv.unlink(missing_ok=True)
+        if enabled and resume:
+            self._cut_back(resumed_step)
         if enabled and not self.csv.exists():
             with open(self.csv, "w", newline="") as f:
                 csv.writer(f).writerow(self.COLUMNS)
+
+    def _cut_back(self, step: int) -> None:
+        """Keep only the rows of steps <= ``step`` (atomically: a crash here leaves the old file)."""
+        if self.jsonl.exists():
+            rows = [line for line in self.jsonl.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            _write_atomically(self.jsonl, "".join(r + "\n" for r in rows))
+        if self.csv.exists():
+            with open(self.csv, newline="") as f:
+                table = list(csv.reader(f))
+            keep = table[:1] + [r for r in table[1:] if r and int(float(r[0])) <= step]
+            with open(self.csv.with_suffix(".csv.tmp"), "w", newline="") as f:
+                csv.writer(f).writerows(keep)
+            os.replace(self.csv.with_suffix(".csv.tmp"), self.csv)
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -343,9 +390,15 @@ class _Logger:
             csv.writer(f).writerow([row.get(c, "") for c in self.COLUMNS])
 
 
-def _checksum(model: torch.nn.Module) -> float:
-    """Sum of every parameter (float64): equal on ranks that hold equal weights."""
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _checksum(tensors) -> float:
+    """Sum of the tensors (float64): equal on ranks that hold equal weights (or buffers)."""
+    return float(sum(t.detach().double().sum() for t in tensors))
 
 
 def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
@@ -387,13 +440,16 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
         _set_rng_state(state["rng"][rank], device)
     else:
         torch.manual_seed(config.seed + rank)  # dropout differs across ranks
-    trained = model
+    trained = _WithAuxLosses(model, _aux_weights(config))
     if world > 1:
         # Some parameters get no gradient in some configurations (e.g. neural-clustering's W^C and centroids
         # when the clustering losses are weighted 0: the argmax assignment is not differentiable).
+        # No buffer broadcast: stateful layers combine their statistics over ranks (clusterformer.distributed),
+        # so every rank already holds the same buffers; broadcasting rank 0's would hide a rank that drifted.
         trained = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
-    logger = _Logger(out, rank == 0, config.resume)
+            trained, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True,
+            broadcast_buffers=False)
+    logger = _Logger(out, rank == 0, config.resume, resumed_step=step)
     bar = None
     if rank == 0 and config.progress:
         from tqdm import tqdm
@@ -413,11 +469,12 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "step": step, "train_seconds": train_seconds,
                 "rng": rngs, "config": asdict(config), "tokenizer": task.tokenizer, "world_size": world,
+                "evaluations": evaluations,
                 "task": {"name": task.name, "kind": task.kind, "vocab_size": task.vocab_size,
                          "num_classes": task.num_classes, "metric": task.metric, "info": task.info},
             })
 
-    evaluations = []
+    evaluations = list(state.get("evaluations", [])) if state is not None else []
     while step < total:
         tick = time.perf_counter()
         ids, pad, labels = _batch(task, config, step, per_epoch, rank, world)
@@ -428,6 +485,7 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
         optimizer.step()
         scheduler.step()
+        apply_pending_updates(model)  # the state a checkpoint after this step must hold (EMA centroids)
         step += 1
         seconds = time.perf_counter() - tick
         train_seconds += seconds
@@ -445,10 +503,11 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
             checkpoint()
     if bar is not None:
         bar.close()
-    checksums = [_checksum(model)]
-    if world > 1:  # every rank's final weights, to show they agree
-        checksums = [None] * world
-        torch.distributed.all_gather_object(checksums, _checksum(model))
+    mine = (_checksum(model.parameters()), _checksum(b for b in model.buffers() if b.is_floating_point()))
+    sums = [mine]
+    if world > 1:  # every rank's final weights and buffers (centroids, memory banks), to show they agree
+        sums = [None] * world
+        torch.distributed.all_gather_object(sums, mine)
     result: dict = {}
     if rank == 0:
         metrics = evaluate(model, task, config, device)
@@ -457,7 +516,8 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
             "protocol": task.info.get("protocol"), "steps": step, "epochs": step / per_epoch,
             "steps_per_epoch": per_epoch, "train_seconds": train_seconds,
             "seconds_per_epoch": train_seconds / max(step / per_epoch, 1e-9), "wall_seconds": time.time() - started,
-            "world_size": world, "rank_weight_checksums": checksums, "device": str(device),
+            "world_size": world, "rank_weight_checksums": [w for w, _ in sums],
+            "rank_buffer_checksums": [b for _, b in sums], "device": str(device),
             "machine": f"{platform.machine()} {os.cpu_count()} CPUs"
             + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
