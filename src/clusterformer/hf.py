@@ -51,6 +51,7 @@ from .attention.neural_clustering import NeuralClusteringOptions
 from .clustering.neural import neural_clustering
 from .ops.chunked import sorted_chunk_attention
 from .ops.clustered import clustered_attention
+from .ops.masks import masked_sdpa
 
 __all__ = ["PATCHABLE", "PRETRAINED", "PatchedSelfAttention", "PretrainedClassifier", "embed",
            "key_padding_from_hf_mask", "load_pretrained", "patch", "patched_modules", "pretrained_path", "unpatch",
@@ -165,11 +166,10 @@ class PatchedSelfAttention(SeededModule):
         q, k, v = heads(self.query), heads(self.key), heads(self.value)
         dropout_p = self.dropout_p if self.training else 0.0
         if self.attention == "full":
-            mask = None
-            if padding is not None:  # a sequence that is all padding attends to everything (zeroed below)
-                ok = ~padding | padding.all(-1, keepdim=True)
-                mask = ok[:, None, None, :]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            if padding is None:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+            else:  # a sequence that is all padding gives zeros
+                out = masked_sdpa(q, k, v, ~padding[:, None, None, :], dropout_p=dropout_p)
         elif self.attention in ("clustered", "improved-clustered"):
             groups, C = cluster_queries(q, self.options, self.draw_generator(), padding)
             self.last_groups = groups

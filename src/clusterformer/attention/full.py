@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_float
+from ..ops.masks import masked_sdpa
 from .base import AttentionLayer
 from .registry import register
 
@@ -51,8 +52,5 @@ class FullAttention(AttentionLayer):
         allowed = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, N)
         if causal:
             allowed = allowed & torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
-        # Rows with no allowed key (an all-padding sequence, or left padding under a causal mask) would
-        # be NaN: let them see everything, then zero them.
-        no_key = ~allowed.any(-1, keepdim=True)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | no_key, dropout_p=dropout)
-        return self.project_out(out.masked_fill(no_key, 0.0))
+        # rows with no allowed key (an all-padding sequence, left padding under a causal mask) give zeros
+        return self.project_out(masked_sdpa(q, k, v, allowed, dropout_p=dropout))

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_choice, check_int, check_padding_mask, check_tensor
+from .masks import allow_empty_rows
 
 __all__ = [
     "ChunkLayout",
@@ -355,8 +356,8 @@ def _window_mask(
     """The SDPA mask of every window, (W, 1, w, hops w) bool (True = attend), and the queries with no
     allowed key, (W, 1, w, 1); (None, None) when every key of every window is allowed.
 
-    A query with no allowed key is allowed everything (a finite softmax) and reported in ``no_key`` so the
-    caller zeroes its output, which also zeroes every gradient flowing through that row. Never NaN.
+    A query with no allowed key follows the package's one rule (:func:`clusterformer.ops.masks.allow_empty_rows`):
+    allowed everything, reported in ``no_key``, zeroed by the caller. Never NaN.
     With ``exclude_self`` a query may attend to its own token only when it has no other allowed key
     (Reformer's shared-QK rule, where q.k_self would dominate)."""
     if not _needs_mask(layout, causal, key_padding_mask):
@@ -375,8 +376,7 @@ def _window_mask(
         tok_q, tok_k = _window_meta(layout, torch.where(layout.row_valid, layout.rows, -1))
         others = allowed & (tok_q != tok_k)
         allowed = torch.where(others.any(-1, keepdim=True), others, allowed)
-    no_key = ~allowed.any(-1, keepdim=True)
-    return (allowed | no_key).unsqueeze(1), no_key.unsqueeze(1)
+    return allow_empty_rows(allowed.unsqueeze(1))
 
 
 def windowed_attention_lse(

@@ -21,6 +21,7 @@ import math
 import torch
 
 from .chunked import cluster_aligned_slots
+from .masks import masked_sdpa
 
 __all__ = ["DENSE_TOPK_FACTOR", "clustered_attention"]
 
@@ -111,8 +112,7 @@ def _top_key_attention_dense(q, k, v, top_i, key_padding_mask, groups, scale):
     if key_padding_mask is not None:
         allowed &= ~key_padding_mask[:, None, None, :]
     mask = _rows(allowed, groups)  # (B, H, N, N): each query's cluster row
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # no allowed key (all padding): zero
+    return masked_sdpa(q, k, v, mask, scale=scale)  # no allowed key (all padding): zeros
 
 
 def _top_key_attention(q, k, v, top_i, top_ok, groups, scale):
