@@ -141,6 +141,8 @@ def sliding_reference(q, k, v, window, stride, causal, pad, positions=None):
     starts = [0]
     while starts[-1] + window < length:
         starts.append(starts[-1] + stride)
+    if causal:  # every window that starts before the end (prefix invariance)
+        starts = list(range(0, N, stride))
     pos = list(range(N)) if positions is None else [int(p) for p in positions]
     total = torch.zeros_like(v)
     count = [0] * N

@@ -82,7 +82,7 @@ def test_lsh_matches_dense_reference(N, bucket_size, n_hashes, look_back, causal
     pad = _pad_mask(B, N, pad_last)
     y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
     buckets = layer.last_buckets  # (B, H, R, N)
-    n_buckets = layer.buckets_for(N)
+    n_buckets = layer.options.causal_buckets if causal else layer.buckets_for(N)  # causal: fixed (prefixes)
     assert int(buckets.max()) < n_buckets
     for b in range(B):
         qk, v = _shared_heads(layer, x[b])

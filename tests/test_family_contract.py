@@ -143,6 +143,27 @@ def test_strict_causal_no_future_leak(name, N):
         torch.testing.assert_close(y2[:, : t + 1], y[:, : t + 1], atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("name", STRICT_CAUSAL)
+@pytest.mark.parametrize("trained", [False, True])
+def test_strict_causal_prefix_gives_the_same_outputs_alone(name, trained):
+    """Strict causal is autoregressive: with every mechanism's defaults, the first t tokens alone give the same
+    outputs as inside a 300-token sequence, for t on and around the chunk, bucket and window boundaries of
+    the defaults (16, 64, 128) -- nothing about the chunking may follow the length."""
+    torch.manual_seed(fixed_seed())
+    layer = build(name, dim=32, heads=2).double()
+    g = torch.Generator().manual_seed(fixed_seed())
+    if trained:
+        layer(torch.randn(3, 200, 32, dtype=torch.float64, generator=g), causal=True)
+        layer(torch.randn(3, 200, 32, dtype=torch.float64, generator=g), causal=True)
+    layer.eval()
+    x = torch.randn(1, 300, 32, dtype=torch.float64, generator=g)
+    whole = layer(x, causal=True)
+    worst = 0.0
+    for t in (1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 192, 299):
+        worst = max(worst, (layer(x[:, :t], causal=True) - whole[:, :t]).abs().max().item())
+    assert worst <= 1e-10, f"largest change of a prefix's outputs: {worst:.3g}"
+
+
 @pytest.mark.parametrize(("name", "options"), [("cluster-former", {}), ("neural-clustering", {"causal_mode": "paper"})])
 def test_paper_causal_modes_are_declared_and_really_not_strict(name, options):
     """Mechanisms whose causal mode is the papers' (masking inside groups built from the whole sequence)

@@ -16,7 +16,9 @@ Cost: O(n_hashes N (look_back + 1) bucket_size D) for attention plus O(n_hashes 
 Any length: the last chunk may be short (empty slots are masked, never asserted away).
 
 Masks: key padding; ``causal=True`` is strict -- hashes depend on each token alone and each bucket is
-chunked by rank among earlier tokens, so output t depends on tokens 0..t only.
+chunked by rank among earlier tokens, so output t depends on tokens 0..t only; the bucket count is then fixed
+(``causal_buckets``, not derived from the length), so a prefix alone gives the same outputs as inside a
+longer sequence.
 
 Randomness: in training each forward draws new rotations from the layer's generator (seeded by ``seed``);
 in evaluation the rotations are re-drawn from ``seed`` each call, so the same input gives the same output.
@@ -46,6 +48,9 @@ class LSHOptions:
         n_hashes: hashing rounds.
         n_buckets: buckets per round, an even int >= 2, or "auto" for ceil(L / bucket_size) rounded up to
             an even number (at least 2), L being each sequence's real length.
+        causal_buckets: with ``n_buckets="auto"`` and ``causal=True``: the bucket count, fixed (an even int
+            >= 2) so that a prefix is hashed the same whatever follows it (prefix invariance, what cached
+            generation needs). An int ``n_buckets`` is used as is.
         look_back: previous chunks each chunk attends to (Reformer: 1).
         seed: seeds the generator of the random rotations.
         dropout: attention-weight dropout probability during training.
@@ -55,6 +60,7 @@ class LSHOptions:
     bucket_size: int = 64
     n_hashes: int = 4
     n_buckets: int | str = "auto"
+    causal_buckets: int = 16
     look_back: int = 1
     seed: int = 0
     dropout: float = 0.0
@@ -69,6 +75,10 @@ class LSHOptions:
             check_int("n_buckets", self.n_buckets, minimum=2)
             if self.n_buckets % 2:
                 raise ValueError(f"n_buckets must be even (hashes are argmax over [xR; -xR]), got {self.n_buckets}")
+        check_int("causal_buckets", self.causal_buckets, minimum=2)
+        if self.causal_buckets % 2:
+            raise ValueError(f"causal_buckets must be even (hashes are argmax over [xR; -xR]), "
+                             f"got {self.causal_buckets}")
         check_int("look_back", self.look_back, minimum=0)
         check_int("seed", self.seed, minimum=0)
         check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
@@ -112,6 +122,8 @@ class LSHAttention(AttentionLayer):
         # n_buckets follows each sequence's real length, not the padded length of the batch
         lengths = torch.full((B,), N, device=x.device) if key_padding_mask is None else (~key_padding_mask).sum(1)
         per_sequence = self.buckets_for(lengths)
+        if causal and self.options.n_buckets == "auto":  # fixed: a prefix hashes the same whatever follows
+            per_sequence = torch.full_like(lengths, self.options.causal_buckets)
         n_buckets = int(per_sequence.max()) if B else 2
         rotations = self.rotations(n_buckets // 2, D).to(device=x.device, dtype=qk.dtype)
         buckets = angular_lsh_buckets(qk.detach(), rotations, num_buckets=per_sequence)

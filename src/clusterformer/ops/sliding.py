@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .masks import masked_sdpa
+
 __all__ = ["sliding_window_attention", "window_count"]
 
 
@@ -47,10 +49,17 @@ def sliding_window_attention(
     Windows are those of each sequence's own length, not of the padded batch: with ``key_padding_mask``, a
     sequence whose last real row is row L - 1 uses windows 0 .. window_count(L) - 1 only, so right padding
     (its amount, and so the other sequences of the batch) cannot add windows to a real row's average.
+
+    With ``causal=True`` every window that *starts* before the end of the sequence is used (starts 0, stride,
+    2 stride, ... < L), not only those needed to cover it: the windows holding row t are then fixed by t
+    alone, so rows 0..t give the same outputs whether the sequence ends at t or continues (prefix invariance).
+    (Windows starting at or after a sequence's end hold none of its rows, so padding adds none either.)
     """
     B, H, N, D = q.shape
-    window = min(window, N)
+    window = min(window, N)  # a window's rows past the end are padding: the clamp changes no window's content
     n_w = window_count(N, window, stride)
+    if causal:  # every window starting before N
+        n_w = max(n_w, (N + stride - 1) // stride)
     L = (n_w - 1) * stride + window  # padded length, >= N
     idx = (torch.arange(n_w, device=q.device).unsqueeze(1) * stride + torch.arange(window, device=q.device)).reshape(-1)
 
@@ -71,12 +80,10 @@ def sliding_window_attention(
         pos = torch.arange(N, device=q.device).expand(B, N) if positions is None else positions
         pos = F.pad(pos, (0, L - N), value=-1).index_select(1, idx).view(B * n_w, window)
         allowed = allowed & (pos.unsqueeze(-1) >= pos.unsqueeze(-2))
-    no_key = ~allowed.any(-1, keepdim=True)
-    mask = (allowed | no_key).unsqueeze(1)
-    out = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), attn_mask=mask, dropout_p=dropout_p)
-    out = out.masked_fill(no_key.unsqueeze(1), 0.0)  # (B n_w, H, window, D)
+    # (B n_w, H, window, D); a row with no allowed key in a window contributes zeros from it
+    out = masked_sdpa(windows(q), windows(k), windows(v), allowed.unsqueeze(1), dropout_p=dropout_p)
     window_used = None
-    if key_padding_mask is not None:  # each sequence keeps the windows of its own length
+    if key_padding_mask is not None and not causal:  # each sequence keeps the windows of its own length
         real = ~key_padding_mask
         length = torch.where(real, torch.arange(1, N + 1, device=q.device), 0).amax(1)  # last real row + 1
         own = window_count(length, window, stride)
