@@ -317,3 +317,22 @@ def test_approx_cli_writes_cosines_and_accuracies(tmp_path):
         ApproxConfig(query_clustering="cosine")
     with pytest.raises(SystemExit):
         main(["approx", "--attention", "full", "--data-dir", str(tmp_path)])
+
+
+def test_each_patched_layer_gets_its_own_seed():
+    """Layer l of a patched model hashes with seed + 1_000_003 l: two layers with the same weights and input
+    cluster differently (different hash planes), and patching again with the same seed reproduces them."""
+    def outputs(model):
+        first, second = patched_modules(model)[:2]
+        for name in ("query", "key", "value"):  # the same weights in both layers
+            getattr(second, name).load_state_dict(getattr(first, name).state_dict())
+        x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        with torch.no_grad():
+            return first(x)[0], second(x)[0]
+
+    model = patch(_bert().eval(), "clustered", clusters=3, bits=8, seed=5)
+    a0, a1 = outputs(model)
+    assert (a0 - a1).abs().max() > 1e-3, "layers share their hash planes"
+    b0, b1 = outputs(patch(unpatch(model), "clustered", clusters=3, bits=8, seed=5))
+    torch.testing.assert_close(b0, a0, rtol=0, atol=0)
+    torch.testing.assert_close(b1, a1, rtol=0, atol=0)

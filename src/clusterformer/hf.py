@@ -35,6 +35,7 @@ embeddings (mean pooling over real tokens, L2-normalised, as sentence-transforme
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention.base import SeededModule
+from .attention.base import SeededModule, layer_seed
 from .attention.clustered import ClusteredOptions, ImprovedClusteredOptions, cluster_queries
 from .attention.neural_clustering import NeuralClusteringOptions
 from .clustering.neural import neural_clustering
@@ -229,10 +230,13 @@ def patch(model: nn.Module, attention: str = "improved-clustered", **options: An
         raise ValueError(f"found no BERT-family self-attention (query/key/value nn.Linear + num_attention_heads) "
                          f"in {type(model).__name__}")
     originals: dict[str, nn.Module] = {}
-    for name, module in targets:
+    for index, (name, module) in enumerate(targets):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        replacement = PatchedSelfAttention(module, attention, opts)
+        layer_opts = opts
+        if getattr(opts, "seed", None) is not None:  # a distinct seed per layer: different hash planes
+            layer_opts = dataclasses.replace(opts, seed=layer_seed(opts.seed, index))
+        replacement = PatchedSelfAttention(module, attention, layer_opts)
         replacement.train(module.training)
         setattr(parent, child, replacement)
         originals[name] = module

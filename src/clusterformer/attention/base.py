@@ -68,6 +68,16 @@ class SeededModule(nn.Module):
         return torch.Generator().manual_seed(self.seed)
 
 
+LAYER_SEED_STRIDE = 1_000_003  # a prime: layer seeds of nearby base seeds do not collide in practice
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The seed of the ``layer``-th attention layer of a model built with ``seed`` (the Encoder's blocks, the
+    layers :func:`clusterformer.hf.patch` replaces): distinct per layer, so hash rotations, hash planes and
+    initial centroids differ between layers (as in the Reformer), and fixed by ``seed``."""
+    return (seed + LAYER_SEED_STRIDE * layer) % 2**63
+
+
 def apply_pending_updates(model: nn.Module) -> None:
     """Apply every attention layer's pending state update (EMA centroids) now instead of at its next training
     forward. The result is the same -- nothing else touches the state in between -- but the buffers, and so a

@@ -24,6 +24,7 @@ from .._checks import (
     check_tensor,
 )
 from ..attention import AttentionLayer, NeuralClusteringAttention, build, describe
+from ..attention.base import LAYER_SEED_STRIDE, layer_seed  # noqa: F401  (re-exported)
 from ..attention.registry import make_options
 from .reversible import ReversibleSequence
 
@@ -125,12 +126,6 @@ class EncoderConfig:
         return name, options
 
 
-LAYER_SEED_STRIDE = 1_000_003  # a prime: layer seeds of nearby base seeds do not collide in practice
-
-
-def layer_seed(seed: int, layer: int) -> int:
-    """The seed of block ``layer``'s attention in a model built with ``seed``."""
-    return (seed + LAYER_SEED_STRIDE * layer) % 2**63
 
 
 def cluster_former_config(
