@@ -100,6 +100,23 @@ def test_bench_cli_writes_records_and_plot(tmp_path, capsys):
     assert "[4/4] neural-clustering N=96" in capsys.readouterr().err  # progress
 
 
+def test_bench_padded_batches(tmp_path, capsys):
+    """--padding: sequence b of the batch right-padded by padding * N * b / (B - 1) tokens; recorded."""
+    from clusterformer.bench.attention import padding_mask
+
+    assert padding_mask(3, 10, 0.0) is None
+    assert (~padding_mask(3, 10, 0.6)).sum(1).tolist() == [10, 7, 4]
+    assert (~padding_mask(1, 10, 0.3)).sum(1).tolist() == [7]
+    out = tmp_path / "p.json"
+    assert main(["bench", "attention", "--names", "lsh", "--lengths", "64", "--batch", "2", "--padding", "0.5",
+                 "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["padding"] == 0.5 and record["batch"] == 2 and record["fwd_ms"] > 0
+    with pytest.raises(SystemExit):
+        main(["bench", "attention", "--names", "lsh", "--lengths", "64", "--padding", "1.5"])
+    assert "padding must be < 1.0" in capsys.readouterr().err
+
+
 def test_bench_reversible_and_report_cli(tmp_path, capsys):
     out = tmp_path / "rev.json"
     code = main(["bench", "reversible", "--depths", "1,2", "--attention", "lsh", "--length", "32", "--dim", "16",

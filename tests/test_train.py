@@ -257,6 +257,7 @@ def _run_ddp(argv: list[str]) -> None:
     ("cluster-former", '{"window": 4, "stride": 2, "num_clusters": 3, "update_every": 3}', []),
     # reversible blocks (nested recompute in the backward) with a stateful mechanism
     ("routing", '{"window_size": 4, "num_clusters": 3, "decay": 0.5}', ["--reversible"]),
+    ("neural-clustering", "{}", ["--reversible"]),  # aux losses as outputs of the reversible function
 ])
 def test_two_process_ddp_equals_one_process_with_the_global_batch(tmp_path, attention, options, extra):
     train, test = _write_fixed_length_task(tmp_path)

@@ -63,7 +63,7 @@ def cmd_bench_attention(args: argparse.Namespace) -> int:
     config = BenchConfig(
         names=args.names, lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), warmup=args.warmup,
-        repeats=args.repeats, threads=args.threads, options=options,
+        repeats=args.repeats, threads=args.threads, options=options, padding=args.padding,
     )
     records = run_attention_benchmark(config, progress=_log)
     text = json.dumps(records, indent=2)
@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--padding", type=float, default=0.0,
+                   help="right padding, a fraction of N in [0, 1): sequence b of the batch is padded by "
+                        "padding * N * b / (batch - 1) tokens (the only sequence, with --batch 1); 0 = no mask")
     p.add_argument("--options", default=None,
                    help='per-mechanism options as JSON, e.g. {"neural-clustering": {"look_back": 2}}')
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .._checks import check_float
+
 __all__ = ["DTYPE_ALIASES", "BenchConfig", "run_attention_benchmark"]
 
 DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
@@ -55,6 +57,22 @@ class BenchConfig:
     threads: int | None = None
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-mechanism build options
     seed: int = 0
+    padding: float = 0.0  # right padding, a fraction of N: sequence b padded by padding * N * b / (batch - 1)
+
+    def __post_init__(self) -> None:
+        check_float("padding", self.padding, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+
+
+def padding_mask(batch: int, length: int, padding: float):
+    """The benchmark's key padding mask (B, N), True = padding, or None without padding: sequence b is
+    right-padded by round(padding * N * b / (B - 1)) tokens (by padding * N when B = 1)."""
+    import torch
+
+    if not padding:
+        return None
+    share = torch.arange(batch, dtype=torch.float64) / max(batch - 1, 1) if batch > 1 else torch.ones(1)
+    pad_len = (padding * length * share).round().long()
+    return torch.arange(length) >= (length - pad_len).unsqueeze(1)
 
 
 def run_attention_benchmark(config: BenchConfig, progress: Callable[[str], None] | None = None) -> list[dict]:
@@ -158,6 +176,9 @@ def _worker(job: dict) -> dict:
     layer = build(job["name"], dim=dim, heads=job["heads"], **job["options"].get(job["name"], {}))
     layer = layer.to(device=device, dtype=dtype)
     x = torch.randn(job["batch"], job["length"], dim, device=device, dtype=dtype, requires_grad=True)
+    pad = padding_mask(job["batch"], job["length"], job["padding"])
+    if pad is not None:
+        pad = pad.to(device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     backend = contextlib.nullcontext()
@@ -167,10 +188,10 @@ def _worker(job: dict) -> dict:
 
         backend, sdpa_backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION), "flash"
     with backend:
-        return _measure(job, layer, x, device, cuda, sync, sdpa_backend)
+        return _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend)
 
 
-def _measure(job, layer, x, device, cuda, sync, sdpa_backend) -> dict:
+def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
     import torch
 
     from ..attention import collect_aux_losses
@@ -178,12 +199,12 @@ def _measure(job, layer, x, device, cuda, sync, sdpa_backend) -> dict:
     def fwd() -> None:
         layer.eval()
         with torch.no_grad():
-            layer(x)
+            layer(x, key_padding_mask=pad)
 
     def fwd_bwd(with_aux: bool) -> Callable[[], None]:
         def run() -> None:
             layer.train()
-            loss = layer(x).sum()
+            loss = layer(x, key_padding_mask=pad).sum()
             if with_aux:
                 for value in collect_aux_losses(layer).values():
                     loss = loss + value
@@ -223,6 +244,7 @@ def _measure(job, layer, x, device, cuda, sync, sdpa_backend) -> dict:
         "name": job["name"],
         "length": job["length"],
         "batch": job["batch"],
+        "padding": job["padding"],
         "heads": job["heads"],
         "head_dim": job["head_dim"],
         "device": str(device),
