@@ -9,9 +9,9 @@ A clustering mechanism decides which *slot* of a reordered sequence each token g
   slot within its cluster is its rank among *earlier* tokens of that cluster.
 
 Padding. :func:`sorted_layout` sorts and chunks each sequence's *real* tokens only, with its own chunk size if
-asked (a tensor), and the first chunk looks back to the sequence's own last real chunk; padding sits after
-the real chunks. So the chunks a real token sees never depend on the amount of padding or on the other
-sequences of a batch (batch invariance; ``docs/ARCHITECTURE.md``).
+asked (a tensor), and the first chunk looks back to the sequence's own last real chunk; padding takes no row
+of the buffer. So the chunks a real token sees never depend on the amount of padding or on the other
+sequences of a batch (batch invariance; ``docs/ARCHITECTURE.md``), and padding costs nothing.
 
 Window buffer. Each sequence ("block") is written into one flat buffer of rows as
 ``[last L chunks | chunk 0 | chunk 1 | ... | chunk n_c-1]`` (L = effective look-back), blocks one after
@@ -86,12 +86,13 @@ def _layout_from_slots(
     token_slot: torch.Tensor, num_slots: int, chunk_size: int, look_back: int,
     token_group: torch.Tensor | None = None, real_chunks: torch.Tensor | None = None,
 ) -> ChunkLayout:
-    """Build the window buffer from each token's slot. token_slot: (blocks, N), a permutation into
-    [0, num_slots) per block; num_slots a multiple of chunk_size.
+    """Build the window buffer from each token's slot. token_slot: (blocks, N), distinct slots in
+    [0, num_slots) per block, or ``num_slots`` for a token that takes no slot (padding: it is never a key, and
+    its output, read from its block's first row, is unspecified); num_slots a multiple of chunk_size.
 
-    ``real_chunks`` (blocks,): the chunks of each block that hold its real tokens (chunks 0..n_b - 1; padding
-    and empty chunks follow). The wrap-around of a block's first chunks then reaches *its own* last real
-    chunks, not the buffer's last chunks. Default: every chunk of the buffer is real."""
+    ``real_chunks`` (blocks,): the chunks of each block that hold its tokens (chunks 0..n_b - 1; empty chunks
+    follow). The wrap-around of a block's first chunks then reaches *its own* last chunks, not the buffer's
+    last chunks. Default: every chunk of the buffer."""
     blocks, N = token_slot.shape
     device = token_slot.device
     w = chunk_size
@@ -105,8 +106,8 @@ def _layout_from_slots(
     lead = (hops - 1) * w  # rows copied from the end of each block to its front
     period = num_slots + lead
     positions = torch.arange(N, device=device).expand(blocks, N)
-    slot_token = torch.full((blocks, num_slots), -1, dtype=torch.long, device=device)
-    slot_token.scatter_(1, token_slot, positions)
+    slot_token = torch.full((blocks, num_slots + 1), -1, dtype=torch.long, device=device)
+    slot_token = slot_token.scatter_(1, token_slot, positions)[:, :num_slots]  # column num_slots: no slot
     # Lead chunk j of a block is read by the windows of its chunks 0..j. With n_b >= hops real chunks it holds
     # chunk n_b - (hops - 1) + j (the wrap-around); a block with fewer chunks (n_b < hops: every chunk sees
     # every other) holds chunk j + 1 there, or nothing, so that each window holds each chunk exactly once.
@@ -122,17 +123,18 @@ def _layout_from_slots(
     tail = torch.zeros(lead, dtype=torch.long, device=device)
     rows = torch.cat([flat.reshape(-1), tail])
     row_valid = torch.cat([valid.reshape(-1), tail.bool()])
-    out_rows = (token_slot + (torch.arange(blocks, device=device) * period).unsqueeze(1)).reshape(-1)
+    own_slot = token_slot.masked_fill(token_slot >= num_slots, 0)
+    out_rows = (own_slot + (torch.arange(blocks, device=device) * period).unsqueeze(1)).reshape(-1)
     row_group = None
     if token_group is not None:
-        slot_group = torch.full((blocks, num_slots), -1, dtype=torch.long, device=device)
-        slot_group.scatter_(1, token_slot, token_group)
+        slot_group = torch.full((blocks, num_slots + 1), -1, dtype=torch.long, device=device)
+        slot_group = slot_group.scatter_(1, token_slot, token_group)[:, :num_slots]
         group_rows = torch.cat([slot_group.gather(1, lead_slot).masked_fill(~lead_ok, -1), slot_group], dim=1)
         row_group = torch.cat([group_rows.reshape(-1), tail - 1])
     return ChunkLayout(
         rows=rows, row_valid=row_valid, out_rows=out_rows, row_group=row_group, chunk_size=w,
         hops=hops, num_windows=blocks * (n_c + hops - 1), length=N,
-        has_empty_slots=num_slots > N or bool((lead_chunk < 0).any()),
+        has_empty_slots=num_slots > N or bool((~valid).any()),
     )
 
 
@@ -148,9 +150,10 @@ def sorted_layout(
         chunk_size: an int, or a (blocks,) integer tensor (each block's own chunk size, e.g. ceil(L_b / k_b)
             from its real length L_b); clamped to [1, L_b] (a chunk longer than the sequence is the sequence).
         look_back: previous chunks each chunk attends to (wrapping around within the block's real chunks).
-        key_padding_mask: (blocks, N) bool, True = padding. Padding takes no part in the sort or the chunks:
-            it sits after the block's last real chunk, so the chunks, their number and the wrap-around of a
-            block are those of its real tokens alone, whatever the amount of padding (batch invariance).
+        key_padding_mask: (blocks, N) bool, True = padding. Padding takes no part in the sort or the chunks
+            and no place in the buffer (its outputs are unspecified), so the chunks, their number and the
+            wrap-around of a block are those of its real tokens alone, whatever the amount of padding (batch
+            invariance), and padded batches cost only their real tokens' chunks.
 
     The buffer's chunks are ``max_b chunk_size_b`` slots wide; a block with a smaller chunk size leaves the
     rest of each chunk empty (masked)."""
@@ -177,13 +180,13 @@ def sorted_layout(
     order = torch.sort(key, dim=-1, stable=True).indices
     positions = torch.arange(N, device=device).expand(blocks, N)
     sorted_pos = torch.empty_like(order).scatter_(1, order, positions)  # token -> position among the sorted
-    length, size, n_b = lengths.unsqueeze(1), sizes.unsqueeze(1), n_real.unsqueeze(1)
+    n_c = max(1, int(n_real.max())) if blocks else 1
+    size = sizes.unsqueeze(1)
     token_slot = torch.where(
-        sorted_pos < length,
+        sorted_pos < lengths.unsqueeze(1),
         torch.div(sorted_pos, size, rounding_mode="floor") * w + sorted_pos % size,  # chunk c, place in chunk
-        n_b * w + (sorted_pos - length),  # padding: packed after the real chunks
+        n_c * w,  # padding takes no slot
     )
-    n_c = max(1, int((n_real + (N - lengths + w - 1) // w).max())) if blocks else 1
     return _layout_from_slots(token_slot, n_c * w, w, look_back, real_chunks=n_real)
 
 
