@@ -26,7 +26,7 @@ def angular_lsh_buckets(
     B, _, N, _ = x.shape
     flat = rotations.to(x.dtype).permute(0, 2, 1, 3).reshape(1, H, D, R * half)
     rotated = (x @ flat).view(B, H, N, R, half)  # one matmul per head for all rounds
-    if num_buckets is not None:
+    if num_buckets is not None and bool((num_buckets < 2 * half).any()):  # some sequence uses fewer columns
         own_half = (num_buckets // 2).view(B, 1, 1, 1, 1)
         unused = torch.arange(half, device=x.device) >= own_half  # (B, 1, 1, 1, half)
         top, top_at = rotated.masked_fill(unused, float("-inf")).max(dim=-1)
