@@ -52,7 +52,7 @@ from .attention.neural_clustering import NeuralClusteringOptions
 from .clustering.neural import neural_clustering
 from .ops.chunked import sorted_chunk_attention
 from .ops.clustered import clustered_attention
-from .ops.masks import masked_sdpa
+from .ops.masks import masked_sdpa, real_lengths
 
 __all__ = ["PATCHABLE", "PRETRAINED", "PatchedSelfAttention", "PretrainedClassifier", "embed",
            "key_padding_from_hf_mask", "load_pretrained", "patch", "patched_modules", "pretrained_path", "unpatch",
@@ -178,7 +178,7 @@ class PatchedSelfAttention(SeededModule):
                                       key_padding_mask=padding)
         else:
             # k_b and the chunk size from each sequence's real length (batch invariance), as in the layer
-            lengths = torch.full((B,), N, device=q.device) if padding is None else (~padding).sum(1)
+            lengths = real_lengths(padding, B, N, q.device)
             k_seq = self.options.clusters_for_lengths(lengths)
             kc = int(k_seq.max()) if B else 1
             x = hidden_states if padding is None else hidden_states.masked_fill(padding.unsqueeze(-1), 0.0)

@@ -35,6 +35,7 @@ import torch
 from .._checks import check_bool, check_float, check_int
 from ..clustering.hashing import angular_lsh_buckets
 from ..ops.bucketed import bucketed_attention
+from ..ops.masks import real_lengths
 from .base import AttentionLayer
 from .registry import register
 
@@ -120,7 +121,7 @@ class LSHAttention(AttentionLayer):
         qk, _, v = self.project_qkv(x)
         B, _, N, D = qk.shape
         # n_buckets follows each sequence's real length, not the padded length of the batch
-        lengths = torch.full((B,), N, device=x.device) if key_padding_mask is None else (~key_padding_mask).sum(1)
+        lengths = real_lengths(key_padding_mask, B, N, x.device)
         per_sequence = self.buckets_for(lengths)
         if causal and self.options.n_buckets == "auto":  # fixed: a prefix hashes the same whatever follows
             per_sequence = torch.full_like(lengths, self.options.causal_buckets)

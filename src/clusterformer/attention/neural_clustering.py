@@ -70,6 +70,7 @@ from torch import nn
 from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import neural_clustering
 from ..ops.chunked import cluster_causal_layout, sorted_layout, windowed_attention
+from ..ops.masks import real_lengths
 from .base import AttentionLayer
 from .registry import register
 
@@ -197,7 +198,7 @@ class NeuralClusteringAttention(AttentionLayer):
         elif key_padding_mask is None:
             k = self.clusters_for(N)
         else:
-            lengths = (~key_padding_mask).sum(1)
+            lengths = real_lengths(key_padding_mask, B, N, x.device)
             k_seq = self.options.clusters_for_lengths(lengths)
             k = int(k_seq.max()) if B else 1
         if centroids is None:

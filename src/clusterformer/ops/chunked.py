@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_choice, check_int, check_padding_mask, check_tensor
-from .masks import allow_empty_rows
+from .masks import allow_empty_rows, real_lengths
 
 __all__ = [
     "ChunkLayout",
@@ -97,6 +97,7 @@ def _layout_from_slots(
     device = token_slot.device
     w = chunk_size
     n_c = num_slots // w
+    per_block_chunks = real_chunks is not None
     if real_chunks is None:
         real_chunks = torch.full((blocks,), n_c, dtype=torch.long, device=device)
         longest = n_c
@@ -134,7 +135,8 @@ def _layout_from_slots(
     return ChunkLayout(
         rows=rows, row_valid=row_valid, out_rows=out_rows, row_group=row_group, chunk_size=w,
         hops=hops, num_windows=blocks * (n_c + hops - 1), length=N,
-        has_empty_slots=num_slots > N or bool((~valid).any()),
+        # without real_chunks every slot up to N holds a token and every lead chunk is filled
+        has_empty_slots=num_slots > N or (per_block_chunks and bool((~valid).any())),
     )
 
 
@@ -163,23 +165,17 @@ def sorted_layout(
         # Every block has N real tokens and one chunk size: the slots are the sorted positions.
         chunk_size = min(chunk_size, max(N, 1))
         n_c = max(1, math.ceil(N / chunk_size))
-        order = torch.sort(cluster_ids, dim=-1, stable=True).indices  # slot -> token
-        positions = torch.arange(N, device=device).expand(blocks, N)
-        token_slot = torch.empty_like(order).scatter_(1, order, positions)  # token -> slot
+        token_slot = _sorted_positions(cluster_ids)  # token -> slot
         return _layout_from_slots(token_slot, n_c * chunk_size, chunk_size, look_back)
-    if key_padding_mask is None:
-        lengths = torch.full((blocks,), N, dtype=torch.long, device=device)
-        key = cluster_ids
-    else:
-        lengths = (~key_padding_mask).sum(1)
+    lengths = real_lengths(key_padding_mask, blocks, N, device)
+    key = cluster_ids
+    if key_padding_mask is not None:
         key = cluster_ids.masked_fill(key_padding_mask, torch.iinfo(torch.long).max)  # padding sorts last
     sizes = torch.as_tensor(chunk_size, dtype=torch.long, device=device).expand(blocks)
     sizes = torch.minimum(sizes, lengths.clamp(min=1)).clamp(min=1)
     w = int(sizes.max()) if blocks else 1
     n_real = (lengths + sizes - 1) // sizes  # each block's real chunks (0 for a block of padding only)
-    order = torch.sort(key, dim=-1, stable=True).indices
-    positions = torch.arange(N, device=device).expand(blocks, N)
-    sorted_pos = torch.empty_like(order).scatter_(1, order, positions)  # token -> position among the sorted
+    sorted_pos = _sorted_positions(key)
     n_c = max(1, int(n_real.max())) if blocks else 1
     size = sizes.unsqueeze(1)
     token_slot = torch.where(
@@ -188,6 +184,13 @@ def sorted_layout(
         n_c * w,  # padding takes no slot
     )
     return _layout_from_slots(token_slot, n_c * w, w, look_back, real_chunks=n_real)
+
+
+def _sorted_positions(key: torch.Tensor) -> torch.Tensor:
+    """(blocks, N) -> each token's position in its block's stable sort by ``key`` (ties in token order)."""
+    order = torch.sort(key, dim=-1, stable=True).indices  # position -> token
+    positions = torch.arange(key.shape[1], device=key.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, positions)
 
 
 def cluster_causal_layout(
@@ -213,9 +216,7 @@ def cluster_aligned_slots(cluster_ids: torch.Tensor, chunk_size: int, num_cluste
     blocks, N = cluster_ids.shape
     device = cluster_ids.device
     w = chunk_size
-    order = torch.sort(cluster_ids, dim=-1, stable=True).indices
-    positions = torch.arange(N, device=device).expand(blocks, N)
-    sorted_pos = torch.empty_like(order).scatter_(1, order, positions)
+    sorted_pos = _sorted_positions(cluster_ids)
     counts = torch.zeros(blocks, num_clusters, dtype=torch.long, device=device)
     counts.scatter_add_(1, cluster_ids, torch.ones_like(cluster_ids))
     rank = sorted_pos - (counts.cumsum(1) - counts).gather(1, cluster_ids)  # earlier tokens in cluster

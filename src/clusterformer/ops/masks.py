@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["allow_empty_rows", "masked_sdpa"]
+__all__ = ["allow_empty_rows", "masked_sdpa", "real_lengths"]
+
+
+def real_lengths(key_padding_mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """Each sequence's number of real tokens, (batch,) long: ``length`` for all without a mask. What the
+    length-tied parameters (k = sqrt(L), chunk sizes, bucket counts) are computed from."""
+    if key_padding_mask is None:
+        return torch.full((batch,), length, dtype=torch.long, device=device)
+    return (~key_padding_mask).sum(1)
 
 
 def allow_empty_rows(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

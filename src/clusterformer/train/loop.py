@@ -276,7 +276,7 @@ class _WithAuxLosses(torch.nn.Module):
         return logits, aux
 
 
-def _loss(step_module, task, config, ids, pad, labels, device):
+def _loss(step_module, model, task, config, ids, pad, labels, device):
     ids, labels = ids.to(device), labels.to(device)
     pad = pad.to(device) if pad is not None else None
     with _autocast(config, device):
@@ -286,7 +286,6 @@ def _loss(step_module, task, config, ids, pad, labels, device):
     else:
         task_loss = F.cross_entropy(logits.float(), labels)
     loss = total_loss(task_loss, weighted_aux, _aux_weights(config), task_weight=config.task_weight)
-    model = step_module.module.model if hasattr(step_module, "module") else step_module.model
     return loss, task_loss, collect_aux_losses(model)  # every aux loss, weighted or not, for the logs
 
 
@@ -478,7 +477,7 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
     while step < total:
         tick = time.perf_counter()
         ids, pad, labels = _batch(task, config, step, per_epoch, rank, world)
-        loss, task_loss, aux = _loss(trained, task, config, ids, pad, labels, device)
+        loss, task_loss, aux = _loss(trained, model, task, config, ids, pad, labels, device)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if config.clip:
