@@ -157,3 +157,19 @@ def sliding_reference(q, k, v, window, stride, causal, pad, positions=None):
             total[i] += out[a]
             count[i] += 1
     return total / torch.tensor(count, dtype=v.dtype).unsqueeze(-1)
+
+
+def run_recorded(module, *args, **kwargs):
+    """``module(*args, **kwargs)`` inside :func:`collect_aux_losses` and :func:`record_groups` -> (output, the
+    auxiliary losses, the groups published by each module)."""
+    from clusterformer.attention import collect_aux_losses, record_groups
+
+    with collect_aux_losses() as aux, record_groups() as groups:
+        out = module(*args, **kwargs)
+    return out, aux, groups
+
+
+def groups_of(layer, *args, **kwargs):
+    """(output, the groups the layer's inner attention published) of ``layer(*args, **kwargs)``."""
+    out, _, groups = run_recorded(layer, *args, **kwargs)
+    return out, groups.get(layer.inner)

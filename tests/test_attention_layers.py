@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from clusterformer.attention import build, collect_aux_losses, describe, names
-from reference import cluster_causal_allowed, masked_softmax_attention, sorted_chunk_allowed
+from reference import cluster_causal_allowed, masked_softmax_attention, run_recorded, sorted_chunk_allowed
 from seeds import fixed_seed
 
 
@@ -42,9 +42,9 @@ def _reference_clustering(layer, x, real, strict):
     L = int(real.sum())  # the sequence's own length, not the padded N
     # strict causal mode: k and the block size are fixed options (prefix invariance); otherwise from L
     k = (o.num_clusters if o.num_clusters != "sqrt" else min(o.causal_clusters, o.max_clusters)) if strict else (
-        layer.clusters_for(L))
-    C = layer.centroids[:k]
-    P = x @ layer.to_cluster.weight.T  # X W^C
+        o.clusters_for(L))
+    C = layer.inner.centroids[:k]
+    P = x @ layer.inner.to_cluster.weight.T  # X W^C
     phi = torch.zeros(k, N, dtype=x.dtype)
     for i in range(k):
         for j in range(N):
@@ -73,7 +73,7 @@ def test_neural_clustering_matches_paper_equations(N, num_clusters, look_back, m
     if N > 2:
         pad[1, -2:] = True  # a padded sequence next to full ones
     causal = mode != "none"
-    y = layer(x, key_padding_mask=pad, causal=causal)
+    y, aux, _ = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
     L1s, L2s = [], []
     for b in range(B):
         real = ~pad[b]
@@ -89,8 +89,8 @@ def test_neural_clustering_matches_paper_equations(N, num_clusters, look_back, m
         L2s.append(L2)
     # L1 is the mean over all real tokens of the batch, L2 the mean over sequences.
     counts = (~pad).sum(1).double()
-    torch.testing.assert_close(layer.aux_losses["clustering"], (torch.stack(L1s) * counts).sum() / counts.sum())
-    torch.testing.assert_close(layer.aux_losses["centroid_sorting"], torch.stack(L2s).mean())
+    torch.testing.assert_close(aux["clustering"], (torch.stack(L1s) * counts).sum() / counts.sum())
+    torch.testing.assert_close(aux["centroid_sorting"], torch.stack(L2s).mean())
 
 
 @pytest.mark.parametrize(("N", "causal"), [(7, False), (7, True), (1, True), (16, False)])
@@ -119,17 +119,17 @@ def test_padding_never_changes_real_outputs(name, causal):
     pad = torch.zeros(B, N, dtype=torch.bool)
     pad[0, 20:] = True
     pad[2, ::3] = True  # padding in the middle too
-    y = layer(x, key_padding_mask=pad, causal=causal)
-    aux = {k: v.clone() for k, v in layer.aux_losses.items()}
+    y, aux, _ = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
     garbage = x.clone()
     garbage[pad] = torch.randn(int(pad.sum()), 16, dtype=torch.float64) * 1e3
     garbage[0, 25] = float("nan")
-    y2 = layer(garbage, key_padding_mask=pad, causal=causal)
+    y2, aux2, _ = run_recorded(layer, garbage, key_padding_mask=pad, causal=causal)
     torch.testing.assert_close(y2[~pad], y[~pad], rtol=0, atol=0)
+    assert set(aux2) == set(aux)
     for key, value in aux.items():  # clustering losses ignore padding too
-        torch.testing.assert_close(layer.aux_losses[key], value, rtol=0, atol=0)
+        torch.testing.assert_close(aux2[key], value, rtol=0, atol=0)
     if name == "neural-clustering":
-        assert torch.isfinite(layer.updated_centroids).all()
+        assert torch.isfinite(layer(garbage, pad, causal, return_flow=True)[1]).all()
 
 
 @pytest.mark.parametrize("N", [1, 2, 17, 64])
@@ -161,14 +161,14 @@ def test_paper_causal_mode_is_not_strict_as_documented():
 def test_losses_are_finite_and_reach_centroids_and_projection():
     layer = build("neural-clustering", dim=32, heads=4)
     x = torch.randn(2, 50, 32)
-    layer(x)
-    l1, l2 = layer.aux_losses["clustering"], layer.aux_losses["centroid_sorting"]
+    _, aux, _ = run_recorded(layer, x)
+    l1, l2 = aux["clustering"], aux["centroid_sorting"]
     assert torch.isfinite(l1) and torch.isfinite(l2)
     assert -1.0 <= l1.item() <= 1.0 and -1.0 <= l2.item() <= 1.0  # cosine similarity is bounded
     for loss in (l1, l2):
         layer.zero_grad()
         loss.backward(retain_graph=True)
-        for param in (layer.centroids, layer.to_cluster.weight):
+        for param in (layer.inner.centroids, layer.inner.to_cluster.weight):
             assert param.grad is not None and torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0
 
 
@@ -184,8 +184,8 @@ def test_training_steps_lower_the_joint_loss():
     target = x[..., :1].mean(1, keepdim=True).expand(8, 32, 1)
 
     def loss_now():
-        task = F.mse_loss(head(layer(x)), target)
-        aux = collect_aux_losses(layer)
+        with collect_aux_losses() as aux:
+            task = F.mse_loss(head(layer(x)), target)
         return task + 0.1 * aux["clustering"] + 0.1 * aux["centroid_sorting"]
 
     first = loss_now().item()
@@ -202,11 +202,11 @@ def test_autocast_gives_finite_results(dtype, causal):
     layer = build("neural-clustering", dim=32, heads=4)
     x = torch.randn(2, 100, 32, requires_grad=True)
     with torch.autocast("cpu", dtype=dtype):
-        y = layer(x, causal=causal)
-        loss = y.float().pow(2).mean() + sum(collect_aux_losses(layer).values())
+        y, aux, _ = run_recorded(layer, x, causal=causal)
+        loss = y.float().pow(2).mean() + sum(aux.values())
     loss.backward()
     assert torch.isfinite(y.float()).all() and torch.isfinite(x.grad).all()
-    assert all(torch.isfinite(v) for v in layer.aux_losses.values())
+    assert len(aux) == 2 and all(torch.isfinite(v) for v in aux.values())
 
 
 @pytest.mark.parametrize(("B", "N", "num_clusters"), [(2, 5, 8), (2, 5, 5), (3, 1, "sqrt"), (0, 7, 3), (2, 0, 3)])
@@ -214,9 +214,9 @@ def test_autocast_gives_finite_results(dtype, causal):
 def test_edge_sizes(B, N, num_clusters, causal):
     layer = build("neural-clustering", dim=8, heads=2, num_clusters=num_clusters)
     x = torch.randn(B, N, 8, requires_grad=True)
-    y = layer(x, causal=causal)
+    y, aux, _ = run_recorded(layer, x, causal=causal)
     assert y.shape == (B, N, 8)
-    (y.sum() + sum(layer.aux_losses.values())).backward()
+    (y.sum() + sum(aux.values())).backward()
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
 
 
@@ -225,10 +225,10 @@ def test_all_padding_sequence_is_finite():
     x = torch.randn(2, 6, 8, requires_grad=True)
     pad = torch.zeros(2, 6, dtype=torch.bool)
     pad[0] = True
-    y = layer(x, key_padding_mask=pad)
-    (y.sum() + sum(layer.aux_losses.values())).backward()
+    y, aux, _ = run_recorded(layer, x, key_padding_mask=pad)
+    (y.sum() + sum(aux.values())).backward()
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
-    assert all(torch.isfinite(v) for v in layer.aux_losses.values())
+    assert len(aux) == 2 and all(torch.isfinite(v) for v in aux.values())
 
 
 @pytest.mark.parametrize("name", ["full", "neural-clustering"])
@@ -245,14 +245,16 @@ def test_nan_input_stays_in_its_sequence(name):
 def test_centroid_flow_argument():
     layer = build("neural-clustering", dim=8, heads=2, num_clusters=3, own_centroids=False)
     x = torch.randn(2, 9, 8)
-    with pytest.raises(ValueError, match="centroids must be given"):
+    with pytest.raises(ValueError, match="centroids must flow in"):
         layer(x)
-    y = layer(x, centroids=torch.randn(2, 3, 8))
-    assert y.shape == (2, 9, 8)
+    y, c_hat = layer(x, flow=torch.randn(2, 3, 8), return_flow=True)
+    assert y.shape == (2, 9, 8) and c_hat.shape == (2, 3, 8)
     with pytest.raises(ValueError, match="centroids must have shape"):
-        layer(x, centroids=torch.randn(2, 4, 8))
+        layer(x, flow=torch.randn(2, 4, 8))
     with pytest.raises(ValueError, match="leak future tokens"):
-        layer(x, causal=True, centroids=torch.randn(3, 8))
+        layer(x, causal=True, flow=torch.randn(3, 8))
+    with pytest.raises(ValueError, match="takes no flow"):
+        build("full", dim=8, heads=2)(x, flow=torch.randn(3, 8))
 
 
 def test_registry_names_and_defaults():

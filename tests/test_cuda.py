@@ -56,8 +56,9 @@ def _reference(name: str, causal: bool, padded: bool):
         pad[1, 211:] = True
     grad_out = torch.randn(B, N, DIM, generator=g, dtype=torch.float64)
     x_ref = x.clone().requires_grad_()
-    y = layer(x_ref, key_padding_mask=pad, causal=causal)
-    loss = (y * grad_out).sum() + sum(collect_aux_losses(layer).values(), torch.zeros((), dtype=torch.float64))
+    with collect_aux_losses() as aux:
+        y = layer(x_ref, key_padding_mask=pad, causal=causal)
+    loss = (y * grad_out).sum() + sum(aux.values(), torch.zeros((), dtype=torch.float64))
     loss.backward()
     grads = {"x": x_ref.grad} | {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
     return layer.state_dict(), x, pad, grad_out, y.detach(), grads
@@ -88,8 +89,8 @@ def test_cuda_matches_cpu_float64(name, dtype, mode, causal, padded):
     xd = x.to("cuda", run_dtype).requires_grad_()
     padd = None if pad is None else pad.cuda()
     with torch.autocast("cuda", dtype=dt, enabled=mode == "autocast"):
-        y = layer(xd, key_padding_mask=padd, causal=causal)
-        aux = collect_aux_losses(layer)
+        with collect_aux_losses() as aux:
+            y = layer(xd, key_padding_mask=padd, causal=causal)
         loss = (y.float() * grad_out.to("cuda", torch.float32)).sum() + sum(
             (v.float() for v in aux.values()), torch.zeros((), device="cuda"))
     loss.backward()
@@ -143,9 +144,9 @@ def test_cuda_half_precision_training_step_is_finite_at_length(name):
     pad = torch.zeros(2, 4096, dtype=torch.bool, device="cuda")
     pad[1, 3000:] = True
     with torch.autocast("cuda", dtype=torch.float16):
-        y = layer(x, key_padding_mask=pad)
-        loss = y.float().pow(2).mean() + sum((v.float() for v in collect_aux_losses(layer).values()),
-                                             torch.zeros((), device="cuda"))
+        with collect_aux_losses() as aux:
+            y = layer(x, key_padding_mask=pad)
+        loss = y.float().pow(2).mean() + sum((v.float() for v in aux.values()), torch.zeros((), device="cuda"))
     loss.backward()
     assert torch.isfinite(y).all()
     assert torch.isfinite(x.grad).all()

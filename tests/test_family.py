@@ -22,7 +22,9 @@ from clusterformer.clustering import (
 from reference import (
     bucket_reference,
     clustered_matrices,
+    groups_of,
     masked_softmax_attention,
+    run_recorded,
     sliding_reference,
 )
 from seeds import fixed_seed
@@ -80,9 +82,8 @@ def test_lsh_matches_dense_reference(N, bucket_size, n_hashes, look_back, causal
     B = 2
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(B, N, pad_last)
-    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
-    buckets = layer.last_buckets  # (B, H, R, N)
-    n_buckets = layer.options.causal_buckets if causal else layer.buckets_for(N)  # causal: fixed (prefixes)
+    y, buckets = groups_of(layer, x, key_padding_mask=pad if pad_last else None, causal=causal)  # (B, H, R, N)
+    n_buckets = layer.options.causal_clusters if causal else layer.inner.buckets_for(N)  # causal: fixed (prefixes)
     assert int(buckets.max()) < n_buckets
     for b in range(B):
         qk, v = _shared_heads(layer, x[b])
@@ -99,14 +100,14 @@ def test_lsh_matches_dense_reference(N, bucket_size, n_hashes, look_back, causal
 def test_lsh_hash_is_argmax_of_rotations():
     layer = _layer("lsh", n_hashes=3, n_buckets=6, seed=7).eval()
     x = torch.randn(1, 20, layer.dim, dtype=torch.float64)
-    layer(x)
-    rotations = layer.rotations(3, layer.head_dim)  # evaluation: drawn from the seed alone
+    _, buckets = groups_of(layer, x)
+    rotations = layer.inner.rotations(3)  # evaluation: drawn from the seed alone
     qk, _ = _shared_heads(layer, x[0])
     for h in range(layer.heads):
         for r in range(3):
             rotated = qk[h] @ rotations[h, r].double()
             expected = torch.cat([rotated, -rotated], dim=-1).argmax(-1)
-            assert torch.equal(layer.last_buckets[0, h, r], expected)
+            assert torch.equal(buckets[0, h, r], expected)
 
 
 def test_lsh_buckets_follow_each_sequence_length():
@@ -116,10 +117,10 @@ def test_lsh_buckets_follow_each_sequence_length():
     x = torch.randn(2, 20, layer.dim, dtype=torch.float64)
     pad = torch.zeros(2, 20, dtype=torch.bool)
     pad[0, 9:] = True
-    layer(x, key_padding_mask=pad)
-    assert layer.buckets_for(9) == 4 and layer.buckets_for(20) == 6
-    wide = layer.rotations(3, layer.head_dim)
-    torch.testing.assert_close(wide[..., :2], layer.rotations(2, layer.head_dim), atol=0, rtol=0)
+    _, buckets = groups_of(layer, x, key_padding_mask=pad)
+    assert layer.inner.buckets_for(9) == 4 and layer.inner.buckets_for(20) == 6
+    wide = layer.inner.rotations(3)
+    torch.testing.assert_close(wide[..., :2], layer.inner.rotations(2), atol=0, rtol=0)
     for b, n in ((0, 4), (1, 6)):
         qk, _ = _shared_heads(layer, x[b])
         for h in range(layer.heads):
@@ -127,26 +128,21 @@ def test_lsh_buckets_follow_each_sequence_length():
                 rotated = qk[h] @ wide[h, r, :, : n // 2]
                 expected = torch.cat([rotated, -rotated], dim=-1).argmax(-1)
                 real = ~pad[b]
-                assert torch.equal(layer.last_buckets[b, h, r][real], expected[real])
+                assert torch.equal(buckets[b, h, r][real], expected[real])
 
 
 def test_lsh_training_redraws_rotations_and_seed_fixes_them():
     a = _layer("lsh", n_hashes=2, seed=3)
     initial = {k: v.clone() if torch.is_tensor(v) else v for k, v in a.state_dict().items()}
     x = torch.randn(1, 40, a.dim, dtype=torch.float64)
-    a(x)
-    first = a.last_buckets.clone()
-    a(x)
-    assert not torch.equal(first, a.last_buckets), "training forwards must draw new rotations"
+    first = groups_of(a, x)[1]
+    assert not torch.equal(first, groups_of(a, x)[1]), "training forwards must draw new rotations"
     b = build("lsh", dim=a.dim, heads=a.heads, n_hashes=2, seed=3).double()
     b.load_state_dict(initial)
-    b(x)
-    assert torch.equal(first, b.last_buckets), "the same seed must give the same first rotations"
+    assert torch.equal(first, groups_of(b, x)[1]), "the same seed must give the same first rotations"
     c = build("lsh", dim=a.dim, heads=a.heads, n_hashes=2, seed=3).double()
     c.load_state_dict(a.state_dict())  # the generator state travels with the state_dict
-    a(x)
-    c(x)
-    assert torch.equal(a.last_buckets, c.last_buckets)
+    assert torch.equal(groups_of(a, x)[1], groups_of(c, x)[1])
 
 
 @pytest.mark.parametrize(("N", "window", "causal", "pad_last"), [(24, 4, False, 0), (17, 5, True, 3), (6, 8, False, 2)])
@@ -155,8 +151,9 @@ def test_routing_matches_dense_reference(N, window, causal, pad_last):
     B = 2
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(B, N, pad_last)
-    mu = layer.centroids.clone()
-    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
+    mu = layer.inner.centroids.clone()
+    y, aux, groups = run_recorded(layer, x, key_padding_mask=pad if pad_last else None, causal=causal)
+    clusters = groups[layer.inner]
     commitment, count = 0.0, 0
     for b in range(B):
         qk, v = _shared_heads(layer, x[b])
@@ -164,7 +161,7 @@ def test_routing_matches_dense_reference(N, window, causal, pad_last):
         for h in range(layer.heads):
             unit = F.normalize(qk[h], dim=-1)
             ids = (unit @ mu[h].T).argmax(-1)
-            assert torch.equal(layer.last_clusters[b, h][~pad[b]], ids[~pad[b]])
+            assert torch.equal(clusters[b, h][~pad[b]], ids[~pad[b]])
             heads.append(bucket_reference(qk[h], v[h], ids[None], min(window, N), 1, causal,
                                           pad[b] if pad_last else None, 3))
             for i in range(N):
@@ -174,16 +171,15 @@ def test_routing_matches_dense_reference(N, window, causal, pad_last):
         expected = _project_out(layer, torch.stack(heads))
         real = ~pad[b]
         torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
-    assert layer.aux_losses["commitment"].item() == pytest.approx(commitment / count, rel=1e-9)
+    assert aux["commitment"].item() == pytest.approx(commitment / count, rel=1e-9)
 
 
 def test_routing_centroids_follow_ema_of_members_on_the_next_forward():
     layer = _layer("routing", num_clusters=4, decay=0.9, seed=2)
     x = torch.randn(1, 30, layer.dim, dtype=torch.float64)
-    before = layer.centroids.clone()
-    layer(x)
-    assert torch.equal(layer.centroids, before), "the update is applied at the start of the next forward"
-    ids = layer.last_clusters[0]
+    before = layer.inner.centroids.clone()
+    ids = groups_of(layer, x)[1][0]
+    assert torch.equal(layer.inner.centroids, before), "the update is applied at the start of the next forward"
     qk, _ = _shared_heads(layer, x[0])
     expected = before.clone()
     for h in range(layer.heads):
@@ -193,12 +189,12 @@ def test_routing_centroids_follow_ema_of_members_on_the_next_forward():
             if len(members):
                 expected[h, c] = F.normalize(0.9 * before[h, c] + 0.1 * members.mean(0), dim=0)
     layer(x)  # applies the pending update first
-    torch.testing.assert_close(layer.centroids, expected)
+    torch.testing.assert_close(layer.inner.centroids, expected)
     layer.eval()
-    frozen = layer.centroids.clone()
+    frozen = layer.inner.centroids.clone()
     layer(x)
     layer(x)
-    assert torch.equal(layer.centroids, frozen), "evaluation must not move the centroids"
+    assert torch.equal(layer.inner.centroids, frozen), "evaluation must not move the centroids"
 
 
 def test_vote_buckets_is_the_mode_in_round_zero_labels():
@@ -220,14 +216,14 @@ def test_kmeans_matches_dense_reference(N, causal, pad_last):
     B = 2
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(B, N, pad_last)
-    mu = layer.centroids.clone()
-    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
+    mu = layer.inner.centroids.clone()
+    y, all_buckets = groups_of(layer, x, key_padding_mask=pad if pad_last else None, causal=causal)
     for b in range(B):
         qk, v = _shared_heads(layer, x[b])
         unit = F.normalize(qk, dim=-1)  # (H, N, D)
         round_ids = torch.stack([(unit @ mu[r].transpose(-1, -2)).argmax(-1) for r in range(3)])  # (m, H, N)
         buckets = vote_buckets(round_ids.unsqueeze(1), mu)[0]
-        assert torch.equal(layer.last_buckets[b][:, ~pad[b]], buckets[:, ~pad[b]])
+        assert torch.equal(all_buckets[b][:, ~pad[b]], buckets[:, ~pad[b]])
         heads = torch.stack([
             bucket_reference(qk[h], v[h], buckets[h][None], min(4, N), 1, causal, pad[b] if pad_last else None, 3)
             for h in range(layer.heads)
@@ -336,12 +332,12 @@ def test_euclidean_query_clustering_clusters_the_queries_and_matches_the_referen
     N, B = 19, 2
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(B, N, 4)
-    y = layer(x, key_padding_mask=pad)
+    y, layer_groups = groups_of(layer, x, key_padding_mask=pad)
     for b in range(B):
         q, k, v = _heads(layer, x[b])
         groups = euclidean_kmeans(q, 4, iterations=4, valid=(~pad[b]).expand(layer.heads, N))
         real = ~pad[b]  # padded queries are not clustered from x (their outputs are zero)
-        assert torch.equal(layer.last_groups[b][:, real], groups[:, real])
+        assert torch.equal(layer_groups[b][:, real], groups[:, real])
         which = 2 if "topk" in options else 1  # A^t for improved, A^c broadcast for plain
         heads = [clustered_matrices(q[h], k[h], groups[h], 4, options.get("topk"), pad[b])[which] @ v[h]
                  for h in range(layer.heads)]
@@ -384,7 +380,7 @@ def test_clustered_matches_dense_reference(improved, N, clusters, topk, pad_last
     B = 2
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(B, N, pad_last)
-    y = layer(x, key_padding_mask=pad if pad_last else None)
+    y, layer_groups = groups_of(layer, x, key_padding_mask=pad if pad_last else None)
     C = min(clusters, N)
     # The query clusters, recomputed here from the definition (section 3.2.2): per head, the signs of the
     # *queries* projected on that head's planes, drawn from the layer's seed, then Hamming k-means (itself
@@ -398,7 +394,7 @@ def test_clustered_matches_dense_reference(improved, N, clusters, topk, pad_last
             valid = None if not pad_last else ~pad[b][None]
             groups = hamming_kmeans(codes[None], clusters, iterations=3, valid=valid)[0]
             real = ~pad[b]
-            assert torch.equal(layer.last_groups[b, h][real], groups[real])
+            assert torch.equal(layer_groups[b, h][real], groups[real])
             _, a_c, a_t = clustered_matrices(q[h], k[h], groups, C, topk if improved else None,
                                              pad[b] if pad_last else None)
             heads.append((a_t if improved else a_c) @ v[h])
@@ -431,10 +427,10 @@ def test_improved_clustered_with_topk_at_least_n_is_full_attention(N, pad_last, 
 def test_clustered_with_one_cluster_per_query_is_full_attention(N):
     layer = _layer("clustered", clusters=N, bits=62, iterations=2)
     x = torch.randn(2, N, layer.dim, dtype=torch.float64)
-    y = layer(x)
+    y, layer_groups = groups_of(layer, x)
     for b in range(2):
         for h in range(layer.heads):
-            assert len(set(layer.last_groups[b, h].tolist())) == N, "random 62-bit codes should be distinct"
+            assert len(set(layer_groups[b, h].tolist())) == N, "random 62-bit codes should be distinct"
     torch.testing.assert_close(y, _full_twin(layer)(x), atol=1e-10, rtol=0)  # float64
 
 
@@ -449,7 +445,8 @@ def _attention_matrix(name, w_q, w_k, seed, **options):
         layer.to_qkv.bias.zero_()
         layer.to_out.weight.copy_(torch.eye(N, dtype=torch.float64))
         layer.to_out.bias.zero_()
-    return layer(torch.eye(N, dtype=torch.float64)[None])[0], getattr(layer, "last_groups", None)
+    out, groups = groups_of(layer, torch.eye(N, dtype=torch.float64)[None])
+    return out[0], groups
 
 
 @pytest.mark.parametrize("trial", range(5))
@@ -514,7 +511,7 @@ def test_cluster_former_matches_dense_reference(N, causal, pad_last):
     layer(torch.randn(2, N, layer.dim, dtype=torch.float64))  # a training step fills the bank, sets centroids
     layer.eval()
     y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
-    centroids = layer.centroids
+    centroids = layer.inner.centroids
     for b in range(2):
         sims = F.normalize(x[b], dim=-1) @ F.normalize(centroids, dim=-1).T
         ids = [4 if (pad_last and pad[b, i]) else int(sims[i].argmax()) for i in range(N)]
@@ -536,18 +533,19 @@ def test_cluster_former_memory_bank_is_a_fifo_and_centroids_refresh_on_schedule(
     layer = build("cluster-former", dim=8, heads=2, num_clusters=2, memory_size=10, update_every=3)
     a, b = torch.randn(1, 6, 8), torch.randn(1, 7, 8)
     layer(a)
-    assert int(layer.memory_filled) == 6 and bool(layer.centroids_ready)
-    first = layer.centroids.clone()
+    assert int(layer.inner.memory_filled) == 6 and bool(layer.inner.centroids_ready)
+    first = layer.inner.centroids.clone()
     layer(b)  # 13 states into a bank of 10: the 3 oldest fall out
-    assert int(layer.memory_filled) == 10
+    assert int(layer.inner.memory_filled) == 10
     kept = torch.cat([a[0, 3:], b[0]])
-    stored = torch.cat([layer.memory[int(layer.memory_next):], layer.memory[: int(layer.memory_next)]])
+    bank, next_slot = layer.inner.memory, int(layer.inner.memory_next)
+    stored = torch.cat([bank[next_slot:], bank[:next_slot]])
     torch.testing.assert_close(stored, kept)
-    assert torch.equal(layer.centroids, first), "step 2 of update_every=3 must not refresh"
+    assert torch.equal(layer.inner.centroids, first), "step 2 of update_every=3 must not refresh"
     layer(b)
-    assert not torch.equal(layer.centroids, first), "step 3 must refresh"
+    assert not torch.equal(layer.inner.centroids, first), "step 3 must refresh"
     state = layer.state_dict()
-    assert {"centroids", "memory", "memory_filled", "memory_next", "steps"} <= set(state)
+    assert {f"inner.{name}" for name in ("centroids", "memory", "memory_filled", "memory_next", "steps")} <= set(state)
     twin = build("cluster-former", dim=8, heads=2, num_clusters=2, memory_size=10, update_every=3)
     twin.load_state_dict(state)
     twin.eval()
@@ -560,7 +558,7 @@ def test_cluster_former_padding_is_not_remembered():
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[1, 2:] = True
     layer(torch.randn(2, 5, 8), key_padding_mask=pad)
-    assert int(layer.memory_filled) == 7
+    assert int(layer.inner.memory_filled) == 7
 
 
 def test_greedy_nearest_order_chains_by_cosine():

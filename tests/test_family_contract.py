@@ -9,10 +9,11 @@ import copy
 import pytest
 import torch
 
-from clusterformer.attention import build, collect_aux_losses, describe, names
+from clusterformer.attention import build, collect_aux_losses, describe, names, record_groups
 from clusterformer.attention.registry import causal_semantics
 from clusterformer.models import Encoder, EncoderConfig, cluster_former_config
 from clusterformer.models import reversible as reversible_module
+from reference import run_recorded
 from seeds import fixed_seed
 
 ALL = names()
@@ -20,10 +21,10 @@ NON_CAUSAL = {"clustered", "improved-clustered"}  # refuse causal=True with a Va
 NOT_STRICT = {"cluster-former"}  # causal mask inside sorted windows (paper); documented as not strict
 STRICT_CAUSAL = [n for n in ALL if n not in NON_CAUSAL | NOT_STRICT]
 SMALL = {  # options that make the sparse structure bite at test sizes
-    "lsh": {"bucket_size": 4, "n_hashes": 2}, "routing": {"window_size": 4, "num_clusters": 3},
-    "kmeans": {"bucket_size": 4, "num_clusters": 3}, "sliding-window": {"window": 6, "stride": 3},
-    "cluster-former": {"window": 6, "stride": 3, "num_clusters": 3}, "clustered": {"clusters": 4},
-    "improved-clustered": {"clusters": 4, "topk": 3}, "neural-clustering": {"num_clusters": 3}, "full": {},
+    "lsh": {"chunk_size": 4, "num_rounds": 2}, "routing": {"chunk_size": 4, "num_clusters": 3},
+    "kmeans": {"chunk_size": 4, "num_clusters": 3}, "sliding-window": {"window": 6, "stride": 3},
+    "cluster-former": {"window": 6, "stride": 3, "num_clusters": 3}, "clustered": {"num_clusters": 4},
+    "improved-clustered": {"num_clusters": 4, "topk": 3}, "neural-clustering": {"num_clusters": 3}, "full": {},
 }
 
 
@@ -111,8 +112,7 @@ def test_finite_gradients_including_all_padding_rows(name):
     pad = torch.zeros(3, 19, dtype=torch.bool)
     pad[1, 10:] = True
     pad[2, :] = True  # a sequence that is all padding
-    y = layer(x, key_padding_mask=pad)
-    aux = collect_aux_losses(layer)
+    y, aux, _ = run_recorded(layer, x, key_padding_mask=pad)
     loss = y.pow(2).sum() + sum(v for v in aux.values() if torch.isfinite(v))
     loss.backward()
     assert torch.isfinite(x.grad).all()
@@ -214,7 +214,7 @@ def test_cluster_former_stack_builder():
     config = cluster_former_config(100, depth=4, cluster_layers=(1, 3), window=8, stride=4, num_clusters=3, dim=32,
                                    heads=2)
     model = Encoder(config)
-    kinds = [type(b.attn).__name__ for b in model.blocks]
+    kinds = [type(b.attn.inner).__name__ for b in model.blocks]
     assert kinds == ["SlidingWindowAttention", "ClusterFormerAttention", "SlidingWindowAttention",
                      "ClusterFormerAttention"]
     out = model(torch.randint(1, 100, (2, 30)))
@@ -229,7 +229,7 @@ def test_cluster_former_stack_builder():
 
 def _reversible_pair(name, tied, dropout=0.1):
     options = {k: v for k, v in SMALL[name].items()}
-    if "dropout" in describe(name)["options"]:
+    if describe(name)["attention_dropout"]:
         options["dropout"] = dropout
     config = EncoderConfig(vocab_size=40, dim=16, depth=3, heads=2, dropout=dropout, attention=name,
                            attention_options=options, reversible=True, tied=tied)
@@ -245,8 +245,7 @@ def _reversible_pair(name, tied, dropout=0.1):
 
 def _grads(model, tokens, pad, causal, seed):
     torch.manual_seed(seed)
-    y = model(tokens, key_padding_mask=pad, causal=causal)
-    aux = collect_aux_losses(model)
+    y, aux, _ = run_recorded(model, tokens, key_padding_mask=pad, causal=causal)
     loss = (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).pow(2).sum() + sum(aux.values(), torch.zeros(()))
     loss.backward()
     return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -278,9 +277,8 @@ def test_reversible_parameter_gradients_come_back_from_autograd_grad(tied):
     tokens = torch.randint(1, 40, (2, 26))
     _, g_ref = _grads(plain, tokens, None, False, 3)
     torch.manual_seed(3)
-    y = model(tokens, causal=False)
-    loss = (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).pow(2).sum() + sum(
-        collect_aux_losses(model).values(), torch.zeros(()))
+    y, aux, _ = run_recorded(model, tokens, causal=False)
+    loss = (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).pow(2).sum() + sum(aux.values(), torch.zeros(()))
     named = [(n, p) for n, p in model.named_parameters() if n in g_ref]
     grads = torch.autograd.grad(loss, [p for _, p in named])
     assert all(p.grad is None for p in model.parameters())
@@ -302,9 +300,10 @@ def test_reversible_check_fails_without_rng_replay(monkeypatch):
 def test_reversible_aux_losses_reach_the_loss():
     model, _plain = _reversible_pair("routing", tied=False, dropout=0.0)
     tokens = torch.randint(1, 40, (2, 26))
-    model(tokens, causal=True)
-    aux = collect_aux_losses(model)
+    with collect_aux_losses() as aux:
+        model(tokens, causal=True)
     assert set(aux) == {"commitment"} and aux["commitment"].requires_grad
+    assert aux.counts() == {"commitment": len(model.blocks)}
 
 
 def test_tied_inversion_failure_is_reported():
@@ -323,12 +322,36 @@ def test_reversible_config_errors():
         EncoderConfig(vocab_size=10, attention="neural-clustering", centroid_flow=True, reversible=True)
 
 
-def test_reversible_backward_releases_recomputed_graphs():
-    """Nothing the recompute builds may outlive the backward (it would keep every block's inputs alive)."""
+def test_reversible_backward_publishes_once_and_keeps_no_graph():
+    """The recompute in the backward publishes nothing (a collector open around forward and backward sees each
+    block's losses once), and nothing the recompute builds outlives the backward on a module."""
     model, _ = _reversible_pair("neural-clustering", tied=False, dropout=0.0)
-    y = model(torch.randint(1, 40, (2, 26)))
-    published = [dict(b.attn.aux_losses) for b in model.blocks]
-    y.sum().backward()
-    for block, aux in zip(model.blocks, published, strict=True):
-        assert block.attn.aux_losses == aux, "the function's aux outputs are given back after the recompute"
-        assert not block.attn.updated_centroids.requires_grad
+    with collect_aux_losses() as aux, record_groups() as groups:
+        y = model(torch.randint(1, 40, (2, 26)))
+        y.sum().backward()
+    assert aux.counts() == {"clustering": len(model.blocks), "centroid_sorting": len(model.blocks)}
+    assert set(groups) == {block.attn.inner for block in model.blocks}
+    assert _tensors_with_graphs(model) == []
+
+
+def _tensors_with_graphs(model) -> list[str]:
+    """Names of non-parameter tensors held on modules (attributes, or inside dicts) that carry an autograd graph."""
+    found = []
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            values = value.values() if isinstance(value, dict) else [value]
+            if any(torch.is_tensor(v) and v.grad_fn is not None for v in values):
+                found.append(f"{name}.{attr}")
+    return found
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_forward_output_is_stored_on_modules(name):
+    """Issue #13: auxiliary losses, groups and centroids of a forward go to collectors, never onto modules: after
+    a training forward and backward, no module holds a tensor with an autograd graph."""
+    layer = _small(name).train()
+    x = torch.randn(2, 19, 16, dtype=torch.float64, requires_grad=True)
+    y, aux, _ = run_recorded(layer, x)
+    (y.sum() + sum(aux.values(), torch.zeros((), dtype=torch.float64))).backward()
+    layer(x)  # and a forward without any collector open
+    assert _tensors_with_graphs(layer) == []

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from clusterformer.attention import collect_aux_losses  # noqa: E402
+from clusterformer.attention import ClusteredOptions, collect_aux_losses  # noqa: E402
 from clusterformer.hf import (  # noqa: E402
     PatchedSelfAttention,
     key_padding_from_hf_mask,
@@ -21,6 +21,7 @@ from clusterformer.hf import (  # noqa: E402
     patched_modules,
     unpatch,
 )
+from reference import run_recorded  # noqa: E402
 
 
 def _bert(impl: str = "sdpa", family: str = "bert", hidden: int = 32, heads: int = 4,
@@ -72,7 +73,8 @@ def test_exact_settings_reproduce_the_unpatched_model(impl, family, attention, o
         unpatch(model)
 
 
-def _clustered_reference(layer: PatchedSelfAttention, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+def _clustered_reference(layer: PatchedSelfAttention, x: torch.Tensor, padding: torch.Tensor,
+                         layer_groups: torch.Tensor) -> torch.Tensor:
     """Clustered attention (eqs. 3-6) from its definition with the layer's own query clusters, one
     (sequence, head) at a time: centroid = mean of the cluster's real queries; A^c = softmax(Q^c K^T / sqrt(D))
     over real keys; a query outputs its cluster's row of A^c V."""
@@ -86,7 +88,7 @@ def _clustered_reference(layer: PatchedSelfAttention, x: torch.Tensor, padding: 
             q = layer.query(x[b])[:, cols]
             k = layer.key(x[b])[real][:, cols]
             v = layer.value(x[b])[real][:, cols]
-            groups = layer.last_groups[b, h]
+            groups = layer_groups[b, h]
             for i in torch.nonzero(real).flatten():
                 members = (groups == groups[i]) & real
                 centroid = q[members].mean(0)
@@ -99,15 +101,14 @@ def test_clustered_matches_its_dense_reference_with_padding():
     model = _bert("sdpa")
     for lengths, n, clusters in (([9, 5], 9, 3), ([17, 11, 2], 17, 4)):
         original = model.encoder.layer[0].attention.self
-        layer = PatchedSelfAttention(original, "clustered",
-                                     __import__("clusterformer").attention.ClusteredOptions(clusters=clusters,
-                                                                                            bits=8))
+        layer = PatchedSelfAttention(original, "clustered", ClusteredOptions(num_clusters=clusters, bits=8))
         x = torch.randn(len(lengths), n, 32, dtype=torch.float64)
         padding = torch.arange(n) >= torch.tensor(lengths)[:, None]
         mask = (~padding)[:, None, None, :].expand(-1, 1, n, -1)
-        out, weights = layer(x, attention_mask=mask)
+        (out, weights), _, groups = run_recorded(layer, x, attention_mask=mask)
         assert weights is None
-        torch.testing.assert_close(out, _clustered_reference(layer, x, padding), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(out, _clustered_reference(layer, x, padding, groups[layer.inner]),
+                                   rtol=1e-10, atol=1e-10)
         assert (out[padding] == 0).all()
 
 
@@ -146,7 +147,7 @@ def test_unpatch_restores_modules_and_state_dict_keys():
     originals = [layer.attention.self for layer in model.encoder.layer]
     keys = set(model.state_dict())
     patch(model, "improved-clustered")
-    assert set(model.state_dict()) - keys == {f"encoder.layer.{i}.attention.self._extra_state" for i in (0, 1)}
+    assert set(model.state_dict()) - keys == {f"encoder.layer.{i}.attention.self.inner._extra_state" for i in (0, 1)}
     assert patched_modules(model)[0].query is originals[0].query  # the trained weights are shared, not copied
     with pytest.raises(ValueError, match="already patched"):
         patch(model, "full")
@@ -159,12 +160,12 @@ def test_unpatch_restores_modules_and_state_dict_keys():
 
 def test_neural_clustering_trains_through_the_patched_model():
     model = patch(_bert(), "neural-clustering", num_clusters=2).train()
-    out = model(**_batch([8, 5], 8, seed=4)).last_hidden_state
-    aux = collect_aux_losses(model)
+    with collect_aux_losses() as aux:
+        out = model(**_batch([8, 5], 8, seed=4)).last_hidden_state
     assert set(aux) == {"clustering", "centroid_sorting"}
     (out.pow(2).mean() + aux["clustering"] + aux["centroid_sorting"]).backward()
     layer = patched_modules(model)[0]
-    for p in (layer.query.weight, layer.to_cluster.weight, layer.centroids):
+    for p in (layer.query.weight, layer.inner.to_cluster.weight, layer.inner.centroids):
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 

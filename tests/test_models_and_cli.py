@@ -12,6 +12,7 @@ import torch
 from clusterformer.attention import collect_aux_losses, total_loss
 from clusterformer.cli import main
 from clusterformer.models import Encoder, EncoderConfig, SequenceClassifier
+from reference import run_recorded
 
 
 def _config(**overrides):
@@ -24,33 +25,52 @@ def _config(**overrides):
 def test_aux_losses_are_the_mean_over_layers():
     model = SequenceClassifier(_config(), num_classes=3)
     tokens = torch.randint(1, 30, (2, 11))
-    model(tokens)
-    layers = [block.attn for block in model.encoder.blocks]
-    aux = collect_aux_losses(model)
+    inputs = []  # what each attention layer was called with, to run it again alone
+    hooks = [block.attn.register_forward_hook(lambda m, args, kwargs, out: inputs.append((m, args, kwargs)),
+                                              with_kwargs=True) for block in model.encoder.blocks]
+    with collect_aux_losses() as aux:
+        model(tokens)
+    for hook in hooks:
+        hook.remove()
+    depth = len(model.encoder.blocks)
+    assert depth > 1 and aux.counts() == {"clustering": depth, "centroid_sorting": depth}
+    alone = [run_recorded(layer, *args, **kwargs)[1] for layer, args, kwargs in inputs]
     for name in ("clustering", "centroid_sorting"):
-        expected = torch.stack([layer.aux_losses[name] for layer in layers]).mean()
+        expected = torch.stack([layer_aux[name] for layer_aux in alone]).mean()
         torch.testing.assert_close(aux[name], expected)
     total = total_loss(torch.tensor(2.0), aux, {"clustering": 0.5, "centroid_sorting": 0.25}, task_weight=3.0)
     torch.testing.assert_close(total, 6.0 + 0.5 * aux["clustering"] + 0.25 * aux["centroid_sorting"])
-    assert collect_aux_losses(SequenceClassifier(_config(attention="full", attention_options={}), 2)) == {}
+    with collect_aux_losses() as none:
+        SequenceClassifier(_config(attention="full", attention_options={}), 2)(tokens)
+    assert dict(none) == {}
     with pytest.raises(ValueError, match="loss weight 'clustering' must be >= 0"):
         total_loss(torch.tensor(1.0), aux, {"clustering": -1.0})
+    with pytest.raises(ValueError, match="loss weight 'clusterin' names no auxiliary loss; known losses: "
+                                         "centroid_sorting, clustering, commitment"):
+        total_loss(torch.tensor(1.0), aux, {"clusterin": 0.5})  # a misspelled weight must not do nothing
+    # a known loss this model does not publish adds nothing
+    torch.testing.assert_close(total_loss(torch.tensor(1.0), {}, {"commitment": 1.0}), torch.tensor(1.0))
 
 
 def test_centroid_flow_passes_updated_centroids_between_layers():
     model = Encoder(_config(centroid_flow=True))
     attn = [block.attn for block in model.blocks]
-    assert attn[0].centroids is not None and all(a.centroids is None for a in attn[1:])
-    seen = []
-    hook = attn[1].register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["centroids"]),
-                                             with_kwargs=True)
+    assert attn[0].inner.centroids is not None and all(a.inner.centroids is None for a in attn[1:])
+    flows_in, flows_out = [], []
+
+    def record(module, args, kwargs, out) -> None:
+        flows_in.append(kwargs["flow"])
+        flows_out.append(out[1])
+
+    hooks = [a.register_forward_hook(record, with_kwargs=True) for a in attn]
     tokens = torch.randint(1, 30, (2, 9))
-    out = model(tokens)
-    hook.remove()
-    assert seen[0] is attn[0].updated_centroids
-    loss = out.sum() + sum(collect_aux_losses(model).values())
+    out, aux, _ = run_recorded(model, tokens)
+    for hook in hooks:
+        hook.remove()
+    assert flows_in[0] is None and flows_in[1] is flows_out[0]  # layer 2 starts from layer 1's C_hat
+    loss = out.sum() + sum(aux.values())
     loss.backward()
-    assert attn[0].centroids.grad is not None and attn[0].centroids.grad.abs().sum() > 0
+    assert attn[0].inner.centroids.grad is not None and attn[0].inner.centroids.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="leak future tokens"):
         model(tokens, causal=True)  # strict causal mode refuses centroids from another layer
 
@@ -193,7 +213,7 @@ def test_each_layer_gets_its_own_seed(name):
     with torch.no_grad():  # a fixed seed still reproduces the whole model
         assert torch.equal(model(tokens), again(tokens))
     first, second = (block.attn for block in model.blocks)
-    assert first.seed != second.seed
+    assert first.inner.seed != second.inner.seed
     with torch.no_grad():
         for p_first, p_second in zip(first.parameters(), second.parameters(), strict=True):
             p_first.copy_(p_second)

@@ -232,7 +232,7 @@ def test_bad_input_raises_value_error_naming_argument(change, match):
 
 @pytest.mark.parametrize(("w", "hops", "windows"), [(3, 1, 4), (2, 2, 5), (1, 3, 6), (4, 2, 1)])
 def test_key_windows_custom_backward_gradcheck(w, hops, windows):
-    from clusterformer.ops.chunked import _KeyWindows
+    from clusterformer.ops.windows import _KeyWindows
 
     rows = torch.randn(windows * w + (hops - 1) * w, 2, 3, dtype=torch.float64, requires_grad=True)
     out = _KeyWindows.apply(rows, w, hops, windows)

@@ -108,7 +108,7 @@ def test_a_crashed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeyp
     """Every stateful mechanism: a run that crashes at step 23 (checkpoints every 5) and is resumed ends with
     bit-identical weights, buffers and extra state (generators, pending updates), the same final metrics and
     evaluation history, and logs every step exactly once."""
-    from clusterformer.train import loop
+    from clusterformer.train.tasks import ClassificationTask
 
     train, test = _write_task(tmp_path)
     common = ["--attention", attention, "--attention-options", options, "--max-steps", "30", "--batch-size", "8",
@@ -116,17 +116,17 @@ def test_a_crashed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeyp
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     assert main(_argv(train, test, straight, *common)) == 0
 
-    original = loop._batch
+    original = ClassificationTask.batch
 
-    def crash_at_23(task, config, step, *args):
+    def crash_at_23(task, step, *args):
         if step == 23:
             raise RuntimeError("simulated crash")
-        return original(task, config, step, *args)
+        return original(task, step, *args)
 
-    monkeypatch.setattr(loop, "_batch", crash_at_23)
+    monkeypatch.setattr(ClassificationTask, "batch", crash_at_23)
     with pytest.raises(RuntimeError, match="simulated crash"):
         main(_argv(train, test, crashed, *common))
-    monkeypatch.setattr(loop, "_batch", original)
+    monkeypatch.setattr(ClassificationTask, "batch", original)
     assert load_checkpoint(crashed)["step"] == 20
     assert main(_argv(train, test, crashed, *common, "--resume")) == 0
 
@@ -297,7 +297,7 @@ def test_train_config_errors():
     with pytest.raises(ValueError, match="task"):
         TrainConfig(task="sst2", out="x", max_steps=1)
     with pytest.raises(ValueError, match="unknown option"):
-        TrainConfig(task="mr", out="x", max_steps=1, attention="lsh", attention_options={"num_clusters": 3})
+        TrainConfig(task="mr", out="x", max_steps=1, attention="lsh", attention_options={"num_clusterz": 3})
 
 
 def test_causal_lm_refuses_non_causal_mechanisms(tmp_path):
@@ -399,6 +399,6 @@ def test_no_character_gets_the_padding_id(tmp_path):
     (tmp_path / "tinyshakespeare").mkdir()
     (tmp_path / "tinyshakespeare" / "input.txt").write_text("\nA b\n" * 30)  # '\n' sorts first
     task = prepare_task("shakespeare-char", data_dir=tmp_path, max_len=8)
-    stream = torch.cat([task.train["stream"], task.test["stream"]])
+    stream = torch.cat([task.train_stream, task.test_stream])
     assert int(stream.min()) >= 1
     assert task.vocab_size == int(stream.max()) + 1 == 5  # '\n', ' ', 'A', 'b' and the padding id

@@ -75,9 +75,10 @@ def train_one(attention: str, config: DemoConfig, log: Callable[[str], None]) ->
     running = None
     for step in range(1, config.train_steps + 1):
         tokens, labels = majority_marker_batch(config.batch, config.length, data)
-        logits = model(tokens)
+        with collect_aux_losses() as aux:
+            logits = model(tokens)
         task = model.loss(logits, labels)
-        loss = total_loss(task, collect_aux_losses(model), weights)
+        loss = total_loss(task, aux, weights)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

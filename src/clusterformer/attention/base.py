@@ -1,43 +1,117 @@
-"""What every attention layer shares: input checks, the Q/K/V and output projections, head reshapes,
-padding handling and the auxiliary-loss slot.
+"""The two halves of every attention layer, as in fast-transformers' ``AttentionLayer`` / inner attention:
 
-The split follows fast-transformers: the layer owns the projections; *how* tokens are grouped is the
-mechanism's business (``_attend``), built from the primitives in :mod:`clusterformer.ops`.
+* :class:`InnerAttention` -- the *mechanism*: given per-head queries, keys and values (B, H, N, D), a key
+  padding mask and ``causal``, which keys each query sees and how they are mixed. One file per mechanism
+  subclasses it and registers it by name with its options dataclass (:mod:`clusterformer.attention.registry`).
+  It owns the mechanism's parameters and state (centroids, memory banks, its seeded generator).
+* :class:`AttentionLayer` -- the *layer*: input checks, padding, the Q/K/V projections (one fused linear, or
+  a shared QK for the mechanisms that declare ``shared_qk``), the output projection, and one inner attention.
+
+Hidden-state hook. A mechanism whose grouping needs the hidden states (neural clustering clusters x W^C, and
+projects Q, K, V in sorted order for speed; Cluster-Former assigns x to its k-means centroids) overrides
+:meth:`InnerAttention.attend_hidden`, which receives x and the layer's :class:`QKVProjection` instead of q,
+k, v; every other mechanism inherits the default (project, then :meth:`InnerAttention.forward`). The same
+hook is what :mod:`clusterformer.hf` calls with a pretrained model's own projections.
+
+Per-forward outputs are never stored on modules: auxiliary losses and groupings go to
+:mod:`clusterformer.attention.aux`'s collectors. A reversible block's recompute runs inside
+:func:`replaying` (a :class:`contextvars.ContextVar`), in which mechanisms leave their state alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_bool, check_int, check_padding_mask, check_tensor
+from .._checks import check_bool, check_float, check_int, check_padding_mask, check_tensor
 
-_REPLAYING = False
+_REPLAYING: ContextVar[bool] = ContextVar("clusterformer_replaying", default=False)
 
 
 @contextlib.contextmanager
 def replaying() -> Iterator[None]:
     """Context in which layers re-run a forward they already ran (the recompute of a reversible block).
 
-    Stateful mechanisms (memory banks, EMA centroids, step counters) must not change their state inside
-    it, so the recompute sees exactly what the original forward saw; see :meth:`AttentionLayer.stateful`.
-    """
-    global _REPLAYING
-    previous, _REPLAYING = _REPLAYING, True
+    Mechanisms with state (memory banks, EMA centroids, step counters) do not change it inside, so the
+    recompute sees exactly what the original forward saw (:meth:`InnerAttention.updates_state`)."""
+    token = _REPLAYING.set(True)
     try:
         yield
     finally:
-        _REPLAYING = previous
+        _REPLAYING.reset(token)
 
 
 def is_replaying() -> bool:
     """True inside :func:`replaying`."""
-    return _REPLAYING
+    return _REPLAYING.get()
 
 
+# ----------------------------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Options every mechanism has. A mechanism's options dataclass subclasses this (or
+    :class:`SeededOptions`), adds its own fields, all with defaults, and checks them in ``__post_init__``
+    after calling ``super().__post_init__()``.
+
+    Attributes:
+        dropout: attention-weight dropout probability during training.
+        bias: bias in the layer's Q/K/V and output projections (a layer option; the inner attention ignores it).
+
+    Class attributes a mechanism may set:
+        ALIASES: the papers' names accepted for an option, {alias: option} (e.g. Reformer's ``bucket_size``
+            for ``chunk_size``); :func:`clusterformer.attention.registry.make_options` maps them.
+        ATTENTION_DROPOUT: False when the mechanism has no attention dropout (then ``dropout`` must be 0).
+    """
+
+    ALIASES: ClassVar[dict[str, str]] = {}
+    ATTENTION_DROPOUT: ClassVar[bool] = True
+
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        if self.dropout and not self.ATTENTION_DROPOUT:
+            raise ValueError(f"dropout must be 0 for {type(self).__name__}: the mechanism has no attention "
+                             f"dropout; got {self.dropout}")
+        check_bool("bias", self.bias)
+
+    def causal_semantics(self) -> str:
+        """What ``causal=True`` means: ``"strict"`` (output t depends on tokens 0..t only, and a prefix gives the
+        same outputs alone), ``"paper"`` (no direct future leak, but which past keys a token sees depends on
+        the whole sequence) or ``"refused"`` (``causal=True`` raises)."""
+        return "strict"
+
+
+@dataclass(frozen=True)
+class SeededOptions(AttentionOptions):
+    """:class:`AttentionOptions` plus ``seed``, for mechanisms that draw random numbers.
+
+    Attributes:
+        seed: seeds the mechanism's own generator (hash planes, rotations, centroid initialisation).
+    """
+
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("seed", self.seed, minimum=0)
+
+
+def option_fields(options: type) -> dict[str, Any]:
+    """A mechanism's options and their defaults, in declaration order."""
+    return {f.name: f.default for f in dataclasses.fields(options)}
+
+
+# ---------------------------------------------------------------------------------------------- randomness
 class SeededModule(nn.Module):
     """A module with its own CPU ``torch.Generator`` seeded by ``seed`` (None: no generator).
 
@@ -79,90 +153,157 @@ def layer_seed(seed: int, layer: int) -> int:
 
 
 def apply_pending_updates(model: nn.Module) -> None:
-    """Apply every attention layer's pending state update (EMA centroids) now instead of at its next training
+    """Apply every inner attention's pending state update (EMA centroids) now instead of at its next training
     forward. The result is the same -- nothing else touches the state in between -- but the buffers, and so a
     checkpoint or an evaluation, then hold the state after the last step rather than one step old."""
     for module in model.modules():
-        if isinstance(module, AttentionLayer):
+        if isinstance(module, InnerAttention):
             module.apply_pending_updates()
 
 
-class AttentionLayer(SeededModule):
-    """Multi-head self-attention layer: ``layer(x, key_padding_mask=None, causal=False)`` -> (B, N, dim).
+# ----------------------------------------------------------------------------------------------- projection
+class QKVProjection(Protocol):
+    """How per-head q, k, v come from hidden states: what :meth:`InnerAttention.attend_hidden` receives.
 
-    Subclasses implement :meth:`_attend` on (B, N, dim) inputs whose padded rows are already zero.
+    :class:`AttentionLayer` is one (a fused Q/K/V linear); :class:`clusterformer.hf.PatchedSelfAttention` is
+    another (a pretrained model's own ``query``/``key``/``value`` layers)."""
 
-    Auxiliary losses. After each forward, :attr:`aux_losses` maps loss names (e.g. ``"clustering"``,
-    ``"centroid_sorting"``) to scalar tensors of that call; mechanisms without auxiliary losses leave it
-    empty. :func:`clusterformer.attention.collect_aux_losses` gathers them from a whole model; that is
-    the one way auxiliary losses reach the training loss.
+    heads: int
+    head_dim: int
 
-    Padding. Padded input rows are zeroed on entry (so their content, even NaN, cannot leak) and the
-    outputs at padded positions are zero.
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, dim) -> q, k, v, each (B, H, N, head_dim)."""
+        ...
 
-    Randomness. Mechanisms that draw random numbers (hash planes, rotations, initialisations) draw them
-    from :attr:`generator`, a CPU ``torch.Generator`` seeded by their ``seed`` option, never from the
-    global RNG; :meth:`draw_generator` gives a fresh generator seeded the same way in evaluation, so the
-    same input gives the same output. Dropout uses the global RNG, as everywhere in PyTorch.
+    def project_rows(self, rows: torch.Tensor, which: str) -> torch.Tensor:
+        """(R, dim) hidden rows -> (R, H * head_dim) for ``which`` in "q", "k", "v" (projecting a reordered
+        selection of rows, as neural clustering does in sorted order)."""
+        ...
 
-    State. Mechanisms whose forward updates buffers (EMA centroids, memory banks) apply those updates in
-    training mode only and never inside :func:`replaying`; an update computed in one forward takes effect
-    at the start of the next (see :meth:`apply_pending_updates`), so a reversible recompute in the backward
-    sees the state its forward saw.
+
+# ------------------------------------------------------------------------------------------ inner attention
+class InnerAttention(SeededModule):
+    """A registered mechanism: ``inner(q, k, v, key_padding_mask=None, causal=False) -> (B, H, N, D)``.
+
+    Subclasses set :attr:`shared_qk` (the layer must give the same tensor as q and k) and implement
+    :meth:`forward`; those that group by hidden states override :meth:`attend_hidden` as well.
+
+    Contract for ``forward``: q, k, v (B, H, N, D) with padded rows of no consequence; key_padding_mask
+    (B, N) bool, True = padding, or None; outputs at real positions follow the mechanism's equations, outputs
+    at padded positions are unspecified (the layer zeroes them). It publishes auxiliary losses and its
+    grouping through :mod:`clusterformer.attention.aux`, never by storing them.
+
+    State. A mechanism whose forward updates buffers (EMA centroids, memory banks) does so in training only and
+    never inside :func:`replaying` (:meth:`updates_state`); an update computed in one forward is kept pending in
+    :attr:`pending` and applied at the start of the next (or by :func:`apply_pending_updates`), so a
+    reversible recompute sees the state its forward saw. Pending updates are part of ``state_dict``.
+
+    Randomness comes from :meth:`draw_generator` (seeded by the ``seed`` option), never the global RNG;
+    dropout uses the global RNG, as everywhere in PyTorch.
     """
 
-    def __init__(self, dim: int, heads: int, *, bias: bool = True, shared_qk: bool = False,
-                 seed: int | None = None) -> None:
-        super().__init__(seed)
-        check_int("dim", dim, minimum=1)
-        check_int("heads", heads, minimum=1)
-        if dim % heads:
-            raise ValueError(f"dim must be divisible by heads; got dim={dim}, heads={heads}")
+    shared_qk: ClassVar[bool] = False
+    aux_losses: ClassVar[tuple[str, ...]] = ()  # names of the losses the mechanism publishes
+
+    def __init__(self, dim: int, heads: int, options: AttentionOptions) -> None:
+        super().__init__(getattr(options, "seed", None))
         self.dim = dim
         self.heads = heads
         self.head_dim = dim // heads
-        self.shared_qk = shared_qk
-        self.to_qkv = nn.Linear(dim, (2 if shared_qk else 3) * dim, bias=bias)
-        self.to_out = nn.Linear(dim, dim, bias=bias)
-        self.aux_losses: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, torch.Tensor] = {}
+        self.options = options
+        self.pending: dict[str, torch.Tensor] = {}
+
+    @property
+    def dropout_p(self) -> float:
+        """The attention dropout of this call: the option in training, 0 in evaluation."""
+        return self.options.dropout if self.training else 0.0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend_hidden(
+        self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None, causal: bool,
+        flow: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hook for mechanisms that need the hidden states: x (B, N, dim) with padded rows zero ->
+        (heads output (B, N, H, D) in token order, the flow to the next layer or None).
+
+        ``flow`` is what the previous layer handed on (neural clustering's centroid flow between layers);
+        a mechanism without one refuses it. The default projects and calls :meth:`forward`."""
+        if flow is not None:
+            raise ValueError(f"{type(self).__name__} takes no flow from a previous layer")
+        q, k, v = projection.qkv(x)
+        return self(q, k, v, key_padding_mask, causal).transpose(1, 2), None
+
+    def init_for_pretrained(self) -> None:
+        """Re-initialise the mechanism's own parameters for use inside a pretrained model
+        (:func:`clusterformer.hf.patch`); a no-op for mechanisms without parameters."""
 
     def updates_state(self) -> bool:
         """Whether this forward may change buffers: training mode and not a reversible recompute."""
         return self.training and not is_replaying()
 
     def apply_pending_updates(self) -> None:
-        """Copy the state updates computed by the last training forward into their buffers (called at the
-        start of every training forward, and by :func:`apply_pending_updates` after each optimiser step)."""
-        for name, value in self._pending.items():
+        """Copy the state updates computed by the last training forward into their buffers."""
+        for name, value in self.pending.items():
             getattr(self, name).copy_(value)
-        self._pending = {}
+        self.pending = {}
 
     def get_extra_state(self) -> dict | None:
         """The generator's state (if any) and any pending state update, so ``state_dict`` holds all state."""
         state = super().get_extra_state() or {}
-        if self._pending:
-            state["pending"] = {name: value.detach().clone() for name, value in self._pending.items()}
+        if self.pending:
+            state["pending"] = {name: value.detach().clone() for name, value in self.pending.items()}
         return state or None
 
     def set_extra_state(self, state: dict | None) -> None:
         super().set_extra_state(state)
-        self._pending = {} if state is None else {k: v.clone() for k, v in state.get("pending", {}).items()}
+        self.pending = {} if state is None else {k: v.clone() for k, v in state.get("pending", {}).items()}
+
+    def refuse_causal(self, causal: bool, why: str) -> None:
+        """Raise the mechanism's ``ValueError`` for ``causal=True``."""
+        if causal:
+            raise ValueError(f"{type(self).__name__} does not support causal=True: {why}; use 'lsh', 'kmeans', "
+                             "'routing', 'neural-clustering' or 'full' for causal models")
+
+
+# ------------------------------------------------------------------------------------------------- layer
+class AttentionLayer(nn.Module):
+    """Multi-head self-attention: ``layer(x, key_padding_mask=None, causal=False)`` -> (B, N, dim).
+
+    Owns the projections and composes one :class:`InnerAttention` (:attr:`inner`), which
+    :func:`clusterformer.attention.build` chooses by name. Padded input rows are zeroed on entry (so their
+    content, even NaN, cannot leak) and outputs at padded positions are zero.
+    """
+
+    def __init__(self, dim: int, heads: int, inner: InnerAttention, *, bias: bool = True) -> None:
+        super().__init__()
+        if (inner.dim, inner.heads) != (dim, heads):
+            raise ValueError(f"inner attention was built for dim={inner.dim}, heads={inner.heads}; the layer has "
+                             f"dim={dim}, heads={heads}")
+        self.dim = dim
+        self.heads = heads
+        self.head_dim = dim // heads
+        self.shared_qk = inner.shared_qk
+        self.to_qkv = nn.Linear(dim, (2 if self.shared_qk else 3) * dim, bias=bias)
+        self.to_out = nn.Linear(dim, dim, bias=bias)
+        self.inner = inner
+        self.register_load_state_dict_pre_hook(_move_mechanism_state_into_inner)
+
+    @property
+    def options(self) -> AttentionOptions:
+        """The inner attention's options."""
+        return self.inner.options
 
     def forward(
-        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, causal: bool = False
-    ) -> torch.Tensor:
-        """Args: x (B, N, dim); key_padding_mask (B, N) bool, True = padding; causal: no attention to
-        later positions. Returns (B, N, dim)."""
-        x, key_padding_mask = self._prepare(x, key_padding_mask, causal)
-        return self._finish(self._attend(x, key_padding_mask, causal), key_padding_mask)
-
-    def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _prepare(
-        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None, causal: bool = False, *,
+        flow: torch.Tensor | None = None, return_flow: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Args: x (B, N, dim); key_padding_mask (B, N) bool, True = padding; causal: no attention to later
+        positions (see the mechanism's causal semantics); flow: what the previous layer hands on (neural
+        clustering's centroids: the paper lets layer l + 1 start from layer l's C_hat); return_flow: also
+        return this layer's flow. Returns y (B, N, dim), or (y, flow or None) with ``return_flow``."""
         check_tensor("x", x, ndim=3, floating=True)
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (B, N, dim={self.dim}), got {tuple(x.shape)}")
@@ -170,15 +311,16 @@ class AttentionLayer(SeededModule):
         key_padding_mask = check_padding_mask(key_padding_mask, x.shape[0], x.shape[1], device=x.device)
         if key_padding_mask is not None:
             x = x.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
-        return x, key_padding_mask
-
-    def _finish(self, y: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        B, N, _ = x.shape
+        heads_out, flow = self.inner.attend_hidden(x, self, key_padding_mask, causal, flow)
+        y = self.to_out(heads_out.reshape(B, N, self.dim))
         if key_padding_mask is not None:
             y = y.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
-        return y
+        return (y, flow) if return_flow else y
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, N, dim) -> three (B, H, N, head_dim) tensors (with shared QK, q and k are the same tensor)."""
+    # QKVProjection: how the inner attention gets q, k, v from hidden states
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N, dim) -> q, k, v (B, H, N, head_dim); with shared QK, q and k are the same tensor."""
         B, N, _ = x.shape
         if self.shared_qk:
             qk, v = self.to_qkv(x).view(B, N, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -186,10 +328,20 @@ class AttentionLayer(SeededModule):
         qkv = self.to_qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return qkv[0], qkv[1], qkv[2]
 
-    def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
-        """(B, H, N, head_dim) -> (B, N, dim)."""
-        B, H, N, D = heads_out.shape
-        return self.to_out(heads_out.transpose(1, 2).reshape(B, N, H * D))
+    def project_rows(self, rows: torch.Tensor, which: str) -> torch.Tensor:
+        """(R, dim) -> (R, dim): the slice of the fused projection for "q", "k" or "v"."""
+        index = ({"q": 0, "k": 0, "v": 1} if self.shared_qk else {"q": 0, "k": 1, "v": 2})[which]
+        part = slice(index * self.dim, (index + 1) * self.dim)
+        bias = None if self.to_qkv.bias is None else self.to_qkv.bias[part]
+        return F.linear(rows, self.to_qkv.weight[part], bias)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, heads={self.heads}"
+        return f"dim={self.dim}, heads={self.heads}, shared_qk={self.shared_qk}"
+
+
+def _move_mechanism_state_into_inner(module, state_dict, prefix, *args) -> None:
+    """Checkpoints written before the layer/inner split kept the mechanism's parameters, buffers and extra
+    state on the layer itself (``attn.centroids``); they now live on ``attn.inner``."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if not key[len(prefix):].startswith(("to_qkv.", "to_out.", "inner.")):
+            state_dict[prefix + "inner." + key[len(prefix):]] = state_dict.pop(key)

@@ -20,7 +20,7 @@ padding; ``causal=True`` is strict (windows are fixed, later keys masked).
 2. Each token goes to the centroid of maximum cosine similarity; tokens are stably sorted by id.
 3. The sorted sequence is cut into windows of ``window`` every ``stride`` (the same sliding windows as
    above); attention inside each; results mapped back to token order, overlaps averaged.
-4. Output projection.
+4. The layer's output projection. Groups published: the cluster ids, (B, N) (padding: ``num_clusters``).
 
 Cost: O(N k dim) assignment + O(N window^2 / stride) attention; K-means on the bank every update_every steps.
 
@@ -48,11 +48,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_float, check_int, check_tensor
+from .._checks import check_int, check_tensor
 from ..clustering.kmeans import greedy_nearest_order, spherical_kmeans
 from ..distributed import all_gather_rows
 from ..ops.sliding import sliding_window_attention
-from .base import AttentionLayer
+from .aux import publish_groups
+from .base import AttentionOptions, InnerAttention, QKVProjection, SeededOptions
 from .registry import register
 
 
@@ -64,30 +65,25 @@ def _check_window(window: int, stride: int) -> None:
 
 
 @dataclass(frozen=True)
-class SlidingWindowOptions:
-    """Options of ``"sliding-window"``.
+class SlidingWindowOptions(AttentionOptions):
+    """Options of ``"sliding-window"`` (besides ``dropout``, ``bias``).
 
     Attributes:
         window: tokens per window (the paper's l; 256 in its experiments).
         stride: tokens between window starts (the paper's m < l; 224 for QA, 128 for LM).
-        dropout: attention-weight dropout probability during training.
-        bias: bias in the projections.
     """
 
     window: int = 128
     stride: int = 64
-    dropout: float = 0.0
-    bias: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_window(self.window, self.stride)
-        check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        check_bool("bias", self.bias)
 
 
 @dataclass(frozen=True)
-class ClusterFormerOptions:
-    """Options of ``"cluster-former"``.
+class ClusterFormerOptions(SeededOptions):
+    """Options of ``"cluster-former"`` (besides ``dropout``, ``bias``, ``seed``; ``seed`` seeds the K-means).
 
     Attributes:
         num_clusters: k-means centroids (the paper uses 64-512).
@@ -95,9 +91,6 @@ class ClusterFormerOptions:
         memory_size: hidden states kept in the memory bank (the paper keeps 100K).
         update_every: training forwards between centroid refreshes.
         kmeans_iterations: Lloyd iterations per refresh.
-        seed: seeds the K-means initialisation.
-        dropout: attention-weight dropout probability during training.
-        bias: bias in the projections.
     """
 
     num_clusters: int = 32
@@ -106,56 +99,44 @@ class ClusterFormerOptions:
     memory_size: int = 8192
     update_every: int = 100
     kmeans_iterations: int = 10
-    seed: int = 0
-    dropout: float = 0.0
-    bias: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_int("num_clusters", self.num_clusters, minimum=1)
         _check_window(self.window, self.stride)
         check_int("memory_size", self.memory_size, minimum=1)
         check_int("update_every", self.update_every, minimum=1)
         check_int("kmeans_iterations", self.kmeans_iterations, minimum=0)
-        check_int("seed", self.seed, minimum=0)
-        check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        check_bool("bias", self.bias)
 
     def causal_semantics(self) -> str:
-        """See :func:`clusterformer.attention.registry.causal_semantics`."""
         return "paper"  # masking inside sorted windows whose membership depends on all tokens
 
 
 @register("sliding-window", SlidingWindowOptions, "Cluster-Former's local layer: overlapping windows, averaged")
-class SlidingWindowAttention(AttentionLayer):
-    def __init__(self, dim: int, heads: int, options: SlidingWindowOptions | None = None) -> None:
-        options = options or SlidingWindowOptions()
-        super().__init__(dim, heads, bias=options.bias)
-        self.options = options
-
-    def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
+class SlidingWindowAttention(InnerAttention):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         if q.shape[2] == 0:
-            return self.project_out(q * 0)
-        out = sliding_window_attention(
+            return q * 0
+        return sliding_window_attention(
             q, k, v, self.options.window, self.options.stride, causal=causal, key_padding_mask=key_padding_mask,
-            dropout_p=self.options.dropout if self.training else 0.0,
+            dropout_p=self.dropout_p,
         )
-        return self.project_out(out)
 
 
 @register("cluster-former", ClusterFormerOptions, "Cluster-Former: k-means on a memory bank, sorted sliding windows")
-class ClusterFormerAttention(AttentionLayer):
-    def __init__(self, dim: int, heads: int, options: ClusterFormerOptions | None = None) -> None:
-        options = options or ClusterFormerOptions()
-        super().__init__(dim, heads, bias=options.bias, seed=options.seed)
-        self.options = options
+class ClusterFormerAttention(InnerAttention):
+    """Assigns tokens by their hidden states, so it implements :meth:`attend_hidden`; :meth:`forward` on given
+    q, k, v is not available (it would need the hidden states)."""
+
+    def __init__(self, dim: int, heads: int, options: ClusterFormerOptions) -> None:
+        super().__init__(dim, heads, options)
         self.register_buffer("centroids", torch.zeros(options.num_clusters, dim))
         self.register_buffer("memory", torch.zeros(options.memory_size, dim))
         self.register_buffer("memory_filled", torch.zeros((), dtype=torch.long))
         self.register_buffer("memory_next", torch.zeros((), dtype=torch.long))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
         self.register_buffer("centroids_ready", torch.zeros((), dtype=torch.bool))
-        self.last_clusters: torch.Tensor | None = None  # (B, N)
 
     @torch.no_grad()
     def remember(self, states: torch.Tensor) -> None:
@@ -180,20 +161,26 @@ class ClusterFormerAttention(AttentionLayer):
             if filled == 0:
                 raise ValueError("the memory bank is empty: run a training forward or pass states=")
             states = self.memory[:filled]
-        centroids = self._kmeans(states, self.generator)
-        self.centroids.copy_(centroids.to(self.centroids.dtype))
+        found = spherical_kmeans(states, self.options.num_clusters, iterations=self.options.kmeans_iterations,
+                                 generator=self.generator)
+        self.centroids.copy_(greedy_nearest_order(found).to(self.centroids.dtype))
         self.centroids_ready.fill_(True)
 
-    def _kmeans(self, states: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        found = spherical_kmeans(states, self.options.num_clusters, iterations=self.options.kmeans_iterations,
-                                 generator=generator)
-        return greedy_nearest_order(found)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        raise ValueError("cluster-former assigns tokens by their hidden states: call it through attend_hidden "
+                         "(an AttentionLayer, or clusterformer.hf.patch), not on q, k, v alone")
 
-    def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    def attend_hidden(
+        self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None, causal: bool,
+        flow: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        if flow is not None:
+            raise ValueError("cluster-former takes no flow from a previous layer")
         B, N, _ = x.shape
-        real = None if key_padding_mask is None else ~key_padding_mask
         if self.updates_state():  # every rank's real tokens, in rank order (a no-op without a process group)
-            self.remember(all_gather_rows(x.detach().reshape(-1, self.dim) if real is None else x.detach()[real]))
+            states = x.detach().reshape(-1, self.dim) if key_padding_mask is None else x.detach()[~key_padding_mask]
+            self.remember(all_gather_rows(states))
             self.steps += 1
             due = not bool(self.centroids_ready) or int(self.steps) % self.options.update_every == 0
             if due and int(self.memory_filled) > 0:
@@ -203,21 +190,20 @@ class ClusterFormerAttention(AttentionLayer):
         else:  # never updated (an untrained layer in eval): seeded random directions, not stored (module docs)
             draw = torch.Generator().manual_seed(self.options.seed)
             centroids = torch.randn(self.options.num_clusters, self.dim, generator=draw, dtype=torch.float64)
-        q, k, v = self.project_qkv(x)
+        q, k, v = projection.qkv(x)
         if N == 0:
-            return self.project_out(q * 0)
+            return (q * 0).transpose(1, 2), None
         sims = F.normalize(x.detach(), dim=-1) @ F.normalize(centroids.to(x.dtype), dim=-1).T
         ids = sims.argmax(-1)  # (B, N): maximum cosine similarity
         if key_padding_mask is not None:
             ids = ids.masked_fill(key_padding_mask, self.options.num_clusters)  # padding sorts last
-        self.last_clusters = ids
+        publish_groups(self, ids)
         order = torch.sort(ids, dim=-1, stable=True).indices  # (B, N) sorted slot -> token
         gather = order[:, None, :, None].expand(B, self.heads, N, self.head_dim)
         pad = None if key_padding_mask is None else key_padding_mask.gather(1, order)
         out_sorted = sliding_window_attention(
             q.gather(2, gather), k.gather(2, gather), v.gather(2, gather), self.options.window,
-            self.options.stride, causal=causal, positions=order, key_padding_mask=pad,
-            dropout_p=self.options.dropout if self.training else 0.0,
+            self.options.stride, causal=causal, positions=order, key_padding_mask=pad, dropout_p=self.dropout_p,
         )
         out = torch.empty_like(out_sorted).scatter_(2, gather, out_sorted)  # back to token order
-        return self.project_out(out)
+        return out.transpose(1, 2), None

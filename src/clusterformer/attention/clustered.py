@@ -6,7 +6,7 @@ For x (B, N, dim), per batch element and head:
 
 1. Q, K, V projections (B, H, N, D).
 2. Query clustering (section 3.2.2): each query hashed to ``bits`` signs of random projections (planes drawn
-   from the layer's generator), then K-means with Hamming distance, ``iterations`` Lloyd steps, ``clusters``
+   from the layer's generator), then K-means with Hamming distance, ``iterations`` Lloyd steps, ``num_clusters``
    centroids (clamped to N) -- :func:`clusterformer.clustering.hamming_kmeans`. Padded queries do not move
    the centroids. ``query_clustering="euclidean"`` instead runs the same Lloyd steps on the queries themselves
    (:func:`clusterformer.clustering.euclidean_kmeans`): the K-means the paper's analysis asks for, which it
@@ -15,9 +15,9 @@ For x (B, N, dim), per batch element and head:
    ``"improved-clustered"``: plus, per cluster, its ``topk`` keys of highest centroid attention recomputed
    exactly for every member and rescaled by the cluster's mass on them (eqs. 9-11); with ``topk >= N`` it is
    exactly full attention. See :func:`clusterformer.ops.clustered_attention`.
-4. Output projection.
+4. The layer's output projection. Groups published: the query clusters, (B, H, N).
 
-Cost: O(N D bits + iterations N clusters bits) clustering (euclidean: O(iterations N clusters D)) + O(clusters N D)
+Cost: O(N D bits + iterations N C bits) clustering (euclidean: O(iterations N C D)) + O(C N D)
 centroid attention (+ O(N topk D) improved). Linear in N for fixed clusters.
 
 Masks: key padding. ``causal=True`` is refused with a ``ValueError``: a cluster's centroid query mixes queries
@@ -31,50 +31,51 @@ in evaluation the planes are re-drawn from ``seed`` each call, so the same input
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from .._checks import check_bool, check_choice, check_int
+from .._checks import check_choice, check_int
 from ..clustering.hashing import sign_codes
 from ..clustering.kmeans import euclidean_kmeans, hamming_kmeans
 from ..ops.clustered import clustered_attention
-from .base import AttentionLayer
+from .aux import publish_groups
+from .base import InnerAttention, SeededOptions
 from .registry import register
 
 QUERY_CLUSTERINGS = ("hamming", "euclidean")
 
 
 @dataclass(frozen=True)
-class ClusteredOptions:
-    """Options of ``"clustered"``.
+class ClusteredOptions(SeededOptions):
+    """Options of ``"clustered"`` (besides ``bias`` and ``seed``, which seeds the hash planes; the mechanism has
+    no attention dropout, so ``dropout`` must be 0).
 
     Attributes:
-        clusters: query clusters C per sequence and head (the paper's clustered-C); clamped to N.
+        num_clusters: query clusters C per sequence and head (the paper's clustered-C; alias ``clusters``);
+            clamped to N.
         bits: bits B of the sign-of-random-projection hash.
         iterations: Lloyd iterations L of the K-means.
-        seed: seeds the generator of the hash planes.
-        bias: bias in the projections.
         query_clustering: ``"hamming"`` (the paper: hash, then K-means in Hamming space) or ``"euclidean"``
             (K-means on the real-valued queries; ``bits`` and ``seed`` are then unused).
     """
 
-    clusters: int = 100
+    ALIASES: ClassVar[dict[str, str]] = {"clusters": "num_clusters"}
+    ATTENTION_DROPOUT: ClassVar[bool] = False
+
+    num_clusters: int = 100
     bits: int = 32
     iterations: int = 10
-    seed: int = 0
-    bias: bool = True
     query_clustering: str = "hamming"
 
     def __post_init__(self) -> None:
-        check_int("clusters", self.clusters, minimum=1)
+        super().__post_init__()
+        check_int("num_clusters", self.num_clusters, minimum=1)
         check_int("bits", self.bits, minimum=1)
         check_int("iterations", self.iterations, minimum=0)
         check_choice("query_clustering", self.query_clustering, QUERY_CLUSTERINGS)
-        check_int("seed", self.seed, minimum=0)
-        check_bool("bias", self.bias)
 
     def causal_semantics(self) -> str:
-        """See :func:`clusterformer.attention.registry.causal_semantics`."""
         return "refused"  # a centroid query mixes every position
 
 
@@ -93,61 +94,36 @@ class ImprovedClusteredOptions(ClusteredOptions):
         check_int("topk", self.topk, minimum=1)
 
 
-def cluster_queries(
-    q: torch.Tensor, options: ClusteredOptions, generator: torch.Generator, key_padding_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, int]:
-    """Step 2: q (B, H, N, D) -> (query clusters (B, H, N), number of clusters C = min(clusters, N)).
-
-    Hash planes (H, D, bits) are drawn from ``generator`` (Hamming clustering only); padded queries do not move
-    the centroids. Shared with :mod:`clusterformer.hf`, which clusters a pretrained model's own queries."""
-    B, H, N, D = q.shape
-    valid = None
-    if key_padding_mask is not None:
-        valid = (~key_padding_mask).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
-    if options.query_clustering == "euclidean":
-        groups = euclidean_kmeans(q.detach().reshape(B * H, N, D), options.clusters,
-                                  iterations=options.iterations, valid=valid)
-    else:
-        planes = torch.randn(H, D, options.bits, generator=generator).to(q.device)
-        codes = sign_codes(q.detach(), planes).reshape(B * H, N, options.bits)
-        groups = hamming_kmeans(codes, options.clusters, iterations=options.iterations, valid=valid)
-    return groups.view(B, H, N), max(1, min(options.clusters, N))
-
-
 @register("clustered", ClusteredOptions, "clustered attention: LSH + Hamming k-means on queries; O(N C)")
-class ClusteredAttention(AttentionLayer):
-    def __init__(self, dim: int, heads: int, options: ClusteredOptions | None = None) -> None:
-        options = options or self._default_options()
-        super().__init__(dim, heads, bias=options.bias, seed=options.seed)
-        self.options = options
-        self.last_groups: torch.Tensor | None = None  # (B, H, N) query clusters of the last forward
-
-    @staticmethod
-    def _default_options() -> ClusteredOptions:
-        return ClusteredOptions()
-
-    def _topk(self) -> int | None:
-        return None
-
+class ClusteredAttention(InnerAttention):
     def cluster_queries(self, q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """q (B, H, N, D) -> (query clusters (B, H, N), number of clusters)."""
-        return cluster_queries(q, self.options, self.draw_generator(), key_padding_mask)
+        """Step 2: q (B, H, N, D) -> (query clusters (B, H, N), number of clusters C = min(num_clusters, N)).
 
-    def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        if causal:
-            raise ValueError(
-                f"attention {self.registry_name!r} does not support causal=True: a cluster's centroid query mixes "
-                "all positions; use 'lsh', 'kmeans', 'routing', 'neural-clustering' or 'full' for causal models"
-            )
-        q, k, v = self.project_qkv(x)
+        Hash planes (H, D, bits) are drawn from the layer's generator (Hamming clustering only); padded queries
+        do not move the centroids."""
+        options = self.options
+        B, H, N, D = q.shape
+        valid = None
+        if key_padding_mask is not None:
+            valid = (~key_padding_mask).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
+        if options.query_clustering == "euclidean":
+            groups = euclidean_kmeans(q.detach().reshape(B * H, N, D), options.num_clusters,
+                                      iterations=options.iterations, valid=valid)
+        else:
+            planes = torch.randn(H, D, options.bits, generator=self.draw_generator()).to(q.device)
+            codes = sign_codes(q.detach(), planes).reshape(B * H, N, options.bits)
+            groups = hamming_kmeans(codes, options.num_clusters, iterations=options.iterations, valid=valid)
+        return groups.view(B, H, N), max(1, min(options.num_clusters, N))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        self.refuse_causal(causal, "a cluster's centroid query mixes all positions")
         if q.shape[2] == 0:
-            return self.project_out(q * 0)
-        groups, C = self.cluster_queries(q, key_padding_mask)
-        self.last_groups = groups
-        out = clustered_attention(q, k, v, groups, C, topk=self._topk(), key_padding_mask=key_padding_mask)
-        return self.project_out(out)
-
-    registry_name = "clustered"
+            return q * 0
+        groups, n_clusters = self.cluster_queries(q, key_padding_mask)
+        publish_groups(self, groups)
+        topk = getattr(self.options, "topk", None)
+        return clustered_attention(q, k, v, groups, n_clusters, topk=topk, key_padding_mask=key_padding_mask)
 
 
 @register(
@@ -155,11 +131,4 @@ class ClusteredAttention(AttentionLayer):
     "improved clustered attention: clustered + exact top-k keys per cluster; O(N C + N k)",
 )
 class ImprovedClusteredAttention(ClusteredAttention):
-    registry_name = "improved-clustered"
-
-    @staticmethod
-    def _default_options() -> ImprovedClusteredOptions:
-        return ImprovedClusteredOptions()
-
-    def _topk(self) -> int | None:
-        return self.options.topk
+    """Clustered attention plus the exact top-k correction (the options' ``topk``)."""

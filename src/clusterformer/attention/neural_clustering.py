@@ -4,14 +4,14 @@ Per layer, for x (B, N, dim):
 
 1. Clustering (eqs. 2-4, :func:`clusterformer.clustering.neural_clustering`): P = x W^C;
    U = softmax over positions of phi(C_i, P_j) * scale; C_hat = U P; I_j = argmax_i U_ij.
-   Losses L1 (eq. 6) and L2 (eq. 11) go to :attr:`aux_losses` as ``"clustering"`` and
-   ``"centroid_sorting"``.
-2. Sort x by I (eq. 5) into the window buffer of :mod:`clusterformer.ops.chunked` (one ``index_select``),
+   Losses L1 (eq. 6) and L2 (eq. 11) are published (:mod:`clusterformer.attention.aux`) as
+   ``"clustering"`` and ``"centroid_sorting"``; the assignments as the groups, (B, N).
+2. Sort x by I (eq. 5) into the window buffer of :mod:`clusterformer.ops.layouts` (one ``index_select``),
    then Q^S, K^S, V^S = X^S W^Q, X^S W^K, X^S W^V (eq. 7) in sorted order, as in the paper.
 3. Chunks of w = ceil(N / k); each attends to itself and ``look_back`` previous chunks (eqs. 8-9):
    one SDPA call over all windows; outputs return to token order (eq. 10). This is exactly
    :func:`clusterformer.ops.sorted_chunk_attention` with ids shared by the heads.
-4. Output projection.
+4. The layer's output projection.
 
 Cost: O(N k d) for the clustering plus O(N (look_back + 1) w d) for attention; with k = sqrt(N),
 O(N sqrt(N) d) (paper section 3.3).
@@ -40,8 +40,8 @@ Causal modes (``causal=True`` in the call):
 Centroids. With ``own_centroids=True`` (default) the layer owns C (k x dim parameters). The paper lets
 centroids flow between layers (first layer from parameters, later layers start from the previous layer's
 C_hat): the encoder does this with ``centroid_flow=True``, building later layers with
-``own_centroids=False`` and passing ``centroids=`` at call time. :attr:`updated_centroids` holds the last
-C_hat.
+``own_centroids=False`` and handing each layer the previous one's C_hat as ``flow=`` (with
+``return_flow=True`` a layer returns its own C_hat: :meth:`clusterformer.attention.AttentionLayer.forward`).
 
 Number of clusters. ``num_clusters`` is an int, or ``"sqrt"``: k_b = round(sqrt(L_b)) for each sequence's
 real length L_b (not the padded length of the batch), clamped to [1, max_clusters]; the layer then owns
@@ -52,7 +52,7 @@ max_b k_b (sorted after every real token), take no part in the chunks and are ne
 the chunk size w_b = ceil(L_b / k_b) come from the sequence's own length, and the first chunk looks back to
 the sequence's own last chunk, so a sequence's outputs on its real tokens do not depend on the amount of
 padding or on the other sequences of its batch. (The auxiliary losses are batch means.) With a centroid
-flow, ``centroids`` / :attr:`updated_centroids` have max_b k_b rows; rows at or after k_b are unused (zero).
+flow, the centroids in and out have max_b k_b rows; rows at or after k_b are unused (zero).
 
 NaN input. Not checked (a check would cost a device sync per call): NaN in one sequence stays in that
 sequence's outputs (attention and clustering are per sequence), but the batch-averaged losses become NaN.
@@ -64,20 +64,21 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import neural_clustering
-from ..ops.chunked import cluster_causal_layout, sorted_layout, windowed_attention
+from ..ops.layouts import cluster_causal_layout, sorted_layout
 from ..ops.masks import real_lengths
-from .base import AttentionLayer
+from ..ops.windows import windowed_attention
+from .aux import publish_groups, publish_losses
+from .base import AttentionOptions, InnerAttention, QKVProjection
 from .registry import register
 
 
 @dataclass(frozen=True)
-class NeuralClusteringOptions:
-    """Options of ``"neural-clustering"``.
+class NeuralClusteringOptions(AttentionOptions):
+    """Options of ``"neural-clustering"`` (besides ``dropout``, ``bias``).
 
     Attributes:
         num_clusters: k, an int >= 1, or "sqrt" for round(sqrt(L)) from each sequence's real length L.
@@ -92,9 +93,7 @@ class NeuralClusteringOptions:
             (the non-causal layer uses ceil(N / k)).
         similarity: "cosine" (bounded, default) or "dot" (the paper's literal inner product).
         similarity_scale: multiplies phi inside the softmax over positions (eq. 2).
-        own_centroids: own a centroid parameter; False means centroids are passed at call time.
-        dropout: attention-weight dropout probability during training.
-        bias: bias in the Q/K/V and output projections.
+        own_centroids: own a centroid parameter; False means centroids flow in from the previous layer.
     """
 
     num_clusters: int | str = "sqrt"
@@ -106,10 +105,9 @@ class NeuralClusteringOptions:
     similarity: str = "cosine"
     similarity_scale: float = 10.0
     own_centroids: bool = True
-    dropout: float = 0.0
-    bias: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.num_clusters != "sqrt":
             if isinstance(self.num_clusters, str):
                 raise ValueError(f"num_clusters must be an int >= 1 or 'sqrt', got {self.num_clusters!r}")
@@ -122,8 +120,6 @@ class NeuralClusteringOptions:
         check_choice("similarity", self.similarity, ("cosine", "dot"))
         check_float("similarity_scale", self.similarity_scale, minimum=0.0, exclusive_minimum=True)
         check_bool("own_centroids", self.own_centroids)
-        check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        check_bool("bias", self.bias)
 
     @property
     def n_centroids(self) -> int:
@@ -149,7 +145,6 @@ class NeuralClusteringOptions:
         return min(self.causal_clusters, self.max_clusters) if self.num_clusters == "sqrt" else self.num_clusters
 
     def causal_semantics(self) -> str:
-        """See :func:`clusterformer.attention.registry.causal_semantics`."""
         return self.causal_mode
 
 
@@ -158,109 +153,105 @@ class NeuralClusteringOptions:
     NeuralClusteringOptions,
     "ClusterFormer: learned centroids, sort by cluster, attention in equal chunks + look-back; O(N sqrt(N))",
 )
-class NeuralClusteringAttention(AttentionLayer):
-    def __init__(self, dim: int, heads: int, options: NeuralClusteringOptions | None = None) -> None:
-        options = options or NeuralClusteringOptions()
-        super().__init__(dim, heads, bias=options.bias)
-        self.options = options
+class NeuralClusteringAttention(InnerAttention):
+    """Clusters the hidden states (W^C x), so it implements :meth:`attend_hidden`."""
+
+    aux_losses = ("clustering", "centroid_sorting")
+
+    def __init__(self, dim: int, heads: int, options: NeuralClusteringOptions) -> None:
+        super().__init__(dim, heads, options)
         self.to_cluster = nn.Linear(dim, dim, bias=False)  # W^C
-        n_centroids = options.n_centroids
-        self.n_centroids = n_centroids
         if options.own_centroids:
-            self.centroids = nn.Parameter(torch.randn(n_centroids, dim))  # C, random init as in the paper
+            self.centroids = nn.Parameter(torch.randn(options.n_centroids, dim))  # C, random init as in the paper
         else:
             self.register_parameter("centroids", None)
-        self.updated_centroids: torch.Tensor | None = None
 
-    def clusters_for(self, length: int) -> int:
-        """k for a sequence of ``length`` real tokens."""
-        return self.options.clusters_for(length)
+    def init_for_pretrained(self) -> None:
+        """W^C = identity, so the clustering starts on the pretrained model's own hidden states; C ~ N(0, 1/dim)."""
+        with torch.no_grad():
+            self.to_cluster.weight.copy_(torch.eye(self.dim))
+            if self.centroids is not None:
+                self.centroids.normal_(0.0, self.dim ** -0.5)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        causal: bool = False,
-        *,
-        centroids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Args: x (B, N, dim); key_padding_mask (B, N) bool; causal; centroids: optional (B, k, dim) or
-        (k, dim) centroids replacing the layer's own (the paper's flow between layers). Returns (B, N, dim)."""
-        x, key_padding_mask = self._prepare(x, key_padding_mask, causal)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        raise ValueError("neural-clustering clusters the hidden states (x W^C): call it through attend_hidden "
+                         "(an AttentionLayer, or clusterformer.hf.patch), not on q, k, v alone")
+
+    def attend_hidden(
+        self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None, causal: bool,
+        flow: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, N, dim) -> (heads output (B, N, H, D), C_hat). ``flow``: optional (B, k, dim) or (k, dim)
+        centroids replacing the layer's own (the paper's flow between layers); C_hat is what flows on."""
         B, N, _ = x.shape
         strict = causal and self.options.causal_mode == "strict"
         # Strict mode fixes k and the block size, so the outputs for a prefix do not change as tokens follow.
         # Otherwise k and the chunk size follow each sequence's real length L_b (k_b = sqrt(L_b), w_b =
         # ceil(L_b / k_b)), so padding and the other sequences of the batch cannot change them.
-        k_seq = lengths = None
+        per_sequence = lengths = None
         if strict:
-            k = self.options.strict_causal_clusters()
+            n_clusters = self.options.strict_causal_clusters()
         elif key_padding_mask is None:
-            k = self.clusters_for(N)
+            n_clusters = self.options.clusters_for(N)
         else:
             lengths = real_lengths(key_padding_mask, B, N, x.device)
-            k_seq = self.options.clusters_for_lengths(lengths)
-            k = int(k_seq.max()) if B else 1
-        if centroids is None:
-            if self.centroids is None:
-                raise ValueError("centroids must be given: this layer was built with own_centroids=False")
-            centroids = self.centroids[:k]
-        else:
-            if strict:
-                raise ValueError(
-                    "centroids from another layer depend on the whole sequence and would leak future "
-                    "tokens under causal_mode='strict'; use per-layer centroids or causal_mode='paper'"
-                )
-            if centroids.dim() not in (2, 3) or centroids.shape[-1] != self.dim or centroids.shape[-2] != k or (
-                centroids.dim() == 3 and centroids.shape[0] != B
-            ):
-                raise ValueError(
-                    f"centroids must have shape (k, dim) or (B, k, dim) with k={k}, dim={self.dim}, "
-                    f"B={B}; got {tuple(centroids.shape)}"
-                )
+            per_sequence = self.options.clusters_for_lengths(lengths)
+            n_clusters = int(per_sequence.max()) if B else 1
+        centroids = self._centroids(flow, n_clusters, B, strict)
         clustering = neural_clustering(
             self.to_cluster(x), centroids, key_padding_mask=key_padding_mask,
             similarity=self.options.similarity, scale=self.options.similarity_scale,
-            assign="nearest" if strict else "subordinate", num_clusters=k_seq,
+            assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
         )
-        self.aux_losses = {
-            "clustering": clustering.clustering_loss,
-            "centroid_sorting": clustering.sorting_loss,
-        }
-        self.updated_centroids = clustering.updated_centroids
-        ids = clustering.assignments  # (B, N); padding has id k
-
+        publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
+        ids = clustering.assignments  # (B, N); padding has id n_clusters
+        publish_groups(self, ids)
         if B == 0 or N == 0:
-            return self.to_out(self.to_qkv(x)[..., : self.dim])  # empty, with an autograd graph
+            return projection.qkv(x)[0].transpose(1, 2), clustering.updated_centroids  # empty, with a graph
         if strict:
-            layout = cluster_causal_layout(ids, self.options.causal_chunk_size, k + 1, self.options.look_back)
+            layout = cluster_causal_layout(ids, self.options.causal_chunk_size, n_clusters + 1, self.options.look_back)
         elif lengths is None:
-            layout = sorted_layout(ids, math.ceil(N / k), self.options.look_back)
+            layout = sorted_layout(ids, math.ceil(N / n_clusters), self.options.look_back)
         else:
-            chunk = (lengths + k_seq - 1) // k_seq  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
+            chunk = (lengths + per_sequence - 1) // per_sequence  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
             layout = sorted_layout(ids, chunk, self.options.look_back, key_padding_mask=key_padding_mask)
-        out = self._chunk_attention(x, layout, causal, key_padding_mask)
-        return self._finish(self.to_out(out.reshape(B, N, self.dim)), key_padding_mask)
+        out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
+        return out.view(B, N, self.heads, self.head_dim), clustering.updated_centroids
 
-    def _chunk_attention(self, x, layout, causal, key_padding_mask):
+    def _centroids(self, flow: torch.Tensor | None, n_clusters: int, B: int, strict: bool) -> torch.Tensor:
+        if flow is None:
+            if self.centroids is None:
+                raise ValueError("centroids must flow in from a previous layer: this layer was built with "
+                                 "own_centroids=False")
+            return self.centroids[:n_clusters]
+        if strict:
+            raise ValueError(
+                "centroids from another layer depend on the whole sequence and would leak future "
+                "tokens under causal_mode='strict'; use per-layer centroids or causal_mode='paper'"
+            )
+        if flow.dim() not in (2, 3) or flow.shape[-1] != self.dim or flow.shape[-2] != n_clusters or (
+            flow.dim() == 3 and flow.shape[0] != B
+        ):
+            raise ValueError(
+                f"centroids must have shape (k, dim) or (B, k, dim) with k={n_clusters}, dim={self.dim}, "
+                f"B={B}; got {tuple(flow.shape)}"
+            )
+        return flow
+
+    def _chunk_attention(self, x, projection, layout, causal, key_padding_mask):
         """x (B, N, dim) -> (B * N, H, head_dim). Sorting x once and projecting in sorted order moves
         one (N, dim) tensor instead of three (H, N, head_dim) ones, and the key windows are views."""
-        H, D, dim = self.heads, self.head_dim, self.dim
-        x_rows = x.reshape(-1, dim).index_select(0, layout.rows)  # (R, dim) in buffer order
-        w_q, w_k, w_v = self.to_qkv.weight.split(dim)
-        b_q = b_k = b_v = None
-        if self.to_qkv.bias is not None:
-            b_q, b_k, b_v = self.to_qkv.bias.split(dim)
-        q = F.linear(layout.query_rows(x_rows), w_q, b_q)
+        H, D = self.heads, self.head_dim
+        x_rows = x.reshape(-1, self.dim).index_select(0, layout.rows)  # (R, dim) in buffer order
+        q = projection.project_rows(layout.query_rows(x_rows), "q")
         q = q.view(layout.num_windows, layout.chunk_size, H, D).transpose(1, 2)
-        k = F.linear(x_rows, w_k, b_k).view(-1, H, D)
-        v = F.linear(x_rows, w_v, b_v).view(-1, H, D)
-        return windowed_attention(
-            q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
-            dropout_p=self.options.dropout if self.training else 0.0,
-        )
+        k = projection.project_rows(x_rows, "k").view(-1, H, D)
+        v = projection.project_rows(x_rows, "v").view(-1, H, D)
+        return windowed_attention(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
+                                  dropout_p=self.dropout_p)
 
     def extra_repr(self) -> str:
         o = self.options
-        return (f"dim={self.dim}, heads={self.heads}, num_clusters={o.num_clusters!r}, "
-                f"look_back={o.look_back}, causal_mode={o.causal_mode!r}, similarity={o.similarity!r}")
+        return (f"num_clusters={o.num_clusters!r}, look_back={o.look_back}, causal_mode={o.causal_mode!r}, "
+                f"similarity={o.similarity!r}")

@@ -1,9 +1,14 @@
 """Registry of attention mechanisms: ``names()``, ``build(name, dim=..., heads=..., **options)``.
 
-Each mechanism registers its layer class together with a frozen dataclass of its own options. ``build``
-rejects options the mechanism does not have (naming them and listing the valid ones) and the options
-dataclass checks each value in ``__post_init__``, so there is no global parameter namespace shared by
-unrelated mechanisms.
+Each mechanism registers its :class:`~clusterformer.attention.base.InnerAttention` class together with a
+frozen dataclass of its own options (a subclass of :class:`~clusterformer.attention.base.AttentionOptions`).
+``build`` rejects options the mechanism does not have (naming them and listing the valid ones), maps the
+papers' names for options (``ALIASES``) to the library's vocabulary, and the options dataclass checks each
+value in ``__post_init__``, so there is no global parameter namespace shared by unrelated mechanisms.
+
+The same registry serves :func:`build` (a whole :class:`~clusterformer.attention.base.AttentionLayer`),
+:func:`build_inner` (the mechanism alone, for code that has its own projections) and
+:mod:`clusterformer.hf` (a pretrained model's attention).
 """
 
 from __future__ import annotations
@@ -12,35 +17,53 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .base import AttentionLayer
+from .._checks import check_int
+from .aux import declare_losses
+from .base import AttentionLayer, AttentionOptions, InnerAttention, option_fields
 
-__all__ = ["Mechanism", "build", "causal_semantics", "describe", "names", "register"]
+__all__ = ["Mechanism", "build", "build_inner", "causal_semantics", "describe", "make_options", "mechanisms",
+           "names", "register"]
 
 
 @dataclass(frozen=True)
 class Mechanism:
     name: str
-    layer: type[AttentionLayer]
-    options: type  # a dataclass whose fields are the mechanism's options, all with defaults
+    inner: type[InnerAttention]
+    options: type[AttentionOptions]  # a dataclass whose fields are the mechanism's options, all with defaults
     summary: str
+
+    @property
+    def shared_qk(self) -> bool:
+        return self.inner.shared_qk
+
+    @property
+    def aux_losses(self) -> tuple[str, ...]:
+        return self.inner.aux_losses
 
 
 _REGISTRY: dict[str, Mechanism] = {}
 
 
 def register(name: str, options: type, summary: str):
-    """Class decorator: ``@register("full", FullOptions, "...")`` on an :class:`AttentionLayer`."""
-    if not dataclasses.is_dataclass(options):
-        raise TypeError(f"options for {name!r} must be a dataclass")
+    """Class decorator: ``@register("full", FullOptions, "...")`` on an :class:`InnerAttention` subclass."""
+    if not (dataclasses.is_dataclass(options) and issubclass(options, AttentionOptions)):
+        raise TypeError(f"options for {name!r} must be a dataclass subclassing AttentionOptions")
     for field in dataclasses.fields(options):
         if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise TypeError(f"option {field.name!r} of {name!r} needs a default")
+    fields = option_fields(options)
+    for alias, target in options.ALIASES.items():
+        if target not in fields or alias in fields:
+            raise TypeError(f"alias {alias!r} of {name!r} must name an option ({target!r}) and not be one")
 
-    def decorate(layer: type[AttentionLayer]) -> type[AttentionLayer]:
+    def decorate(inner: type[InnerAttention]) -> type[InnerAttention]:
+        if not issubclass(inner, InnerAttention):
+            raise TypeError(f"{inner.__name__} must subclass InnerAttention")
         if name in _REGISTRY:
             raise ValueError(f"attention mechanism {name!r} is already registered")
-        _REGISTRY[name] = Mechanism(name, layer, options, summary)
-        return layer
+        _REGISTRY[name] = Mechanism(name, inner, options, summary)
+        declare_losses(inner.aux_losses)
+        return inner
 
     return decorate
 
@@ -50,48 +73,86 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _get(name: Any) -> Mechanism:
+def mechanisms() -> list[Mechanism]:
+    """Every registered mechanism, sorted by name."""
+    return [_REGISTRY[name] for name in names()]
+
+
+def get(name: Any) -> Mechanism:
+    """The registered mechanism ``name`` (``ValueError`` listing the names if there is none)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention mechanism {name!r}; available: {', '.join(names())}")
     return _REGISTRY[name]
 
 
 def describe(name: str) -> dict[str, Any]:
-    """The mechanism's summary and its options with their defaults."""
-    mech = _get(name)
-    defaults = {f.name: f.default for f in dataclasses.fields(mech.options)}
-    return {"name": name, "summary": mech.summary, "options": defaults}
+    """The mechanism's summary, its options with their defaults, the aliases it accepts, whether it shares QK
+    and whether it has attention dropout."""
+    mech = get(name)
+    return {"name": name, "summary": mech.summary, "options": option_fields(mech.options),
+            "aliases": dict(mech.options.ALIASES), "shared_qk": mech.shared_qk,
+            "attention_dropout": mech.options.ATTENTION_DROPOUT}
 
 
-def make_options(name: str, options: dict[str, Any]) -> Any:
-    """Validate ``options`` for mechanism ``name`` and return its options dataclass."""
-    mech = _get(name)
-    valid = {f.name for f in dataclasses.fields(mech.options)}
-    unknown = sorted(set(options) - valid)
+def make_options(name: str, options: dict[str, Any] | AttentionOptions) -> AttentionOptions:
+    """Validate ``options`` for mechanism ``name`` (a dict, aliases allowed, or its options dataclass) and
+    return its options dataclass."""
+    mech = get(name)
+    if isinstance(options, mech.options):
+        return options
+    if not isinstance(options, dict):
+        raise ValueError(f"options for {name!r} must be a dict or {mech.options.__name__}, got {options!r}")
+    valid = option_fields(mech.options)
+    canonical: dict[str, Any] = {}
+    for key, value in options.items():
+        target = mech.options.ALIASES.get(key, key)
+        if target in canonical:
+            raise ValueError(f"option {target!r} of attention {name!r} is given twice (as {target!r} and an alias)")
+        canonical[target] = value
+    unknown = sorted(set(canonical) - set(valid))
     if unknown:
         raise ValueError(
             f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for attention "
             f"{name!r}; valid options: {', '.join(sorted(valid)) or '(none)'}"
         )
-    return mech.options(**options)
+    try:
+        return mech.options(**canonical)
+    except ValueError as error:  # name the option as the caller spelled it
+        message = str(error)
+        for alias, target in mech.options.ALIASES.items():
+            if alias in options and message.startswith(target):
+                raise ValueError(f"{target} (given as {alias}){message[len(target):]}") from None
+        raise
+
+
+def build_inner(name: str, *, dim: int, heads: int, **options: Any) -> InnerAttention:
+    """The inner attention (the mechanism alone: q, k, v -> output) of ``name``; see :func:`build`."""
+    mech = get(name)
+    _check_width(dim, heads)
+    return mech.inner(dim, heads, make_options(name, options))
+
+
+def _check_width(dim: int, heads: int) -> None:
+    check_int("dim", dim, minimum=1)
+    check_int("heads", heads, minimum=1)
+    if dim % heads:
+        raise ValueError(f"dim must be divisible by heads; got dim={dim}, heads={heads}")
 
 
 def build(name: str, *, dim: int, heads: int, **options: Any) -> AttentionLayer:
-    """Build the attention layer ``name`` with model width ``dim`` split over ``heads`` heads.
+    """Build the attention layer ``name`` with model width ``dim`` split over ``heads`` heads: the layer's
+    projections around the registered inner attention.
 
     Every option has a default, so ``build(name, dim=64, heads=4)`` works for every name.
     Raises ``ValueError`` for an unknown name, an option the mechanism does not have, or a bad value.
     """
-    mech = _get(name)
-    return mech.layer(dim, heads, make_options(name, options))
+    mech = get(name)
+    opts = make_options(name, options)
+    _check_width(dim, heads)
+    return AttentionLayer(dim, heads, mech.inner(dim, heads, opts), bias=opts.bias)
 
 
 def causal_semantics(name: str, options: Any) -> str:
     """What ``causal=True`` means for mechanism ``name`` with ``options`` (a dict or its options dataclass):
-    ``"strict"`` (output t depends on tokens 0..t only), ``"paper"`` (no direct future leak, but which past
-    keys a token sees depends on the whole sequence) or ``"refused"``. The option class's
-    ``causal_semantics()``; "strict" when it defines none."""
-    if isinstance(options, dict):
-        options = make_options(name, options)
-    method = getattr(options, "causal_semantics", None)
-    return "strict" if method is None else method()
+    ``"strict"``, ``"paper"`` or ``"refused"`` (:meth:`AttentionOptions.causal_semantics`)."""
+    return make_options(name, options).causal_semantics()

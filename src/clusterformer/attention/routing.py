@@ -9,7 +9,7 @@ For x (B, N, dim):
    exactly one cluster, and the cluster ids of a token depend on that token alone, which keeps ``causal``
    strict).
 3. Attention as in ``"lsh"`` with these ids as the single round (:func:`clusterformer.ops.bucketed_attention`):
-   sort by cluster, chunks of ``window_size`` attending to themselves and ``look_back`` previous chunks,
+   sort by cluster, chunks of ``chunk_size`` attending to themselves and ``look_back`` previous chunks,
    self only when nothing else; output projection.
 4. Centroids follow the tokens by an exponential moving average of their members (mini-batch spherical
    k-means, :func:`clusterformer.clustering.ema_centroid_update`) -- never by gradient. The update from one
@@ -17,11 +17,13 @@ For x (B, N, dim):
    or earlier by :func:`clusterformer.attention.apply_pending_updates` (the training loop calls it after each
    optimiser step); a pending update is part of ``state_dict`` (extra state). In a distributed run the
    per-centroid sums and counts are summed over ranks first, so every rank applies the global batch's update.
-5. Commitment loss, ``aux_losses["commitment"]`` = mean over real tokens and heads of ||u - mu_id||^2; its
-   gradient pulls the projections towards their centroids. Weight it in
+5. Commitment loss, published as ``"commitment"`` (:mod:`clusterformer.attention.aux`): the mean over real
+   tokens and heads of ||u - mu_id||^2; its gradient pulls the projections towards their centroids. Weight it in
    :func:`clusterformer.attention.total_loss` (the Routing Transformer uses a small weight, e.g. 1e-4).
 
-Cost: O(N k D) routing + O(N (look_back + 1) window_size D) attention.
+The layer's output projection follows. Groups published: the cluster ids, (B, H, N).
+
+Cost: O(N k D) routing + O(N (look_back + 1) chunk_size D) attention.
 Masks: key padding; ``causal=True`` strict (per-cluster chunking by rank among earlier tokens).
 Randomness: centroids initialised from the layer's generator (``seed``); forward is deterministic.
 """
@@ -29,83 +31,78 @@ Randomness: centroids initialised from the layer's generator (``seed``); forward
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_float, check_int
+from .._checks import check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
 from ..ops.bucketed import bucketed_attention
-from .base import AttentionLayer
+from ..ops.masks import real_tokens
+from .aux import publish_groups, publish_losses
+from .base import InnerAttention, SeededOptions
 from .registry import register
 
 
 @dataclass(frozen=True)
-class RoutingOptions:
-    """Options of ``"routing"``.
+class RoutingOptions(SeededOptions):
+    """Options of ``"routing"`` (besides ``dropout``, ``bias``, ``seed``; ``seed`` seeds the centroids).
 
     Attributes:
         num_clusters: centroids per head.
-        window_size: tokens per chunk after sorting by cluster.
+        chunk_size: tokens per chunk after sorting by cluster (the Routing Transformer's window; alias
+            ``window_size``).
         look_back: previous chunks each chunk attends to.
         decay: EMA decay of the centroids (0 = replace by the batch means; closer to 1 = slower).
-        seed: seeds the centroid initialisation.
-        dropout: attention-weight dropout probability during training.
-        bias: bias in the projections.
     """
 
+    ALIASES: ClassVar[dict[str, str]] = {"window_size": "chunk_size"}
+
     num_clusters: int = 32
-    window_size: int = 64
+    chunk_size: int = 64
     look_back: int = 1
     decay: float = 0.999
-    seed: int = 0
-    dropout: float = 0.0
-    bias: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_int("num_clusters", self.num_clusters, minimum=1)
-        check_int("window_size", self.window_size, minimum=1)
+        check_int("chunk_size", self.chunk_size, minimum=1)
         check_int("look_back", self.look_back, minimum=0)
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        check_int("seed", self.seed, minimum=0)
-        check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        check_bool("bias", self.bias)
 
 
 @register("routing", RoutingOptions, "Routing Transformer: EMA k-means on shared QK, sorted chunks; O(N k + N w)")
-class RoutingAttention(AttentionLayer):
-    def __init__(self, dim: int, heads: int, options: RoutingOptions | None = None) -> None:
-        options = options or RoutingOptions()
-        super().__init__(dim, heads, bias=options.bias, shared_qk=True, seed=options.seed)
-        self.options = options
+class RoutingAttention(InnerAttention):
+    shared_qk = True
+    aux_losses = ("commitment",)
+
+    def __init__(self, dim: int, heads: int, options: RoutingOptions) -> None:
+        super().__init__(dim, heads, options)
         init = torch.randn(heads, options.num_clusters, self.head_dim, generator=self.generator)
         self.register_buffer("centroids", F.normalize(init, dim=-1))  # (H, k, D) unit vectors
-        self.last_clusters: torch.Tensor | None = None  # (B, H, N)
 
-    def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         if self.updates_state():
             self.apply_pending_updates()
-        qk, _, v = self.project_qkv(x)
-        B, H, N, D = qk.shape
-        k = self.options.num_clusters
-        unit = F.normalize(qk, dim=-1)
-        mu = self.centroids.to(qk.dtype)
+        B, H, N, D = q.shape  # q is k (shared QK)
+        unit = F.normalize(q, dim=-1)
+        mu = self.centroids.to(q.dtype)
         ids = torch.einsum("bhnd,hkd->bhnk", unit.detach(), mu).argmax(-1)  # (B, H, N)
-        self.last_clusters = ids
-        real = torch.ones(B, N, dtype=torch.bool, device=x.device) if key_padding_mask is None else ~key_padding_mask
-        weight = real[:, None, :].to(qk.dtype).expand(B, H, N)
-        gap = (unit - mu[torch.arange(H, device=x.device)[None, :, None], ids]).pow(2).sum(-1)
-        self.aux_losses = {"commitment": (gap * weight).sum() / weight.sum().clamp(min=1)}
+        publish_groups(self, ids)
+        weight = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].to(q.dtype).expand(B, H, N)
+        gap = (unit - mu[torch.arange(H, device=q.device)[None, :, None], ids]).pow(2).sum(-1)
+        publish_losses({"commitment": (gap * weight).sum() / weight.sum().clamp(min=1)})
         if self.updates_state():
             points = unit.detach().transpose(0, 1).reshape(H, B * N, D)
-            self._pending["centroids"] = ema_centroid_update(
+            self.pending["centroids"] = ema_centroid_update(
                 self.centroids, points, ids.transpose(0, 1).reshape(H, B * N), decay=self.options.decay,
                 valid=weight.transpose(0, 1).reshape(H, B * N) > 0, reduce=all_reduce_sum,
             )
-        out = bucketed_attention(
-            qk, v, ids.unsqueeze(2), min(self.options.window_size, max(N, 1)), num_buckets=k,
+        return bucketed_attention(
+            q, v, ids.unsqueeze(2), min(self.options.chunk_size, max(N, 1)), num_buckets=self.options.num_clusters,
             look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
-            dropout_p=self.options.dropout if self.training else 0.0,
+            dropout_p=self.dropout_p,
         )
-        return self.project_out(out)

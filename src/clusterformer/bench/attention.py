@@ -204,9 +204,10 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
     def fwd_bwd(with_aux: bool) -> Callable[[], None]:
         def run() -> None:
             layer.train()
-            loss = layer(x, key_padding_mask=pad).sum()
+            with collect_aux_losses() as aux:
+                loss = layer(x, key_padding_mask=pad).sum()
             if with_aux:
-                for value in collect_aux_losses(layer).values():
+                for value in aux.values():
                     loss = loss + value
             loss.backward()
             x.grad = None
@@ -238,7 +239,7 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         fwd_bwd(False)()
     sync()
 
-    has_aux = bool(layer.aux_losses)
+    has_aux = bool(layer.inner.aux_losses)
     warmup, repeats = job["warmup"], job["repeats"]
     return {
         "name": job["name"],

@@ -36,7 +36,8 @@ def _peak(fn) -> float:
 
 
 def run(length: int, dtype: torch.dtype, heads: int = 4, head_dim: int = 64) -> list[dict]:
-    from ..ops.chunked import sorted_layout, windowed_attention
+    from ..ops.layouts import sorted_layout
+    from ..ops.windows import windowed_attention
 
     k_clusters = max(1, round(math.sqrt(length)))
     w = math.ceil(length / k_clusters)

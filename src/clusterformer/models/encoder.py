@@ -1,7 +1,7 @@
 """A pre-norm Transformer encoder over any registered attention, and a sequence classifier on top.
 
 Read top to bottom: config dataclass -> positional encodings -> block -> encoder -> classifier.
-Auxiliary losses of the attention layers are read after a forward with
+Auxiliary losses of the attention layers are collected around a forward with
 :func:`clusterformer.attention.collect_aux_losses` (see :mod:`clusterformer.attention.aux`).
 """
 
@@ -23,7 +23,7 @@ from .._checks import (
     check_padding_mask,
     check_tensor,
 )
-from ..attention import AttentionLayer, NeuralClusteringAttention, build, describe
+from ..attention import AttentionLayer, build, describe
 from ..attention.base import LAYER_SEED_STRIDE, layer_seed  # noqa: F401  (re-exported)
 from ..attention.registry import make_options
 from .reversible import ReversibleSequence
@@ -171,20 +171,19 @@ class Block(nn.Module):
         )
         self.drop = nn.Dropout(config.dropout)
 
-    def attention_branch(self, x, key_padding_mask=None, causal=False, centroids=None):
+    def attention_branch(self, x, key_padding_mask=None, causal=False):
         """Drop(Attn(LN(x))): F of a reversible block."""
-        h = self.norm_attn(x)
-        if centroids is not None:
-            return self.drop(self.attn(h, key_padding_mask, causal, centroids=centroids))
-        return self.drop(self.attn(h, key_padding_mask, causal))
+        return self.drop(self.attn(self.norm_attn(x), key_padding_mask, causal))
 
     def ff_branch(self, x):
         """Drop(FF(LN(x))): G of a reversible block."""
         return self.drop(self.ff(self.norm_ff(x)))
 
-    def forward(self, x, key_padding_mask=None, causal=False, centroids=None):
-        x = x + self.attention_branch(x, key_padding_mask, causal, centroids)
-        return x + self.ff_branch(x)
+    def forward(self, x, key_padding_mask=None, causal=False, flow=None):
+        """(x, flow) -> (x', flow'): the flow is what attention layers hand on (neural clustering's centroids)."""
+        attended, flow = self.attn(self.norm_attn(x), key_padding_mask, causal, flow=flow, return_flow=True)
+        x = x + self.drop(attended)
+        return x + self.ff_branch(x), flow
 
 
 class Encoder(nn.Module):
@@ -228,11 +227,11 @@ class Encoder(nn.Module):
         if self.reversible is not None:
             y1, y2 = self.reversible(x, x, key_padding_mask=key_padding_mask, causal=causal)
             return self.norm((y1 + y2) / 2)
-        centroids = None
+        flow = None
         for block in self.blocks:
-            x = block(x, key_padding_mask, causal, centroids)
-            if self.config.centroid_flow and isinstance(block.attn, NeuralClusteringAttention):
-                centroids = block.attn.updated_centroids  # the paper: next layer starts from C_hat
+            x, flow = block(x, key_padding_mask, causal, flow)
+            if not self.config.centroid_flow:  # the paper's flow: layer l + 1 starts from layer l's C_hat
+                flow = None
         return self.norm(x)
 
 

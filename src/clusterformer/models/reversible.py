@@ -34,9 +34,10 @@ generator; the recompute restores them (inside :func:`torch.random.fork_rng`, so
 untouched) and runs under :func:`clusterformer.attention.replaying`, in which stateful layers (memory banks,
 EMA centroids) leave their state alone.
 
-Auxiliary losses (clustering, commitment) of the attention layers are returned by the autograd function as
-extra outputs and written back into each layer's ``aux_losses``, so ``collect_aux_losses`` and
-``total_loss`` work unchanged and their gradients reach the recomputed branches.
+Auxiliary losses (clustering, commitment) of the attention layers are captured per block (an isolated
+collector of :mod:`clusterformer.attention.aux`), returned by the autograd function as extra outputs, and
+published from those outputs, so :func:`~clusterformer.attention.collect_aux_losses` and ``total_loss`` work
+unchanged and their gradients reach the recomputed branches. The recompute publishes nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..attention import AttentionLayer, replaying
+from ..attention import replaying
+from ..attention.aux import isolated, publish_losses
+from ..attention.aux import publish_groups as _publish_groups
+from ..attention.base import SeededModule
 
 __all__ = ["ReversibleSequence", "TiedConnection"]
 
@@ -86,17 +90,6 @@ class _RNGState:
             g.set_state(s)
 
 
-def _release(attns: list[AttentionLayer], published: list[dict]) -> None:
-    """After a block's recompute: give the layers back the aux losses the forward published, and detach any
-    other tensor attribute the recompute left with a graph (e.g. ``updated_centroids``), which would otherwise
-    keep the block's recomputed inputs and their gradients alive until the next forward."""
-    for attn, aux in zip(attns, published, strict=True):
-        attn.aux_losses = aux
-        for name, value in list(vars(attn).items()):
-            if torch.is_tensor(value) and value.requires_grad:
-                setattr(attn, name, value.detach())
-
-
 def _accumulate(total: dict[int, torch.Tensor], params: list[nn.Parameter], grads) -> None:
     for p, g in zip(params, grads, strict=True):
         if g is not None:
@@ -104,18 +97,20 @@ def _accumulate(total: dict[int, torch.Tensor], params: list[nn.Parameter], grad
 
 
 class _ReversibleFunction(torch.autograd.Function):
-    """(x1, x2, *params) -> (y1, y2, aux losses). The parameters of every block are explicit inputs, so their
+    """(x1, x2, *params) -> (y1, y2, aux losses); ``aux_names`` receives the losses' names per block.
+
+    The parameters of every block are explicit inputs, so their
     gradients leave ``backward`` as outputs and reach ``.grad`` through the outer autograd pass only, once per
     parameter: DistributedDataParallel sees them in the graph and its gradient hooks fire once (a nested
     ``backward`` that accumulated them itself would mark them ready twice)."""
 
     @staticmethod
-    def forward(ctx, x1, x2, seq: ReversibleSequence, kwargs: dict, *params):
+    def forward(ctx, x1, x2, seq: ReversibleSequence, kwargs: dict, aux_names: list, *params):
         ctx.seq, ctx.kwargs = seq, kwargs
         ctx.params = params
         ctx.states = []
         aux_values = []
-        ctx.aux_names = []
+        ctx.aux_names = aux_names  # filled here, read by the caller: which loss each aux output is
         with torch.no_grad():
             for i in range(len(seq.blocks)):
                 f_state = seq._capture(i, x2.device)
@@ -153,12 +148,10 @@ class _ReversibleFunction(torch.autograd.Function):
                 y1_bar = dy1 + (d_y1 if d_y1 is not None else 0)
                 x2 = y2 - g_out.detach()
                 # F (and H): x1 = y1 - F(x2) [- H(x1, x2)]; eqs. (4)-(6) with y1_bar.
-                attns = seq._attns(i)
-                published = [a.aux_losses for a in attns]  # the function's outputs, to put back below
-                with torch.enable_grad():
+                with torch.enable_grad(), isolated():  # the recompute's losses are not published again
                     x2_ = x2.detach().requires_grad_(True)
                     f_state.restore()
-                    f_out, aux = seq._attention_branch(i, x2_, kwargs)
+                    f_out, aux = seq._attention_branch(i, x2_, kwargs, publish_groups=False)
                     outputs, grads = [f_out], [y1_bar]
                     x1_ = None
                     if seq.tied is not None:
@@ -176,11 +169,10 @@ class _ReversibleFunction(torch.autograd.Function):
                     inputs = [x2_] + ([x1_] if x1_ is not None else [])
                     d_inputs = torch.autograd.grad(outputs, inputs + params, grads, allow_unused=True)
                 _accumulate(param_grads, params, d_inputs[len(inputs):])
-                _release(attns, published)
             dx2 = dy2 + (d_inputs[0] if d_inputs[0] is not None else 0)
             dx1 = y1_bar + (d_inputs[1] if x1_ is not None and d_inputs[1] is not None else 0)
             y1, y2, dy1, dy2 = x1.detach(), x2.detach(), dx1, dx2
-        return (dy1, dy2, None, None, *(param_grads.get(id(p)) for p in ctx.params))
+        return (dy1, dy2, None, None, None, *(param_grads.get(id(p)) for p in ctx.params))
 
 
 class ReversibleSequence(nn.Module):
@@ -217,19 +209,20 @@ class ReversibleSequence(nn.Module):
             seen.update((id(p), p) for p in self._block_parameters(i))
         return list(seen.values())
 
-    def _attns(self, i: int) -> list[AttentionLayer]:
-        return [m for m in self.blocks[i].modules() if isinstance(m, AttentionLayer)]
-
     def _capture(self, i: int, device: torch.device) -> _RNGState:
-        gens = [a.generator for a in self._attns(i) if a.generator is not None]
+        gens = [m.generator for m in self.blocks[i].modules() if isinstance(m, SeededModule) and m.generator]
         return _RNGState(gens, device)
 
-    def _attention_branch(self, i: int, x: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, dict]:
-        out = self.blocks[i].attention_branch(x, **kwargs)
-        aux: dict[str, torch.Tensor] = {}
-        for j, attn in enumerate(self._attns(i)):
-            aux.update({f"{j}:{n}": v for n, v in attn.aux_losses.items()})
-        return out, aux
+    def _attention_branch(self, i: int, x: torch.Tensor, kwargs: dict, *,
+                          publish_groups: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """F of block i, with the auxiliary losses it published (name -> mean over its layers) captured, not
+        published; its groups are passed on to the open recorders unless ``publish_groups`` is False."""
+        with isolated() as (aux, groups):
+            out = self.blocks[i].attention_branch(x, **kwargs)
+        if publish_groups:
+            for module, value in groups.items():
+                _publish_groups(module, value)
+        return out, dict(aux)
 
     def _ff_branch(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return self.blocks[i].ff_branch(x)
@@ -252,21 +245,18 @@ class ReversibleSequence(nn.Module):
         )
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.recompute or not torch.is_grad_enabled():
+        if not self.recompute or not torch.is_grad_enabled():  # ordinary autograd: layers publish as usual
             for i in range(len(self.blocks)):
-                f_out, _ = self._attention_branch(i, x2, kwargs)
+                f_out = self.blocks[i].attention_branch(x2, **kwargs)
                 x1 = x1 + f_out + (self.tied[i](x1, x2) if self.tied is not None else 0)
                 x2 = x2 + self._ff_branch(i, x1)
             return x1, x2
-        y1, y2, aux_flat = _ReversibleFunction.apply(x1, x2, self, kwargs, *self._trainable_parameters())
-        # Hand each layer its auxiliary losses as entries of the function's output (with the graph attached),
-        # in the order the function stacked them: per block, sorted "attention index:loss name".
-        k = 0
-        for i in range(len(self.blocks)):
-            attns = self._attns(i)
-            keys = sorted(f"{j}:{n}" for j, a in enumerate(attns) for n in a.aux_losses)
-            for t, key in enumerate(keys):
-                j, n = key.split(":", 1)
-                attns[int(j)].aux_losses[n] = aux_flat[k + t]
-            k += len(keys)
+        aux_names: list[list[str]] = []
+        y1, y2, aux_flat = _ReversibleFunction.apply(x1, x2, self, kwargs, aux_names, *self._trainable_parameters())
+        # Publish each block's auxiliary losses as entries of the function's output (with the graph attached),
+        # in the order the function stacked them: per block, sorted by name.
+        offset = 0
+        for names in aux_names:
+            publish_losses({name: aux_flat[offset + t] for t, name in enumerate(names)})
+            offset += len(names)
         return y1, y2

@@ -1,18 +1,11 @@
 """Functional core: the batched primitives every clustering mechanism is built from."""
 
 from .bucketed import bucketed_attention, merge_rounds
-from .chunked import (
-    ChunkLayout,
-    cluster_causal_attention,
-    cluster_causal_layout,
-    sorted_chunk_attention,
-    sorted_layout,
-    use_fused_kernel,
-    windowed_attention,
-    windowed_attention_lse,
-)
+from .chunked import cluster_causal_attention, sorted_chunk_attention
 from .clustered import clustered_attention
+from .layouts import ChunkLayout, cluster_causal_layout, sorted_layout
 from .sliding import sliding_window_attention, window_count
+from .windows import use_fused_kernel, windowed_attention, windowed_attention_lse
 
 __all__ = [
     "ChunkLayout",

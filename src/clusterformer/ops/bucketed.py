@@ -24,7 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .chunked import cluster_causal_layout, sorted_layout, windowed_attention_lse
+from .layouts import cluster_causal_layout, sorted_layout
+from .windows import windowed_attention_lse
 
 __all__ = ["bucketed_attention", "merge_rounds"]
 

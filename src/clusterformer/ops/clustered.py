@@ -9,7 +9,7 @@ Given a partition of the queries into C clusters (per batch element and head):
   A^c_jl elsewhere; output A^t_i V = m_j softmax(q_i K_T^T) V_T + (V^c_j - A^c_{j,T} V_T).
 
 For long sequences the exact top-k products are computed chunk by chunk: queries are laid out so that every
-chunk holds one cluster (:func:`clusterformer.ops.chunked.cluster_aligned_slots`), so each chunk multiplies
+chunk holds one cluster (:func:`clusterformer.ops.layouts.cluster_aligned_slots`), so each chunk multiplies
 its queries by its cluster's k keys in one batched matmul -- O(N k D) time and memory, no (N, k, D) gather. Short
 sequences (N <= DENSE_TOPK_FACTOR * k) use one dense attention with a (N, N) mask of each query's T_j.
 """
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .chunked import cluster_aligned_slots
+from .layouts import cluster_aligned_slots
 from .masks import masked_sdpa
 
 __all__ = ["DENSE_TOPK_FACTOR", "clustered_attention"]

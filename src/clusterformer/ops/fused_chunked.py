@@ -1,6 +1,6 @@
 """Fused sorted-chunk attention (Triton): each query chunk reads its key window in place.
 
-The window buffer of :mod:`clusterformer.ops.chunked` puts the keys of chunk c -- chunks c-L..c -- in
+The window buffer of :mod:`clusterformer.ops.layouts` puts the keys of chunk c -- chunks c-L..c -- in
 *contiguous* rows (L = look-back, ``hops = L + 1`` chunks per window). The unfused path turns those rows
 into (windows, heads, hops * w, D) key/value tensors for SDPA, whose backward then allocates gradients for
 windows ``hops`` times the size of K and V. These kernels never build windows:

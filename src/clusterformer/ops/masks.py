@@ -1,19 +1,42 @@
-"""The one rule for a query that may attend to no key, shared by every masked attention in the package.
+"""One mask value, composable predicates, and one rule for a query with no key.
 
-Masks are boolean "allowed" tensors (True = the query may attend to the key), broadcastable to
-(..., queries, keys); the public convention outside (``key_padding_mask``, True = padding, plus ``causal``)
-is turned into one of these at the call site. A query with no allowed key (a sequence of padding only, left
-padding under a causal mask, an empty window) has no softmax; it is given every key -- a finite softmax, so
-no NaN reaches outputs or gradients -- and its output is then zeroed, which also zeroes every gradient
-flowing through it.
+The mask value. Outside and inside the package, padding is one tensor: ``key_padding_mask`` (B, N) bool,
+True = padding (``None``: no padding). Its views have names: :func:`real_tokens` (True = a token),
+:func:`real_lengths` (tokens per sequence). Attention masks are *allowed* tensors, True = the query may
+attend to the key, broadcastable to (..., queries, keys).
+
+Predicates. A mask is built from predicates in the style of ``torch.nn.attention.flex_attention``'s
+``mask_mod`` and ``and_masks``: a predicate maps (query index, key index) tensors -- indices into flat
+per-row tables (a token's flat index b * N + n for dense attention, a buffer row for windowed attention)
+-- to a boolean "allowed" tensor of their broadcast shape:
+
+    allowed = and_masks(key_is_real(real), causal_order(positions), same_group(groups))(q_index, k_index)
+
+The rule. A query with no allowed key (a sequence of padding only, left padding under a causal mask, an
+empty window) has no softmax; :func:`allow_empty_rows` gives it every key -- a finite softmax, so no NaN
+reaches outputs or gradients -- and reports it, and the caller zeroes its output, which also zeroes every
+gradient through it. :func:`masked_sdpa` is SDPA with that rule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["allow_empty_rows", "masked_sdpa", "real_lengths"]
+__all__ = ["MaskPredicate", "allow_empty_rows", "and_masks", "causal_order", "dense_allowed", "key_is_real",
+           "masked_sdpa", "real_lengths", "real_tokens", "same_group", "self_only_when_alone"]
+
+MaskPredicate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------- views of the mask value
+def real_tokens(key_padding_mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """(batch, length) bool, True = a real token (all True without a mask)."""
+    if key_padding_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    return ~key_padding_mask
 
 
 def real_lengths(key_padding_mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -24,6 +47,54 @@ def real_lengths(key_padding_mask: torch.Tensor | None, batch: int, length: int,
     return (~key_padding_mask).sum(1)
 
 
+# ------------------------------------------------------------------------------------------------ predicates
+def and_masks(*predicates: MaskPredicate) -> MaskPredicate:
+    """The predicate allowing a (query, key) pair when every one of ``predicates`` does."""
+
+    def both(q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        allowed = predicates[0](q_index, k_index)
+        for predicate in predicates[1:]:
+            allowed = allowed & predicate(q_index, k_index)
+        return allowed
+
+    return both
+
+
+def key_is_real(real: torch.Tensor) -> MaskPredicate:
+    """The key is a real token: ``real`` (rows,) bool per flat row."""
+    return lambda q_index, k_index: real[k_index]
+
+
+def causal_order(positions: torch.Tensor) -> MaskPredicate:
+    """The key is not after the query: ``positions`` (rows,) each row's position in its sequence."""
+    return lambda q_index, k_index: positions[q_index] >= positions[k_index]
+
+
+def same_group(groups: torch.Tensor) -> MaskPredicate:
+    """Query and key are in the same group: ``groups`` (rows,) each row's group."""
+    return lambda q_index, k_index: groups[q_index] == groups[k_index]
+
+
+def self_only_when_alone(allowed: torch.Tensor, is_self: torch.Tensor) -> torch.Tensor:
+    """Reformer's shared-QK rule on an allowed mask (..., Nq, Nk): a query may attend to its own token only when
+    it has no other allowed key (with shared QK, q . k_self would dominate). ``is_self`` broadcasts to it."""
+    others = allowed & ~is_self
+    return torch.where(others.any(-1, keepdim=True), others, allowed)
+
+
+def dense_allowed(key_padding_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The allowed mask of attention over every key: key_padding_mask (B, N) -> (B, 1, 1 or N, N)."""
+    B, N = key_padding_mask.shape
+    device = key_padding_mask.device
+    flat = torch.arange(B * N, device=device).view(B, 1, N)
+    q_index, k_index = flat.unsqueeze(-1), flat.unsqueeze(-2)  # (B, 1, N, 1), (B, 1, 1, N)
+    real = key_is_real(~key_padding_mask.reshape(-1))
+    if not causal:
+        return real(q_index[..., :1, :], k_index)
+    return and_masks(real, causal_order(torch.arange(N, device=device).repeat(B)))(q_index, k_index)
+
+
+# ----------------------------------------------------------------------------------------------- the rule
 def allow_empty_rows(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """allowed (..., Nq, Nk) bool -> (the mask to give the softmax, (..., Nq, Nk); the rows without an allowed
     key, (..., Nq, 1), whose outputs the caller zeroes)."""

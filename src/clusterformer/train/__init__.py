@@ -2,11 +2,15 @@
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .loop import TrainConfig, evaluate_checkpoint, run_training
-from .tasks import TASKS, PreparedTask, prepare_task, ranking_metrics
+from .tasks import TASKS, Batch, ClassificationTask, Examples, LanguageModelTask, Task, prepare_task, ranking_metrics
 
 __all__ = [
     "TASKS",
-    "PreparedTask",
+    "Batch",
+    "ClassificationTask",
+    "Examples",
+    "LanguageModelTask",
+    "Task",
     "TrainConfig",
     "evaluate_checkpoint",
     "load_checkpoint",

@@ -2,10 +2,13 @@
 
 Semantics (what the tests check):
 
-* **Batches.** Each epoch visits a permutation of the training examples drawn from ``seed + epoch``; step s of
-  the epoch takes the s-th run of ``batch_size * world_size`` examples (the last incomplete run is dropped) and
-  rank r trains on the r-th contiguous slice of ``batch_size``. Language modelling draws
-  ``batch_size * world_size`` random windows per step from a generator seeded with ``(seed, step)``.
+* **Shape.** :func:`run_training` reads top to bottom: set-up (or resume), steps, finish. The task
+  (:class:`clusterformer.train.tasks.Task`) provides the model head, the batches, the loss and the evaluation;
+  the loop knows nothing of classification or language modelling.
+* **Batches** (the task's ``batch``). Each epoch visits a permutation of the training examples drawn from
+  ``seed + epoch``; step s of the epoch takes the s-th run of ``batch_size * world_size`` examples (the last
+  incomplete run is dropped) and rank r trains on the r-th contiguous slice of ``batch_size``. Language
+  modelling draws ``batch_size * world_size`` random windows per step from a generator seeded with ``(seed, step)``.
 * **Distributed.** Under ``torchrun --nproc_per_node=N`` (``WORLD_SIZE`` > 1) the model is wrapped in PyTorch
   ``DistributedDataParallel`` (gloo on CPU, nccl on CUDA), which averages gradients over ranks: with equal
   slices and no dropout, N ranks of ``batch_size`` give the same update as one process with
@@ -45,15 +48,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_int
+from .._io import write_json
 from ..attention import apply_pending_updates, collect_aux_losses, total_loss
 from ..attention.registry import causal_semantics, make_options
-from ..models import EncoderConfig, SequenceClassifier
-from ..models.lm import LanguageModel
+from ..models import EncoderConfig
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
-from .tasks import TASKS, PreparedTask, prepare_task, ranking_metrics
+from .tasks import TASKS, Task, prepare_task
 
 __all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "run_training"]
 
@@ -185,19 +187,18 @@ def _tokenizer_kind(config: TrainConfig) -> str:
     return f"pretrained:{config.init}" if config.init else config.tokenizer
 
 
-def build_model(config: TrainConfig, task: PreparedTask) -> torch.nn.Module:
+def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
+    """The task's model: a pretrained encoder to fine-tune (``init``), or the task's head on a new encoder."""
     if config.init:
         from ..hf import PretrainedClassifier
 
         return PretrainedClassifier(config.init, task.num_classes, attention=config.attention,
                                     options=dict(config.attention_options))
-    max_len = config.max_len + (1 if task.kind == "lm" else 0)
     enc = EncoderConfig(vocab_size=task.vocab_size, dim=config.dim, depth=config.depth, heads=config.heads,
-                        ff_dim=config.ff_dim, dropout=config.dropout, max_len=max_len, attention=config.attention,
-                        attention_options=dict(config.attention_options), reversible=config.reversible)
-    if task.kind == "lm":
-        return LanguageModel(enc)
-    return SequenceClassifier(enc, task.num_classes)
+                        ff_dim=config.ff_dim, dropout=config.dropout, max_len=task.model_max_len(config.max_len),
+                        attention=config.attention, attention_options=dict(config.attention_options),
+                        reversible=config.reversible)
+    return task.build_model(enc)
 
 
 def _schedule(config: TrainConfig, total: int):
@@ -211,41 +212,6 @@ def _schedule(config: TrainConfig, total: int):
         return 1.0 - progress if config.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-# ----------------------------------------------------------------------------------------------- batches
-
-
-def _steps_per_epoch(task: PreparedTask, config: TrainConfig, world: int) -> int:
-    if task.kind == "lm":
-        span = config.max_len + 1
-        return max(1, (len(task.train["stream"]) - span) // (span * config.batch_size * world))
-    n = len(task.train["labels"])
-    steps = n // (config.batch_size * world)
-    if steps == 0:
-        raise ValueError(f"the training set has {n} examples, fewer than batch_size * world_size = "
-                         f"{config.batch_size * world}; lower --batch-size")
-    return steps
-
-
-def _batch(task: PreparedTask, config: TrainConfig, step: int, per_epoch: int, rank: int, world: int):
-    """The rank's slice of global step ``step`` (see module docs)."""
-    B = config.batch_size
-    if task.kind == "lm":
-        stream, span = task.train["stream"], config.max_len + 1
-        g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        starts = torch.randint(len(stream) - span + 1, (B * world,), generator=g)[rank * B:(rank + 1) * B]
-        windows = stream[starts.unsqueeze(1) + torch.arange(span)]
-        return windows[:, :-1], None, windows[:, 1:]
-    epoch, within = divmod(step, per_epoch)
-    order = torch.randperm(len(task.train["labels"]), generator=torch.Generator().manual_seed(config.seed + epoch))
-    global_index = order[within * world * B:(within + 1) * world * B]
-    # Trim to the longest example of the *global* batch, so every rank (and a single process with the whole
-    # batch) sees the same padded length. (Every mechanism's outputs are independent of the padding amount;
-    # equal shapes keep the float reduction order, and so the last bits, equal too.)
-    keep = int((~task.train["pad"][global_index]).sum(1).max().clamp(min=1))
-    index = global_index[rank * B:(rank + 1) * B]
-    return task.train["ids"][index, :keep], task.train["pad"][index, :keep], task.train["labels"][index]
 
 
 def _autocast(config: TrainConfig, device: torch.device):
@@ -271,63 +237,29 @@ class _WithAuxLosses(torch.nn.Module):
         self.weights = weights
 
     def forward(self, ids: torch.Tensor, pad: torch.Tensor | None):
-        logits = self.model(ids, pad)
-        aux = {k: v for k, v in collect_aux_losses(self.model).items() if self.weights.get(k, 0.0)}
-        return logits, aux
-
-
-def _loss(step_module, model, task, config, ids, pad, labels, device):
-    ids, labels = ids.to(device), labels.to(device)
-    pad = pad.to(device) if pad is not None else None
-    with _autocast(config, device):
-        logits, weighted_aux = step_module(ids, pad)
-    if task.kind == "lm":
-        task_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-    else:
-        task_loss = F.cross_entropy(logits.float(), labels)
-    loss = total_loss(task_loss, weighted_aux, _aux_weights(config), task_weight=config.task_weight)
-    return loss, task_loss, collect_aux_losses(model)  # every aux loss, weighted or not, for the logs
+        with collect_aux_losses() as aux:
+            logits = self.model(ids, pad)
+        weighted = {k: v for k, v in aux.items() if self.weights.get(k, 0.0)}
+        logged = {k: v.detach() for k, v in aux.items()}  # every aux loss, weighted or not, for the logs
+        return logits, weighted, logged
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, task: PreparedTask, config: TrainConfig, device: torch.device) -> dict:
-    """The task's test metric: accuracy, MAP/MRR, or bits per character (non-overlapping windows)."""
+def evaluate(model: torch.nn.Module, task: Task, config: TrainConfig, device: torch.device) -> dict:
+    """The task's test metric (accuracy, MAP/MRR, or bits per character) of ``model`` in evaluation mode."""
     was_training = model.training
     apply_pending_updates(model)  # evaluate the state after the last step, not one step old
     model.eval()
+
+    def predict(ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        with _autocast(config, device):
+            return model(ids.to(device), None if pad is None else pad.to(device)).float().cpu()
+
     try:
-        if task.kind == "lm":
-            stream, span = task.test["stream"], config.max_len + 1
-            n = (len(stream) - 1) // config.max_len
-            if n == 0:
-                raise ValueError(f"the held-out text ({len(stream)} tokens) is shorter than max_len + 1 = {span}")
-            total, count = 0.0, 0
-            for start in range(0, n, config.batch_size):  # batches of windows
-                rows = torch.arange(start, min(n, start + config.batch_size)).unsqueeze(1) * config.max_len
-                windows = stream[rows + torch.arange(span)]
-                with _autocast(config, device):
-                    logits = model(windows[:, :-1].to(device))
-                total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                         windows[:, 1:].reshape(-1).to(device), reduction="sum").item()
-                count += windows[:, 1:].numel()
-            return {"bpc": total / count / math.log(2), "test_tokens": count}
-        ids, pad, labels = task.test["ids"], task.test["pad"], task.test["labels"]
-        scores, predictions = [], []
-        for start in range(0, len(labels), config.batch_size):
-            b_ids, b_pad = ids[start:start + config.batch_size], pad[start:start + config.batch_size]
-            keep = int((~b_pad).sum(1).max().clamp(min=1))
-            with _autocast(config, device):
-                logits = model(b_ids[:, :keep].to(device), b_pad[:, :keep].to(device)).float().cpu()
-            predictions.append(logits.argmax(-1))
-            scores.append(logits.softmax(-1)[:, -1])
-        predictions, scores = torch.cat(predictions), torch.cat(scores)
-        result = {"accuracy": (predictions == labels).float().mean().item(), "test_examples": len(labels)}
-        if task.metric == "map_mrr":
-            result.update(ranking_metrics(scores, labels, task.test["groups"]))
-        return result
+        return task.evaluate(predict, config.batch_size)
     finally:
         model.train(was_training)
 
@@ -400,45 +332,103 @@ def _checksum(tensors) -> float:
     return float(sum(t.detach().double().sum() for t in tensors))
 
 
-def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
+@dataclass
+class _Run:
+    """Everything one training run holds, set up by :func:`_set_up` and advanced by :func:`_step`."""
+
+    config: TrainConfig
+    task: Task
+    rank: int
+    world: int
+    device: torch.device
+    out: Path
+    model: torch.nn.Module
+    trained: torch.nn.Module  # the model with its aux losses as outputs, DDP-wrapped when distributed
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    per_epoch: int
+    total: int
+    started: float
+    step: int = 0
+    train_seconds: float = 0.0
+    evaluations: list = field(default_factory=list)
+
+
+def run_training(config: TrainConfig, task: Task | None = None) -> dict:
     """Train, evaluate and write ``out/metrics.json``; returns its content (on rank 0; ``{}`` elsewhere)."""
+    run = _set_up(config, task)
+    logger = _Logger(run.out, run.rank == 0, config.resume, resumed_step=run.step)
+    bar = _progress(run)
+    run.model.train()
+    while run.step < run.total:
+        row = _step(run)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", ex_s=f"{row['examples_per_s']:.0f}")
+        if run.step % config.log_every == 0 or run.step == run.total:
+            logger.log(row)
+        if config.eval_every and run.step % config.eval_every == 0 and run.step < run.total and run.rank == 0:
+            run.evaluations.append({"step": run.step, **evaluate(run.model, run.task, config, run.device)})
+            logger.log({"step": run.step, **run.evaluations[-1]})
+        if (config.checkpoint_every and run.step % config.checkpoint_every == 0) or run.step == run.total:
+            _checkpoint(run)
+    if bar is not None:
+        bar.close()
+    return _finish(run)
+
+
+def _set_up(config: TrainConfig, task: Task | None) -> _Run:
+    """Processes, device, data, model, optimiser and schedule -- resumed from ``out/checkpoint.pt`` with
+    ``config.resume``."""
     started = time.time()
     rank, world = _distributed()
     device = _device(config.device, rank)
     out = Path(config.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    state = None
-    if config.resume:
-        state = load_checkpoint(out / CHECKPOINT)
-        saved = state["config"]
-        changed = {k for k in ("task", "attention", "attention_options", "dim", "depth", "heads", "max_len", "seed",
-                               "batch_size") if saved.get(k) != getattr(config, k)}
-        if changed:
-            raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
-        if state["world_size"] != world:
-            raise ValueError(f"the checkpoint was written with {state['world_size']} processes, not {world}")
+    state = _load_for_resume(config, out, world) if config.resume else None
     if task is None:
-        task = prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len,
-                            tokenizer=_tokenizer_kind(config),
-                            vocab_size=config.vocab_size, seed=config.seed, fold=config.fold, folds=config.folds,
-                            limit=config.limit, train_file=config.train_file, test_file=config.test_file,
-                            tokenizer_state=state["tokenizer"] if state else None)
+        task = _prepare(config, tokenizer_state=state["tokenizer"] if state else None)
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     model = build_model(config, task).to(device)
-    per_epoch = _steps_per_epoch(task, config, world)
+    per_epoch = task.steps_per_epoch(config.batch_size, world)
     total = min(x for x in (config.max_steps, config.epochs and config.epochs * per_epoch) if x)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total))
-    step, train_seconds = 0, 0.0
+    run = _Run(config, task, rank, world, device, out, model, _wrap(model, config, device, world), optimizer,
+               scheduler, per_epoch, total, started)
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        step, train_seconds = state["step"], state["train_seconds"]
+        run.step, run.train_seconds = state["step"], state["train_seconds"]
+        run.evaluations = list(state.get("evaluations", []))
         _set_rng_state(state["rng"][rank], device)
     else:
         torch.manual_seed(config.seed + rank)  # dropout differs across ranks
+    return run
+
+
+def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
+    state = load_checkpoint(out / CHECKPOINT)
+    saved = state["config"]
+    changed = {k for k in ("task", "attention", "attention_options", "dim", "depth", "heads", "max_len", "seed",
+                           "batch_size") if saved.get(k) != getattr(config, k)}
+    if changed:
+        raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
+    if state["world_size"] != world:
+        raise ValueError(f"the checkpoint was written with {state['world_size']} processes, not {world}")
+    return state
+
+
+def _prepare(config: TrainConfig, tokenizer_state: str | None) -> Task:
+    return prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len,
+                        tokenizer=_tokenizer_kind(config), vocab_size=config.vocab_size, seed=config.seed,
+                        fold=config.fold, folds=config.folds, limit=config.limit, train_file=config.train_file,
+                        test_file=config.test_file, tokenizer_state=tokenizer_state)
+
+
+def _wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device, world: int) -> torch.nn.Module:
     trained = _WithAuxLosses(model, _aux_weights(config))
     if world > 1:
         # Some parameters get no gradient in some configurations (e.g. neural-clustering's W^C and centroids
@@ -448,84 +438,88 @@ def run_training(config: TrainConfig, task: PreparedTask | None = None) -> dict:
         trained = torch.nn.parallel.DistributedDataParallel(
             trained, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True,
             broadcast_buffers=False)
-    logger = _Logger(out, rank == 0, config.resume, resumed_step=step)
-    bar = None
-    if rank == 0 and config.progress:
-        from tqdm import tqdm
+    return trained
 
-        bar = tqdm(total=total, initial=step, desc=f"{config.task}/{config.attention}", unit="step",
-                   dynamic_ncols=True, file=sys.stderr)
-    model.train()
 
-    def checkpoint() -> None:
-        rngs = [None] * world
-        if world > 1:
-            torch.distributed.all_gather_object(rngs, _rng_state(device))
-        else:
-            rngs = [_rng_state(device)]
-        if rank == 0:
-            save_checkpoint(out, {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "step": step, "train_seconds": train_seconds,
-                "rng": rngs, "config": asdict(config), "tokenizer": task.tokenizer, "world_size": world,
-                "evaluations": evaluations,
-                "task": {"name": task.name, "kind": task.kind, "vocab_size": task.vocab_size,
-                         "num_classes": task.num_classes, "metric": task.metric, "info": task.info},
-            })
+def _progress(run: _Run):
+    if run.rank != 0 or not run.config.progress:
+        return None
+    from tqdm import tqdm
 
-    evaluations = list(state.get("evaluations", [])) if state is not None else []
-    while step < total:
-        tick = time.perf_counter()
-        ids, pad, labels = _batch(task, config, step, per_epoch, rank, world)
-        loss, task_loss, aux = _loss(trained, model, task, config, ids, pad, labels, device)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-        optimizer.step()
-        scheduler.step()
-        apply_pending_updates(model)  # the state a checkpoint after this step must hold (EMA centroids)
-        step += 1
-        seconds = time.perf_counter() - tick
-        train_seconds += seconds
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}", ex_s=f"{len(labels) * world / seconds:.0f}")
-        if step % config.log_every == 0 or step == total:
-            logger.log({"step": step, "epoch": step / per_epoch, "loss": loss.item(), "task_loss": task_loss.item(),
-                        **{k: v.item() for k, v in aux.items()}, "lr": scheduler.get_last_lr()[0],
-                        "examples_per_s": len(labels) * world / seconds, "elapsed_s": time.time() - started})
-        if config.eval_every and step % config.eval_every == 0 and step < total and rank == 0:
-            evaluations.append({"step": step, **evaluate(model, task, config, device)})
-            logger.log({"step": step, **evaluations[-1]})
-        if (config.checkpoint_every and step % config.checkpoint_every == 0) or step == total:
-            checkpoint()
-    if bar is not None:
-        bar.close()
+    return tqdm(total=run.total, initial=run.step, desc=f"{run.config.task}/{run.config.attention}", unit="step",
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def _step(run: _Run) -> dict:
+    """One optimiser step on this rank's slice of the global batch; returns the step's log row."""
+    config, device = run.config, run.device
+    tick = time.perf_counter()
+    ids, pad, targets = run.task.batch(run.step, run.per_epoch, config.batch_size, run.rank, run.world, config.seed)
+    ids, targets = ids.to(device), targets.to(device)
+    pad = pad.to(device) if pad is not None else None
+    with _autocast(config, device):
+        logits, weighted_aux, logged_aux = run.trained(ids, pad)
+    task_loss = run.task.loss(logits, targets)
+    loss = total_loss(task_loss, weighted_aux, _aux_weights(config), task_weight=config.task_weight)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.clip:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    apply_pending_updates(run.model)  # the state a checkpoint after this step must hold (EMA centroids)
+    run.step += 1
+    seconds = time.perf_counter() - tick
+    run.train_seconds += seconds
+    return {"step": run.step, "epoch": run.step / run.per_epoch, "loss": loss.item(), "task_loss": task_loss.item(),
+            **{k: v.item() for k, v in logged_aux.items()}, "lr": run.scheduler.get_last_lr()[0],
+            "examples_per_s": len(ids) * run.world / seconds, "elapsed_s": time.time() - run.started}
+
+
+def _checkpoint(run: _Run) -> None:
+    """Every rank's RNG state is gathered; rank 0 writes the checkpoint atomically."""
+    rngs = [_rng_state(run.device)]
+    if run.world > 1:
+        rngs = [None] * run.world
+        torch.distributed.all_gather_object(rngs, _rng_state(run.device))
+    if run.rank == 0:
+        task = run.task
+        save_checkpoint(run.out, {
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(), "step": run.step, "train_seconds": run.train_seconds,
+            "rng": rngs, "config": asdict(run.config), "tokenizer": task.tokenizer, "world_size": run.world,
+            "evaluations": run.evaluations,
+            "task": {"name": task.name, "kind": task.kind, "vocab_size": task.vocab_size,
+                     "num_classes": task.num_classes, "metric": task.metric, "info": task.info},
+        })
+
+
+def _finish(run: _Run) -> dict:
+    """Final evaluation and ``metrics.json`` (rank 0), with every rank's weight and buffer checksums."""
+    model, device, config = run.model, run.device, run.config
     mine = (_checksum(model.parameters()), _checksum(b for b in model.buffers() if b.is_floating_point()))
     sums = [mine]
-    if world > 1:  # every rank's final weights and buffers (centroids, memory banks), to show they agree
-        sums = [None] * world
+    if run.world > 1:  # every rank's final weights and buffers (centroids, memory banks), to show they agree
+        sums = [None] * run.world
         torch.distributed.all_gather_object(sums, mine)
     result: dict = {}
-    if rank == 0:
-        metrics = evaluate(model, task, config, device)
+    if run.rank == 0:
+        metrics = evaluate(model, run.task, config, device)
+        epochs = run.step / run.per_epoch
         result = {
-            "task": task.name, "attention": config.attention, "metrics": metrics, "evaluations": evaluations,
-            "protocol": task.info.get("protocol"), "steps": step, "epochs": step / per_epoch,
-            "steps_per_epoch": per_epoch, "train_seconds": train_seconds,
-            "seconds_per_epoch": train_seconds / max(step / per_epoch, 1e-9), "wall_seconds": time.time() - started,
-            "world_size": world, "rank_weight_checksums": [w for w, _ in sums],
+            "task": run.task.name, "attention": config.attention, "metrics": metrics, "evaluations": run.evaluations,
+            "protocol": run.task.info.get("protocol"), "steps": run.step, "epochs": epochs,
+            "steps_per_epoch": run.per_epoch, "train_seconds": run.train_seconds,
+            "seconds_per_epoch": run.train_seconds / max(epochs, 1e-9), "wall_seconds": time.time() - run.started,
+            "world_size": run.world, "rank_weight_checksums": [w for w, _ in sums],
             "rank_buffer_checksums": [b for _, b in sums], "device": str(device),
             "machine": f"{platform.machine()} {os.cpu_count()} CPUs"
             + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(config),
         }
-        tmp = out / "metrics.json.tmp"
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, out / "metrics.json")
-    if world > 1:
+        write_json(run.out / "metrics.json", result)
+    if run.world > 1:
         torch.distributed.barrier()
     return result
 
@@ -537,11 +531,7 @@ def evaluate_checkpoint(path: str | Path, data_dir: str | None = None, device: s
     config = TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
     if data_dir is not None:
         config.data_dir = data_dir
-    task = prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len,
-                        tokenizer=_tokenizer_kind(config),
-                        vocab_size=config.vocab_size, seed=config.seed, fold=config.fold, folds=config.folds,
-                        limit=config.limit, train_file=config.train_file, test_file=config.test_file,
-                        tokenizer_state=state["tokenizer"])
+    task = _prepare(config, tokenizer_state=state["tokenizer"])
     dev = _device(device, 0)
     model = build_model(config, task).to(dev)
     model.load_state_dict(state["model"])

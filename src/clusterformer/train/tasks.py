@@ -1,4 +1,8 @@
-"""The training tasks: data, tokenisation, model head and metric for each ``--task``.
+"""The training tasks: data, tokenisation, model head, batches, loss and metric for each ``--task``.
+
+Each task is a :class:`Task`: :class:`ClassificationTask` (single texts, text pairs, ranking) or
+:class:`LanguageModelTask`; the training loop calls only the protocol's methods (a translation task is one
+more implementation).
 
 | task | data | protocol | metric |
 |---|---|---|---|
@@ -13,37 +17,191 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ..data import ByteTokenizer, WordTokenizer, kfold_indices, load_classification_task, load_labeled_file
 from ..data.paths import resolve_data_dir
 from ..data.tokenize import PretrainedTokenizer
+from ..models import EncoderConfig, SequenceClassifier
+from ..models.lm import LanguageModel
 
-__all__ = ["TASKS", "PreparedTask", "prepare_task"]
+__all__ = ["TASKS", "Batch", "ClassificationTask", "Examples", "LanguageModelTask", "Task", "prepare_task",
+           "ranking_metrics"]
 
 TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "shakespeare-char", "text-classification")
 
 
-@dataclass
-class PreparedTask:
-    """Tensors ready for training. kind: "classification" (ranking is classification of pairs) or "lm".
+class Batch(NamedTuple):
+    """One rank's slice of a training step: token ids (B, L), key padding mask (B, L) or None, targets."""
 
-    classification: ``train``/``test`` hold ``ids`` (n, L), ``pad`` (n, L), ``labels`` (n,); ranking adds
-    ``groups`` (n,) question ids to ``test``. lm: ``train``/``test`` hold ``stream`` (T,) token ids."""
+    ids: torch.Tensor
+    pad: torch.Tensor | None
+    targets: torch.Tensor
+
+
+Predict = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (ids, pad) -> logits, on CPU
+
+
+class Task(Protocol):
+    """What the training loop needs from a task: its model, its batches, its loss and its evaluation.
+
+    ``kind`` ("classification" or "lm") and the other attributes are saved in checkpoints."""
 
     name: str
     kind: str
-    train: dict[str, torch.Tensor]
-    test: dict[str, torch.Tensor]
     vocab_size: int
     num_classes: int
     tokenizer: str  # serialised tokenizer (checkpointed, reused by eval)
     metric: str
+    info: dict[str, Any]
+
+    def build_model(self, encoder: EncoderConfig) -> nn.Module: ...
+
+    def model_max_len(self, max_len: int) -> int: ...
+
+    def steps_per_epoch(self, batch_size: int, world: int) -> int: ...
+
+    def batch(self, step: int, per_epoch: int, batch_size: int, rank: int, world: int, seed: int) -> Batch: ...
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def evaluate(self, predict: Predict, batch_size: int) -> dict[str, float]: ...
+
+
+@dataclass
+class Examples:
+    """Tokenised examples: ids (n, L), pad (n, L) True = padding, labels (n,), and for ranking the question
+    each pair belongs to, groups (n,)."""
+
+    ids: torch.Tensor
+    pad: torch.Tensor
+    labels: torch.Tensor
+    groups: torch.Tensor | None = None
+
+
+@dataclass
+class ClassificationTask:
+    """Single texts or text pairs -> a label; ``metric`` "accuracy", or "map_mrr" (ranking: the score of a pair is
+    its probability of the last class, ranked per question)."""
+
+    name: str
+    train: Examples
+    test: Examples
+    vocab_size: int
+    num_classes: int
+    tokenizer: str
+    metric: str = "accuracy"
     info: dict[str, Any] = field(default_factory=dict)
+    kind: str = "classification"
+
+    def build_model(self, encoder: EncoderConfig) -> nn.Module:
+        return SequenceClassifier(encoder, self.num_classes)
+
+    def model_max_len(self, max_len: int) -> int:
+        return max_len
+
+    def steps_per_epoch(self, batch_size: int, world: int) -> int:
+        n = len(self.train.labels)
+        steps = n // (batch_size * world)
+        if steps == 0:
+            raise ValueError(f"the training set has {n} examples, fewer than batch_size * world_size = "
+                             f"{batch_size * world}; lower --batch-size")
+        return steps
+
+    def batch(self, step: int, per_epoch: int, batch_size: int, rank: int, world: int, seed: int) -> Batch:
+        """Epoch e visits the permutation drawn from ``seed + e``; step s of it takes the s-th run of
+        ``batch_size * world`` examples and rank r the r-th slice of ``batch_size``."""
+        B = batch_size
+        epoch, within = divmod(step, per_epoch)
+        order = torch.randperm(len(self.train.labels), generator=torch.Generator().manual_seed(seed + epoch))
+        global_index = order[within * world * B:(within + 1) * world * B]
+        # Trim to the longest example of the *global* batch, so every rank (and a single process with the whole
+        # batch) sees the same padded length. (Every mechanism's outputs are independent of the padding amount;
+        # equal shapes keep the float reduction order, and so the last bits, equal too.)
+        keep = int((~self.train.pad[global_index]).sum(1).max().clamp(min=1))
+        index = global_index[rank * B:(rank + 1) * B]
+        return Batch(self.train.ids[index, :keep], self.train.pad[index, :keep], self.train.labels[index])
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), targets)
+
+    def evaluate(self, predict: Predict, batch_size: int) -> dict[str, float]:
+        test = self.test
+        scores, predictions = [], []
+        for start in range(0, len(test.labels), batch_size):  # batches of examples, not a hot path
+            ids, pad = test.ids[start:start + batch_size], test.pad[start:start + batch_size]
+            keep = int((~pad).sum(1).max().clamp(min=1))
+            logits = predict(ids[:, :keep], pad[:, :keep]).float()
+            predictions.append(logits.argmax(-1))
+            scores.append(logits.softmax(-1)[:, -1])
+        predicted, score = torch.cat(predictions), torch.cat(scores)
+        result = {"accuracy": (predicted == test.labels).float().mean().item(), "test_examples": len(test.labels)}
+        if self.metric == "map_mrr":
+            result.update(ranking_metrics(score, test.labels, test.groups))
+        return result
+
+
+@dataclass
+class LanguageModelTask:
+    """Next-token prediction on a token stream, in windows of ``max_len`` tokens; metric bits per character."""
+
+    name: str
+    train_stream: torch.Tensor
+    test_stream: torch.Tensor
+    vocab_size: int
+    tokenizer: str
+    max_len: int
+    metric: str = "bpc"
+    info: dict[str, Any] = field(default_factory=dict)
+    kind: str = "lm"
+
+    @property
+    def num_classes(self) -> int:
+        return self.vocab_size
+
+    def build_model(self, encoder: EncoderConfig) -> nn.Module:
+        return LanguageModel(encoder)
+
+    def model_max_len(self, max_len: int) -> int:
+        return max_len + 1
+
+    def steps_per_epoch(self, batch_size: int, world: int) -> int:
+        span = self.max_len + 1
+        return max(1, (len(self.train_stream) - span) // (span * batch_size * world))
+
+    def batch(self, step: int, per_epoch: int, batch_size: int, rank: int, world: int, seed: int) -> Batch:
+        """``batch_size * world`` random windows per step from a generator seeded with (seed, step)."""
+        B, span = batch_size, self.max_len + 1
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(len(self.train_stream) - span + 1, (B * world,), generator=g)[rank * B:(rank + 1) * B]
+        windows = self.train_stream[starts.unsqueeze(1) + torch.arange(span)]
+        return Batch(windows[:, :-1], None, windows[:, 1:])
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def evaluate(self, predict: Predict, batch_size: int) -> dict[str, float]:
+        """Bits per character over non-overlapping windows of the held-out stream."""
+        stream, span = self.test_stream, self.max_len + 1
+        n = (len(stream) - 1) // self.max_len
+        if n == 0:
+            raise ValueError(f"the held-out text ({len(stream)} tokens) is shorter than max_len + 1 = {span}")
+        total, count = 0.0, 0
+        for start in range(0, n, batch_size):  # batches of windows
+            rows = torch.arange(start, min(n, start + batch_size)).unsqueeze(1) * self.max_len
+            windows = stream[rows + torch.arange(span)]
+            logits = predict(windows[:, :-1], None).float()
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1),
+                                     reduction="sum").item()
+            count += windows[:, 1:].numel()
+        return {"bpc": total / count / math.log(2), "test_tokens": count}
 
 
 def _tokenizer(kind: str, texts: list[str], vocab_size: int, state: str | None, pairs: bool = False):
@@ -59,16 +217,16 @@ def _tokenizer(kind: str, texts: list[str], vocab_size: int, state: str | None, 
     return WordTokenizer.train(texts, vocab_size=vocab_size, pairs=pairs)
 
 
-def _encode(tok, texts, labels, max_len) -> dict[str, torch.Tensor]:
+def _encode(tok, texts, labels, max_len) -> Examples:
     ids, pad = tok.encode(texts, max_len)
-    return {"ids": ids, "pad": pad, "labels": torch.tensor(labels, dtype=torch.long)}
+    return Examples(ids, pad, torch.tensor(labels, dtype=torch.long))
 
 
 def prepare_task(
     name: str, *, data_dir: str | Path | None, max_len: int, tokenizer: str = "auto", vocab_size: int = 20000,
     seed: int = 0, fold: int | None = None, folds: int = 10, limit: int | None = None,
     train_file: str | None = None, test_file: str | None = None, tokenizer_state: str | None = None,
-) -> PreparedTask:
+) -> Task:
     """Load, split and tokenise task ``name``. ``limit`` keeps a small slice (examples, or documents per class
     for 20news/imdb, or pairs for wikiqa, or characters for shakespeare-char) for tests and quick runs.
     ``tokenizer_state`` reuses a saved tokenizer (evaluation of a checkpoint)."""
@@ -77,7 +235,7 @@ def prepare_task(
     if tokenizer == "auto":
         tokenizer = "bytes" if name == "imdb" else "word"
     if name == "shakespeare-char":
-        return _shakespeare(data_dir, limit, tokenizer_state)
+        return _shakespeare(data_dir, max_len, limit, tokenizer_state)
     if name == "wikiqa":
         return _wikiqa(data_dir, max_len, vocab_size, limit, tokenizer_state)
     if name == "text-classification":
@@ -110,8 +268,8 @@ def prepare_task(
             info = {"protocol": f"fold {index} of {k}-fold CV (seed {seed})" if fold is not None
                     else f"seeded 90/10 split (seed {seed})"}
     tok = _tokenizer(tokenizer, tr_x, vocab_size, tokenizer_state)
-    return PreparedTask(name, "classification", _encode(tok, tr_x, tr_y, max_len), _encode(tok, te_x, te_y, max_len),
-                        tok.vocab_size, len(names), tok.to_str(), "accuracy", {**info, "labels": names})
+    return ClassificationTask(name, _encode(tok, tr_x, tr_y, max_len), _encode(tok, te_x, te_y, max_len),
+                              tok.vocab_size, len(names), tok.to_str(), "accuracy", {**info, "labels": names})
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -120,7 +278,7 @@ def _read_lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").split("\n")
 
 
-def _wikiqa(data_dir, max_len, vocab_size, limit, state) -> PreparedTask:
+def _wikiqa(data_dir, max_len, vocab_size, limit, state) -> ClassificationTask:
     root = resolve_data_dir(data_dir) / "wikiqa"
     splits = {}
     for split in ("train", "test"):
@@ -143,14 +301,14 @@ def _wikiqa(data_dir, max_len, vocab_size, limit, state) -> PreparedTask:
     def encode(rows):
         ids, pad = tok.encode_pairs([(q, a) for q, a, _, _ in rows], max_len)
         qids = {q: i for i, q in enumerate(dict.fromkeys(r[2] for r in rows))}
-        return {"ids": ids, "pad": pad, "labels": torch.tensor([r[3] for r in rows], dtype=torch.long),
-                "groups": torch.tensor([qids[r[2]] for r in rows], dtype=torch.long)}
+        return Examples(ids, pad, torch.tensor([r[3] for r in rows], dtype=torch.long),
+                        torch.tensor([qids[r[2]] for r in rows], dtype=torch.long))
 
-    return PreparedTask("wikiqa", "classification", encode(tr), encode(test), tok.vocab_size, 2, tok.to_str(),
-                        "map_mrr", {"protocol": "train / filtered test", "test_questions": len(positives)})
+    return ClassificationTask("wikiqa", encode(tr), encode(test), tok.vocab_size, 2, tok.to_str(), "map_mrr",
+                              {"protocol": "train / filtered test", "test_questions": len(positives)})
 
 
-def _shakespeare(data_dir, limit, state) -> PreparedTask:
+def _shakespeare(data_dir, max_len, limit, state) -> LanguageModelTask:
     path = resolve_data_dir(data_dir) / "tinyshakespeare" / "input.txt"
     if not path.is_file():
         raise ValueError(f"expected the file {str(path)!r}")
@@ -165,8 +323,8 @@ def _shakespeare(data_dir, limit, state) -> PreparedTask:
     stream = torch.tensor([index[c] for c in text], dtype=torch.long)
     cut = int(len(stream) * 0.9)
     vocab = len(chars) + 1  # id 0 (padding) is never a target: the head learns to give it no mass
-    return PreparedTask("shakespeare-char", "lm", {"stream": stream[:cut]}, {"stream": stream[cut:]}, vocab,
-                        vocab, "\x00".join(chars), "bpc", {"protocol": "first 90% / last 10% of characters"})
+    return LanguageModelTask("shakespeare-char", stream[:cut], stream[cut:], vocab, "\x00".join(chars), max_len,
+                             info={"protocol": "first 90% / last 10% of characters"})
 
 
 def ranking_metrics(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:

@@ -1,0 +1,263 @@
+"""Attention of every chunk's queries to its key window in the window buffer (:mod:`clusterformer.ops.layouts`).
+
+Keys and values are buffer rows; a window is ``hops`` consecutive chunks of rows, taken as a strided view
+(:class:`_KeyWindows`), never a copy. Masks are built from the predicates of :mod:`clusterformer.ops.masks`
+over buffer-row indices -- the key is a real token, causal order, same group (strict per-cluster chunking),
+and the shared-QK rule "self only when alone" -- and follow its one rule for a query with no allowed key.
+Two ways to attend: SDPA over the views (:func:`windowed_attention`), or explicit scores with each query's
+log-sum-exp (:func:`windowed_attention_lse`, for merging hash rounds); both dispatch to the fused Triton kernel
+(:mod:`clusterformer.ops.fused_chunked`) where :func:`use_fused_kernel` says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_choice
+from .layouts import ChunkLayout
+from .masks import allow_empty_rows, and_masks, causal_order, key_is_real, same_group, self_only_when_alone
+
+__all__ = ["KERNELS", "use_fused_kernel", "windowed_attention", "windowed_attention_lse"]
+
+
+class _KeyWindows(torch.autograd.Function):
+    """rows (R, H, D) -> windows (W, H, hops * w, D), window i = rows [i w, i w + hops w), as a view.
+
+    ``unfold`` gives the same view, but its generic backward is several times slower on CPU than adding
+    the hops shifted gradient slices in place, which is all the backward is."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, w: int, hops: int, num_windows: int) -> torch.Tensor:
+        ctx.meta = (rows.shape, w, hops, num_windows)
+        span = num_windows * w + (hops - 1) * w
+        return rows[:span].unfold(0, hops * w, w).permute(0, 1, 3, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, w, hops, W = ctx.meta
+        out = grad.new_zeros(shape)
+        H, D = shape[1], shape[2]
+        for o in range(hops):  # a constant number of chunk offsets, not a loop over chunks
+            out[o * w : o * w + W * w].view(W, w, H, D).add_(grad[:, :, o * w : (o + 1) * w].transpose(1, 2))
+        return out, None, None, None
+
+
+def _window_meta(layout: ChunkLayout, per_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row metadata (R,) -> query part (W, w, 1) and key windows (W, 1, hops * w)."""
+    w, W = layout.chunk_size, layout.num_windows
+    q_part = layout.query_rows(per_row).view(W, w, 1)
+    k_part = per_row[: W * w + (layout.hops - 1) * w].unfold(0, layout.hops * w, w).unsqueeze(1)
+    return q_part, k_part
+
+
+def windowed_attention(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    layout: ChunkLayout,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Attention of every chunk's queries to its key window.
+
+    Args:
+        q: (W, H, w, D) queries (any strides with unit last stride), e.g. a view of the query rows.
+        k_rows, v_rows: (R, H, D) keys and values for every buffer row.
+        layout: the :class:`ChunkLayout` the rows were gathered with.
+        causal: mask keys at later original positions.
+        key_padding_mask: (blocks, N) bool, True marks padding.
+        kernel: ``"auto"`` (the fused Triton kernel where :func:`use_fused_kernel` says so, else SDPA over
+            key-window views), ``"fused"`` (require the kernel) or ``"sdpa"``.
+
+    Returns:
+        (blocks * N, H, D): each token's output, in flat token order.
+    """
+    W, H, w, D = q.shape
+    if use_fused_kernel(q, dropout_p, kernel):
+        return _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, False, 1.0 / math.sqrt(D))[0]
+    k = _KeyWindows.apply(k_rows, w, layout.hops, W)
+    v = _KeyWindows.apply(v_rows, w, layout.hops, W)
+    attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self=False)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+    if no_key is not None:
+        out = out.masked_fill(no_key, 0.0)
+    out = out.transpose(1, 2).reshape(W * w, H, D)
+    return out.index_select(0, layout.out_rows)
+
+
+KERNELS = ("auto", "fused", "sdpa")
+
+
+def use_fused_kernel(q: torch.Tensor, dropout_p: float, kernel: str = "auto") -> bool:
+    """Whether windowed attention runs the fused Triton kernel (:mod:`clusterformer.ops.fused_chunked`).
+
+    ``"auto"``: on CUDA tensors of float16/bfloat16/float32 when Triton is installed and there is no
+    attention dropout (the kernel does not fuse dropout). ``"fused"``: always, or a ``ValueError`` saying
+    why not; on CPU this needs Triton's interpreter (``TRITON_INTERPRET=1``, for tests). ``"sdpa"``: never.
+    """
+    check_choice("kernel", kernel, KERNELS)
+    if kernel == "sdpa":
+        return False
+    from .fused_chunked import fused_available
+
+    available = fused_available(q)
+    if kernel == "auto":  # the interpreter is for tests: "auto" never sends CPU tensors to it
+        return available and q.is_cuda and not dropout_p
+    if not available:
+        raise ValueError(
+            "kernel='fused' needs Triton and a CUDA tensor of float16/bfloat16/float32 (or TRITON_INTERPRET=1 "
+            f"on CPU); got a {q.dtype} tensor on {q.device}"
+        )
+    if dropout_p:
+        raise ValueError(f"kernel='fused' does not support attention dropout; got dropout_p={dropout_p}")
+    return True
+
+
+def _fused_windowed(
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, layout: ChunkLayout, causal: bool,
+    key_padding_mask: torch.Tensor | None, exclude_self: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windowed attention by the fused kernel: (out (blocks * N, H, D), lse (blocks * N, H)) in token order."""
+    from .fused_chunked import fused_chunk_attention
+
+    W, H, w, D = q.shape
+    key_ok, positions = _row_meta(layout, causal, key_padding_mask)
+    out, lse = fused_chunk_attention(
+        q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
+        positions=positions, groups=layout.row_group, exclude_self=exclude_self, scale=scale,
+    )
+    return out.index_select(0, layout.out_rows), lse.index_select(0, layout.out_rows)
+
+
+def _row_meta(
+    layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per buffer row: may it be attended to (holds a token, not padding), and its position when causal."""
+    key_ok = layout.row_valid
+    if key_padding_mask is not None:
+        key_ok = key_ok & ~key_padding_mask.reshape(-1)[layout.rows]
+    positions = layout.rows % max(layout.length, 1) if causal else None
+    return key_ok, positions
+
+
+def _needs_mask(layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None) -> bool:
+    """Whether any key of any window can be disallowed (besides a shared-QK query's own key)."""
+    return bool(causal or key_padding_mask is not None or layout.row_group is not None or layout.has_empty_slots)
+
+
+def _window_mask(
+    layout: ChunkLayout, w: int, causal: bool, key_padding_mask: torch.Tensor | None, exclude_self: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The SDPA mask of every window, (W, 1, w, hops w) bool (True = attend), and the queries with no
+    allowed key, (W, 1, w, 1); (None, None) when every key of every window is allowed.
+
+    The mask is the conjunction of predicates over buffer rows (:mod:`clusterformer.ops.masks`): the key is a
+    real token, and with ``causal`` not after the query, and with a grouped layout (strict per-cluster
+    chunking) in the query's group. With ``exclude_self`` a query may attend to its own token only when it has
+    no other allowed key (Reformer's shared-QK rule, where q.k_self would dominate). A query with no allowed
+    key follows the package's one rule (:func:`clusterformer.ops.masks.allow_empty_rows`). Never NaN."""
+    if not _needs_mask(layout, causal, key_padding_mask):
+        return None, None
+    real, positions = _row_meta(layout, causal, key_padding_mask)
+    q_index, k_index = _window_meta(layout, torch.arange(layout.rows.shape[0], device=layout.rows.device))
+    predicates = [key_is_real(real)]
+    if causal:
+        predicates.append(causal_order(positions))
+    if layout.row_group is not None:
+        predicates.append(same_group(layout.row_group))
+    allowed = and_masks(*predicates)(q_index, k_index).expand(layout.num_windows, w, layout.hops * w)
+    if exclude_self:
+        tokens = torch.where(layout.row_valid, layout.rows, -1)
+        allowed = self_only_when_alone(allowed, tokens[q_index] == tokens[k_index])
+    return allow_empty_rows(allowed.unsqueeze(1))
+
+
+def windowed_attention_lse(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    layout: ChunkLayout,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    exclude_self: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`windowed_attention` with explicit scores, also returning each query's log-sum-exp.
+
+    Used where rounds of attention are merged (Reformer: ``o = sum_r softmax_r(lse_r) o_r``) and for the
+    shared-QK rule ``exclude_self``. Memory O(N hops w) per head for the scores.
+
+    ``scale``: None applies 1/sqrt(D) to the scores; pass the scale you already folded into ``q`` (it is then
+    not applied again; only documentation of what the caller did). ``kernel``: as in
+    :func:`windowed_attention`.
+
+    Returns:
+        out (blocks * N, H, D) and lse (blocks * N, H); lse is -inf for a query with no allowed key
+        (its output is zero).
+    """
+    W, H, w, D = q.shape
+    if use_fused_kernel(q, dropout_p, kernel):
+        out, lse = _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, exclude_self,
+                                   1.0 / math.sqrt(D) if scale is None else 1.0)
+        return out, lse.to(q.dtype)
+    k = _KeyWindows.apply(k_rows, w, layout.hops, W)
+    v = _KeyWindows.apply(v_rows, w, layout.hops, W)
+    scores = q @ k.transpose(-1, -2)  # (W, H, w, hops w)
+    if scale is None:
+        scores = scores * (1.0 / math.sqrt(D))
+    if exclude_self and not _needs_mask(layout, causal, key_padding_mask) and layout.hops * w > 1:
+        # Every slot holds a token and each chunk appears once per window, so a query's own key sits at
+        # column (hops - 1) w + i of its row i: mask that diagonal in place (autograd-tracked; the product's
+        # backward does not need its output) instead of building a (W, w, hops w) mask.
+        scores.diagonal(offset=(layout.hops - 1) * w, dim1=-2, dim2=-1).fill_(float("-inf"))
+        attn_mask = no_key = None
+    else:
+        attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self)
+    weights, lse = _SoftmaxLSE.apply(scores, attn_mask)
+    if dropout_p:
+        weights = F.dropout(weights, p=dropout_p)
+    out = weights @ v
+    if no_key is not None:
+        out = out.masked_fill(no_key, 0.0)
+        lse = lse.masked_fill(no_key, float("-inf"))
+    out = out.transpose(1, 2).reshape(W * w, H, D).index_select(0, layout.out_rows)
+    lse = lse.squeeze(-1).transpose(1, 2).reshape(W * w, H).index_select(0, layout.out_rows)
+    return out, lse
+
+
+class _SoftmaxLSE(torch.autograd.Function):
+    """(scores, mask) -> (softmax over allowed keys, log-sum-exp), keeping only the softmax for the backward.
+
+    d scores = p * (g_p - sum(g_p p) + g_lse): the softmax backward plus the log-sum-exp's (whose gradient is
+    p itself); masked scores get p = 0 and hence zero gradient.
+    Every row must have an allowed key (callers allow all keys in rows without one and zero them after).
+    Saves memory and passes over the (W, H, w, hops w) scores compared with ``masked_fill`` + ``softmax`` +
+    ``logsumexp``."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, mask: torch.Tensor | None):
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        # lse = s_j - log p_j for any allowed j; j = the argmax keeps p_j >= 1 / n, so the log is safe. Two
+        # reductions instead of a second exp pass over the scores.
+        lse = scores.amax(dim=-1, keepdim=True) - torch.log(p.amax(dim=-1, keepdim=True))
+        ctx.save_for_backward(p)
+        return p, lse
+
+    @staticmethod
+    def backward(ctx, g_p: torch.Tensor | None, g_lse: torch.Tensor | None):
+        (p,) = ctx.saved_tensors
+        grad = torch.zeros_like(p) if g_p is None else torch._softmax_backward_data(g_p, p, -1, p.dtype)
+        if g_lse is not None:
+            grad = grad.addcmul_(p, g_lse)  # d lse / d s = p
+        return grad, None
