@@ -1,7 +1,7 @@
 """The Neural Clustering Method (ClusterFormer paper, section 3.1, eqs. 2-6 and 11).
 
-Functional and batched, so the same code serves the attention layer and, later, the stand-alone
-clusterer (paper appendix A).
+Functional and batched, so the same code serves the attention layer and the stand-alone clusterer of
+paper appendix A (:mod:`clusterformer.apps.clustering`).
 
 Similarity. The paper's phi is a raw inner product. Eq. 6 then rewards making vectors *longer*
 (L1 = -mean <X_j, C_hat> is unbounded below), and the softmax of eq. 2 saturates as norms grow, which

@@ -25,9 +25,9 @@ from .masks import masked_sdpa
 
 __all__ = ["DENSE_TOPK_FACTOR", "clustered_attention"]
 
-# The exact top-k part runs as one masked dense attention when N <= DENSE_TOPK_FACTOR * topk: measured on
-# CPU (2 cores, B 8, H 12, D 32, C 25, topk 32), the dense form is 10x faster at N = 36, 2.4x at N = 256 and
-# 0.7x at N = 512 (its N x N mask and products outgrow the chunked copies).
+# The exact top-k part runs as one masked dense attention when N <= DENSE_TOPK_FACTOR * topk: short sequences
+# are cheaper as one N x N product than as chunked copies (the measurement behind the factor is in
+# docs/benchmarks.md, "Improved clustered: dense or chunked top-k").
 DENSE_TOPK_FACTOR = 8
 
 

@@ -3,7 +3,7 @@ CPU float64 run of the same layer (same weights, same seeds); skipped without CU
 
 The CPU float64 path is the one the rest of the suite checks against dense references from the papers'
 equations, so agreement here carries that correctness to the GPU. The op-level kernels are compared with
-the dense references directly (tests/test_fused_kernel.py, compiled on CUDA in float32, and below in half
+the dense references directly (tests/ops/test_fused_kernel.py, compiled on CUDA in float32, and below in half
 precision).
 
 Mechanisms make discrete choices (cluster ids, hash buckets, top-k) from rounded numbers, so in half

@@ -10,7 +10,6 @@ embeddings can solve it. Real tasks are the training CLI's job.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .attention import collect_aux_losses, total_loss
-from .models import EncoderConfig, SequenceClassifier
+from .._io import write_json
+from ..attention import collect_aux_losses, total_loss
+from ..models import EncoderConfig, SequenceClassifier
 
 FILLER = range(3, 40)  # ids 1-2 are unused, 0 is padding
 MARKER_A, MARKER_B = 40, 41
@@ -105,7 +105,7 @@ def train_one(attention: str, config: DemoConfig, log: Callable[[str], None]) ->
 
 
 def run_demo(out_dir: str | Path, config: DemoConfig | None = None, log: Callable[[str], None] = print) -> dict:
-    from .bench import BenchConfig, run_attention_benchmark
+    from ..bench import BenchConfig, run_attention_benchmark
 
     config = config or DemoConfig()
     out = Path(out_dir)
@@ -114,10 +114,10 @@ def run_demo(out_dir: str | Path, config: DemoConfig | None = None, log: Callabl
     bench = run_attention_benchmark(
         BenchConfig(names=["full", "neural-clustering"], lengths=list(config.bench_lengths)), progress=log
     )
-    (out / "bench.json").write_text(json.dumps(bench, indent=2))
+    write_json(out / "bench.json", bench)
     plot_path = None
     try:
-        from .bench.plot import plot_attention_benchmark
+        from ..bench.plot import plot_attention_benchmark
 
         plot_path = plot_attention_benchmark(bench, out / "bench.png")
     except RuntimeError as exc:
@@ -126,7 +126,7 @@ def run_demo(out_dir: str | Path, config: DemoConfig | None = None, log: Callabl
         f"{config.batch} sequences")
     runs = [train_one(name, config, log) for name in ("full", "neural-clustering")]
     summary = {"config": asdict(config), "benchmark": bench, "training": runs}
-    (out / "demo.json").write_text(json.dumps(summary, indent=2))
+    write_json(out / "demo.json", summary)
 
     by = {(r["name"], r["length"]): r for r in bench}
     lines = ["", "Attention layer, forward+backward (median ms), CPU float32, B=1, H=4, D=64:",

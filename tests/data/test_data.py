@@ -21,7 +21,7 @@ from clusterformer.data import (
     resolve_data_dir,
 )
 
-SHARED = Path(os.environ.get("CLUSTERFORMER_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+SHARED = Path(os.environ.get("CLUSTERFORMER_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")
 needs_data = pytest.mark.skipif(not (SHARED / "README.md").is_file(), reason=f"real datasets not found at {SHARED}")
 
 

@@ -168,7 +168,7 @@ def test_strict_causal_prefix_gives_the_same_outputs_alone(name, trained):
 def test_paper_causal_modes_are_declared_and_really_not_strict(name, options):
     """Mechanisms whose causal mode is the papers' (masking inside groups built from the whole sequence)
     declare it, and the declaration is true: changing later tokens changes some earlier output. Training a
-    language model refuses them (tests/test_train.py)."""
+    language model refuses them (tests/train/test_train.py)."""
     assert causal_semantics(name, options) == "paper"
     layer = _small(name, **options).eval()
     x = torch.randn(2, 29, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(fixed_seed()))

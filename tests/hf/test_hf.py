@@ -297,7 +297,7 @@ def test_approx_cli_writes_cosines_and_accuracies(tmp_path):
     sentences (< 32 tokens, so top-32 covers every key) come back exactly, the long documents do not."""
     import json
 
-    from clusterformer.approx import ApproxConfig
+    from clusterformer.apps.approx import ApproxConfig
     from clusterformer.cli import main
 
     _approx_data(tmp_path)
@@ -337,3 +337,29 @@ def test_each_patched_layer_gets_its_own_seed():
     b0, b1 = outputs(patch(unpatch(model), "clustered", clusters=3, bits=8, seed=5))
     torch.testing.assert_close(b0, a0, rtol=0, atol=0)
     torch.testing.assert_close(b1, a1, rtol=0, atol=0)
+
+
+def test_patch_uses_the_attention_registry():
+    """Issue #13: one registry. Every mechanism with separate Q and K projections can be patched -- Cluster-Former's
+    two layers too, which the old allow-list lacked -- with its registry options and aliases; the options the
+    pretrained model decides are refused; the patched module runs the registry's inner attention."""
+    from clusterformer.attention import names
+    from clusterformer.attention.registry import get
+    from clusterformer.hf import patchable
+
+    assert set(patchable()) == {n for n in names() if not get(n).shared_qk}
+    assert {"full", "clustered", "improved-clustered", "neural-clustering", "sliding-window",
+            "cluster-former"} <= set(patchable())
+    batch = _batch([9, 5], 9, seed=6)
+    for attention, options in (("sliding-window", {"window": 4, "stride": 2}),
+                               ("cluster-former", {"num_clusters": 2, "window": 4, "stride": 2}),
+                               ("improved-clustered", {"clusters": 2, "topk": 3})):  # "clusters": an alias
+        model = patch(_bert(), attention, **options)
+        inner = patched_modules(model)[0].inner
+        assert type(inner) is get(attention).inner
+        out = _hidden(model, batch)
+        assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="'bias' cannot be set for patched attention"):
+        patch(_bert(), "full", bias=False)
+    with pytest.raises(ValueError, match="num_clusters \\(given as clusters\\) must be >= 1"):
+        patch(_bert(), "clustered", clusters=0)

@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import hf
-from ._checks import check_choice, check_int
-from .attention.clustered import QUERY_CLUSTERINGS
-from .data.classification import kfold_indices, load_20news, load_sentence_task
+from .. import hf
+from .._checks import check_choice, check_int
+from ..attention.clustered import QUERY_CLUSTERINGS
+from ..data.classification import kfold_indices, load_20news, load_sentence_task
 
 __all__ = ["ApproxConfig", "logistic_cv_accuracy", "run_approx"]
 

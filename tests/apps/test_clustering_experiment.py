@@ -13,15 +13,15 @@ import torch
 pytest.importorskip("sklearn")
 pytest.importorskip("scipy")
 
-from clusterformer.cli import main
-from clusterformer.clustering.neural import neural_clustering
-from clusterformer.clustering.som import SOM, grid_shape, som_step
-from clusterformer.clustering.standalone import (
+from clusterformer.apps.clustering import (
     NeuralClusterer,
     hungarian_accuracy,
     purity,
     run_clustering,
 )
+from clusterformer.apps.som import SOM, grid_shape, som_step
+from clusterformer.cli import main
+from clusterformer.clustering.neural import neural_clustering
 
 
 def _blobs(n_per: int, centres: int, dim: int, seed: int, spread: float = 0.3):

@@ -24,7 +24,7 @@ translation invariant, but matters for the cosine similarity of the neural metho
   L1 = -1 whatever the clusters), so the projection only makes sense with a task loss beside it
   (``projection=True`` keeps it; the tests show it lowers L1 further).
 * ``kmeans``: scikit-learn ``KMeans(n_clusters=k, n_init=10)``.
-* ``som``: :class:`clusterformer.clustering.som.SOM`, batch SOM on a near-square grid.
+* ``som``: :class:`clusterformer.apps.som.SOM`, batch SOM on a near-square grid.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .._checks import check_choice, check_float, check_int, check_tensor
-from .neural import NeuralClusteringOutput, neural_clustering
+from ..clustering.neural import NeuralClusteringOutput, neural_clustering
 from .som import SOM
 
 __all__ = ["METHODS", "NeuralClusterer", "cluster_scores", "hungarian_accuracy", "purity", "run_clustering"]

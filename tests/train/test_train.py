@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_data import SHARED, needs_data
 
 from clusterformer.cli import main
 from clusterformer.train import TrainConfig, load_checkpoint, ranking_metrics, run_training, save_checkpoint
-from test_data import SHARED, needs_data
 
 WORDS = ["good", "great", "fine", "bad", "awful", "poor", "film", "plot", "actor", "the", "a", "very"]
 

@@ -1,0 +1,56 @@
+"""Argument types and helpers shared by the commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated positive integers."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    """Comma-separated registered mechanism names, or "all"."""
+    from ..attention import names
+
+    if text.strip() == "all":
+        return names()
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in values if v not in names()]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown attention name(s) {', '.join(unknown) or text!r}; available: {', '.join(names())}"
+        )
+    return values
+
+
+def mechanism(text: str) -> str:
+    """One registered mechanism name."""
+    return name_list(text)[0]
+
+
+def json_object(flag: str, text: str | None, example: str) -> dict[str, Any]:
+    """The JSON object given to ``flag`` ({} when absent); ``ValueError`` naming the flag otherwise."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not valid JSON ({exc}); e.g. {example}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. {example}")
+    return value
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

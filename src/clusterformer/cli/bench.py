@@ -1,0 +1,118 @@
+"""``clusterformer bench {attention,reversible,report}``: time and memory benchmarks (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .._io import emit_json
+from ._args import int_list, json_object, log, mechanism, name_list
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="what", required=True)
+    p = bench_sub.add_parser("attention", help="time and memory of attention layers against length")
+    p.add_argument("--names", type=name_list, default=name_list("full,neural-clustering"),
+                   help="comma-separated mechanism names, or 'all'")
+    p.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32",
+                   choices=["float32", "float64", "bfloat16", "float16", "fp32", "fp64", "bf16", "fp16"],
+                   help="bf16/fp16/fp32/fp64 are aliases")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--padding", type=float, default=0.0,
+                   help="right padding, a fraction of N in [0, 1): sequence b of the batch is padded by "
+                        "padding * N * b / (batch - 1) tokens (the only sequence, with --batch 1); 0 = no mask")
+    p.add_argument("--options", default=None,
+                   help='per-mechanism options as JSON, e.g. {"neural-clustering": {"look_back": 2}}')
+    p.add_argument("--json", default=None, help="write the records here (default: stdout)")
+    p.add_argument("--plot", default=None, help="write a log-log time/memory plot here (PNG)")
+    p.set_defaults(func=run_attention)
+
+    p = bench_sub.add_parser("reversible", help="peak memory of an encoder against depth, reversible or not")
+    p.add_argument("--depths", type=int_list, default=[1, 2, 4, 8])
+    p.add_argument("--attention", type=mechanism, default="neural-clustering")
+    p.add_argument("--options", default=None, help="options of that mechanism as JSON")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--tied", action="store_true", help="reversible blocks with the tied connection H")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the records here (default: stdout)")
+    p.set_defaults(func=run_reversible)
+
+    p = bench_sub.add_parser("report", help="markdown table of a benchmark JSON file")
+    p.add_argument("--json", required=True, help="records written by bench attention or bench reversible")
+    p.add_argument("--plot", default=None, help="also (re)draw the time/memory plot of attention records (PNG)")
+    p.set_defaults(func=run_report)
+
+
+def run_attention(args: argparse.Namespace) -> int:
+    from ..bench import BenchConfig, run_attention_benchmark
+    from ..bench.attention import DTYPE_ALIASES
+
+    options = json_object("--options", args.options, '{"neural-clustering": {"look_back": 2}}')
+    if not all(isinstance(v, dict) for v in options.values()):
+        raise ValueError('--options must be a JSON object {"name": {"option": value}}')
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was given but CUDA is not available")
+    config = BenchConfig(
+        names=args.names, lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+        device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), warmup=args.warmup,
+        repeats=args.repeats, threads=args.threads, options=options, padding=args.padding,
+    )
+    records = run_attention_benchmark(config, progress=log)
+    emit_json(records, args.json, log=log)
+    if args.plot:
+        from ..bench.plot import plot_attention_benchmark
+
+        log(f"wrote {plot_attention_benchmark(records, args.plot)}")
+    return 0
+
+
+def run_reversible(args: argparse.Namespace) -> int:
+    from ..bench.reversible import ReversibleBenchConfig, run_reversible_benchmark
+
+    options = json_object("--options", args.options, '{"num_clusters": 16}')
+    if any(d < 1 for d in args.depths):
+        raise ValueError(f"--depths must be positive, got {args.depths}")
+    config = ReversibleBenchConfig(depths=args.depths, attention=args.attention, options=options, length=args.length,
+                                   batch=args.batch, dim=args.dim, heads=args.heads, tied=args.tied,
+                                   device=args.device, repeats=args.repeats)
+    emit_json(run_reversible_benchmark(config, progress=log), args.json, log=log)
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from ..bench.report import attention_table, reversible_table
+
+    path = Path(args.json)
+    if not path.is_file():
+        raise ValueError(f"--json {args.json!r} is not a file")
+    try:
+        records = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{args.json} is not valid JSON: {exc}") from None
+    if not isinstance(records, list) or not records or not isinstance(records[0], dict):
+        raise ValueError(f"{args.json} must hold a non-empty list of benchmark records")
+    reversible = "depth" in records[0]
+    print(reversible_table(records) if reversible else attention_table(records))
+    if args.plot:
+        if reversible:
+            raise ValueError("--plot is for bench attention records")
+        from ..bench.plot import plot_attention_benchmark
+
+        log(f"wrote {plot_attention_benchmark(records, args.plot)}")
+    return 0

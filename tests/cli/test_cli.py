@@ -1,0 +1,123 @@
+"""The command line: one module per command, the benchmarks' commands, clear errors, the demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from clusterformer.cli import main
+
+
+def test_bench_cli_writes_records_and_plot(tmp_path, capsys):
+    out, plot = tmp_path / "b.json", tmp_path / "b.png"
+    code = main(["bench", "attention", "--names", "full,neural-clustering", "--lengths", "64,96", "--repeats", "1",
+                 "--warmup", "0", "--json", str(out), "--plot", str(plot)])
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert len(records) == 4
+    keys = {"name", "length", "batch", "heads", "head_dim", "device", "fwd_ms", "fwd_bwd_ms", "peak_mem_mb"}
+    for record in records:
+        assert keys <= set(record)
+        assert record["fwd_ms"] > 0 and record["fwd_bwd_ms"] > 0 and record["peak_mem_mb"] >= 0
+    assert {r["name"] for r in records} == {"full", "neural-clustering"}
+    assert [r["fwd_bwd_aux_ms"] is None for r in records if r["name"] == "full"] == [True, True]
+    assert plot.stat().st_size > 1000
+    assert "[4/4] neural-clustering N=96" in capsys.readouterr().err  # progress
+
+
+def test_bench_padded_batches(tmp_path, capsys):
+    """--padding: sequence b of the batch right-padded by padding * N * b / (B - 1) tokens; recorded."""
+    from clusterformer.bench.attention import padding_mask
+
+    assert padding_mask(3, 10, 0.0) is None
+    assert (~padding_mask(3, 10, 0.6)).sum(1).tolist() == [10, 7, 4]
+    assert (~padding_mask(1, 10, 0.3)).sum(1).tolist() == [7]
+    out = tmp_path / "p.json"
+    assert main(["bench", "attention", "--names", "lsh", "--lengths", "64", "--batch", "2", "--padding", "0.5",
+                 "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["padding"] == 0.5 and record["batch"] == 2 and record["fwd_ms"] > 0
+    with pytest.raises(SystemExit):
+        main(["bench", "attention", "--names", "lsh", "--lengths", "64", "--padding", "1.5"])
+    assert "padding must be < 1.0" in capsys.readouterr().err
+
+
+def test_bench_reversible_and_report_cli(tmp_path, capsys):
+    out = tmp_path / "rev.json"
+    code = main(["bench", "reversible", "--depths", "1,2", "--attention", "lsh", "--length", "32", "--dim", "16",
+                 "--heads", "2", "--repeats", "1", "--json", str(out)])
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert [(r["depth"], r["reversible"]) for r in records] == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(r["fwd_bwd_ms"] > 0 and r["attention"] == "lsh" for r in records)
+    capsys.readouterr()
+    assert main(["bench", "report", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| depth |") and len(table.splitlines()) == 4
+    bench = tmp_path / "att.json"
+    main(["bench", "attention", "--names", "full,lsh", "--lengths", "32", "--repeats", "1", "--warmup", "0",
+          "--json", str(bench)])
+    capsys.readouterr()
+    main(["bench", "report", "--json", str(bench)])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2].startswith("| full | 32 |") and rows[2].endswith("| 1.0x | 1.0x |")
+    assert rows[3].startswith("| lsh | 32 |")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "attention", "--names", "full,bogus"], "unknown attention name"),
+        (["bench", "report", "--json", "/nonexistent.json"], "is not a file"),
+        (["bench", "reversible", "--attention", "bogus"], "unknown attention name"),
+        (["bench", "attention", "--lengths", "0"], "expected positive integers"),
+        (["bench", "attention", "--options", '{"full": {"look_back": 1}}', "--lengths", "8"], "unknown option"),
+    ],
+)
+def test_cli_rejects_bad_arguments_clearly(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_module_entry_point_lists_mechanisms():
+    result = subprocess.run([sys.executable, "-m", "clusterformer", "list"], capture_output=True, text=True,
+                            check=True)
+    assert "neural-clustering" in result.stdout and "causal_mode = 'strict'" in result.stdout
+
+
+def test_demo_runs_end_to_end_on_a_tiny_budget(tmp_path):
+    from clusterformer.apps.demo import DemoConfig, majority_marker_batch, run_demo
+
+    tokens, labels = majority_marker_batch(64, 40, torch.Generator().manual_seed(0))
+    a, b = (tokens == 40).sum(1), (tokens == 41).sum(1)
+    assert torch.equal(labels, (a > b).long()) and (a != b).all() and (a >= 1).all() and (b >= 1).all()
+    lines = []
+    summary = run_demo(tmp_path, DemoConfig(length=32, train_steps=2, batch=4, eval_examples=8, dim=16,
+                                            bench_lengths=(32,)), log=lines.append)
+    assert {r["attention"] for r in summary["training"]} == {"full", "neural-clustering"}
+    assert (tmp_path / "demo.json").exists() and (tmp_path / "bench.png").exists()
+    assert any("speed-up" in line for line in lines)
+
+
+def test_every_command_has_its_own_module_and_help():
+    """Issue #13: each command adds its own parser; the package docstring lists every one of them."""
+    from clusterformer import cli
+
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert set(commands) == {"list", "bench", "train", "eval", "data", "report", "approx", "cluster", "demo"}
+    assert len(cli.COMMANDS) == len(commands)
+    for name in commands:
+        assert f"\n  {name} " in cli.__doc__, name
+
+
+def test_list_shows_aliases(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "chunk_size = 64  (alias bucket_size)" in out and "num_clusters = 100  (alias clusters)" in out

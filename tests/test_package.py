@@ -1,0 +1,46 @@
+"""The package's shape: what its core imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_the_core_imports_nothing_but_torch():
+    """Issue #13: the library core pulls in no package that ``import torch`` does not (the applications that need
+    numpy, scikit-learn or transformers live in clusterformer.apps and clusterformer.hf)."""
+    code = ("import sys, torch; base = set(sys.modules); "
+            "import clusterformer.attention, clusterformer.ops, clusterformer.clustering, clusterformer.models; "
+            "print(sorted({m.split('.')[0] for m in set(sys.modules) - base}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['clusterformer']"
+
+
+def test_the_documented_example_of_a_new_mechanism_works():
+    """docs/ARCHITECTURE.md shows how to add a mechanism; run that code as written (in a fresh process, so the
+    registry of the other tests is untouched) and check the new mechanism against full attention where they agree
+    (one chunk holds every key) and that the registry, the layer and hf see it."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    example = doc.split("### Adding a mechanism", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    check = """
+import torch
+from clusterformer.attention import build, names
+from clusterformer.hf import patchable
+assert "local" in names() and "local" in patchable()
+torch.manual_seed(0)
+x = torch.randn(2, 40, 256, dtype=torch.float64)
+pad = torch.zeros(2, 40, dtype=torch.bool); pad[1, 30:] = True
+one_chunk = build("local", dim=256, heads=4, chunk_size=64).double()
+full = build("full", dim=256, heads=4).double()
+full.load_state_dict(one_chunk.state_dict())
+for causal in (False, True):
+    torch.testing.assert_close(one_chunk(x, pad, causal), full(x, pad, causal), rtol=0, atol=1e-12)
+small = build("local", dim=256, heads=4, chunk_size=8).double()
+small.load_state_dict(one_chunk.state_dict())
+assert not torch.allclose(small(x, pad), full(x, pad))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", example + check], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
