@@ -23,6 +23,7 @@ from .aux import AuxLosses, collect_aux_losses, record_groups, total_loss
 from .base import (
     AttentionLayer,
     AttentionOptions,
+    BucketOptions,
     InnerAttention,
     QKVProjection,
     SeededOptions,
@@ -43,6 +44,7 @@ __all__ = [
     "AttentionLayer",
     "AttentionOptions",
     "AuxLosses",
+    "BucketOptions",
     "ClusterFormerAttention",
     "ClusterFormerOptions",
     "ClusteredAttention",

@@ -106,6 +106,25 @@ class SeededOptions(AttentionOptions):
         check_int("seed", self.seed, minimum=0)
 
 
+@dataclass(frozen=True)
+class BucketOptions(SeededOptions):
+    """:class:`SeededOptions` plus what the sorted-bucket mechanisms (lsh, routing, kmeans) share.
+
+    Attributes:
+        chunk_size: tokens per chunk after sorting by bucket or cluster (the Reformer's bucket size, the
+            Routing Transformer's window).
+        look_back: previous chunks each chunk attends to (1 in the papers).
+    """
+
+    chunk_size: int = 64
+    look_back: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("chunk_size", self.chunk_size, minimum=1)
+        check_int("look_back", self.look_back, minimum=0)
+
+
 def option_fields(options: type) -> dict[str, Any]:
     """A mechanism's options and their defaults, in declaration order."""
     return {f.name: f.default for f in dataclasses.fields(options)}

@@ -40,19 +40,19 @@ from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
 from ..ops.bucketed import bucketed_attention
 from .aux import publish_groups
-from .base import InnerAttention, SeededOptions
+from .base import BucketOptions, InnerAttention
 from .registry import register
 
 
 @dataclass(frozen=True)
-class KMeansOptions(SeededOptions):
-    """Options of ``"kmeans"`` (besides ``dropout``, ``bias``, ``seed``; ``seed`` seeds the centroids).
+class KMeansOptions(BucketOptions):
+    """Options of ``"kmeans"`` (besides ``dropout``, ``bias``, ``seed`` -- which seeds the centroids --,
+    ``chunk_size`` -- the bucket size, alias ``bucket_size`` -- and ``look_back``:
+    :class:`~clusterformer.attention.BucketOptions`).
 
     Attributes:
         num_clusters: centroids per round and head (the paper's n buckets).
         num_rounds: independently initialised centroid sets voted over (the paper's m; alias ``n_rounds``).
-        chunk_size: tokens per chunk after sorting by bucket (bucket size; alias ``bucket_size``).
-        look_back: previous chunks each chunk attends to.
         decay: EMA smoothing of the k-means mean update (0 = replace by the batch means).
     """
 
@@ -60,16 +60,12 @@ class KMeansOptions(SeededOptions):
 
     num_clusters: int = 32
     num_rounds: int = 3
-    chunk_size: int = 64
-    look_back: int = 1
     decay: float = 0.99
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("num_clusters", self.num_clusters, minimum=1)
         check_int("num_rounds", self.num_rounds, minimum=1)
-        check_int("chunk_size", self.chunk_size, minimum=1)
-        check_int("look_back", self.look_back, minimum=0)
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
 
 

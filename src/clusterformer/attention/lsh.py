@@ -39,16 +39,16 @@ from ..clustering.hashing import angular_lsh_buckets
 from ..ops.bucketed import bucketed_attention
 from ..ops.masks import real_lengths
 from .aux import publish_groups
-from .base import InnerAttention, SeededOptions
+from .base import BucketOptions, InnerAttention
 from .registry import register
 
 
 @dataclass(frozen=True)
-class LSHOptions(SeededOptions):
-    """Options of ``"lsh"`` (besides ``dropout``, ``bias``, ``seed``; ``seed`` seeds the random rotations).
+class LSHOptions(BucketOptions):
+    """Options of ``"lsh"`` (besides ``dropout``, ``bias``, ``seed`` -- which seeds the random rotations --,
+    ``chunk_size`` -- alias ``bucket_size`` -- and ``look_back``: :class:`~clusterformer.attention.BucketOptions`).
 
     Attributes:
-        chunk_size: tokens per chunk after sorting by bucket (the Reformer's bucket size; alias ``bucket_size``).
         num_rounds: hashing rounds (the Reformer's n_hashes; alias ``n_hashes``).
         num_clusters: buckets per round (the Reformer's n_buckets; alias ``n_buckets``), an even int >= 2, or
             "auto" for ceil(L / chunk_size) rounded up to an even number (at least 2), L being each
@@ -56,21 +56,17 @@ class LSHOptions(SeededOptions):
         causal_clusters: with ``num_clusters="auto"`` and ``causal=True``: the bucket count, fixed (an even
             int >= 2) so that a prefix is hashed the same whatever follows it (prefix invariance, what cached
             generation needs; alias ``causal_buckets``). An int ``num_clusters`` is used as is.
-        look_back: previous chunks each chunk attends to (Reformer: 1).
     """
 
     ALIASES: ClassVar[dict[str, str]] = {"bucket_size": "chunk_size", "n_hashes": "num_rounds",
                                          "n_buckets": "num_clusters", "causal_buckets": "causal_clusters"}
 
-    chunk_size: int = 64
     num_rounds: int = 4
     num_clusters: int | str = "auto"
     causal_clusters: int = 16
-    look_back: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("chunk_size", self.chunk_size, minimum=1)
         check_int("num_rounds", self.num_rounds, minimum=1)
         if self.num_clusters != "auto":
             if isinstance(self.num_clusters, str):
@@ -83,7 +79,6 @@ class LSHOptions(SeededOptions):
         if self.causal_clusters % 2:
             raise ValueError(f"causal_clusters must be even (hashes are argmax over [xR; -xR]), "
                              f"got {self.causal_clusters}")
-        check_int("look_back", self.look_back, minimum=0)
 
 
 @register("lsh", LSHOptions, "Reformer: shared QK, angular LSH rounds, sorted bucket chunks; O(rounds N w)")

@@ -42,34 +42,29 @@ from ..distributed import all_reduce_sum
 from ..ops.bucketed import bucketed_attention
 from ..ops.masks import real_tokens
 from .aux import publish_groups, publish_losses
-from .base import InnerAttention, SeededOptions
+from .base import BucketOptions, InnerAttention
 from .registry import register
 
 
 @dataclass(frozen=True)
-class RoutingOptions(SeededOptions):
-    """Options of ``"routing"`` (besides ``dropout``, ``bias``, ``seed``; ``seed`` seeds the centroids).
+class RoutingOptions(BucketOptions):
+    """Options of ``"routing"`` (besides ``dropout``, ``bias``, ``seed`` -- which seeds the centroids --,
+    ``chunk_size`` -- the Routing Transformer's window, alias ``window_size`` -- and ``look_back``:
+    :class:`~clusterformer.attention.BucketOptions`).
 
     Attributes:
         num_clusters: centroids per head.
-        chunk_size: tokens per chunk after sorting by cluster (the Routing Transformer's window; alias
-            ``window_size``).
-        look_back: previous chunks each chunk attends to.
         decay: EMA decay of the centroids (0 = replace by the batch means; closer to 1 = slower).
     """
 
     ALIASES: ClassVar[dict[str, str]] = {"window_size": "chunk_size"}
 
     num_clusters: int = 32
-    chunk_size: int = 64
-    look_back: int = 1
     decay: float = 0.999
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("num_clusters", self.num_clusters, minimum=1)
-        check_int("chunk_size", self.chunk_size, minimum=1)
-        check_int("look_back", self.look_back, minimum=0)
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
 
 
