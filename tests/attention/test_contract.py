@@ -355,3 +355,19 @@ def test_no_forward_output_is_stored_on_modules(name):
     (y.sum() + sum(aux.values(), torch.zeros((), dtype=torch.float64))).backward()
     layer(x)  # and a forward without any collector open
     assert _tensors_with_graphs(layer) == []
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_state_dicts_from_before_the_inner_attention_split_still_load(name):
+    """Before issue #13 a mechanism's parameters, buffers and extra state sat on the layer itself (``centroids``,
+    ``to_cluster.weight``, ``_extra_state``); such state dicts (old checkpoints) load into ``layer.inner``."""
+    layer = _small(name).train()
+    layer(torch.randn(2, 19, 16, dtype=torch.float64))  # some state: memory banks, pending EMA updates, generators
+    old_style = {key.replace("inner.", "", 1): value for key, value in layer.state_dict().items()}
+    assert any(not key.startswith(("to_qkv.", "to_out.")) for key in old_style) or name in ("full", "sliding-window")
+    twin = _small(name)
+    twin.load_state_dict(old_style)
+    x = torch.randn(2, 23, 16, dtype=torch.float64)
+    layer.eval()
+    twin.eval()
+    torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
