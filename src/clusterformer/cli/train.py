@@ -13,7 +13,7 @@ from ._args import json_object, log, mechanism
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train on a task (see docs/results.md); works under torchrun too")
-    p.add_argument("--task", required=True, help="mr, cr, subj, mpqa, 20news, imdb, wikiqa, shakespeare-char, "
+    p.add_argument("--task", required=True, help="mr, cr, subj, mpqa, 20news, imdb, wikiqa, listops, shakespeare-char, "
                    "text-classification")
     p.add_argument("--attention", type=mechanism, default="full")
     p.add_argument("--attention-options", default=None, help="options of that mechanism as JSON")

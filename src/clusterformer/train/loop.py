@@ -129,7 +129,7 @@ class TrainConfig:
 
             check_choice("init", self.init, tuple(PRETRAINED))
             validate_patch_options(self.attention, self.attention_options)
-            if self.task in ("wikiqa", "shakespeare-char"):
+            if self.task in ("wikiqa", "listops", "shakespeare-char"):
                 raise ValueError(f"--init fine-tunes single-text classifiers; task {self.task!r} is not one")
             if self.tokenizer != "auto":
                 raise ValueError("--init uses the pretrained model's own tokenizer; leave --tokenizer at auto")

@@ -11,6 +11,7 @@ more implementation).
 | imdb | aclImdb archive | train / test; bytes, 4,000 (LRA text) by default | accuracy |
 | text-classification | ``--train-file`` / ``--test-file`` (label text or TSV) | as given | accuracy |
 | wikiqa | question/answer pairs | train / filtered test (questions with a correct answer) | MAP, MRR |
+| listops | generated (``data.listops``, LRA rules), lengths max_len/4..max_len | fixed seeded train / test | accuracy |
 | shakespeare-char | one text file | first 90% / last 10% | bits per character |
 """
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import ByteTokenizer, WordTokenizer, kfold_indices, load_classification_task, load_labeled_file
+from ..data.listops import LISTOPS_VOCAB, encode_listops, generate_listops
 from ..data.paths import resolve_data_dir
 from ..data.tokenize import PretrainedTokenizer
 from ..models import EncoderConfig, SequenceClassifier
@@ -35,7 +37,9 @@ from ..models.lm import LanguageModel
 __all__ = ["TASKS", "Batch", "ClassificationTask", "Examples", "LanguageModelTask", "Task", "prepare_task",
            "ranking_metrics"]
 
-TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "shakespeare-char", "text-classification")
+TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "listops", "shakespeare-char", "text-classification")
+
+LISTOPS_TRAIN = 20_000  # training expressions by default (LRA uses 96,000: --limit 96000); the test set has 2,000
 
 
 class Batch(NamedTuple):
@@ -238,6 +242,8 @@ def prepare_task(
         return _shakespeare(data_dir, max_len, limit, tokenizer_state)
     if name == "wikiqa":
         return _wikiqa(data_dir, max_len, vocab_size, limit, tokenizer_state)
+    if name == "listops":
+        return _listops(max_len, limit)
     if name == "text-classification":
         if not train_file or not test_file:
             raise ValueError("task 'text-classification' needs --train-file and --test-file")
@@ -306,6 +312,26 @@ def _wikiqa(data_dir, max_len, vocab_size, limit, state) -> ClassificationTask:
 
     return ClassificationTask("wikiqa", encode(tr), encode(test), tok.vocab_size, 2, tok.to_str(), "map_mrr",
                               {"protocol": "train / filtered test", "test_questions": len(positives)})
+
+
+def _listops(max_len: int, limit: int | None) -> ClassificationTask:
+    """ListOps with lengths between max_len / 4 and max_len (LRA: 500..2,000 at max_len 2,000). The data do not
+    depend on the training seed (train drawn from seed 0, test from seed 1), so seeds compare models on one set."""
+    n_train = LISTOPS_TRAIN if limit is None else limit
+    n_test = min(2000, n_train)
+    shape = {"min_length": max(3, max_len // 4), "max_length": max_len}
+    train_x, train_y = generate_listops(n_train, seed=0, **shape)
+    test_x, test_y = generate_listops(n_test, seed=1, **shape)
+
+    def examples(texts: list[str], labels: list[int]) -> Examples:
+        ids, pad = encode_listops(texts, max_len)
+        return Examples(ids, pad, torch.tensor(labels, dtype=torch.long))
+
+    return ClassificationTask("listops", examples(train_x, train_y), examples(test_x, test_y), len(LISTOPS_VOCAB),
+                              10, "listops", "accuracy",
+                              {"protocol": f"generated: {n_train} train / {n_test} test expressions of "
+                                           f"{shape['min_length']}..{max_len} tokens (seeds 0 / 1)",
+                               "labels": [str(d) for d in range(10)]})
 
 
 def _shakespeare(data_dir, max_len, limit, state) -> LanguageModelTask:
