@@ -8,6 +8,7 @@ Commands, one module each (each adds its own parser, as ``transformers/cli`` doe
   eval      evaluate a checkpoint on its task's test split                  (:mod:`.evaluate`)
   data      list and download the public datasets                           (:mod:`.data`)
   report    markdown table (and plot) of training runs                      (:mod:`.report`)
+  compare   every mechanism on every task over seeds, resumable, summarised (:mod:`.compare`)
   approx    clustered attention inside a pretrained model, no retraining    (:mod:`.approx`)
   cluster   the stand-alone clustering experiment                           (:mod:`.cluster`)
   demo      benchmark + short training of full vs neural-clustering         (:mod:`.demo`)
@@ -18,11 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import approx, bench, cluster, data, demo, evaluate, mechanisms, report, train
+from . import approx, bench, cluster, compare, data, demo, evaluate, mechanisms, report, train
 
 __all__ = ["build_parser", "main"]
 
-COMMANDS = (mechanisms, bench, train, evaluate, data, report, approx, cluster, demo)
+COMMANDS = (mechanisms, bench, train, evaluate, data, report, compare, approx, cluster, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

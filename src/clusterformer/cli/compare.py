@@ -1,0 +1,42 @@
+"""``clusterformer compare``: the papers' comparison across the family -- every mechanism on every task, several
+seeds (or CV folds), equal budgets, resumable -- summarised in ``OUT/summary.{json,md}`` (docs/results.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._args import json_object, log, name_list
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="every mechanism on every task over seeds/folds (resumable) + summary",
+                       description="Run `clusterformer train` for each task x mechanism x seed (or fold) into "
+                                   "OUT/TASK/MECHANISM/seedS, skipping finished runs and resuming interrupted ones, "
+                                   "then write OUT/summary.json and OUT/summary.md. Flags after `--` go to every "
+                                   "train run, e.g. -- --epochs 5 --dim 128.")
+    p.add_argument("--tasks", required=True, type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
+                   help="comma-separated tasks, e.g. mr,cr,wikiqa,listops")
+    p.add_argument("--attention", type=name_list, default=name_list("full,neural-clustering"),
+                   help="comma-separated mechanisms, or 'all'")
+    p.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=[0, 1, 2])
+    p.add_argument("--folds", type=int, default=None,
+                   help="sentence tasks (mr, cr, subj, mpqa): run these CV folds instead of the seeds")
+    p.add_argument("--options", default=None, help='attention options per mechanism as JSON, e.g. '
+                                                   '{"lsh": {"chunk_size": 32}}')
+    p.add_argument("--out", required=True, help="comparison directory")
+    p.add_argument("--plot", default=None, help="also draw the speed-accuracy picture here (PNG)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then flags for every train run")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..apps.compare import CompareConfig, plot_comparison, run_comparison
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    options = json_object("--options", args.options, '{"lsh": {"chunk_size": 32}}')
+    config = CompareConfig(tasks=args.tasks, attention=args.attention, out=args.out, seeds=args.seeds,
+                           folds=args.folds, options=options, train_args=train_args)
+    summary = run_comparison(config, log=log)
+    if args.plot:
+        log(f"wrote {plot_comparison(summary, args.plot)}")
+    return 0
