@@ -59,6 +59,20 @@ def test_compare_runs_the_grid_resumes_and_summarises(tmp_path, capsys):
     assert os.path.getmtime(done / "checkpoint.pt") == stamp
 
 
+def test_compare_runs_the_cluster_former_stack(tmp_path, capsys):
+    _write_task(tmp_path)
+    out = tmp_path / "cmp"
+    assert main(["compare", "--tasks", "text-classification", "--attention", "cluster-former-stack", "--seeds", "0",
+                 "--out", str(out), "--options", '{"cluster-former-stack": {"window": 8, "stride": 4}}', "--",
+                 "--train-file", str(tmp_path / "train.txt"), "--test-file", str(tmp_path / "test.txt"),
+                 "--max-steps", "2", "--batch-size", "8", "--dim", "16", "--heads", "2", "--depth", "2",
+                 "--max-len", "16"]) == 0
+    config = json.loads((out / "text-classification" / "cluster-former-stack" / "seed0" / "metrics.json").read_text())
+    assert config["config"]["attention"] == "cluster-former" and config["config"]["cluster_layers"] == [-1]
+    assert "cluster-former-stack" in json.loads((out / "summary.json").read_text())["tasks"]["text-classification"][
+        "mechanisms"]
+
+
 def test_compare_rejects_bad_arguments(tmp_path, capsys):
     for argv, message in (
         (["--tasks", "sst2"], "unknown task 'sst2'"),

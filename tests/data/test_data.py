@@ -3,9 +3,7 @@ the real datasets in ../shared/data (skipped, with the reason, where that folder
 
 from __future__ import annotations
 
-import os
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +18,7 @@ from clusterformer.data import (
     load_labeled_file,
     resolve_data_dir,
 )
-
-SHARED = Path(os.environ.get("CLUSTERFORMER_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")
-needs_data = pytest.mark.skipif(not (SHARED / "README.md").is_file(), reason=f"real datasets not found at {SHARED}")
+from shared_data import SHARED, needs_data
 
 
 def test_labeled_file_latin1_nel_bytes_tsv_and_names(tmp_path):

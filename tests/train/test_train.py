@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_data import SHARED, needs_data
 
 from clusterformer.cli import main
 from clusterformer.train import TrainConfig, load_checkpoint, ranking_metrics, run_training, save_checkpoint
+from shared_data import SHARED, needs_data
 
 WORDS = ["good", "great", "fine", "bad", "awful", "poor", "film", "plot", "actor", "the", "a", "very"]
 
@@ -402,3 +402,24 @@ def test_no_character_gets_the_padding_id(tmp_path):
     stream = torch.cat([task.train_stream, task.test_stream])
     assert int(stream.min()) >= 1
     assert task.vocab_size == int(stream.max()) + 1 == 5  # '\n', ' ', 'A', 'b' and the padding id
+
+
+def test_cluster_layers_build_the_cluster_former_stack(tmp_path):
+    """--cluster-layers builds the paper's stack: sliding-window layers, Cluster-Former layers where named."""
+    from clusterformer.train.loop import TrainConfig, build_model
+    from clusterformer.train.tasks import prepare_task
+
+    train, test = _write_task(tmp_path)
+    config = TrainConfig(task="text-classification", out=str(tmp_path / "o"), train_file=str(train),
+                         test_file=str(test), max_steps=1, depth=3, dim=16, heads=2, attention="cluster-former",
+                         attention_options={"window": 8, "stride": 4, "num_clusters": 3}, cluster_layers=[-1])
+    task = prepare_task("text-classification", data_dir=None, max_len=32, train_file=str(train), test_file=str(test))
+    model = build_model(config, task)
+    inner = [block.attn.inner for block in model.encoder.blocks]
+    assert [type(a).__name__ for a in inner] == ["SlidingWindowAttention", "SlidingWindowAttention",
+                                                 "ClusterFormerAttention"]
+    assert all((a.options.window, a.options.stride) == (8, 4) for a in inner) and inner[2].options.num_clusters == 3
+    for bad, message in (({"attention": "sliding-window", "attention_options": {}}, "needs attention='cluster-former'"),
+                         ({"cluster_layers": [3]}, "outside depth=3"), ({"cluster_layers": []}, "at least one")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**{**config.__dict__, **bad})

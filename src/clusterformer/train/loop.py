@@ -53,7 +53,7 @@ from .._checks import check_choice, check_float, check_int
 from .._io import write_json
 from ..attention import apply_pending_updates, collect_aux_losses, total_loss
 from ..attention.registry import causal_semantics, make_options
-from ..models import EncoderConfig
+from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .tasks import TASKS, Task, prepare_task
 
@@ -109,6 +109,7 @@ class TrainConfig:
     progress: bool = True
     init: str | None = None  # a pretrained model of clusterformer.hf (e.g. "minilm") to fine-tune
     allow_non_strict_causal: bool = False  # LM with a mechanism whose causal mode is not strict (optimistic bpc)
+    cluster_layers: list[int] | None = None  # cluster-former: the paper's stack, Cluster-Former layers only here
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
@@ -138,6 +139,17 @@ class TrainConfig:
                                  "reversible)")
             if self.max_len > 512:
                 raise ValueError(f"max_len must be <= 512 (the pretrained model's positions), got {self.max_len}")
+        if self.cluster_layers is not None:
+            if self.attention != "cluster-former" or self.init:
+                raise ValueError("cluster_layers builds the Cluster-Former stack: it needs attention='cluster-former' "
+                                 "and no init")
+            if not self.cluster_layers:
+                raise ValueError("cluster_layers must name at least one layer")
+            for layer in self.cluster_layers:
+                check_int("cluster_layers entry", layer)
+                if not -self.depth <= layer < self.depth:
+                    raise ValueError(f"cluster_layers entry {layer} is outside depth={self.depth} (negative counts "
+                                     "from the last layer)")
         for name in ("vocab_size", "max_len", "dim", "depth", "heads", "batch_size", "log_every", "folds"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed"):
@@ -194,10 +206,17 @@ def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
 
         return PretrainedClassifier(config.init, task.num_classes, attention=config.attention,
                                     options=dict(config.attention_options))
-    enc = EncoderConfig(vocab_size=task.vocab_size, dim=config.dim, depth=config.depth, heads=config.heads,
-                        ff_dim=config.ff_dim, dropout=config.dropout, max_len=task.model_max_len(config.max_len),
-                        attention=config.attention, attention_options=dict(config.attention_options),
-                        reversible=config.reversible)
+    size = dict(vocab_size=task.vocab_size, dim=config.dim, depth=config.depth, heads=config.heads,
+                ff_dim=config.ff_dim, dropout=config.dropout, max_len=task.model_max_len(config.max_len),
+                reversible=config.reversible)
+    if config.cluster_layers is not None:  # the paper's stack: sliding-window layers, Cluster-Former layers here
+        options = make_options("cluster-former", dict(config.attention_options))
+        rest = {k: v for k, v in config.attention_options.items() if k not in ("window", "stride", "num_clusters")}
+        layers = tuple(sorted({layer % config.depth for layer in config.cluster_layers}))
+        return task.build_model(cluster_former_config(
+            cluster_layers=layers, window=options.window, stride=options.stride, num_clusters=options.num_clusters,
+            cluster_options=rest, **size))
+    enc = EncoderConfig(attention=config.attention, attention_options=dict(config.attention_options), **size)
     return task.build_model(enc)
 
 
@@ -413,7 +432,7 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     state = load_checkpoint(out / CHECKPOINT)
     saved = state["config"]
     changed = {k for k in ("task", "attention", "attention_options", "dim", "depth", "heads", "max_len", "seed",
-                           "batch_size") if saved.get(k) != getattr(config, k)}
+                           "batch_size", "cluster_layers") if saved.get(k) != getattr(config, k)}
     if changed:
         raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
     if state["world_size"] != world:
