@@ -8,7 +8,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["emit_json", "write_json"]
+__all__ = ["emit_json", "read_json", "write_json"]
+
+
+def read_json(path: str | Path, missing: str) -> Any:
+    """The JSON in ``path``; ``ValueError(missing)`` when there is no such file, one naming the file when it is not
+    valid JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
 
 
 def write_json(path: str | Path, record: Any) -> Path:

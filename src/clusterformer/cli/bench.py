@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from .._io import emit_json
+from .._io import emit_json, read_json
 from ._args import int_list, json_object, log, mechanism, name_list
 
 
@@ -98,13 +96,7 @@ def run_reversible(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from ..bench.report import attention_table, reversible_table
 
-    path = Path(args.json)
-    if not path.is_file():
-        raise ValueError(f"--json {args.json!r} is not a file")
-    try:
-        records = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{args.json} is not valid JSON: {exc}") from None
+    records = read_json(args.json, f"--json {args.json!r} is not a file")
     if not isinstance(records, list) or not records or not isinstance(records[0], dict):
         raise ValueError(f"{args.json} must hold a non-empty list of benchmark records")
     reversible = "depth" in records[0]

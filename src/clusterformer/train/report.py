@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .._io import read_json
 
 __all__ = ["load_runs", "plot_metric_vs_time", "results_table"]
 
@@ -17,12 +18,7 @@ def load_runs(paths: list[str | Path]) -> list[dict]:
     for path in paths:
         path = Path(path)
         file = path / "metrics.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ValueError(f"no metrics.json in {str(path)!r} (did the run finish?)")
-        try:
-            run = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file} is not valid JSON: {exc}") from None
+        run = read_json(file, f"no metrics.json in {str(path)!r} (did the run finish?)")
         run["run_dir"] = str(file.parent)
         runs.append(run)
     return runs
