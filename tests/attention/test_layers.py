@@ -319,3 +319,32 @@ def test_strict_causal_prefix_gives_the_same_outputs_alone(options):
     w = layer.options.causal_chunk_size
     for t in sorted({1, w - 1, w, w + 1, 2 * w, N // 2, N - 2}):
         torch.testing.assert_close(layer(x[:, :t], causal=True), y[:, :t], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(13, 3, 1), (12, 4, 2), (7, "sqrt", 1)])
+@pytest.mark.parametrize("mode", ["none", "strict"])
+def test_contiguous_grouping_is_local_block_attention(N, num_clusters, look_back, mode):
+    """The issue #14 ablation (b): grouping="contiguous" is the same chunked attention with every token in one
+    group -- contiguous blocks of the original order, chunk size ceil(L / k) (strict causal: causal_chunk_size)
+    and the same look-back -- and publishes no clustering losses."""
+    layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back, grouping="contiguous",
+                   causal_chunk_size=3)
+    B = 2
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, -3:] = True
+    y, aux, groups = run_recorded(layer, x, key_padding_mask=pad, causal=mode == "strict")
+    assert dict(aux) == {} and (groups[layer.inner][~pad] == 0).all()
+    for b in range(B):
+        real = ~pad[b]
+        L = int(real.sum())
+        zeros = torch.zeros(N, dtype=torch.long)
+        if mode == "strict":
+            allowed = cluster_causal_allowed(zeros, 3, look_back, pad[b])
+        else:
+            k = layer.options.clusters_for(L)
+            allowed = sorted_chunk_allowed(zeros, max(1, math.ceil(L / k)), look_back, False, pad[b])
+        ref = _reference_output(layer, x[b] * real[:, None], allowed)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="grouping"):
+        build("neural-clustering", dim=8, heads=2, grouping="random")

@@ -94,6 +94,9 @@ class NeuralClusteringOptions(AttentionOptions):
         similarity: "cosine" (bounded, default) or "dot" (the paper's literal inner product).
         similarity_scale: multiplies phi inside the softmax over positions (eq. 2).
         own_centroids: own a centroid parameter; False means centroids flow in from the previous layer.
+        grouping: "learned" (the paper) or "contiguous", an ablation (issue #14): no clustering at all, every token
+            in one group, so the sorted chunks are contiguous blocks of the original order -- local block attention
+            with the same chunk size, look-back and causal semantics, no clustering losses.
     """
 
     num_clusters: int | str = "sqrt"
@@ -105,6 +108,7 @@ class NeuralClusteringOptions(AttentionOptions):
     similarity: str = "cosine"
     similarity_scale: float = 10.0
     own_centroids: bool = True
+    grouping: str = "learned"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -120,6 +124,7 @@ class NeuralClusteringOptions(AttentionOptions):
         check_choice("similarity", self.similarity, ("cosine", "dot"))
         check_float("similarity_scale", self.similarity_scale, minimum=0.0, exclusive_minimum=True)
         check_bool("own_centroids", self.own_centroids)
+        check_choice("grouping", self.grouping, ("learned", "contiguous"))
 
     @property
     def n_centroids(self) -> int:
@@ -198,17 +203,22 @@ class NeuralClusteringAttention(InnerAttention):
             lengths = real_lengths(key_padding_mask, B, N, x.device)
             per_sequence = self.options.clusters_for_lengths(lengths)
             n_clusters = int(per_sequence.max()) if B else 1
-        centroids = self._centroids(flow, n_clusters, B, strict)
-        clustering = neural_clustering(
-            self.to_cluster(x), centroids, key_padding_mask=key_padding_mask,
-            similarity=self.options.similarity, scale=self.options.similarity_scale,
-            assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
-        )
-        publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
-        ids = clustering.assignments  # (B, N); padding has id n_clusters
+        updated = None
+        if self.options.grouping == "contiguous":  # the ablation: one group, so chunks keep the original order
+            ids = torch.zeros(B, N, dtype=torch.long, device=x.device)
+            if key_padding_mask is not None:
+                ids = ids.masked_fill(key_padding_mask, n_clusters)  # padding as the clustering marks it
+        else:
+            clustering = neural_clustering(
+                self.to_cluster(x), self._centroids(flow, n_clusters, B, strict), key_padding_mask=key_padding_mask,
+                similarity=self.options.similarity, scale=self.options.similarity_scale,
+                assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
+            )
+            publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
+            ids, updated = clustering.assignments, clustering.updated_centroids  # ids (B, N); padding: n_clusters
         publish_groups(self, ids)
         if B == 0 or N == 0:
-            return projection.qkv(x)[0].transpose(1, 2), clustering.updated_centroids  # empty, with a graph
+            return projection.qkv(x)[0].transpose(1, 2), updated  # empty, with a graph
         if strict:
             layout = cluster_causal_layout(ids, self.options.causal_chunk_size, n_clusters + 1, self.options.look_back)
         elif lengths is None:
@@ -217,7 +227,7 @@ class NeuralClusteringAttention(InnerAttention):
             chunk = (lengths + per_sequence - 1) // per_sequence  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
             layout = sorted_layout(ids, chunk, self.options.look_back, key_padding_mask=key_padding_mask)
         out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
-        return out.view(B, N, self.heads, self.head_dim), clustering.updated_centroids
+        return out.view(B, N, self.heads, self.head_dim), updated
 
     def _centroids(self, flow: torch.Tensor | None, n_clusters: int, B: int, strict: bool) -> torch.Tensor:
         if flow is None:
