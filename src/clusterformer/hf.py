@@ -130,7 +130,7 @@ class PatchedSelfAttention(nn.Module):
         if isinstance(dropout, nn.Dropout) and options.ATTENTION_DROPOUT:
             options = dataclasses.replace(options, dropout=float(dropout.p))
         self.attention = attention
-        self.inner = build_inner(attention, dim=dim, heads=self.heads, **_fields(options))
+        self.inner = build_inner(attention, dim=dim, heads=self.heads, **dataclasses.asdict(options))
         self.inner.init_for_pretrained()
         param = self.query.weight
         self.inner.to(device=param.device, dtype=param.dtype)
@@ -165,10 +165,6 @@ class PatchedSelfAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"attention={self.attention!r}, heads={self.heads}, head_dim={self.head_dim}"
-
-
-def _fields(options: AttentionOptions) -> dict[str, Any]:
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
 def _is_self_attention(module: nn.Module) -> bool:

@@ -128,11 +128,6 @@ def publish_groups(module: nn.Module, groups: torch.Tensor) -> None:
             recorder[module] = groups
 
 
-def recording_groups() -> bool:
-    """Whether a group recorder is open (so a mechanism can skip work only diagnostics need)."""
-    return bool(_OPEN.get().groups)
-
-
 def total_loss(
     task_loss: torch.Tensor,
     aux_losses: Mapping[str, torch.Tensor],
