@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_float, check_int, check_padding_mask, check_tensor
+from ..ops.decode import DecodeCache, check_right_padded
 
 _REPLAYING: ContextVar[bool] = ContextVar("clusterformer_replaying", default=False)
 
@@ -207,6 +208,12 @@ class InnerAttention(SeededModule):
     Subclasses set :attr:`shared_qk` (the layer must give the same tensor as q and k) and implement
     :meth:`forward`; those that group by hidden states override :meth:`attend_hidden` as well.
 
+    Cached decoding. A strictly causal mechanism sets :attr:`decodes` and implements :meth:`cache_from` (the
+    cache after a prompt) and :meth:`step` (one new token per sequence against the cache, equal to the causal
+    forward at that position; caches in :mod:`clusterformer.ops.decode`), or :meth:`prefill_hidden` and
+    :meth:`step_hidden` when it groups by hidden states. :class:`AttentionLayer` exposes them as
+    ``layer.prefill(x, key_padding_mask)`` and ``layer.step(x_t, cache)``.
+
     Contract for ``forward``: q, k, v (B, H, N, D) with padded rows of no consequence; key_padding_mask
     (B, N) bool, True = padding, or None; outputs at real positions follow the mechanism's equations, outputs
     at padded positions are unspecified (the layer zeroes them). It publishes auxiliary losses and its
@@ -223,6 +230,7 @@ class InnerAttention(SeededModule):
 
     shared_qk: ClassVar[bool] = False
     aux_losses: ClassVar[tuple[str, ...]] = ()  # names of the losses the mechanism publishes
+    decodes: ClassVar[bool] = False  # implements cached decoding (cache_from + step, or the *_hidden pair)
 
     def __init__(self, dim: int, heads: int, options: AttentionOptions) -> None:
         super().__init__(getattr(options, "seed", None))
@@ -254,6 +262,56 @@ class InnerAttention(SeededModule):
             raise ValueError(f"{type(self).__name__} takes no flow from a previous layer")
         q, k, v = projection.qkv(x)
         return self(q, k, v, key_padding_mask, causal).transpose(1, 2), None
+
+    # ------------------------------------------------------------------ cached decoding (strict causal only)
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, DecodeCache]:
+        """The causal forward over a right-padded prompt batch, and the cache that continues it:
+        (out (B, H, N, D), cache). The default runs :meth:`forward` with ``causal=True``, then :meth:`cache_from`."""
+        self.check_decoding()
+        check_right_padded(key_padding_mask)
+        return self(q, k, v, key_padding_mask, True), self.cache_from(q, k, v, key_padding_mask)
+
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None) -> DecodeCache:
+        """The cache after a prompt's q, k, v (B, H, N, D): what a strictly causal mechanism implements."""
+        raise ValueError(self._no_decoding())
+
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: DecodeCache
+             ) -> tuple[torch.Tensor, DecodeCache]:
+        """One new token per sequence, q_t / k_t / v_t (B, H, D), at position ``cache.lengths[b]`` ->
+        (out (B, H, D), cache updated in place): equal to the causal forward over the whole sequence at that
+        position. Implemented by the strictly causal mechanisms."""
+        raise ValueError(self._no_decoding())
+
+    def prefill_hidden(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, DecodeCache]:
+        """:meth:`prefill` from hidden states (the :meth:`attend_hidden` counterpart): x (B, N, dim) ->
+        (heads output (B, N, H, D), cache)."""
+        q, k, v = projection.qkv(x)
+        out, cache = self.prefill(q, k, v, key_padding_mask)
+        return out.transpose(1, 2), cache
+
+    def step_hidden(self, x_t: torch.Tensor, projection: QKVProjection, cache: DecodeCache
+                    ) -> tuple[torch.Tensor, DecodeCache]:
+        """:meth:`step` from hidden states: x_t (B, dim) -> (heads output (B, H, D), cache)."""
+        self.check_decoding()
+        q, k, v = projection.qkv(x_t.unsqueeze(1))
+        return self.step(q[:, :, 0], k[:, :, 0], v[:, :, 0], cache)
+
+    def check_decoding(self) -> None:
+        """Cached decoding is inference with a strictly causal mechanism: refuse anything else clearly."""
+        if not self.decodes or self.options.causal_semantics() != "strict":
+            raise ValueError(self._no_decoding())
+        if self.training:
+            raise ValueError(f"{type(self).__name__}: cached decoding is inference (no dropout, no state updates); "
+                             "call model.eval() first")
+
+    def _no_decoding(self) -> str:
+        return (f"{type(self).__name__} has no cached decoding: its causal mode is "
+                f"{self.options.causal_semantics()!r}, and only strictly causal mechanisms can continue a prefix "
+                "token by token (full, neural-clustering with causal_mode='strict', lsh, routing, kmeans, "
+                "sliding-window)")
 
     def init_for_pretrained(self) -> None:
         """Re-initialise the mechanism's own parameters for use inside a pretrained model
@@ -336,6 +394,40 @@ class AttentionLayer(nn.Module):
         if key_padding_mask is not None:
             y = y.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
         return (y, flow) if return_flow else y
+
+    # cached decoding
+    def prefill(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, DecodeCache]:
+        """The causal forward over a prompt batch, and the cache that continues it: x (B, N, dim), right-padded
+        with ``key_padding_mask`` (B, N) -> (y (B, N, dim), cache). Equal to ``layer(x, key_padding_mask,
+        causal=True)``. Needs a strictly causal mechanism and eval mode."""
+        check_tensor("x", x, ndim=3, floating=True)
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (B, N, dim={self.dim}), got {tuple(x.shape)}")
+        self.inner.check_decoding()
+        key_padding_mask = check_padding_mask(key_padding_mask, x.shape[0], x.shape[1], device=x.device)
+        check_right_padded(key_padding_mask)
+        if key_padding_mask is not None:
+            x = x.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+        B, N, _ = x.shape
+        heads_out, cache = self.inner.prefill_hidden(x, self, key_padding_mask)
+        y = self.to_out(heads_out.reshape(B, N, self.dim))
+        if key_padding_mask is not None:
+            y = y.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+        return y, cache
+
+    def step(self, x_t: torch.Tensor, cache: DecodeCache) -> tuple[torch.Tensor, DecodeCache]:
+        """One new token per sequence: x_t (B, dim), the hidden state at position ``cache.lengths[b]`` ->
+        (y_t (B, dim), cache, updated in place). Equal to the causal forward over the whole sequence at that
+        position; costs what the mechanism's cache costs (O(t) for full, O(chunk) for the clustering ones)."""
+        check_tensor("x_t", x_t, ndim=2, floating=True)
+        if x_t.shape[-1] != self.dim:
+            raise ValueError(f"x_t must have shape (B, dim={self.dim}), got {tuple(x_t.shape)}")
+        if not isinstance(cache, DecodeCache) or cache.batch_size != x_t.shape[0]:
+            raise ValueError(f"cache must be the DecodeCache of this layer's prefill/step for {x_t.shape[0]} "
+                             f"sequences, got {type(cache).__name__}")
+        heads_out, cache = self.inner.step_hidden(x_t, self, cache)
+        return self.to_out(heads_out.reshape(x_t.shape[0], self.dim)), cache
 
     # QKVProjection: how the inner attention gets q, k, v from hidden states
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

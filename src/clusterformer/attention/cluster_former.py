@@ -5,7 +5,8 @@ stacks them as in the paper (sliding-window layers, Cluster-Former layers at cho
 ``"sliding-window"`` (section 3.1): windows of ``window`` tokens every ``stride`` tokens (stride < window, so
 neighbouring windows overlap); full attention inside each window; outputs of tokens in several windows
 averaged (:func:`clusterformer.ops.sliding_window_attention`). Cost O(N window^2 / stride). Masks: key
-padding; ``causal=True`` is strict (windows are fixed, later keys masked).
+padding; ``causal=True`` is strict (windows are fixed, later keys masked). Cached decoding (``layer.prefill`` /
+``layer.step``): the last ``window`` keys and values; a step costs O(window^2 / stride D) per head.
 
 ``"cluster-former"`` (section 3.2, Algorithm 1), for x (B, N, dim):
 
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from .._checks import check_int, check_tensor
 from ..clustering.kmeans import greedy_nearest_order, spherical_kmeans
 from ..distributed import all_gather_rows
+from ..ops.decode import WindowCache
 from ..ops.sliding import sliding_window_attention
 from .aux import publish_groups
 from .base import AttentionOptions, InnerAttention, QKVProjection, SeededOptions
@@ -114,6 +116,8 @@ class ClusterFormerOptions(SeededOptions):
 
 @register("sliding-window", SlidingWindowOptions, "Cluster-Former's local layer: overlapping windows, averaged")
 class SlidingWindowAttention(InnerAttention):
+    decodes = True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         if q.shape[2] == 0:
@@ -122,6 +126,15 @@ class SlidingWindowAttention(InnerAttention):
             q, k, v, self.options.window, self.options.stride, causal=causal, key_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
         )
+
+    # cached decoding: the last `window` keys and values (clusterformer.ops.decode.WindowCache)
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None) -> WindowCache:
+        return WindowCache.from_prompt(k, v, key_padding_mask, self.options.window, self.options.stride)
+
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: WindowCache
+             ) -> tuple[torch.Tensor, WindowCache]:
+        return cache.append_and_attend(q_t, k_t, v_t), cache
 
 
 @register("cluster-former", ClusterFormerOptions, "Cluster-Former: k-means on a memory bank, sorted sliding windows")

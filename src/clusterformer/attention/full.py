@@ -3,6 +3,9 @@
 The baseline every mechanism is compared with. Cost O(N^2 d) time; the fused SDPA kernels keep memory
 O(N d) where the backend has one (CPU flash kernel for 4-D inputs, CUDA flash/efficient kernels).
 Masks: key padding and causal, alone or together (:func:`clusterformer.ops.masks.dense_allowed`).
+
+Cached decoding: a :class:`~clusterformer.ops.decode.KVCache` of every key and value so far; a step costs
+O(t D) per head at position t, and the cache O(t D) memory.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..ops.decode import KVCache
 from ..ops.masks import dense_allowed, masked_sdpa
 from .base import AttentionOptions, InnerAttention
 from .registry import register
@@ -24,9 +28,20 @@ class FullOptions(AttentionOptions):
 
 @register("full", FullOptions, "softmax attention over every key (SDPA); O(N^2)")
 class FullAttention(InnerAttention):
+    decodes = True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         if key_padding_mask is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=causal)
         # rows with no allowed key (an all-padding sequence, left padding under a causal mask) give zeros
         return masked_sdpa(q, k, v, dense_allowed(key_padding_mask, causal), dropout_p=self.dropout_p)
+
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None) -> KVCache:
+        return KVCache.from_prompt(k, v, key_padding_mask)
+
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: KVCache
+             ) -> tuple[torch.Tensor, KVCache]:
+        cache.append(k_t, v_t)
+        return cache.attend(q_t), cache

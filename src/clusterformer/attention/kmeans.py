@@ -23,7 +23,8 @@ For x (B, N, dim):
 The layer's output projection follows. Groups published: the final buckets, (B, H, N).
 
 Cost: O(num_rounds N k D) for the assignments + O(N (look_back + 1) chunk_size D) attention.
-Masks: key padding; ``causal=True`` strict (the bucket depends on the token alone; per-bucket chunking).
+Masks: key padding; ``causal=True`` strict (the bucket depends on the token alone; per-bucket chunking). Cached
+decoding (``layer.prefill`` / ``layer.step``): a ring of each bucket's last ``(look_back + 1) * chunk_size`` keys.
 Randomness: centroid initialisation from the layer's generator (``seed``); forward is deterministic.
 """
 
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 from .._checks import check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
-from ..ops.bucketed import bucketed_attention
+from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
+from ..ops.decode import GroupRingCache
 from .aux import publish_groups
 from .base import BucketOptions, InnerAttention
 from .registry import register
@@ -85,6 +87,7 @@ def vote_buckets(round_ids: torch.Tensor, centroids: torch.Tensor) -> torch.Tens
 @register("kmeans", KMeansOptions, "learned k-means buckets of shared QK, mode over m rounds; O(m N k + N w)")
 class KMeansAttention(InnerAttention):
     shared_qk = True
+    decodes = True
 
     def __init__(self, dim: int, heads: int, options: KMeansOptions) -> None:
         super().__init__(dim, heads, options)
@@ -98,9 +101,7 @@ class KMeansAttention(InnerAttention):
         B, H, N, D = q.shape  # q is k (shared QK)
         m, n_clusters = self.options.num_rounds, self.options.num_clusters
         unit = F.normalize(q.detach(), dim=-1)
-        mu = self.centroids.to(q.dtype)
-        round_ids = torch.einsum("bhnd,rhkd->rbhnk", unit, mu).argmax(-1)  # (m, B, H, N)
-        buckets = vote_buckets(round_ids, mu)
+        round_ids, buckets = self._buckets(unit)
         publish_groups(self, buckets)
         if self.updates_state():
             valid = None
@@ -117,3 +118,22 @@ class KMeansAttention(InnerAttention):
             look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
         )
+
+    def _buckets(self, unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit vectors (B, H, N, D) -> each round's nearest centroid (m, B, H, N) and the voted bucket (B, H, N)."""
+        mu = self.centroids.to(unit.dtype)
+        round_ids = torch.einsum("bhnd,rhkd->rbhnk", unit, mu).argmax(-1)
+        return round_ids, vote_buckets(round_ids, mu)
+
+    # cached decoding: a ring per bucket and head (clusterformer.ops.bucketed.bucketed_cache)
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None) -> GroupRingCache:
+        _, buckets = self._buckets(F.normalize(q.detach(), dim=-1))
+        return bucketed_cache(q, v, buckets.unsqueeze(2), self.options.chunk_size,
+                              num_buckets=self.options.num_clusters, look_back=self.options.look_back,
+                              key_padding_mask=key_padding_mask)
+
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache
+             ) -> tuple[torch.Tensor, GroupRingCache]:
+        _, buckets = self._buckets(F.normalize(q_t.detach(), dim=-1).unsqueeze(2))  # (B, H, 1)
+        return bucketed_step(q_t, v_t, buckets, cache), cache

@@ -36,7 +36,8 @@ import torch
 
 from .._checks import check_int
 from ..clustering.hashing import angular_lsh_buckets
-from ..ops.bucketed import bucketed_attention
+from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
+from ..ops.decode import GroupRingCache
 from ..ops.masks import real_lengths
 from .aux import publish_groups
 from .base import BucketOptions, InnerAttention
@@ -84,6 +85,7 @@ class LSHOptions(BucketOptions):
 @register("lsh", LSHOptions, "Reformer: shared QK, angular LSH rounds, sorted bucket chunks; O(rounds N w)")
 class LSHAttention(InnerAttention):
     shared_qk = True
+    decodes = True
 
     def buckets_for(self, length: int | torch.Tensor) -> int | torch.Tensor:
         """Buckets per round for a sequence of ``length`` real tokens (an int, or a tensor of lengths)."""
@@ -125,3 +127,21 @@ class LSHAttention(InnerAttention):
             look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
         )
+
+    # cached decoding: rings per bucket, head and round (clusterformer.ops.bucketed.bucketed_cache)
+    def _causal_buckets(self, qk: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(B, H, N, D) -> bucket ids (B, H, R, N) under causal=True, and the bucket count (fixed)."""
+        n = self.options.causal_clusters if self.options.num_clusters == "auto" else self.options.num_clusters
+        rotations = self.rotations(n // 2).to(device=qk.device, dtype=qk.dtype)
+        return angular_lsh_buckets(qk.detach(), rotations), n
+
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None) -> GroupRingCache:
+        buckets, n = self._causal_buckets(q)
+        return bucketed_cache(q, v, buckets, self.options.chunk_size, num_buckets=n,
+                              look_back=self.options.look_back, key_padding_mask=key_padding_mask)
+
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache
+             ) -> tuple[torch.Tensor, GroupRingCache]:
+        buckets, _ = self._causal_buckets(q_t.unsqueeze(2))
+        return bucketed_step(q_t, v_t, buckets[..., 0], cache), cache

@@ -68,6 +68,7 @@ from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import neural_clustering
+from ..ops.decode import GroupRingCache, attend_allowed
 from ..ops.layouts import cluster_causal_layout, sorted_layout
 from ..ops.masks import real_lengths
 from ..ops.windows import windowed_attention
@@ -159,9 +160,11 @@ class NeuralClusteringOptions(AttentionOptions):
     "ClusterFormer: learned centroids, sort by cluster, attention in equal chunks + look-back; O(N sqrt(N))",
 )
 class NeuralClusteringAttention(InnerAttention):
-    """Clusters the hidden states (W^C x), so it implements :meth:`attend_hidden`."""
+    """Clusters the hidden states (W^C x), so it implements :meth:`attend_hidden` (and, for cached decoding in
+    strict causal mode, :meth:`prefill_hidden` and :meth:`step_hidden`)."""
 
     aux_losses = ("clustering", "centroid_sorting")
+    decodes = True
 
     def __init__(self, dim: int, heads: int, options: NeuralClusteringOptions) -> None:
         super().__init__(dim, heads, options)
@@ -203,19 +206,7 @@ class NeuralClusteringAttention(InnerAttention):
             lengths = real_lengths(key_padding_mask, B, N, x.device)
             per_sequence = self.options.clusters_for_lengths(lengths)
             n_clusters = int(per_sequence.max()) if B else 1
-        updated = None
-        if self.options.grouping == "contiguous":  # the ablation: one group, so chunks keep the original order
-            ids = torch.zeros(B, N, dtype=torch.long, device=x.device)
-            if key_padding_mask is not None:
-                ids = ids.masked_fill(key_padding_mask, n_clusters)  # padding as the clustering marks it
-        else:
-            clustering = neural_clustering(
-                self.to_cluster(x), self._centroids(flow, n_clusters, B, strict), key_padding_mask=key_padding_mask,
-                similarity=self.options.similarity, scale=self.options.similarity_scale,
-                assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
-            )
-            publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
-            ids, updated = clustering.assignments, clustering.updated_centroids  # ids (B, N); padding: n_clusters
+        ids, updated = self._assign(x, key_padding_mask, flow, n_clusters, per_sequence, strict)
         publish_groups(self, ids)
         if B == 0 or N == 0:
             return projection.qkv(x)[0].transpose(1, 2), updated  # empty, with a graph
@@ -228,6 +219,54 @@ class NeuralClusteringAttention(InnerAttention):
             layout = sorted_layout(ids, chunk, self.options.look_back, key_padding_mask=key_padding_mask)
         out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
         return out.view(B, N, self.heads, self.head_dim), updated
+
+    def _assign(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, flow: torch.Tensor | None,
+                n_clusters: int, per_sequence: torch.Tensor | None, strict: bool,
+                publish: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cluster ids (B, N) (padding: n_clusters) and C_hat (or None); publishes the clustering losses."""
+        B, N, _ = x.shape
+        if self.options.grouping == "contiguous":  # the ablation: one group, so chunks keep the original order
+            ids = torch.zeros(B, N, dtype=torch.long, device=x.device)
+            if key_padding_mask is not None:
+                ids = ids.masked_fill(key_padding_mask, n_clusters)  # padding as the clustering marks it
+            return ids, None
+        clustering = neural_clustering(
+            self.to_cluster(x), self._centroids(flow, n_clusters, B, strict), key_padding_mask=key_padding_mask,
+            similarity=self.options.similarity, scale=self.options.similarity_scale,
+            assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
+        )
+        if publish:
+            publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
+        return clustering.assignments, clustering.updated_centroids
+
+    # cached decoding (strict causal mode): per cluster, a ring of its last (look_back + 1) * causal_chunk_size
+    # keys and values (clusterformer.ops.decode.GroupRingCache); a step costs O((look_back + 1) w) per head,
+    # whatever the context length, and so does the cache's memory.
+    def prefill_hidden(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, GroupRingCache]:
+        self.check_decoding()
+        out, _ = self.attend_hidden(x, projection, key_padding_mask, True)
+        B, N, _ = x.shape
+        n_clusters = self.options.strict_causal_clusters()
+        ids, _ = self._assign(x, key_padding_mask, None, n_clusters, None, True, publish=False)
+        rows = x.reshape(B * N, self.dim)
+        k = projection.project_rows(rows, "k").view(B, 1, N, self.heads, self.head_dim)
+        v = projection.project_rows(rows, "v").view(B, 1, N, self.heads, self.head_dim)
+        cache = GroupRingCache.from_prompt(ids.unsqueeze(1), k, v, key_padding_mask, n_clusters,
+                                           self.options.causal_chunk_size, self.options.look_back)
+        return out, cache
+
+    def step_hidden(self, x_t: torch.Tensor, projection: QKVProjection, cache: GroupRingCache
+                    ) -> tuple[torch.Tensor, GroupRingCache]:
+        self.check_decoding()
+        B = x_t.shape[0]
+        ids, _ = self._assign(x_t.unsqueeze(1), None, None, self.options.strict_causal_clusters(), None, True,
+                              publish=False)  # (B, 1): the token's nearest centroid
+        q, k, v = projection.qkv(x_t.unsqueeze(1))  # (B, H, 1, D)
+        keys, values, allowed, _ = cache.append(ids, k.transpose(1, 2), v.transpose(1, 2))  # (B, 1, S, H, D)
+        out, _ = attend_allowed(q[:, :, 0], keys[:, 0].transpose(1, 2), values[:, 0].transpose(1, 2),
+                                allowed.expand(B, self.heads, -1), self.head_dim ** -0.5)
+        return out, cache
 
     def _centroids(self, flow: torch.Tensor | None, n_clusters: int, B: int, strict: bool) -> torch.Tensor:
         if flow is None:

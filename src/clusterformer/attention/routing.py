@@ -24,7 +24,8 @@ For x (B, N, dim):
 The layer's output projection follows. Groups published: the cluster ids, (B, H, N).
 
 Cost: O(N k D) routing + O(N (look_back + 1) chunk_size D) attention.
-Masks: key padding; ``causal=True`` strict (per-cluster chunking by rank among earlier tokens).
+Masks: key padding; ``causal=True`` strict (per-cluster chunking by rank among earlier tokens). Cached decoding
+(``layer.prefill`` / ``layer.step``): a ring of each cluster's last ``(look_back + 1) * chunk_size`` keys per head.
 Randomness: centroids initialised from the layer's generator (``seed``); forward is deterministic.
 """
 
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 from .._checks import check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
-from ..ops.bucketed import bucketed_attention
+from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
+from ..ops.decode import GroupRingCache
 from ..ops.masks import real_tokens
 from .aux import publish_groups, publish_losses
 from .base import BucketOptions, InnerAttention
@@ -71,6 +73,7 @@ class RoutingOptions(BucketOptions):
 @register("routing", RoutingOptions, "Routing Transformer: EMA k-means on shared QK, sorted chunks; O(N k + N w)")
 class RoutingAttention(InnerAttention):
     shared_qk = True
+    decodes = True
     aux_losses = ("commitment",)
 
     def __init__(self, dim: int, heads: int, options: RoutingOptions) -> None:
@@ -85,7 +88,7 @@ class RoutingAttention(InnerAttention):
         B, H, N, D = q.shape  # q is k (shared QK)
         unit = F.normalize(q, dim=-1)
         mu = self.centroids.to(q.dtype)
-        ids = torch.einsum("bhnd,hkd->bhnk", unit.detach(), mu).argmax(-1)  # (B, H, N)
+        ids = self._route(unit)  # (B, H, N)
         publish_groups(self, ids)
         weight = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].to(q.dtype).expand(B, H, N)
         gap = (unit - mu[torch.arange(H, device=q.device)[None, :, None], ids]).pow(2).sum(-1)
@@ -101,3 +104,19 @@ class RoutingAttention(InnerAttention):
             look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
         )
+
+    def _route(self, unit: torch.Tensor) -> torch.Tensor:
+        """Unit vectors (B, H, N, D) -> nearest centroid (B, H, N)."""
+        return torch.einsum("bhnd,hkd->bhnk", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
+
+    # cached decoding: a ring per cluster and head (clusterformer.ops.bucketed.bucketed_cache)
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None) -> GroupRingCache:
+        ids = self._route(F.normalize(q, dim=-1)).unsqueeze(2)
+        return bucketed_cache(q, v, ids, self.options.chunk_size, num_buckets=self.options.num_clusters,
+                              look_back=self.options.look_back, key_padding_mask=key_padding_mask)
+
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache
+             ) -> tuple[torch.Tensor, GroupRingCache]:
+        ids = self._route(F.normalize(q_t, dim=-1).unsqueeze(2))  # (B, H, 1): one round
+        return bucketed_step(q_t, v_t, ids, cache), cache

@@ -26,9 +26,10 @@ from .._checks import (
 from ..attention import AttentionLayer, build, describe
 from ..attention.base import LAYER_SEED_STRIDE, layer_seed  # noqa: F401  (re-exported)
 from ..attention.registry import make_options
+from ..ops.decode import DecodeCache
 from .reversible import ReversibleSequence
 
-__all__ = ["Encoder", "EncoderConfig", "SequenceClassifier", "cluster_former_config"]
+__all__ = ["Encoder", "EncoderCache", "EncoderConfig", "SequenceClassifier", "cluster_former_config"]
 
 
 @dataclass
@@ -149,11 +150,17 @@ def cluster_former_config(
 
 def sinusoidal_positions(length: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
     """(length, dim) sine/cosine position encodings of Vaswani et al."""
-    position = torch.arange(length, device=device, dtype=torch.float32).unsqueeze(1)
+    return sinusoidal_at(torch.arange(length, device=device), dim)
+
+
+def sinusoidal_at(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """(..., dim) sine/cosine encodings of the given integer positions (one token per sequence when decoding)."""
+    device = positions.device
+    position = positions.to(torch.float32).unsqueeze(-1)
     freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim))
-    table = torch.zeros(length, dim, device=device)
-    table[:, 0::2] = torch.sin(position * freq)
-    table[:, 1::2] = torch.cos(position * freq[: dim // 2])
+    table = torch.zeros(*positions.shape, dim, device=device)
+    table[..., 0::2] = torch.sin(position * freq)
+    table[..., 1::2] = torch.cos(position * freq[: dim // 2])
     return table
 
 
@@ -179,6 +186,16 @@ class Block(nn.Module):
         """Drop(FF(LN(x))): G of a reversible block."""
         return self.drop(self.ff(self.norm_ff(x)))
 
+    def prefill_attention(self, x, key_padding_mask=None):
+        """F over a prompt under a strict causal mask, and its attention cache (eval mode: no dropout)."""
+        attended, cache = self.attn.prefill(self.norm_attn(x), key_padding_mask)
+        return self.drop(attended), cache
+
+    def step_attention(self, x_t, cache):
+        """F for one new token per sequence, x_t (B, dim), against the cache."""
+        attended, cache = self.attn.step(self.norm_attn(x_t), cache)
+        return self.drop(attended), cache
+
     def forward(self, x, key_padding_mask=None, causal=False, flow=None):
         """(x, flow) -> (x', flow'): the flow is what attention layers hand on (neural clustering's centroids)."""
         attended, flow = self.attn(self.norm_attn(x), key_padding_mask, causal, flow=flow, return_flow=True)
@@ -186,10 +203,31 @@ class Block(nn.Module):
         return x + self.ff_branch(x), flow
 
 
+@dataclass
+class EncoderCache:
+    """The decoding state of an :class:`Encoder`: one attention cache per block (:mod:`clusterformer.ops.decode`)
+    and ``lengths`` (B,), the tokens each sequence holds so far (its next token's position)."""
+
+    layers: list[DecodeCache]
+    lengths: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> EncoderCache:
+        """Sequence i of the result is sequence ``index[i]`` of this cache (beam search: reorder, repeat)."""
+        return EncoderCache([cache.select(index) for cache in self.layers], self.lengths.index_select(0, index))
+
+    def memory_bytes(self) -> int:
+        return sum(cache.memory_bytes() for cache in self.layers)
+
+
 class Encoder(nn.Module):
     """Token embeddings + positions + ``depth`` pre-norm blocks + final LayerNorm.
 
     ``forward(tokens (B, N) long, key_padding_mask (B, N) bool | None, causal=False) -> (B, N, dim)``.
+
+    Cached decoding (every block's mechanism strictly causal, eval mode): ``prefill(tokens, key_padding_mask)
+    -> (hidden (B, N, dim), EncoderCache)`` equals ``forward(..., causal=True)`` on a right-padded prompt batch,
+    and ``step(tokens_t (B,), cache) -> (hidden (B, dim), cache)`` gives each sequence's next position, equal
+    to the causal forward over the whole sequence there.
     """
 
     def __init__(self, config: EncoderConfig) -> None:
@@ -218,12 +256,7 @@ class Encoder(nn.Module):
         key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=tokens.device)
         if self.config.max_len < N and self.config.positional == "learned":
             raise ValueError(f"tokens has length {N} > max_len={self.config.max_len} of the learned positions")
-        x = self.embed(tokens)
-        if self.config.positional == "sinusoidal":
-            x = x + sinusoidal_positions(N, self.config.dim, tokens.device).to(x.dtype)
-        elif self.positions is not None:
-            x = x + self.positions(torch.arange(N, device=tokens.device))
-        x = self.drop(x)
+        x = self._embed(tokens, torch.arange(N, device=tokens.device))
         if self.reversible is not None:
             y1, y2 = self.reversible(x, x, key_padding_mask=key_padding_mask, causal=causal)
             return self.norm((y1 + y2) / 2)
@@ -233,6 +266,69 @@ class Encoder(nn.Module):
             if not self.config.centroid_flow:  # the paper's flow: layer l + 1 starts from layer l's C_hat
                 flow = None
         return self.norm(x)
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings plus the encodings of ``positions`` (broadcast against tokens), then dropout."""
+        x = self.embed(tokens)
+        if self.config.positional == "sinusoidal":
+            x = x + sinusoidal_at(positions, self.config.dim).to(x.dtype)
+        elif self.positions is not None:
+            x = x + self.positions(positions)
+        return self.drop(x)
+
+    def prefill(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, EncoderCache]:
+        """The causal forward over a right-padded prompt batch and the cache that continues it."""
+        check_tensor("tokens", tokens, ndim=2)
+        if tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+        B, N = tokens.shape
+        key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=tokens.device)
+        if self.config.max_len < N and self.config.positional == "learned":
+            raise ValueError(f"tokens has length {N} > max_len={self.config.max_len} of the learned positions")
+        x = self._embed(tokens, torch.arange(N, device=tokens.device))
+        caches = []
+        if self.reversible is not None:  # y1 = x1 + F(x2) [+ H(x1, x2)], y2 = x2 + G(y1), as in its forward
+            x1 = x2 = x
+            for i, block in enumerate(self.blocks):
+                f_out, cache = block.prefill_attention(x2, key_padding_mask)
+                x1 = x1 + f_out + (self.reversible.tied[i](x1, x2) if self.reversible.tied is not None else 0)
+                x2 = x2 + block.ff_branch(x1)
+                caches.append(cache)
+            x = (x1 + x2) / 2
+        else:
+            for block in self.blocks:
+                f_out, cache = block.prefill_attention(x, key_padding_mask)
+                x = x + f_out
+                x = x + block.ff_branch(x)
+                caches.append(cache)
+        return self.norm(x), EncoderCache(caches, caches[0].lengths.clone())
+
+    def step(self, tokens: torch.Tensor, cache: EncoderCache) -> tuple[torch.Tensor, EncoderCache]:
+        """tokens (B,) long, each sequence's next token -> (hidden (B, dim), cache updated in place)."""
+        check_tensor("tokens", tokens, ndim=1)
+        if tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+        if not isinstance(cache, EncoderCache) or cache.lengths.shape != tokens.shape:
+            raise ValueError(f"cache must be the EncoderCache of {tokens.shape[0]} sequences from prefill/step")
+        if self.config.positional == "learned" and int(cache.lengths.max()) >= self.config.max_len:
+            raise ValueError(f"position {int(cache.lengths.max())} is past max_len={self.config.max_len} of the "
+                             "learned positions")
+        x = self._embed(tokens, cache.lengths)
+        if self.reversible is not None:
+            x1 = x2 = x
+            for i, block in enumerate(self.blocks):
+                f_out, cache.layers[i] = block.step_attention(x2, cache.layers[i])
+                x1 = x1 + f_out + (self.reversible.tied[i](x1, x2) if self.reversible.tied is not None else 0)
+                x2 = x2 + block.ff_branch(x1)
+            x = (x1 + x2) / 2
+        else:
+            for i, block in enumerate(self.blocks):
+                f_out, cache.layers[i] = block.step_attention(x, cache.layers[i])
+                x = x + f_out
+                x = x + block.ff_branch(x)
+        cache.lengths = cache.lengths + 1
+        return self.norm(x), cache
 
 
 class SequenceClassifier(nn.Module):

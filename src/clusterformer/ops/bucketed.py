@@ -15,6 +15,11 @@ depend on the token alone, output t depends on tokens 0..t only.
 
 One block per (batch, head, round); one batched attention call for all of them; no loop over buckets,
 chunks or tokens.
+
+Cached decoding (:func:`bucketed_cache`, :func:`bucketed_step`): under ``causal=True`` a token's keys are
+members of its bucket of rank within ``(look_back + 1) * chunk_size`` of its own, so a ring per bucket
+(:class:`clusterformer.ops.decode.GroupRingCache`, one stream per head and round) continues a prefix token by
+token at O(rounds (look_back + 1) chunk_size D) per head, whatever the context length.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .decode import GroupRingCache, attend_allowed
 from .layouts import cluster_causal_layout, sorted_layout
 from .windows import windowed_attention_lse
 
-__all__ = ["bucketed_attention", "merge_rounds"]
+__all__ = ["bucketed_attention", "bucketed_cache", "bucketed_step", "merge_rounds"]
 
 
 def merge_rounds(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -103,3 +109,35 @@ def bucketed_attention(
         dropout_p=dropout_p, scale=scale, kernel=kernel,
     )
     return merge_rounds(out.view(B, H, R, N, D), lse.view(B, H, R, N))
+
+
+def bucketed_cache(
+    qk: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, chunk_size: int, *, num_buckets: int,
+    look_back: int = 1, key_padding_mask: torch.Tensor | None = None,
+) -> GroupRingCache:
+    """The cache after a right-padded prompt: qk, v (B, H, N, D), buckets (B, H, R, N) as for
+    :func:`bucketed_attention` with ``causal=True``."""
+    B, H, R, N = buckets.shape
+    D = qk.shape[-1]
+    keys = F.normalize(qk, dim=-1).unsqueeze(2).expand(B, H, R, N, D).reshape(B, H * R, N, D)
+    values = v.unsqueeze(2).expand(B, H, R, N, D).reshape(B, H * R, N, D)
+    return GroupRingCache.from_prompt(buckets.reshape(B, H * R, N), keys, values, key_padding_mask, num_buckets,
+                                      chunk_size, look_back)
+
+
+def bucketed_step(qk_t: torch.Tensor, v_t: torch.Tensor, buckets: torch.Tensor, cache: GroupRingCache
+                  ) -> torch.Tensor:
+    """One new token per sequence: qk_t, v_t (B, H, D), buckets (B, H, R) -> (B, H, D), equal to
+    :func:`bucketed_attention` with ``causal=True`` at that position; ``cache`` is updated in place."""
+    B, H, R = buckets.shape
+    D = qk_t.shape[-1]
+    scale = 1.0 / math.sqrt(D)
+    key = F.normalize(qk_t, dim=-1).unsqueeze(2).expand(B, H, R, D).reshape(B, H * R, D)
+    value = v_t.unsqueeze(2).expand(B, H, R, D).reshape(B, H * R, D)
+    keys, values, allowed, own = cache.append(buckets.reshape(B, H * R), key, value)
+    # the shared-QK rule: a token attends to itself only when it has no other key
+    others = allowed & (torch.arange(cache.slots, device=own.device) != own.unsqueeze(-1))
+    allowed = torch.where(others.any(-1, keepdim=True), others, allowed)
+    query = (qk_t * scale).unsqueeze(2).expand(B, H, R, D).reshape(B, H * R, D)
+    out, lse = attend_allowed(query, keys, values, allowed, 1.0)
+    return merge_rounds(out.view(B, H, R, 1, D), lse.view(B, H, R, 1)).squeeze(-2)

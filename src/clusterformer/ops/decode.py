@@ -1,0 +1,250 @@
+"""Key/value caches for incremental (autoregressive) decoding by the strictly causal mechanisms.
+
+A strictly causal mechanism's output at position t depends on tokens 0..t only, and a prefix gives the same
+outputs alone as inside a longer sequence, so a new token's output can be computed from a cache of what
+the earlier tokens left behind. Three caches cover the family:
+
+* :class:`KVCache` -- every key and value so far (full attention). A step costs O(t) per token and head.
+* :class:`GroupRingCache` -- per group (cluster, bucket), a ring of that group's *last* ``(look_back + 1) *
+  chunk_size`` keys and values (neural clustering, LSH, routing, k-means under ``causal=True``). Under the
+  strictly causal chunking (:func:`clusterformer.ops.cluster_causal_layout`) token t of group c, with r
+  earlier tokens in c, sits in chunk ``r // w`` of its group and sees the tokens of c with rank in
+  ``[(r // w - look_back) w, r]``: at most ``(look_back + 1) w`` keys, all in the ring. A step costs
+  O((look_back + 1) w) per token, head and round -- independent of t -- and so does the cache's memory.
+* :class:`WindowCache` -- the last ``window`` keys and values (sliding windows of ``window`` every
+  ``stride``; a token is in at most ceil(window / stride) windows, its output the mean over them).
+
+Every cache holds tensors with the batch first and ``lengths`` (B,), the tokens each sequence has cached;
+:meth:`select` reorders or repeats sequences (beam search). Caches are updated in place by the steps that
+take them (and returned, for a functional style); they hold no autograd graph (decoding is inference).
+
+Batches of different lengths: a prompt batch is right-padded (``key_padding_mask`` True at the end of
+shorter sequences); each sequence's next token goes to its own position, ``lengths[b]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DecodeCache", "GroupRingCache", "KVCache", "WindowCache", "attend_allowed", "check_right_padded",
+           "lengths_from_mask"]
+
+
+def lengths_from_mask(key_padding_mask: torch.Tensor | None, batch: int, length: int,
+                      device: torch.device) -> torch.Tensor:
+    """(B,) long real tokens per sequence of a right-padded batch."""
+    if key_padding_mask is None:
+        return torch.full((batch,), length, dtype=torch.long, device=device)
+    return (~key_padding_mask).sum(1)
+
+
+def check_right_padded(key_padding_mask: torch.Tensor | None) -> None:
+    """Cached decoding appends each sequence's next token after its last real one: padding must come last."""
+    if key_padding_mask is None or key_padding_mask.shape[1] == 0:
+        return
+    pad = key_padding_mask.long()
+    if bool((pad[:, 1:] < pad[:, :-1]).any()):
+        raise ValueError("key_padding_mask must mark right padding only (real tokens first, padding after them) "
+                         "for a prompt to be continued by cached decoding")
+
+
+def attend_allowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per row against its own keys. q (..., D), keys/values (..., S, D), allowed (..., S) bool with at
+    least one True per row. Returns (out (..., D), log-sum-exp of the scaled scores (...,))."""
+    scores = (keys @ (q * scale).unsqueeze(-1)).squeeze(-1)  # (..., S)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.unsqueeze(-1))
+    return (weights.unsqueeze(-2) @ values).squeeze(-2), lse
+
+
+@dataclass
+class DecodeCache:
+    """Base of the caches: tensor fields with the batch first, and ``lengths`` (B,) cached tokens."""
+
+    lengths: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> DecodeCache:
+        """A cache whose sequence i is this cache's sequence ``index[i]`` (reorder, drop or repeat: beam search)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return type(self)(**{name: value.index_select(0, index) if isinstance(value, torch.Tensor) else value
+                             for name, value in fields.items()})
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the cache's tensors."""
+        return sum(v.numel() * v.element_size() for f in dataclasses.fields(self)
+                   if isinstance(v := getattr(self, f.name), torch.Tensor))
+
+
+# ------------------------------------------------------------------------------------------------ full
+@dataclass
+class KVCache(DecodeCache):
+    """Every key and value so far: keys/values (B, H, capacity, D); slots >= lengths[b] are unused.
+    The capacity doubles when full, so appending is amortised O(1) copies per token."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None) -> KVCache:
+        """k, v (B, H, N, D) of a right-padded prompt batch."""
+        B, _, N, _ = k.shape
+        lengths = lengths_from_mask(key_padding_mask, B, N, k.device)
+        capacity = max(16, 2 * N)
+        keys = k.new_zeros(*k.shape[:2], capacity, k.shape[-1])
+        values = v.new_zeros(*v.shape[:2], capacity, v.shape[-1])
+        keys[:, :, :N], values[:, :, :N] = k, v
+        return cls(lengths, keys, values)
+
+    def append(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
+        """k_t, v_t (B, H, D): each sequence's new key and value, at its own position ``lengths[b]``."""
+        B = self.batch_size
+        if int(self.lengths.max()) + 1 > self.keys.shape[2]:
+            grow = self.keys.shape[2]
+            self.keys = torch.cat([self.keys, torch.zeros_like(self.keys[:, :, :grow])], dim=2)
+            self.values = torch.cat([self.values, torch.zeros_like(self.values[:, :, :grow])], dim=2)
+        batch = torch.arange(B, device=k_t.device)
+        self.keys[batch, :, self.lengths] = k_t
+        self.values[batch, :, self.lengths] = v_t
+        self.lengths = self.lengths + 1
+
+    def attend(self, q_t: torch.Tensor) -> torch.Tensor:
+        """q_t (B, H, D) against every cached key of its sequence -> (B, H, D) (after :meth:`append`)."""
+        used = int(self.lengths.max())
+        allowed = torch.arange(used, device=q_t.device) < self.lengths.unsqueeze(1)  # (B, used)
+        out, _ = attend_allowed(q_t, self.keys[:, :, :used], self.values[:, :, :used], allowed.unsqueeze(1),
+                                q_t.shape[-1] ** -0.5)
+        return out
+
+
+# ------------------------------------------------------------------------------------------ group rings
+@dataclass
+class GroupRingCache(DecodeCache):
+    """Per (sequence, stream, group) the last ``slots = (look_back + 1) * chunk_size`` members' keys and values.
+
+    A *stream* is what has its own grouping: a head and hash round for the shared-QK mechanisms, the whole
+    token for neural clustering (whose groups are shared by the heads: features (H, D)).
+
+    Attributes:
+        keys, values: (B, X, G, slots, *features); the member of rank r sits in slot r % slots.
+        ranks: (B, X, G, slots) long, the rank in its group of the member in each slot, -1 for none.
+        counts: (B, X, G) long, members of each group so far.
+        chunk_size, look_back: the strictly causal chunking (w and the look-back in chunks).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    ranks: torch.Tensor
+    counts: torch.Tensor
+    chunk_size: int
+    look_back: int
+
+    @property
+    def slots(self) -> int:
+        return self.ranks.shape[-1]
+
+    @classmethod
+    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                    num_groups: int, chunk_size: int, look_back: int) -> GroupRingCache:
+        """ids (B, X, N) in [0, num_groups); k, v (B, X, N, *features) of a right-padded prompt batch: each
+        group's last ``slots`` members (padding is no member)."""
+        B, X, N = ids.shape
+        device = ids.device
+        features = k.shape[3:]
+        slots = (look_back + 1) * chunk_size
+        if key_padding_mask is not None:
+            ids = ids.masked_fill(key_padding_mask[:, None, :], num_groups)  # padding: an extra group, dropped
+        one_hot = torch.zeros(B, X, N, num_groups + 1, dtype=torch.long, device=device)
+        one_hot.scatter_(3, ids.unsqueeze(-1), 1)
+        rank = (one_hot.cumsum(2) - one_hot).gather(3, ids.unsqueeze(-1)).squeeze(-1)  # earlier members
+        counts = one_hot.sum(2)[..., :num_groups]  # (B, X, G)
+        kept = ids < num_groups
+        kept &= rank >= counts.gather(2, ids.clamp(max=num_groups - 1)) - slots  # a group's last `slots` only
+        where = kept.nonzero(as_tuple=True)  # (b, x, n) of the members that stay
+        g, slot = ids[where], rank[where] % slots
+        keys = k.new_zeros(B, X, num_groups, slots, *features)
+        values = v.new_zeros(B, X, num_groups, slots, *features)
+        ranks = torch.full((B, X, num_groups, slots), -1, dtype=torch.long, device=device)
+        keys[where[0], where[1], g, slot] = k[where]
+        values[where[0], where[1], g, slot] = v[where]
+        ranks[where[0], where[1], g, slot] = rank[where]
+        lengths = lengths_from_mask(key_padding_mask, B, N, device)
+        return cls(lengths, keys, values, ranks, counts, chunk_size, look_back)
+
+    def append(self, ids_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add each stream's new token to its group: ids_t (B, X), k_t / v_t (B, X, *features).
+
+        Returns the token's window -- keys and values (B, X, slots, *features) of its group and ``allowed``
+        (B, X, slots), the members of rank in [(r // w - look_back) w, r] -- and its own slot (B, X)."""
+        B, X = ids_t.shape
+        b = torch.arange(B, device=ids_t.device).unsqueeze(1)
+        x = torch.arange(X, device=ids_t.device)
+        rank = self.counts[b, x, ids_t]  # (B, X): earlier members of the token's group
+        slot = rank % self.slots
+        self.keys[b, x, ids_t, slot] = k_t
+        self.values[b, x, ids_t, slot] = v_t
+        self.ranks[b, x, ids_t, slot] = rank
+        self.counts[b, x, ids_t] += 1
+        self.lengths = self.lengths + 1
+        member = self.ranks[b, x, ids_t]  # (B, X, slots)
+        first = (torch.div(rank, self.chunk_size, rounding_mode="floor") - self.look_back) * self.chunk_size
+        allowed = (member >= first.unsqueeze(-1)) & (member >= 0) & (member <= rank.unsqueeze(-1))
+        return self.keys[b, x, ids_t], self.values[b, x, ids_t], allowed, slot
+
+
+# ---------------------------------------------------------------------------------------- sliding windows
+@dataclass
+class WindowCache(DecodeCache):
+    """The last ``window`` keys and values: (B, H, window, D), position p in slot p % window."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    window: int
+    stride: int
+
+    @classmethod
+    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                    window: int, stride: int) -> WindowCache:
+        B, H, N, D = k.shape
+        lengths = lengths_from_mask(key_padding_mask, B, N, k.device)
+        # slot s holds the latest position p < L_b with p = s (mod window), if any
+        s = torch.arange(window, device=k.device)
+        last = lengths.unsqueeze(1) - 1
+        position = last - (last - s) % window  # (B, window)
+        valid = position >= 0
+        index = position.clamp(min=0)[:, None, :, None].expand(B, H, window, D)
+        keys = k.gather(2, index.clamp(max=max(N - 1, 0))) if N else k.new_zeros(B, H, window, D)
+        values = v.gather(2, index.clamp(max=max(N - 1, 0))) if N else v.new_zeros(B, H, window, D)
+        keep = valid[:, None, :, None]
+        return cls(lengths, keys * keep, values * keep, window, stride)
+
+    def append_and_attend(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor) -> torch.Tensor:
+        """q_t, k_t, v_t (B, H, D) at position t = lengths[b] -> (B, H, D): the mean over the windows (starts
+        j * stride with t - window < j * stride <= t) of attention to the keys from the window's start to t."""
+        B, _, D = q_t.shape
+        t = self.lengths  # (B,)
+        batch = torch.arange(B, device=q_t.device)
+        slot = t % self.window
+        self.keys[batch, :, slot] = k_t
+        self.values[batch, :, slot] = v_t
+        self.lengths = t + 1
+        s = torch.arange(self.window, device=q_t.device)
+        position = t.unsqueeze(1) - (t.unsqueeze(1) - s) % self.window  # (B, window), <= t
+        most = -(-self.window // self.stride)  # windows holding a token: at most ceil(window / stride)
+        start = (torch.div(t, self.stride, rounding_mode="floor").unsqueeze(1)
+                 - torch.arange(most, device=q_t.device)) * self.stride  # (B, most)
+        used = (start >= 0) & (start > t.unsqueeze(1) - self.window)
+        allowed = (position.unsqueeze(1) >= start.unsqueeze(-1)) & (position >= 0).unsqueeze(1)  # (B, most, window)
+        out, _ = attend_allowed(q_t.unsqueeze(2), self.keys.unsqueeze(2), self.values.unsqueeze(2),
+                                allowed.unsqueeze(1), D ** -0.5)  # (B, H, most, D)
+        weight = used.to(out.dtype)[:, None, :, None]
+        return (out * weight).sum(2) / weight.sum(2)

@@ -1,0 +1,191 @@
+"""Cached incremental decoding: feeding tokens one at a time through a mechanism's cache gives what one causal
+forward over the whole sequence gives, for every strictly causal mechanism, across several chunk boundaries,
+with prompts of different lengths in one batch; generation with and without the cache agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clusterformer.attention import build
+from clusterformer.models import EncoderConfig
+from clusterformer.models.lm import LanguageModel, sample_next
+from clusterformer.ops.decode import GroupRingCache
+
+# small chunks and windows, so that 60-token sequences cross many chunk and window boundaries
+STRICT = [
+    ("full", {}),
+    ("neural-clustering", {"causal_chunk_size": 4, "causal_clusters": 3}),
+    ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 5, "look_back": 2}),
+    ("neural-clustering", {"causal_chunk_size": 5, "grouping": "contiguous"}),
+    ("lsh", {"chunk_size": 4, "num_rounds": 2, "causal_clusters": 4}),
+    ("lsh", {"chunk_size": 3, "num_rounds": 3, "num_clusters": 6, "look_back": 2}),
+    ("routing", {"chunk_size": 4, "num_clusters": 3}),
+    ("kmeans", {"chunk_size": 5, "num_clusters": 4, "num_rounds": 2}),
+    ("sliding-window", {"window": 8, "stride": 3}),
+    ("sliding-window", {"window": 6, "stride": 6}),
+]
+IDS = [f"{name}-{i}" for i, (name, _) in enumerate(STRICT)]
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def _prompt_batch(x: torch.Tensor, prompt_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first prompt_lengths[b] rows of each sequence, right-padded with garbage (it must not matter)."""
+    P = max(prompt_lengths)
+    mask = torch.arange(P) >= torch.tensor(prompt_lengths).unsqueeze(1)
+    return x[:, :P].masked_fill(mask.unsqueeze(-1), 7.0), mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("name", "options"), STRICT, ids=IDS)
+def test_layer_steps_equal_the_causal_forward(name, options, dtype):
+    seed = 1234
+    torch.manual_seed(seed)
+    layer = build(name, dim=24, heads=3, **options).to(dtype).eval()
+    B, N = 3, 61
+    x = torch.randn(B, N, 24, dtype=dtype)
+    prompt_lengths = [1, 13, 6]
+    with torch.no_grad():
+        # each sequence alone: no padding, no batch neighbours
+        reference = torch.cat([layer(x[b:b + 1], causal=True) for b in range(B)])
+        prompt, mask = _prompt_batch(x, prompt_lengths)
+        y, cache = layer.prefill(prompt, mask)
+        errors = [(y[b, :n] - reference[b, :n]).abs().max() for b, n in enumerate(prompt_lengths)]
+        position = torch.tensor(prompt_lengths)
+        for _ in range(N - min(prompt_lengths)):
+            y_t, cache = layer.step(x[torch.arange(B), position.clamp(max=N - 1)], cache)
+            errors += [(y_t[b] - reference[b, position[b]]).abs().max() for b in range(B) if position[b] < N]
+            position = position + 1
+    assert max(errors) <= TOLERANCE[dtype], f"seed {seed}: max |step - forward| = {max(errors):.3g}"
+    assert cache.lengths.tolist() == [N - min(prompt_lengths) + n for n in prompt_lengths]
+
+
+def test_a_wrong_window_is_caught():
+    """The comparison above is sharp: a ring cache that lets a token see one chunk less fails it."""
+    torch.manual_seed(0)
+    layer = build("neural-clustering", dim=16, heads=2, causal_chunk_size=3, causal_clusters=2).double().eval()
+    x = torch.randn(1, 30, 16, dtype=torch.float64)
+    with torch.no_grad():
+        reference = layer(x, causal=True)
+        _, cache = layer.prefill(x[:, :1])
+        cache.look_back = 0  # sabotage: the ring forgets the previous chunk
+        errors = [(layer.step(x[:, t], cache)[0] - reference[:, t]).abs().max() for t in range(1, 30)]
+    assert max(errors) > 1e-3
+
+
+@pytest.mark.parametrize(("name", "options"), [STRICT[i] for i in (0, 1, 4, 8)], ids=[IDS[i] for i in (0, 1, 4, 8)])
+@pytest.mark.parametrize("reversible", [False, True])
+def test_language_model_steps_equal_its_forward(name, options, reversible):
+    torch.manual_seed(5)
+    config = EncoderConfig(vocab_size=13, dim=16, depth=2, heads=2, attention=name, attention_options=options,
+                           reversible=reversible, positional="learned" if reversible else "sinusoidal", max_len=64)
+    model = LanguageModel(config).double().eval()
+    B, N = 3, 37
+    tokens = torch.randint(1, 13, (B, N))
+    lengths = torch.tensor([4, 11, 1])
+    mask = torch.arange(11) >= lengths.unsqueeze(1)
+    with torch.no_grad():
+        reference = torch.cat([model(tokens[b:b + 1]) for b in range(B)])
+        logits, cache = model.prefill(tokens[:, :11].masked_fill(mask, 0), mask)
+        errors = [(logits[b, :n] - reference[b, :n]).abs().max() for b, n in enumerate(lengths.tolist())]
+        for s in range(N - 11):
+            step_logits, cache = model.step(tokens[torch.arange(B), lengths + s], cache)
+            errors += [(step_logits[b] - reference[b, lengths[b] + s]).abs().max() for b in range(B)]
+    assert max(errors) <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["full", "neural-clustering", "routing"])
+def test_generation_with_and_without_the_cache_agree(name):
+    torch.manual_seed(3)
+    options = {"causal_chunk_size": 4, "causal_clusters": 3} if name == "neural-clustering" else {}
+    if name == "routing":
+        options = {"chunk_size": 4, "num_clusters": 3}
+    model = LanguageModel(EncoderConfig(vocab_size=9, dim=16, depth=2, heads=2, attention=name,
+                                        attention_options=options)).double().eval()
+    prompt = torch.randint(1, 9, (3, 7))
+    mask = torch.arange(7) >= torch.tensor([7, 2, 5]).unsqueeze(1)
+    prompt = prompt.masked_fill(mask, 0)
+    for sampling in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 5, "top_p": 0.8}):
+        runs = [model.generate(prompt, mask, max_new_tokens=25, use_cache=cache,
+                               generator=torch.Generator().manual_seed(11), **sampling) for cache in (True, False)]
+        assert torch.equal(runs[0], runs[1]), sampling
+        assert bool((runs[0] > 0).all())  # never the padding index
+
+
+def test_generate_streams_and_checks_its_arguments():
+    model = LanguageModel(EncoderConfig(vocab_size=9, dim=8, depth=1, heads=2)).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    seen = []
+    out = model.generate(prompt, max_new_tokens=4, temperature=0, on_tokens=seen.append)
+    assert torch.equal(torch.stack(seen, dim=1), out) and out.shape == (1, 4)
+    with pytest.raises(ValueError, match="at least one real token"):
+        model.generate(prompt, torch.tensor([[True, True, True]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(prompt, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(prompt, max_new_tokens=2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(prompt, max_new_tokens=2, top_p=1.5)
+    with pytest.raises(ValueError, match="eval"):
+        model.train().generate(prompt, max_new_tokens=2)
+
+
+def test_sample_next_filters():
+    logits = torch.log(torch.tensor([[0.0, 0.5, 0.3, 0.15, 0.05]]))
+    logits[0, 0] = 10.0  # the padding index is never chosen, however likely
+    g = torch.Generator().manual_seed(0)
+    assert sample_next(logits, 0.0).item() == 1
+    assert set(sample_next(logits.expand(400, 5), 1.0, top_k=2, generator=g).tolist()) == {1, 2}
+    # nucleus 0.7: 0.5 alone does not reach it, 0.5 + 0.3 does: tokens 1 and 2 only
+    assert set(sample_next(logits.expand(400, 5), 1.0, top_p=0.7, generator=g).tolist()) == {1, 2}
+    assert set(sample_next(logits.expand(400, 5), 1.0, top_p=0.5, generator=g).tolist()) == {1}
+
+
+def test_cluster_ring_memory_does_not_grow_with_the_context():
+    layer = build("neural-clustering", dim=16, heads=2, causal_chunk_size=4, causal_clusters=3).eval()
+    with torch.no_grad():
+        sizes = [layer.prefill(torch.randn(1, n, 16))[1].memory_bytes() for n in (20, 400)]
+        full = [build("full", dim=16, heads=2).eval().prefill(torch.randn(1, n, 16))[1].memory_bytes()
+                for n in (20, 400)]
+    assert sizes[0] == sizes[1]
+    assert full[1] > 10 * full[0]
+
+
+def test_cache_select_reorders_sequences():
+    torch.manual_seed(2)
+    layer = build("neural-clustering", dim=16, heads=2, causal_chunk_size=4, causal_clusters=3).double().eval()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    with torch.no_grad():
+        _, cache = layer.prefill(x[:, :8])
+        swapped = cache.select(torch.tensor([1, 0, 0]))
+        assert isinstance(swapped, GroupRingCache) and swapped.lengths.tolist() == [8, 8, 8]
+        y, _ = layer.step(x[[1, 0, 0], 8], swapped)
+        reference = layer(x, causal=True)[:, 8]
+    torch.testing.assert_close(y, reference[[1, 0, 0]], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("name", "options", "message"), [
+    ("cluster-former", {}, "no cached decoding: its causal mode is 'paper'"),
+    ("neural-clustering", {"causal_mode": "paper"}, "no cached decoding"),
+    ("clustered", {}, "no cached decoding"),
+])
+def test_mechanisms_that_are_not_strictly_causal_refuse_to_decode(name, options, message):
+    layer = build(name, dim=16, heads=2, **options).eval()
+    with pytest.raises(ValueError, match=message):
+        layer.prefill(torch.randn(1, 5, 16))
+
+
+def test_decoding_refuses_training_mode_left_padding_and_foreign_caches():
+    layer = build("full", dim=16, heads=2)
+    with pytest.raises(ValueError, match="eval"):
+        layer.prefill(torch.randn(1, 5, 16))
+    layer.eval()
+    with pytest.raises(ValueError, match="right padding"):
+        layer.prefill(torch.randn(1, 3, 16), torch.tensor([[True, False, False]]))
+    _, cache = layer.prefill(torch.randn(2, 3, 16))
+    with pytest.raises(ValueError, match="x_t"):
+        layer.step(torch.randn(2, 1, 16), cache)
+    with pytest.raises(ValueError, match="cache"):
+        layer.step(torch.randn(3, 16), cache)
+    with pytest.raises(ValueError, match="cache"):
+        layer.step(torch.randn(2, 16), None)
