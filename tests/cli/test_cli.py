@@ -111,8 +111,8 @@ def test_every_command_has_its_own_module_and_help():
 
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"list", "bench", "train", "eval", "data", "report", "compare", "approx", "cluster",
-                             "demo"}
+    assert set(commands) == {"list", "bench", "train", "eval", "generate", "data", "report", "compare", "approx",
+                             "cluster", "demo"}
     assert len(cli.COMMANDS) == len(commands)
     for name in commands:
         assert f"\n  {name} " in cli.__doc__, name
@@ -122,3 +122,46 @@ def test_list_shows_aliases(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "chunk_size = 64  (alias bucket_size)" in out and "num_clusters = 100  (alias clusters)" in out
+
+
+def test_generate_streams_a_continuation_from_a_checkpoint(tmp_path, capsys):
+    """Issue #15: `clusterformer generate` rebuilds a character LM from its run directory alone and streams."""
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_text("to be or not to be, that is the question\n" * 40)
+    run = tmp_path / "run"
+    assert main(["train", "--task", "shakespeare-char", "--attention", "neural-clustering", "--attention-options",
+                 '{"causal_chunk_size": 4, "causal_clusters": 3}', "--max-len", "16", "--dim", "16", "--depth", "1",
+                 "--heads", "2", "--max-steps", "3", "--data-dir", str(tmp_path), "--out", str(run),
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    outputs = []
+    for extra in ([], ["--no-cache"]):
+        assert main(["generate", "--checkpoint", str(run), "--prompt", "to be", "--max-new-tokens", "30",
+                     "--temperature", "0.8", "--top-k", "5", "--seed", "3", *extra]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]  # the cache changes the cost, not the text
+    text = outputs[0].rstrip("\n")
+    assert text.startswith("to be") and len(text) == 5 + 30 and set(text) <= set("to bernhaqusi,\n")
+    with pytest.raises(SystemExit):
+        main(["generate", "--checkpoint", str(run), "--prompt", "to be{", "--max-new-tokens", "3"])
+    assert "vocabulary lacks: ['{']" in capsys.readouterr().err
+
+
+def test_bench_decode_records_time_per_token_and_cache_memory(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert main(["bench", "decode", "--names", "full,neural-clustering", "--contexts", "40,200", "--steps", "3",
+                 "--warmup", "1", "--repeats", "2", "--heads", "2", "--head-dim", "8", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["name"], r["context"]) for r in records] == [("full", 40), ("neural-clustering", 40), ("full", 200),
+                                                            ("neural-clustering", 200)]
+    assert all(r["ms_per_token"] > 0 and r["prefill_ms"] > 0 for r in records)
+    cache = {(r["name"], r["context"]): r["cache_mb"] for r in records}
+    assert cache[("full", 200)] > 4 * cache[("full", 40)]  # every key
+    assert cache[("neural-clustering", 200)] == cache[("neural-clustering", 40)]  # rings of fixed size
+    err = capsys.readouterr().err
+    assert "[4/4] neural-clustering context=200" in err and "| full | 200 |" in err
+    assert main(["bench", "report", "--json", str(out)]) == 0
+    assert "speed-up vs full" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", "--names", "clustered", "--contexts", "16"])
+    assert "no cached decoding" in capsys.readouterr().err

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
-from ..clustering.neural import neural_clustering
+from ..clustering.neural import nearest_centroid, neural_clustering
 from ..ops.decode import GroupRingCache, attend_allowed
 from ..ops.layouts import cluster_causal_layout, sorted_layout
 from ..ops.masks import real_lengths
@@ -260,8 +260,11 @@ class NeuralClusteringAttention(InnerAttention):
                     ) -> tuple[torch.Tensor, GroupRingCache]:
         self.check_decoding()
         B = x_t.shape[0]
-        ids, _ = self._assign(x_t.unsqueeze(1), None, None, self.options.strict_causal_clusters(), None, True,
-                              publish=False)  # (B, 1): the token's nearest centroid
+        if self.options.grouping == "contiguous":
+            ids = torch.zeros(B, 1, dtype=torch.long, device=x_t.device)
+        else:  # the token's nearest centroid, as the strict forward assigns it
+            centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)
+            ids = nearest_centroid(self.to_cluster(x_t), centroids, self.options.similarity).unsqueeze(1)
         q, k, v = projection.qkv(x_t.unsqueeze(1))  # (B, H, 1, D)
         keys, values, allowed, _ = cache.append(ids, k.transpose(1, 2), v.transpose(1, 2))  # (B, 1, S, H, D)
         out, _ = attend_allowed(q[:, :, 0], keys[:, 0].transpose(1, 2), values[:, 0].transpose(1, 2),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["attention_table", "reversible_table"]
+__all__ = ["attention_table", "decode_table", "reversible_table"]
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -48,4 +48,19 @@ def reversible_table(records: list[dict]) -> str:
             f"| {d} | {_fmt(s and s['peak_mem_mb'], 0)} | {_fmt(v and v['peak_mem_mb'], 0)} | "
             f"{_fmt(s and s['fwd_bwd_ms'], 0)} | {_fmt(v and v['fwd_bwd_ms'], 0)} |"
         )
+    return "\n".join(lines)
+
+
+def decode_table(records: list[dict], baseline: str = "full") -> str:
+    """Cached decoding: time per token, prefill time and cache memory per (mechanism, context), with the speed-up
+    per token over ``baseline`` at the same context (same run)."""
+    base = {r["context"]: r for r in records if r["name"] == baseline}
+    lines = ["| mechanism | context | ms / token | speed-up vs full | prefill ms | cache MiB |",
+             "|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["name"] for r in records):
+        for r in sorted((r for r in records if r["name"] == name), key=lambda r: r["context"]):
+            b = base.get(r["context"])
+            speed = f"{b['ms_per_token'] / r['ms_per_token']:.1f}x" if b else "-"
+            lines.append(f"| {name} | {r['context']} | {r['ms_per_token']:.3f} | {speed} | "
+                         f"{_fmt(r['prefill_ms'], 0)} | {_fmt(r['cache_mb'], 2)} |")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""``clusterformer bench {attention,reversible,report}``: time and memory benchmarks (docs/benchmarks.md)."""
+"""``clusterformer bench {attention,decode,reversible,report}``: time and memory benchmarks (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.add_argument("--plot", default=None, help="write a log-log time/memory plot here (PNG)")
     p.set_defaults(func=run_attention)
+
+    p = bench_sub.add_parser("decode", help="time per generated token with the attention cache against context")
+    p.add_argument("--names", type=name_list, default=name_list("full,neural-clustering"),
+                   help="comma-separated strictly causal mechanisms")
+    p.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--steps", type=int, default=32, help="consecutive decoding steps per timed run")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps first")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs; the median is reported")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--options", default=None, help="per-mechanism options as JSON")
+    p.add_argument("--json", default=None, help="write the records here (default: stdout)")
+    p.set_defaults(func=run_decode)
 
     p = bench_sub.add_parser("reversible", help="peak memory of an encoder against depth, reversible or not")
     p.add_argument("--depths", type=int_list, default=[1, 2, 4, 8])
@@ -80,6 +97,20 @@ def run_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_decode(args: argparse.Namespace) -> int:
+    from ..bench.decode import DecodeBenchConfig, run_decode_benchmark
+    from ..bench.report import decode_table
+
+    options = json_object("--options", args.options, '{"neural-clustering": {"causal_chunk_size": 32}}')
+    config = DecodeBenchConfig(names=args.names, contexts=args.contexts, batch=args.batch, heads=args.heads,
+                               head_dim=args.head_dim, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                               device=args.device, dtype=args.dtype, threads=args.threads, options=options)
+    records = run_decode_benchmark(config, progress=log)
+    emit_json(records, args.json, log=log)
+    log(decode_table(records))
+    return 0
+
+
 def run_reversible(args: argparse.Namespace) -> int:
     from ..bench.reversible import ReversibleBenchConfig, run_reversible_benchmark
 
@@ -94,12 +125,15 @@ def run_reversible(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from ..bench.report import attention_table, reversible_table
+    from ..bench.report import attention_table, decode_table, reversible_table
 
     records = read_json(args.json, f"--json {args.json!r} is not a file")
     if not isinstance(records, list) or not records or not isinstance(records[0], dict):
         raise ValueError(f"{args.json} must hold a non-empty list of benchmark records")
     reversible = "depth" in records[0]
+    if "ms_per_token" in records[0]:
+        print(decode_table(records))
+        return 0
     print(reversible_table(records) if reversible else attention_table(records))
     if args.plot:
         if reversible:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NeuralClusteringOutput", "neural_clustering"]
+__all__ = ["NeuralClusteringOutput", "nearest_centroid", "neural_clustering"]
 
 
 @dataclass
@@ -90,9 +90,10 @@ def neural_clustering(
         # Scores laid out (B, N, k): one matmul without a transposed copy, contiguous argmax over k. For
         # cosine, divide the (N, k) product by the point norms instead of normalising the (N, d) points, so
         # that no (N, d) copy is kept for the backward.
-        scores = points @ unit_centroids.transpose(1, 2)
+        raw = points @ unit_centroids.transpose(1, 2)
+        scores = raw
         if similarity == "cosine":
-            scores = scores * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
+            scores = raw * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
         scores = scale * scores
         unused = None  # (B, 1, k) True for the centroids a sequence does not use
         if num_clusters is not None:
@@ -115,8 +116,8 @@ def neural_clustering(
                 if unused is not None:  # -inf - -inf is NaN: take unused centroids out of the argmax again
                     relative = relative.masked_fill(unused, float("-inf"))
                 ids = relative.argmax(dim=-1)
-            else:
-                ids = scores.argmax(dim=-1)
+            else:  # a token's positive norm and the scale do not change its argmax: the same as nearest_centroid
+                ids = (raw if unused is None else raw.masked_fill(unused, float("-inf"))).argmax(dim=-1)
             if key_padding_mask is not None:
                 ids = ids.masked_fill(key_padding_mask, k)
 
@@ -145,3 +146,12 @@ def neural_clustering(
         ring = torch.where(has_real, ring, torch.zeros_like(ring))
         sorting_loss = -ring.sum() / has_real.sum().clamp(min=1)
     return NeuralClusteringOutput(ids, updated, clustering_loss, sorting_loss)
+
+
+def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, similarity: str = "cosine") -> torch.Tensor:
+    """argmax_i phi(C_i, p) for points (..., d) and centroids (k, d): the assignment of
+    :func:`neural_clustering` with ``assign="nearest"`` (computed the same way), without the soft clustering and
+    the losses -- what one step of cached decoding needs."""
+    dtype = torch.promote_types(torch.promote_types(points.dtype, centroids.dtype), torch.float32)
+    with torch.autocast(device_type=points.device.type, enabled=False):
+        return (points.to(dtype) @ _unit(centroids.to(dtype), similarity).T).argmax(dim=-1)
