@@ -111,8 +111,8 @@ def test_every_command_has_its_own_module_and_help():
 
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"list", "bench", "train", "eval", "generate", "data", "report", "compare", "approx",
-                             "cluster", "demo"}
+    assert set(commands) == {"list", "bench", "train", "eval", "generate", "translate", "data", "report", "compare",
+                             "approx", "cluster", "demo"}
     assert len(cli.COMMANDS) == len(commands)
     for name in commands:
         assert f"\n  {name} " in cli.__doc__, name
@@ -150,7 +150,8 @@ def test_generate_streams_a_continuation_from_a_checkpoint(tmp_path, capsys):
 def test_bench_decode_records_time_per_token_and_cache_memory(tmp_path, capsys):
     out = tmp_path / "d.json"
     assert main(["bench", "decode", "--names", "full,neural-clustering", "--contexts", "40,200", "--steps", "3",
-                 "--warmup", "1", "--repeats", "2", "--heads", "2", "--head-dim", "8", "--json", str(out)]) == 0
+                 "--warmup", "1", "--repeats", "2", "--heads", "2", "--head-dim", "8", "--json", str(out), "--options",
+                 '{"neural-clustering": {"causal_chunk_size": 4, "causal_clusters": 2}}']) == 0
     records = json.loads(out.read_text())
     assert [(r["name"], r["context"]) for r in records] == [("full", 40), ("neural-clustering", 40), ("full", 200),
                                                             ("neural-clustering", 200)]
@@ -165,3 +166,66 @@ def test_bench_decode_records_time_per_token_and_cache_memory(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "decode", "--names", "clustered", "--contexts", "16"])
     assert "no cached decoding" in capsys.readouterr().err
+
+
+def _tiny_multi30k(root) -> None:
+    """A few De-En pairs in Multi30k's file layout (gzip, one sentence per line)."""
+    import gzip
+
+    pairs = [("ein hund läuft", "a dog runs"), ("zwei katzen schlafen", "two cats sleep"),
+             ("ein mann liest ein buch", "a man reads a book"), ("kinder spielen im park", "children play in the park")]
+    (root / "multi30k").mkdir(parents=True)
+    for split, n in (("train", 40), ("test_2016_flickr", 4)):
+        for side, lang in ((0, "de"), (1, "en")):
+            lines = [pairs[i % 4][side] for i in range(n)]
+            with gzip.open(root / "multi30k" / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+
+
+def test_train_multi30k_then_translate_from_stdin(tmp_path, capsys, monkeypatch):
+    """Issue #15: train --task multi30k writes BLEU with sacrebleu's signature; translate reads stdin, batched."""
+    import io
+
+    pytest.importorskip("sacrebleu")
+    _tiny_multi30k(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--task", "multi30k", "--attention", "neural-clustering", "--decoder-attention-options",
+                 '{"causal_chunk_size": 4, "causal_clusters": 3}', "--max-len", "16", "--dim", "16", "--depth", "1",
+                 "--heads", "2", "--max-steps", "2", "--batch-size", "8", "--vocab-size", "320", "--beam", "2",
+                 "--data-dir", str(tmp_path), "--out", str(run), "--no-progress"]) == 0
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert 0.0 <= metrics["metrics"]["bleu"] <= 100.0 and metrics["metrics"]["sacrebleu"].startswith("nrefs:1|")
+    assert metrics["config"]["decoder_attention"] is None  # neural-clustering is strict: it decodes itself
+    capsys.readouterr()
+    outputs = []
+    for extra in ([], ["--no-cache"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("ein hund läuft\nkinder spielen im park\nein mann\n"))
+        assert main(["translate", "--checkpoint", str(run), "--beam", "3", "--batch-size", "2", *extra]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].count("\n") == 3
+    monkeypatch.setattr("sys.stdin", io.StringIO("ein hund\n\nzwei katzen\n"))
+    with pytest.raises(SystemExit):
+        main(["translate", "--checkpoint", str(run)])
+    assert "line 2 of the input is empty" in capsys.readouterr().err
+
+
+def test_translation_refuses_what_it_cannot_do(tmp_path, capsys):
+    _tiny_multi30k(tmp_path)
+    common = ["--max-len", "16", "--dim", "16", "--depth", "1", "--heads", "2", "--max-steps", "1",
+              "--data-dir", str(tmp_path), "--no-progress"]
+    with pytest.raises(SystemExit):
+        main(["train", "--task", "multi30k", "--decoder-attention", "clustered", "--out", str(tmp_path / "a"), *common])
+    assert "decoder_attention 'clustered' is not strictly causal" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--task", "mr", "--decoder-attention", "full", "--out", str(tmp_path / "b"), *common])
+    assert "--decoder-attention is for the translation task" in capsys.readouterr().err
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_text("to be or not to be\n" * 40)
+    assert main(["train", "--task", "shakespeare-char", "--out", str(tmp_path / "lm"), *common]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["translate", "--checkpoint", str(tmp_path / "lm")])
+    assert "is a 'shakespeare-char' run; translate needs a translation model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "to"])
+    assert "no checkpoint at" in capsys.readouterr().err

@@ -37,7 +37,7 @@ from .full import FullAttention, FullOptions
 from .kmeans import KMeansAttention, KMeansOptions
 from .lsh import LSHAttention, LSHOptions
 from .neural_clustering import NeuralClusteringAttention, NeuralClusteringOptions
-from .registry import build, build_inner, describe, names, register
+from .registry import build, build_inner, can_decode, describe, names, register
 from .routing import RoutingAttention, RoutingOptions
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "apply_pending_updates",
     "build",
     "build_inner",
+    "can_decode",
     "collect_aux_losses",
     "describe",
     "is_replaying",

@@ -21,8 +21,8 @@ from .._checks import check_int
 from .aux import declare_losses
 from .base import AttentionLayer, AttentionOptions, InnerAttention, option_fields
 
-__all__ = ["Mechanism", "build", "build_inner", "causal_semantics", "describe", "make_options", "mechanisms",
-           "names", "register"]
+__all__ = ["Mechanism", "build", "build_inner", "can_decode", "causal_semantics", "describe", "make_options",
+           "mechanisms", "names", "register"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +156,9 @@ def causal_semantics(name: str, options: Any) -> str:
     """What ``causal=True`` means for mechanism ``name`` with ``options`` (a dict or its options dataclass):
     ``"strict"``, ``"paper"`` or ``"refused"`` (:meth:`AttentionOptions.causal_semantics`)."""
     return make_options(name, options).causal_semantics()
+
+
+def can_decode(name: str, options: Any) -> bool:
+    """Whether mechanism ``name`` with ``options`` has cached incremental decoding (``layer.prefill`` /
+    ``layer.step``): it is strictly causal and implements the cache."""
+    return get(name).inner.decodes and causal_semantics(name, options) == "strict"

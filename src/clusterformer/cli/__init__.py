@@ -7,6 +7,7 @@ Commands, one module each (each adds its own parser, as ``transformers/cli`` doe
   train     train a model on a task of the papers; works under torchrun    (:mod:`.train`)
   eval      evaluate a checkpoint on its task's test split                  (:mod:`.evaluate`)
   generate  continue a prompt with a character language model, streaming   (:mod:`.generate`)
+  translate translate stdin with an encoder-decoder (greedy or beam)       (:mod:`.translate`)
   data      list and download the public datasets                           (:mod:`.data`)
   report    markdown table (and plot) of training runs                      (:mod:`.report`)
   compare   every mechanism on every task over seeds, resumable, summarised (:mod:`.compare`)
@@ -20,11 +21,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import approx, bench, cluster, compare, data, demo, evaluate, generate, mechanisms, report, train
+from . import approx, bench, cluster, compare, data, demo, evaluate, generate, mechanisms, report, train, translate
 
 __all__ = ["build_parser", "main"]
 
-COMMANDS = (mechanisms, bench, train, evaluate, generate, data, report, compare, approx, cluster, demo)
+COMMANDS = (mechanisms, bench, train, evaluate, generate, translate, data, report, compare, approx, cluster, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from ._args import json_object, log, mechanism
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train on a task (see docs/results.md); works under torchrun too")
     p.add_argument("--task", required=True, help="mr, cr, subj, mpqa, 20news, imdb, wikiqa, listops, shakespeare-char, "
-                   "text-classification")
+                   "multi30k (De->En translation), text-classification")
     p.add_argument("--attention", type=mechanism, default="full")
     p.add_argument("--attention-options", default=None, help="options of that mechanism as JSON")
     p.add_argument("--data-dir", default=None, help="datasets (default: $CLUSTERFORMER_DATA, else the user cache)")
@@ -44,6 +44,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster-layers", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=None,
                    help="with --attention cluster-former: the paper's stack -- Cluster-Former layers at these depths "
                         "(0-based; -1 = the last), sliding-window layers (same window and stride) elsewhere")
+    p.add_argument("--decoder-attention", type=mechanism, default=None,
+                   help="multi30k: the decoder's causal self-attention, one with cached decoding (default: --attention "
+                        "where it has one, else full); cross-attention is full")
+    p.add_argument("--decoder-attention-options", default=None, help="options of that mechanism as JSON")
+    p.add_argument("--label-smoothing", type=float, default=0.1, help="multi30k: label smoothing of the loss")
+    p.add_argument("--beam", type=int, default=5, help="multi30k: beam size of the BLEU evaluation")
+    p.add_argument("--separate-vocab", dest="shared_vocab", action="store_false",
+                   help="multi30k: one BPE vocabulary per language instead of a joint one")
     p.add_argument("--batch-size", type=int, default=32, help="per process")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: 1e-3, or 5e-5 when fine-tuning with --init)")
@@ -72,8 +80,11 @@ def run(args: argparse.Namespace) -> int:
     from ..train import TrainConfig, run_training
 
     options = json_object("--attention-options", args.attention_options, '{"num_clusters": 16}')
-    values = {k: v for k, v in vars(args).items() if k not in ("func", "command", "attention_options", "cv")}
-    config = TrainConfig(**values, attention_options=options)
+    decoder_options = json_object("--decoder-attention-options", args.decoder_attention_options,
+                                  '{"causal_chunk_size": 16}')
+    values = {k: v for k, v in vars(args).items()
+              if k not in ("func", "command", "attention_options", "decoder_attention_options", "cv")}
+    config = TrainConfig(**values, attention_options=options, decoder_attention_options=decoder_options)
     if not args.cv:
         result = run_training(config)
         if result:

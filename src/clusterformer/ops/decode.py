@@ -134,10 +134,14 @@ class GroupRingCache(DecodeCache):
     token for neural clustering (whose groups are shared by the heads: features (H, D)).
 
     Attributes:
-        keys, values: (B, X, G, slots, *features); the member of rank r sits in slot r % slots.
-        ranks: (B, X, G, slots) long, the rank in its group of the member in each slot, -1 for none.
+        keys, values: (B, X, G, capacity, *features); the member of rank r sits in slot r % capacity.
+        ranks: (B, X, G, capacity) long, the rank in its group of the member in each slot, -1 for none.
         counts: (B, X, G) long, members of each group so far.
         chunk_size, look_back: the strictly causal chunking (w and the look-back in chunks).
+
+    The capacity starts at what the largest group needs (a power of two) and doubles as groups grow, up to
+    ``(look_back + 1) * chunk_size``; only then does the ring wrap. Short sequences (translation, beam search,
+    whose every step reorders the cache) so hold and copy only what they use.
     """
 
     keys: torch.Tensor
@@ -149,7 +153,21 @@ class GroupRingCache(DecodeCache):
 
     @property
     def slots(self) -> int:
+        """Slots per group now (the capacity)."""
         return self.ranks.shape[-1]
+
+    @property
+    def ring_size(self) -> int:
+        """The most slots a group needs: a token sees members of rank >= (r // w - look_back) w only."""
+        return (self.look_back + 1) * self.chunk_size
+
+    def _grow(self) -> None:
+        """Double the capacity (up to the ring size) before a group's next member would overwrite a slot: below the
+        ring size no group has wrapped (rank r sits in slot r), so the slots keep their places."""
+        grow = min(self.slots, self.ring_size - self.slots)
+        self.keys = torch.cat([self.keys, torch.zeros_like(self.keys[:, :, :, :grow])], dim=3)
+        self.values = torch.cat([self.values, torch.zeros_like(self.values[:, :, :, :grow])], dim=3)
+        self.ranks = torch.cat([self.ranks, torch.full_like(self.ranks[..., :grow], -1)], dim=3)
 
     @classmethod
     def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
@@ -159,13 +177,15 @@ class GroupRingCache(DecodeCache):
         B, X, N = ids.shape
         device = ids.device
         features = k.shape[3:]
-        slots = (look_back + 1) * chunk_size
+        ring = (look_back + 1) * chunk_size
         if key_padding_mask is not None:
             ids = ids.masked_fill(key_padding_mask[:, None, :], num_groups)  # padding: an extra group, dropped
         one_hot = torch.zeros(B, X, N, num_groups + 1, dtype=torch.long, device=device)
         one_hot.scatter_(3, ids.unsqueeze(-1), 1)
         rank = (one_hot.cumsum(2) - one_hot).gather(3, ids.unsqueeze(-1)).squeeze(-1)  # earlier members
         counts = one_hot.sum(2)[..., :num_groups]  # (B, X, G)
+        largest = int(counts.max()) if counts.numel() else 0
+        slots = min(ring, 1 << max(largest, 1).bit_length())  # room for the next member of the largest group
         kept = ids < num_groups
         kept &= rank >= counts.gather(2, ids.clamp(max=num_groups - 1)) - slots  # a group's last `slots` only
         where = kept.nonzero(as_tuple=True)  # (b, x, n) of the members that stay
@@ -189,6 +209,8 @@ class GroupRingCache(DecodeCache):
         b = torch.arange(B, device=ids_t.device).unsqueeze(1)
         x = torch.arange(X, device=ids_t.device)
         rank = self.counts[b, x, ids_t]  # (B, X): earlier members of the token's group
+        if self.slots < self.ring_size and int(rank.max()) >= self.slots:
+            self._grow()
         slot = rank % self.slots
         self.keys[b, x, ids_t, slot] = k_t
         self.values[b, x, ids_t, slot] = v_t

@@ -52,7 +52,7 @@ import torch
 from .._checks import check_choice, check_float, check_int
 from .._io import write_json
 from ..attention import apply_pending_updates, collect_aux_losses, total_loss
-from ..attention.registry import causal_semantics, make_options
+from ..attention.registry import can_decode, causal_semantics, make_options
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .tasks import TASKS, Task, prepare_task
@@ -110,6 +110,12 @@ class TrainConfig:
     init: str | None = None  # a pretrained model of clusterformer.hf (e.g. "minilm") to fine-tune
     allow_non_strict_causal: bool = False  # LM with a mechanism whose causal mode is not strict (optimistic bpc)
     cluster_layers: list[int] | None = None  # cluster-former: the paper's stack, Cluster-Former layers only here
+    # translation (task multi30k)
+    decoder_attention: str | None = None  # None: the encoder's mechanism if it can decode, else full
+    decoder_attention_options: dict[str, Any] = field(default_factory=dict)
+    label_smoothing: float = 0.1
+    beam: int = 5
+    shared_vocab: bool = True
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
@@ -139,6 +145,20 @@ class TrainConfig:
                                  "reversible)")
             if self.max_len > 512:
                 raise ValueError(f"max_len must be <= 512 (the pretrained model's positions), got {self.max_len}")
+        if self.task == "multi30k":
+            if self.reversible or self.cluster_layers is not None:
+                raise ValueError("task multi30k builds an encoder-decoder; --reversible and --cluster-layers are not "
+                                 "available for it")
+            if self.decoder_attention is not None and not can_decode(self.decoder_attention,
+                                                                     self.decoder_attention_options):
+                raise ValueError(
+                    f"decoder_attention {self.decoder_attention!r} is not strictly causal with cached decoding; the "
+                    "decoder needs one of full, neural-clustering (causal_mode='strict'), lsh, routing, kmeans, "
+                    "sliding-window")
+        elif self.decoder_attention is not None or self.decoder_attention_options:
+            raise ValueError("--decoder-attention is for the translation task (multi30k)")
+        check_float("label_smoothing", self.label_smoothing, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        check_int("beam", self.beam, minimum=1)
         if self.cluster_layers is not None:
             if self.attention != "cluster-former" or self.init:
                 raise ValueError("cluster_layers builds the Cluster-Former stack: it needs attention='cluster-former' "
@@ -255,15 +275,27 @@ class _WithAuxLosses(torch.nn.Module):
         self.model = model
         self.weights = weights
 
-    def forward(self, ids: torch.Tensor, pad: torch.Tensor | None):
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor | None, decoder_ids: torch.Tensor | None = None):
         with collect_aux_losses() as aux:
-            logits = self.model(ids, pad)
+            logits = self.model(ids, pad) if decoder_ids is None else self.model(ids, pad, decoder_ids)
         weighted = {k: v for k, v in aux.items() if self.weights.get(k, 0.0)}
         logged = {k: v.detach() for k, v in aux.items()}  # every aux loss, weighted or not, for the logs
         return logits, weighted, logged
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
+@dataclass
+class _Predictor:
+    """The :class:`clusterformer.train.tasks.Predict` of an evaluation: logits on CPU, and the model itself."""
+
+    model: torch.nn.Module
+    device: torch.device
+    config: TrainConfig
+
+    def __call__(self, ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        with _autocast(self.config, self.device):
+            return self.model(ids.to(self.device), None if pad is None else pad.to(self.device)).float().cpu()
+
 
 
 @torch.no_grad()
@@ -273,12 +305,8 @@ def evaluate(model: torch.nn.Module, task: Task, config: TrainConfig, device: to
     apply_pending_updates(model)  # evaluate the state after the last step, not one step old
     model.eval()
 
-    def predict(ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
-        with _autocast(config, device):
-            return model(ids.to(device), None if pad is None else pad.to(device)).float().cpu()
-
     try:
-        return task.evaluate(predict, config.batch_size)
+        return task.evaluate(_Predictor(model, device, config), config.batch_size)
     finally:
         model.train(was_training)
 
@@ -432,7 +460,8 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     state = load_checkpoint(out / CHECKPOINT)
     saved = state["config"]
     changed = {k for k in ("task", "attention", "attention_options", "dim", "depth", "heads", "max_len", "seed",
-                           "batch_size", "cluster_layers") if saved.get(k) != getattr(config, k)}
+                           "batch_size", "cluster_layers", "decoder_attention", "decoder_attention_options")
+               if saved.get(k, getattr(config, k)) != getattr(config, k)}
     if changed:
         raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
     if state["world_size"] != world:
@@ -444,7 +473,14 @@ def _prepare(config: TrainConfig, tokenizer_state: str | None) -> Task:
     return prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len,
                         tokenizer=_tokenizer_kind(config), vocab_size=config.vocab_size, seed=config.seed,
                         fold=config.fold, folds=config.folds, limit=config.limit, train_file=config.train_file,
-                        test_file=config.test_file, tokenizer_state=tokenizer_state)
+                        test_file=config.test_file, tokenizer_state=tokenizer_state,
+                        translation=_translation_options(config) if config.task == "multi30k" else None)
+
+
+def _translation_options(config: TrainConfig) -> dict[str, Any]:
+    return {"shared_vocab": config.shared_vocab, "decoder_attention": config.decoder_attention,
+            "decoder_options": dict(config.decoder_attention_options), "label_smoothing": config.label_smoothing,
+            "beam": config.beam}
 
 
 def _wrap(model: torch.nn.Module, config: TrainConfig, device: torch.device, world: int) -> torch.nn.Module:
@@ -473,11 +509,13 @@ def _step(run: _Run) -> dict:
     """One optimiser step on this rank's slice of the global batch; returns the step's log row."""
     config, device = run.config, run.device
     tick = time.perf_counter()
-    ids, pad, targets = run.task.batch(run.step, run.per_epoch, config.batch_size, run.rank, run.world, config.seed)
+    ids, pad, targets, decoder_ids = run.task.batch(run.step, run.per_epoch, config.batch_size, run.rank, run.world,
+                                                    config.seed)
     ids, targets = ids.to(device), targets.to(device)
     pad = pad.to(device) if pad is not None else None
+    decoder_ids = decoder_ids.to(device) if decoder_ids is not None else None
     with _autocast(config, device):
-        logits, weighted_aux, logged_aux = run.trained(ids, pad)
+        logits, weighted_aux, logged_aux = run.trained(ids, pad, decoder_ids)
     task_loss = run.task.loss(logits, targets)
     loss = total_loss(task_loss, weighted_aux, _aux_weights(config), task_weight=config.task_weight)
     run.optimizer.zero_grad(set_to_none=True)

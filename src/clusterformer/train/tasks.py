@@ -13,12 +13,12 @@ more implementation).
 | wikiqa | question/answer pairs | train / filtered test (questions with a correct answer) | MAP, MRR |
 | listops | generated (``data.listops``, LRA rules), lengths max_len/4..max_len | fixed seeded train / test | accuracy |
 | shakespeare-char | one text file | first 90% / last 10% | bits per character |
+| multi30k | De->En sentence pairs (:mod:`clusterformer.train.translation`) | train / test_2016_flickr | BLEU |
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -37,26 +37,37 @@ from ..models.lm import LanguageModel
 __all__ = ["TASKS", "Batch", "ClassificationTask", "Examples", "LanguageModelTask", "Task", "prepare_task",
            "ranking_metrics"]
 
-TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "listops", "shakespeare-char", "text-classification")
+TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "listops", "shakespeare-char", "multi30k",
+         "text-classification")
 
 LISTOPS_TRAIN = 20_000  # training expressions by default (LRA uses 96,000: --limit 96000); the test set has 2,000
 
 
 class Batch(NamedTuple):
-    """One rank's slice of a training step: token ids (B, L), key padding mask (B, L) or None, targets."""
+    """One rank's slice of a training step: token ids (B, L), key padding mask (B, L) or None, targets, and for
+    an encoder-decoder the decoder's teacher-forced input (the model is then called as ``model(ids, pad,
+    decoder_ids)``)."""
 
     ids: torch.Tensor
     pad: torch.Tensor | None
     targets: torch.Tensor
+    decoder_ids: torch.Tensor | None = None
 
 
-Predict = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (ids, pad) -> logits, on CPU
+class Predict(Protocol):
+    """What a task's ``evaluate`` gets: ``predict(ids, pad) -> logits`` on CPU (eval mode, no gradient), and the
+    model itself (``predict.model``, on ``predict.device``) for tasks that decode with it (translation)."""
+
+    model: nn.Module
+    device: torch.device
+
+    def __call__(self, ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class Task(Protocol):
     """What the training loop needs from a task: its model, its batches, its loss and its evaluation.
 
-    ``kind`` ("classification" or "lm") and the other attributes are saved in checkpoints."""
+    ``kind`` ("classification", "lm" or "translation") and the other attributes are saved in checkpoints."""
 
     name: str
     kind: str
@@ -230,10 +241,13 @@ def prepare_task(
     name: str, *, data_dir: str | Path | None, max_len: int, tokenizer: str = "auto", vocab_size: int = 20000,
     seed: int = 0, fold: int | None = None, folds: int = 10, limit: int | None = None,
     train_file: str | None = None, test_file: str | None = None, tokenizer_state: str | None = None,
+    translation: dict[str, Any] | None = None,
 ) -> Task:
     """Load, split and tokenise task ``name``. ``limit`` keeps a small slice (examples, or documents per class
     for 20news/imdb, or pairs for wikiqa, or characters for shakespeare-char) for tests and quick runs.
-    ``tokenizer_state`` reuses a saved tokenizer (evaluation of a checkpoint)."""
+    ``tokenizer_state`` reuses a saved tokenizer (evaluation of a checkpoint). ``translation``: the keyword
+    arguments of :func:`clusterformer.train.translation.prepare_multi30k` (decoder attention, label smoothing,
+    beam, shared vocabulary)."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
     if tokenizer == "auto":
@@ -244,6 +258,10 @@ def prepare_task(
         return _wikiqa(data_dir, max_len, vocab_size, limit, tokenizer_state)
     if name == "listops":
         return _listops(max_len, limit)
+    if name == "multi30k":
+        from .translation import prepare_multi30k
+
+        return prepare_multi30k(data_dir, max_len, vocab_size, limit, tokenizer_state, **(translation or {}))
     if name == "text-classification":
         if not train_file or not test_file:
             raise ValueError("task 'text-classification' needs --train-file and --test-file")
