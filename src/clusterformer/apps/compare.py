@@ -36,7 +36,8 @@ __all__ = ["CompareConfig", "run_comparison", "sign_flip_p_value", "summarise"]
 SENTENCE_TASKS = ("mr", "cr", "subj", "mpqa")
 STACK = "cluster-former-stack"  # the Cluster-Former paper's stack: sliding-window layers, the last a Cluster-Former
 STACK_FLAGS = ["--attention", "cluster-former", "--cluster-layers", "-1"]
-SCORE = {"wikiqa": ("map", "higher"), "shakespeare-char": ("bpc", "lower")}  # default: accuracy, higher is better
+# the score of each task and which way is better (default: accuracy, higher)
+SCORE = {"wikiqa": ("map", "higher"), "shakespeare-char": ("bpc", "lower"), "multi30k": ("bleu", "higher")}
 
 
 @dataclass
