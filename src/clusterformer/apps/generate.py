@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from ..models.lm import LanguageModel
-from ..train.checkpoint import load_checkpoint
 
 __all__ = ["CharacterLM", "load_character_lm"]
 
@@ -54,12 +53,10 @@ class CharacterLM:
 
 def load_character_lm(path: str | Path) -> CharacterLM:
     """Rebuild the language model of a ``--task shakespeare-char`` run directory or checkpoint file, in eval mode."""
-    from ..train.loop import TrainConfig, build_model
+    from ..train.loop import build_model, load_run
     from ..train.tasks import LanguageModelTask
 
-    state = load_checkpoint(path)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
+    state, config = load_run(path)
     if config.task != "shakespeare-char":
         raise ValueError(f"{str(path)!r} is a {config.task!r} run; generate needs a character language model "
                          "(clusterformer train --task shakespeare-char)")

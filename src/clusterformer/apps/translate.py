@@ -3,10 +3,8 @@ both with the decoder cache), batched. The model and its BPE tokenizers are rebu
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from ..train.checkpoint import load_checkpoint
 from ..train.translation import Translator, tokenizers_from_state, translation_model_config
 
 __all__ = ["load_translator"]
@@ -16,11 +14,9 @@ def load_translator(path: str | Path, device: str = "cpu") -> Translator:
     """The :class:`~clusterformer.train.translation.Translator` of a translation run directory or checkpoint file."""
     from ..models import EncoderConfig
     from ..models.seq2seq import Seq2Seq
-    from ..train.loop import TrainConfig
+    from ..train.loop import load_run
 
-    state = load_checkpoint(path)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
+    state, config = load_run(path)
     if config.task != "multi30k":
         raise ValueError(f"{str(path)!r} is a {config.task!r} run; translate needs a translation model "
                          "(clusterformer train --task multi30k)")

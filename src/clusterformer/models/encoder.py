@@ -249,14 +249,8 @@ class Encoder(nn.Module):
     def forward(
         self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None, causal: bool = False
     ) -> torch.Tensor:
-        check_tensor("tokens", tokens, ndim=2)
-        if tokens.is_floating_point() or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
-        B, N = tokens.shape
-        key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=tokens.device)
-        if self.config.max_len < N and self.config.positional == "learned":
-            raise ValueError(f"tokens has length {N} > max_len={self.config.max_len} of the learned positions")
-        x = self._embed(tokens, torch.arange(N, device=tokens.device))
+        key_padding_mask = self._check_tokens(tokens, key_padding_mask)
+        x = self._embed(tokens, torch.arange(tokens.shape[1], device=tokens.device))
         if self.reversible is not None:
             y1, y2 = self.reversible(x, x, key_padding_mask=key_padding_mask, causal=causal)
             return self.norm((y1 + y2) / 2)
@@ -266,6 +260,16 @@ class Encoder(nn.Module):
             if not self.config.centroid_flow:  # the paper's flow: layer l + 1 starts from layer l's C_hat
                 flow = None
         return self.norm(x)
+
+    def _check_tokens(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Validate (B, N) integer tokens and their padding mask; the checked mask."""
+        check_tensor("tokens", tokens, ndim=2)
+        if tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+        B, N = tokens.shape
+        if self.config.max_len < N and self.config.positional == "learned":
+            raise ValueError(f"tokens has length {N} > max_len={self.config.max_len} of the learned positions")
+        return check_padding_mask(key_padding_mask, B, N, device=tokens.device)
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token embeddings plus the encodings of ``positions`` (broadcast against tokens), then dropout."""
@@ -279,14 +283,8 @@ class Encoder(nn.Module):
     def prefill(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, EncoderCache]:
         """The causal forward over a right-padded prompt batch and the cache that continues it."""
-        check_tensor("tokens", tokens, ndim=2)
-        if tokens.is_floating_point() or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
-        B, N = tokens.shape
-        key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=tokens.device)
-        if self.config.max_len < N and self.config.positional == "learned":
-            raise ValueError(f"tokens has length {N} > max_len={self.config.max_len} of the learned positions")
-        x = self._embed(tokens, torch.arange(N, device=tokens.device))
+        key_padding_mask = self._check_tokens(tokens, key_padding_mask)
+        x = self._embed(tokens, torch.arange(tokens.shape[1], device=tokens.device))
         caches = []
         if self.reversible is not None:  # y1 = x1 + F(x2) [+ H(x1, x2)], y2 = x2 + G(y1), as in its forward
             x1 = x2 = x

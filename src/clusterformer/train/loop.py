@@ -57,7 +57,7 @@ from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .tasks import TASKS, Task, prepare_task
 
-__all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "run_training"]
+__all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "load_run", "run_training"]
 
 # Default peak learning rate when fine-tuning a pretrained model (``init``): the usual BERT fine-tuning range
 # (2e-5 .. 5e-5); the from-scratch default 1e-3 would wreck the pretrained weights.
@@ -581,11 +581,16 @@ def _finish(run: _Run) -> dict:
     return result
 
 
-def evaluate_checkpoint(path: str | Path, data_dir: str | None = None, device: str = "auto") -> dict:
-    """Rebuild the model of a checkpoint (directory or file) and evaluate it on its task's test split."""
+def load_run(path: str | Path) -> tuple[dict[str, Any], TrainConfig]:
+    """A checkpoint (run directory or file) and the :class:`TrainConfig` it was trained with."""
     state = load_checkpoint(path)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
+    return state, TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
+
+
+def evaluate_checkpoint(path: str | Path, data_dir: str | None = None, device: str = "auto") -> dict:
+    """Rebuild the model of a checkpoint (directory or file) and evaluate it on its task's test split."""
+    state, config = load_run(path)
     if data_dir is not None:
         config.data_dir = data_dir
     task = _prepare(config, tokenizer_state=state["tokenizer"])
