@@ -91,7 +91,7 @@ def test_neural_clusterer_restarts_train_independently_and_the_lowest_loss_is_ke
     best = int(several.restart_losses.argmin())
     assert several.restart_losses[best] <= single.restart_losses[0] + 1e-9
     # the kept labels are those of the best restart: recompute its loss from them
-    points = x.double().unsqueeze(0)
+    points = x.float().unsqueeze(0)  # the clusterer's dtype (float32 by default)
     out = neural_clustering(points, several.centroids.unsqueeze(0), scale=several.scale)
     torch.testing.assert_close(out.assignments[0], several.labels_)
     torch.testing.assert_close(out.clustering_loss, several.restart_losses[best])
@@ -123,3 +123,19 @@ def test_cluster_command_digits_and_npy(tmp_path, capsys):
         assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="k must be <="):
         run_clustering("kmeans", 100, x, labels)
+
+
+def test_neural_clusterer_mini_batches_and_early_stopping():
+    """Issue #14: mini-batches of points and early stopping keep the clustering of planted blobs, and stop early."""
+    x, labels = _blobs(200, 5, 8, seed=7)
+    x = x - x.mean(0)
+    fast = NeuralClusterer(5, steps=1000, n_init=3, seed=0, batch_size=128, tol=1e-3, patience=20).fit(x)
+    assert fast.steps_run < 1000 and len(fast.losses) == fast.steps_run
+    assert fast.labels_.shape == (1000,)  # the assignment covers every point, not the last batch
+    assert hungarian_accuracy(fast.labels_.numpy(), labels.numpy()) > 0.95
+    exact = NeuralClusterer(5, steps=50, n_init=1, seed=0, batch_size=None, dtype="float64", tol=0).fit(x)
+    assert exact.steps_run == 50 and exact.centroids.dtype == torch.float64
+    with pytest.raises(ValueError, match="batch_size"):
+        NeuralClusterer(3, batch_size=0)
+    with pytest.raises(ValueError, match="dtype"):
+        NeuralClusterer(3, dtype="float16")

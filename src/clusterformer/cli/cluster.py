@@ -15,7 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                        "(accuracy by Hungarian matching, purity, NMI)")
     p.add_argument("--method", required=True, choices=["neural", "kmeans", "som"])
     p.add_argument("--k", type=int, required=True, help="number of clusters")
-    p.add_argument("--dataset", choices=["digits"], default=None, help="built-in data: scikit-learn's digits")
+    p.add_argument("--dataset", choices=["digits", "digits784"], default=None,
+                   help="built-in data: scikit-learn's digits (1797 x 64), or digits784: 10,000 x 784 made from them "
+                        "(upsampled to 28x28, noise added; an MNIST-sized stand-in)")
     p.add_argument("--data", default=None, help="points as a .npy array (n, d)")
     p.add_argument("--labels", default=None, help="labels as a .npy array (n,) (optional)")
     p.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",")], default=[0],
@@ -29,15 +31,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from ..apps.clustering import run_clustering
+    from ..apps.clustering import digits_784, run_clustering
 
     if (args.dataset is None) == (args.data is None):
-        raise ValueError("give exactly one of --dataset digits or --data X.npy")
+        raise ValueError("give exactly one of --dataset digits|digits784 or --data X.npy")
     if args.dataset == "digits":
         from sklearn.datasets import load_digits
 
         digits = load_digits()
         x, labels, source = digits.data, digits.target, "sklearn load_digits (1797 x 64)"
+    elif args.dataset == "digits784":
+        x, labels = digits_784()
+        source = "digits784: 10,000 sklearn digits upsampled to 28x28 + N(0, 1) noise (seed 0)"
     else:
         x = _load_npy("--data", args.data)
         labels = _load_npy("--labels", args.labels) if args.labels else None
