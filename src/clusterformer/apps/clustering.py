@@ -198,8 +198,10 @@ def run_clustering(method: str, k: int, x: torch.Tensor | np.ndarray, labels=Non
         raise ValueError(f"k must be <= the number of points ({x.shape[0]}), got {k}")
     x = x - x.mean(0)
     started = time.perf_counter()
+    trained_steps = None
     if method == "neural":
-        assignments = NeuralClusterer(k, seed=seed, **options).fit(x).labels_.numpy()
+        model = NeuralClusterer(k, seed=seed, **options).fit(x)
+        assignments, trained_steps = model.labels_.numpy(), model.steps_run
     elif method == "som":
         assignments = SOM(k, seed=seed, **options).fit(x).labels_.numpy()
     else:
@@ -209,6 +211,8 @@ def run_clustering(method: str, k: int, x: torch.Tensor | np.ndarray, labels=Non
         assignments = KMeans(n_clusters=k, random_state=seed, **kmeans_options).fit(x.numpy()).labels_
     result = {"method": method, "k": k, "seed": seed, "options": options, "n": int(x.shape[0]),
               "clusters_used": len(np.unique(assignments)), "seconds": time.perf_counter() - started}
+    if trained_steps is not None:
+        result["steps_run"] = trained_steps  # the neural method may stop early
     if labels is not None:
         result.update(cluster_scores(assignments, labels))
     result["labels"] = assignments.tolist()
