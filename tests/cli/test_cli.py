@@ -229,3 +229,13 @@ def test_translation_refuses_what_it_cannot_do(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "to"])
     assert "no checkpoint at" in capsys.readouterr().err
+    paper = ["--attention", "neural-clustering", "--attention-options", '{"causal_mode": "paper"}',
+             "--allow-non-strict-causal"]
+    assert main(["train", "--task", "shakespeare-char", "--out", str(tmp_path / "lm2"), *paper, *common]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["generate", "--checkpoint", str(tmp_path / "lm2"), "--prompt", "to"])
+    assert "pass --no-cache" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(tmp_path / "lm2"), "--prompt", "to", "--no-cache",
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("to")

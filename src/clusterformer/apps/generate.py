@@ -27,6 +27,14 @@ class CharacterLM:
     context: int  # the context length it was trained at
     attention: str
 
+    @property
+    def decodes(self) -> bool:
+        """Every attention layer has cached decoding (strictly causal)."""
+        from ..attention import InnerAttention
+
+        return all(m.decodes and m.options.causal_semantics() == "strict"
+                   for m in self.model.modules() if isinstance(m, InnerAttention))
+
     def encode(self, text: str) -> torch.Tensor:
         index = {c: i + 1 for i, c in enumerate(self.chars)}
         unknown = sorted(set(text) - set(index))
@@ -43,6 +51,9 @@ class CharacterLM:
         """The continuation of ``prompt`` (``max_new_tokens`` characters); ``on_text`` gets each as it comes."""
         if not prompt:
             raise ValueError("prompt must hold at least one character")
+        if use_cache and not self.decodes:
+            raise ValueError(f"this model's attention ({self.attention}) is not strictly causal, so it has no cached "
+                             "decoding; pass --no-cache (use_cache=False) to recompute the causal forward per token")
         tokens = self.encode(prompt).unsqueeze(0)
         generator = torch.Generator().manual_seed(seed)
         stream = None if on_text is None else (lambda t: on_text(self.decode(t)))
