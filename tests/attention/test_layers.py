@@ -347,4 +347,46 @@ def test_contiguous_grouping_is_local_block_attention(N, num_clusters, look_back
         ref = _reference_output(layer, x[b] * real[:, None], allowed)
         torch.testing.assert_close(y[b][real], ref[real], rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="grouping"):
-        build("neural-clustering", dim=8, heads=2, grouping="random")
+        build("neural-clustering", dim=8, heads=2, grouping="kmeans")
+
+
+@pytest.mark.parametrize("mode", ["none", "strict"])
+def test_random_grouping_is_the_chunked_attention_of_random_clusters(mode):
+    """The issue #14 ablation (a): grouping="random" puts each token in a random cluster (a hash of its position
+    and one draw per forward), then attends exactly as the learned grouping would with those ids; fresh groups
+    every training forward, the same in evaluation, independent of the batch, no clustering losses."""
+    from clusterformer.attention.neural_clustering import random_groups
+
+    layer = _layer("neural-clustering", num_clusters=3, grouping="random", causal_chunk_size=3, causal_clusters=3)
+    N = 14
+    x = torch.randn(2, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    pad[1, -4:] = True
+    causal = mode == "strict"
+    layer.train()
+    first = run_recorded(layer, x, key_padding_mask=pad, causal=causal)[2][layer.inner]
+    second = run_recorded(layer, x, key_padding_mask=pad, causal=causal)[2][layer.inner]
+    assert not torch.equal(first, second)  # a new draw per training forward
+    layer.eval()
+    y, aux, groups = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
+    assert dict(aux) == {} and torch.equal(groups[layer.inner], run_recorded(layer, x, key_padding_mask=pad,
+                                                                             causal=causal)[2][layer.inner])
+    ids = groups[layer.inner]
+    assert set(ids[~pad].tolist()) <= {0, 1, 2} and len(set(ids[0].tolist())) > 1
+    k_real = torch.tensor([3, 3]) if causal else torch.tensor([layer.options.clusters_for(L) for L in (N, N - 4)])
+    assert all(int(ids[b][~pad[b]].max()) < int(k_real[b]) for b in range(2))
+    for b in range(2):
+        real = ~pad[b]
+        L = int(real.sum())
+        if causal:
+            allowed = cluster_causal_allowed(ids[b].masked_fill(pad[b], 3), 3, 1, pad[b])
+        else:
+            k = layer.options.clusters_for(L)
+            allowed = sorted_chunk_allowed(ids[b], max(1, math.ceil(L / k)), 1, False, pad[b])
+        ref = _reference_output(layer, x[b] * real[:, None], allowed)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-9, atol=1e-9)
+    # the ids of a sequence follow from its positions, its k and the draw: alone, it gets the same
+    alone = run_recorded(layer, x[1:, :N - 4], causal=causal)[2][layer.inner]
+    torch.testing.assert_close(alone[0], ids[1][:N - 4])
+    assert random_groups(5, torch.tensor([4]), 7, torch.device("cpu")).tolist() == \
+        random_groups(9, torch.tensor([4]), 7, torch.device("cpu"))[:, :5].tolist()

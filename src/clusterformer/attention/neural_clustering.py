@@ -73,12 +73,23 @@ from ..ops.layouts import cluster_causal_layout, sorted_layout
 from ..ops.masks import real_lengths
 from ..ops.windows import windowed_attention
 from .aux import publish_groups, publish_losses
-from .base import AttentionOptions, InnerAttention, QKVProjection
+from .base import InnerAttention, QKVProjection, SeededOptions
 from .registry import register
+
+GROUPINGS = ("learned", "contiguous", "random")
+
+
+def random_groups(length: int, num_clusters: torch.Tensor, draw: int, device: torch.device) -> torch.Tensor:
+    """Pseudo-random cluster ids (B, length) in [0, num_clusters[b]) from each position and one number ``draw``:
+    Knuth's multiplicative hash of (position + draw) mod 2^32, scaled to [0, k_b). A token's id depends on its
+    position, its sequence's k and the draw only -- not on the batch -- and a prefix gets the same ids."""
+    positions = torch.arange(length, device=device, dtype=torch.long)
+    hashed = ((positions + draw) * 2654435761) % (1 << 32)  # < 2^63 for positions + draw < 2^31
+    return (hashed.unsqueeze(0) * num_clusters.unsqueeze(1)) >> 32
 
 
 @dataclass(frozen=True)
-class NeuralClusteringOptions(AttentionOptions):
+class NeuralClusteringOptions(SeededOptions):
     """Options of ``"neural-clustering"`` (besides ``dropout``, ``bias``).
 
     Attributes:
@@ -95,9 +106,12 @@ class NeuralClusteringOptions(AttentionOptions):
         similarity: "cosine" (bounded, default) or "dot" (the paper's literal inner product).
         similarity_scale: multiplies phi inside the softmax over positions (eq. 2).
         own_centroids: own a centroid parameter; False means centroids flow in from the previous layer.
-        grouping: "learned" (the paper) or "contiguous", an ablation (issue #14): no clustering at all, every token
-            in one group, so the sorted chunks are contiguous blocks of the original order -- local block attention
-            with the same chunk size, look-back and causal semantics, no clustering losses.
+        grouping: "learned" (the paper), or an ablation of issue #14 with the same chunk size, look-back and causal
+            semantics and no clustering losses: "contiguous" -- every token in one group, so the sorted chunks are
+            contiguous blocks of the original order (local block attention); "random" -- each token in a random
+            cluster, drawn afresh for every training forward (:func:`random_groups`: a hash of the token's position
+            and one number drawn from the layer's generator, so the groups of a sequence do not depend on its batch,
+            and evaluation, re-seeded, is deterministic).
     """
 
     num_clusters: int | str = "sqrt"
@@ -125,7 +139,7 @@ class NeuralClusteringOptions(AttentionOptions):
         check_choice("similarity", self.similarity, ("cosine", "dot"))
         check_float("similarity_scale", self.similarity_scale, minimum=0.0, exclusive_minimum=True)
         check_bool("own_centroids", self.own_centroids)
-        check_choice("grouping", self.grouping, ("learned", "contiguous"))
+        check_choice("grouping", self.grouping, GROUPINGS)
 
     @property
     def n_centroids(self) -> int:
@@ -225,8 +239,13 @@ class NeuralClusteringAttention(InnerAttention):
                 publish: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cluster ids (B, N) (padding: n_clusters) and C_hat (or None); publishes the clustering losses."""
         B, N, _ = x.shape
-        if self.options.grouping == "contiguous":  # the ablation: one group, so chunks keep the original order
-            ids = torch.zeros(B, N, dtype=torch.long, device=x.device)
+        if self.options.grouping != "learned":  # the ablations: one group (original order), or random groups
+            if self.options.grouping == "contiguous":
+                ids = torch.zeros(B, N, dtype=torch.long, device=x.device)
+            else:
+                k = torch.full((B,), n_clusters, dtype=torch.long) if per_sequence is None else per_sequence.cpu()
+                draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
+                ids = random_groups(N, k, draw, torch.device("cpu")).to(x.device)
             if key_padding_mask is not None:
                 ids = ids.masked_fill(key_padding_mask, n_clusters)  # padding as the clustering marks it
             return ids, None
@@ -262,6 +281,11 @@ class NeuralClusteringAttention(InnerAttention):
         B = x_t.shape[0]
         if self.options.grouping == "contiguous":
             ids = torch.zeros(B, 1, dtype=torch.long, device=x_t.device)
+        elif self.options.grouping == "random":  # the hash of the token's position (eval: the seeded draw)
+            k = torch.full((B,), self.options.strict_causal_clusters(), dtype=torch.long)
+            draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
+            ids = random_groups(int(cache.lengths.max()) + 1, k, draw, torch.device("cpu"))
+            ids = ids.gather(1, cache.lengths.cpu().unsqueeze(1)).to(x_t.device)
         else:  # the token's nearest centroid, as the strict forward assigns it
             centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)
             ids = nearest_centroid(self.to_cluster(x_t), centroids, self.options.similarity).unsqueeze(1)
