@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["attention_table", "decode_table", "reversible_table"]
 
 
@@ -63,4 +65,14 @@ def decode_table(records: list[dict], baseline: str = "full") -> str:
             speed = f"{b['ms_per_token'] / r['ms_per_token']:.1f}x" if b else "-"
             lines.append(f"| {name} | {r['context']} | {r['ms_per_token']:.3f} | {speed} | "
                          f"{_fmt(r['prefill_ms'], 0)} | {_fmt(r['cache_mb'], 2)} |")
+    growth = []
+    for name in dict.fromkeys(r["name"] for r in records):
+        rows = sorted((r for r in records if r["name"] == name), key=lambda r: r["context"])
+        if len(rows) > 1 and rows[0]["context"] < rows[-1]["context"]:
+            slope = (math.log(rows[-1]["ms_per_token"] / rows[0]["ms_per_token"])
+                     / math.log(rows[-1]["context"] / rows[0]["context"]))
+            growth.append(f"{name} N^{slope:.2f}")
+    if growth:  # time per token ~ N^slope between the shortest and the longest context (sqrt(N): 0.5)
+        lines += ["", f"Time per token grows like {', '.join(growth)} from {rows[0]['context']} to "
+                      f"{rows[-1]['context']} tokens of context."]
     return "\n".join(lines)
