@@ -21,6 +21,7 @@ def load_translator(path: str | Path, device: str = "cpu") -> Translator:
         raise ValueError(f"{str(path)!r} is a {config.task!r} run; translate needs a translation model "
                          "(clusterformer train --task multi30k)")
     source, target = tokenizers_from_state(state["tokenizer"])
+    # the encoder config train's build_model gave the task (max_len: TranslationTask.model_max_len, + BOS and EOS)
     encoder = EncoderConfig(vocab_size=source.vocab_size, dim=config.dim, depth=config.depth, heads=config.heads,
                             ff_dim=config.ff_dim, dropout=config.dropout, max_len=config.max_len + 2,
                             attention=config.attention, attention_options=dict(config.attention_options))
