@@ -83,9 +83,13 @@ def random_groups(length: int, num_clusters: torch.Tensor, draw: int, device: to
     """Pseudo-random cluster ids (B, length) in [0, num_clusters[b]) from each position and one number ``draw``:
     Knuth's multiplicative hash of (position + draw) mod 2^32, scaled to [0, k_b). A token's id depends on its
     position, its sequence's k and the draw only -- not on the batch -- and a prefix gets the same ids."""
-    positions = torch.arange(length, device=device, dtype=torch.long)
+    return _hash_groups(torch.arange(length, device=device, dtype=torch.long).unsqueeze(0), num_clusters, draw)
+
+
+def _hash_groups(positions: torch.Tensor, num_clusters: torch.Tensor, draw: int) -> torch.Tensor:
+    """positions (1 or B, N) long -> ids (B, N) in [0, num_clusters[b]): the hash of :func:`random_groups`."""
     hashed = ((positions + draw) * 2654435761) % (1 << 32)  # < 2^63 for positions + draw < 2^31
-    return (hashed.unsqueeze(0) * num_clusters.unsqueeze(1)) >> 32
+    return (hashed * num_clusters.unsqueeze(1)) >> 32
 
 
 @dataclass(frozen=True)
@@ -222,8 +226,14 @@ class NeuralClusteringAttention(InnerAttention):
             n_clusters = int(per_sequence.max()) if B else 1
         ids, updated = self._assign(x, key_padding_mask, flow, n_clusters, per_sequence, strict)
         publish_groups(self, ids)
+        return self._attend(x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence), updated
+
+    def _attend(self, x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence):
+        """Chunked attention given the cluster ids: heads output (B, N, H, D)."""
+        B, N, _ = x.shape
+        strict = causal and self.options.causal_mode == "strict"
         if B == 0 or N == 0:
-            return projection.qkv(x)[0].transpose(1, 2), updated  # empty, with a graph
+            return projection.qkv(x)[0].transpose(1, 2)  # empty, with a graph
         if strict:
             layout = cluster_causal_layout(ids, self.options.causal_chunk_size, n_clusters + 1, self.options.look_back)
         elif lengths is None:
@@ -232,11 +242,11 @@ class NeuralClusteringAttention(InnerAttention):
             chunk = (lengths + per_sequence - 1) // per_sequence  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
             layout = sorted_layout(ids, chunk, self.options.look_back, key_padding_mask=key_padding_mask)
         out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
-        return out.view(B, N, self.heads, self.head_dim), updated
+        return out.view(B, N, self.heads, self.head_dim)
 
     def _assign(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, flow: torch.Tensor | None,
-                n_clusters: int, per_sequence: torch.Tensor | None, strict: bool,
-                publish: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                n_clusters: int, per_sequence: torch.Tensor | None, strict: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cluster ids (B, N) (padding: n_clusters) and C_hat (or None); publishes the clustering losses."""
         B, N, _ = x.shape
         if self.options.grouping != "learned":  # the ablations: one group (original order), or random groups
@@ -254,8 +264,7 @@ class NeuralClusteringAttention(InnerAttention):
             similarity=self.options.similarity, scale=self.options.similarity_scale,
             assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
         )
-        if publish:
-            publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
+        publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
         return clustering.assignments, clustering.updated_centroids
 
     # cached decoding (strict causal mode): per cluster, a ring of its last (look_back + 1) * causal_chunk_size
@@ -264,10 +273,11 @@ class NeuralClusteringAttention(InnerAttention):
     def prefill_hidden(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None
                        ) -> tuple[torch.Tensor, GroupRingCache]:
         self.check_decoding()
-        out, _ = self.attend_hidden(x, projection, key_padding_mask, True)
         B, N, _ = x.shape
         n_clusters = self.options.strict_causal_clusters()
-        ids, _ = self._assign(x, key_padding_mask, None, n_clusters, None, True, publish=False)
+        ids, _ = self._assign(x, key_padding_mask, None, n_clusters, None, True)
+        publish_groups(self, ids)
+        out = self._attend(x, projection, key_padding_mask, True, ids, n_clusters, None, None)
         rows = x.reshape(B * N, self.dim)
         k = projection.project_rows(rows, "k").view(B, 1, N, self.heads, self.head_dim)
         v = projection.project_rows(rows, "v").view(B, 1, N, self.heads, self.head_dim)
@@ -282,10 +292,9 @@ class NeuralClusteringAttention(InnerAttention):
         if self.options.grouping == "contiguous":
             ids = torch.zeros(B, 1, dtype=torch.long, device=x_t.device)
         elif self.options.grouping == "random":  # the hash of the token's position (eval: the seeded draw)
-            k = torch.full((B,), self.options.strict_causal_clusters(), dtype=torch.long)
+            k = torch.full((B,), self.options.strict_causal_clusters(), dtype=torch.long, device=x_t.device)
             draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
-            ids = random_groups(int(cache.lengths.max()) + 1, k, draw, torch.device("cpu"))
-            ids = ids.gather(1, cache.lengths.cpu().unsqueeze(1)).to(x_t.device)
+            ids = _hash_groups(cache.lengths.unsqueeze(1), k, draw)
         else:  # the token's nearest centroid, as the strict forward assigns it
             centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)
             ids = nearest_centroid(self.to_cluster(x_t), centroids, self.options.similarity).unsqueeze(1)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._checks import check_float, check_int, check_padding_mask, check_tensor
+from ..ops.masks import real_lengths
 from .encoder import Encoder, EncoderCache, EncoderConfig
 
 __all__ = ["LanguageModel", "sample_next"]
@@ -72,9 +73,7 @@ class LanguageModel(nn.Module):
             raise ValueError(f"prompt must be an integer tensor, got dtype {prompt.dtype}")
         B, N = prompt.shape
         key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=prompt.device)
-        lengths = torch.full((B,), N, dtype=torch.long, device=prompt.device)
-        if key_padding_mask is not None:
-            lengths = (~key_padding_mask).sum(1)
+        lengths = real_lengths(key_padding_mask, B, N, prompt.device)
         if B == 0 or bool((lengths == 0).any()):
             raise ValueError("prompt must hold at least one real token per sequence")
         check_int("max_new_tokens", max_new_tokens, minimum=0)

@@ -29,16 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecodeCache", "GroupRingCache", "KVCache", "WindowCache", "attend_allowed", "check_right_padded",
-           "lengths_from_mask"]
+from .layouts import group_ranks
+from .masks import real_lengths
 
-
-def lengths_from_mask(key_padding_mask: torch.Tensor | None, batch: int, length: int,
-                      device: torch.device) -> torch.Tensor:
-    """(B,) long real tokens per sequence of a right-padded batch."""
-    if key_padding_mask is None:
-        return torch.full((batch,), length, dtype=torch.long, device=device)
-    return (~key_padding_mask).sum(1)
+__all__ = ["DecodeCache", "GroupRingCache", "KVCache", "WindowCache", "attend_allowed", "check_right_padded"]
 
 
 def check_right_padded(key_padding_mask: torch.Tensor | None) -> None:
@@ -97,7 +91,7 @@ class KVCache(DecodeCache):
     def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None) -> KVCache:
         """k, v (B, H, N, D) of a right-padded prompt batch."""
         B, _, N, _ = k.shape
-        lengths = lengths_from_mask(key_padding_mask, B, N, k.device)
+        lengths = real_lengths(key_padding_mask, B, N, k.device)
         capacity = max(16, 2 * N)
         keys = k.new_zeros(*k.shape[:2], capacity, k.shape[-1])
         values = v.new_zeros(*v.shape[:2], capacity, v.shape[-1])
@@ -180,10 +174,8 @@ class GroupRingCache(DecodeCache):
         ring = (look_back + 1) * chunk_size
         if key_padding_mask is not None:
             ids = ids.masked_fill(key_padding_mask[:, None, :], num_groups)  # padding: an extra group, dropped
-        one_hot = torch.zeros(B, X, N, num_groups + 1, dtype=torch.long, device=device)
-        one_hot.scatter_(3, ids.unsqueeze(-1), 1)
-        rank = (one_hot.cumsum(2) - one_hot).gather(3, ids.unsqueeze(-1)).squeeze(-1)  # earlier members
-        counts = one_hot.sum(2)[..., :num_groups]  # (B, X, G)
+        rank, counts = group_ranks(ids.reshape(B * X, N), num_groups + 1)  # rank: earlier members
+        rank, counts = rank.view(B, X, N), counts.view(B, X, num_groups + 1)[..., :num_groups]  # (B, X, G)
         largest = int(counts.max()) if counts.numel() else 0
         slots = min(ring, 1 << max(largest, 1).bit_length())  # room for the next member of the largest group
         kept = ids < num_groups
@@ -196,7 +188,7 @@ class GroupRingCache(DecodeCache):
         keys[where[0], where[1], g, slot] = k[where]
         values[where[0], where[1], g, slot] = v[where]
         ranks[where[0], where[1], g, slot] = rank[where]
-        lengths = lengths_from_mask(key_padding_mask, B, N, device)
+        lengths = real_lengths(key_padding_mask, B, N, device)
         return cls(lengths, keys, values, ranks, counts, chunk_size, look_back)
 
     def append(self, ids_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor
@@ -237,7 +229,7 @@ class WindowCache(DecodeCache):
     def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                     window: int, stride: int) -> WindowCache:
         B, H, N, D = k.shape
-        lengths = lengths_from_mask(key_padding_mask, B, N, k.device)
+        lengths = real_lengths(key_padding_mask, B, N, k.device)
         # slot s holds the latest position p < L_b with p = s (mod window), if any
         s = torch.arange(window, device=k.device)
         last = lengths.unsqueeze(1) - 1

@@ -38,7 +38,7 @@ import torch
 
 from .masks import real_lengths
 
-__all__ = ["ChunkLayout", "cluster_aligned_slots", "cluster_causal_layout", "sorted_layout"]
+__all__ = ["ChunkLayout", "cluster_aligned_slots", "cluster_causal_layout", "group_ranks", "sorted_layout"]
 
 
 @dataclass
@@ -199,6 +199,15 @@ def cluster_causal_layout(
     return _layout_from_slots(token_slot, num_slots, chunk_size, look_back, token_group=cluster_ids)
 
 
+def group_ranks(ids: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (blocks, N) in [0, num_groups) -> (each token's rank among the earlier tokens of its group (blocks, N),
+    the size of every group (blocks, num_groups)), by one stable sort."""
+    sorted_pos = _sorted_positions(ids)
+    counts = torch.zeros(ids.shape[0], num_groups, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return sorted_pos - (counts.cumsum(1) - counts).gather(1, ids), counts
+
+
 def cluster_aligned_slots(cluster_ids: torch.Tensor, chunk_size: int, num_clusters: int) -> tuple[torch.Tensor, int]:
     """Slots in which every cluster starts on a chunk boundary. cluster_ids (blocks, N) in [0, num_clusters).
 
@@ -206,13 +215,9 @@ def cluster_aligned_slots(cluster_ids: torch.Tensor, chunk_size: int, num_cluste
     sum over earlier clusters of their sizes rounded up to a multiple of ``chunk_size``. So every chunk
     holds tokens of one cluster only. Returns (token_slot (blocks, N), num_slots) where num_slots is a
     static bound (each non-empty cluster wastes at most chunk_size - 1 slots), a multiple of chunk_size."""
-    blocks, N = cluster_ids.shape
-    device = cluster_ids.device
+    N = cluster_ids.shape[1]
     w = chunk_size
-    sorted_pos = _sorted_positions(cluster_ids)
-    counts = torch.zeros(blocks, num_clusters, dtype=torch.long, device=device)
-    counts.scatter_add_(1, cluster_ids, torch.ones_like(cluster_ids))
-    rank = sorted_pos - (counts.cumsum(1) - counts).gather(1, cluster_ids)  # earlier tokens in cluster
+    rank, counts = group_ranks(cluster_ids, num_clusters)
     padded = (counts + w - 1) // w * w
     token_slot = (padded.cumsum(1) - padded).gather(1, cluster_ids) + rank
     n_c = max(1, math.ceil((N + min(num_clusters, N) * (w - 1)) / w))
