@@ -286,21 +286,29 @@ class Encoder(nn.Module):
         key_padding_mask = self._check_tokens(tokens, key_padding_mask)
         x = self._embed(tokens, torch.arange(tokens.shape[1], device=tokens.device))
         caches = []
-        if self.reversible is not None:  # y1 = x1 + F(x2) [+ H(x1, x2)], y2 = x2 + G(y1), as in its forward
+
+        def attend(i: int, block: Block, h: torch.Tensor) -> torch.Tensor:
+            f_out, cache = block.prefill_attention(h, key_padding_mask)
+            caches.append(cache)
+            return f_out
+
+        x = self._decoding_blocks(x, attend)
+        return self.norm(x), EncoderCache(caches, caches[0].lengths.clone())
+
+    def _decoding_blocks(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The blocks as in :meth:`forward` with the attention branch F given by ``attend(i, block, h)`` (prefill or
+        step): reversible, y1 = x1 + F(x2) [+ H(x1, x2)], y2 = x2 + G(y1), streams averaged; else pre-norm residual."""
+        if self.reversible is not None:
             x1 = x2 = x
             for i, block in enumerate(self.blocks):
-                f_out, cache = block.prefill_attention(x2, key_padding_mask)
+                f_out = attend(i, block, x2)
                 x1 = x1 + f_out + (self.reversible.tied[i](x1, x2) if self.reversible.tied is not None else 0)
                 x2 = x2 + block.ff_branch(x1)
-                caches.append(cache)
-            x = (x1 + x2) / 2
-        else:
-            for block in self.blocks:
-                f_out, cache = block.prefill_attention(x, key_padding_mask)
-                x = x + f_out
-                x = x + block.ff_branch(x)
-                caches.append(cache)
-        return self.norm(x), EncoderCache(caches, caches[0].lengths.clone())
+            return (x1 + x2) / 2
+        for i, block in enumerate(self.blocks):
+            x = x + attend(i, block, x)
+            x = x + block.ff_branch(x)
+        return x
 
     def step(self, tokens: torch.Tensor, cache: EncoderCache) -> tuple[torch.Tensor, EncoderCache]:
         """tokens (B,) long, each sequence's next token -> (hidden (B, dim), cache updated in place)."""
@@ -313,18 +321,12 @@ class Encoder(nn.Module):
             raise ValueError(f"position {int(cache.lengths.max())} is past max_len={self.config.max_len} of the "
                              "learned positions")
         x = self._embed(tokens, cache.lengths)
-        if self.reversible is not None:
-            x1 = x2 = x
-            for i, block in enumerate(self.blocks):
-                f_out, cache.layers[i] = block.step_attention(x2, cache.layers[i])
-                x1 = x1 + f_out + (self.reversible.tied[i](x1, x2) if self.reversible.tied is not None else 0)
-                x2 = x2 + block.ff_branch(x1)
-            x = (x1 + x2) / 2
-        else:
-            for i, block in enumerate(self.blocks):
-                f_out, cache.layers[i] = block.step_attention(x, cache.layers[i])
-                x = x + f_out
-                x = x + block.ff_branch(x)
+
+        def attend(i: int, block: Block, h: torch.Tensor) -> torch.Tensor:
+            f_out, cache.layers[i] = block.step_attention(h, cache.layers[i])
+            return f_out
+
+        x = self._decoding_blocks(x, attend)
         cache.lengths = cache.lengths + 1
         return self.norm(x), cache
 
