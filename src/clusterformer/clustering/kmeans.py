@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from .._checks import check_int, check_tensor
 
 __all__ = [
-    "ema_centroid_update", "euclidean_kmeans", "greedy_nearest_order", "hamming_kmeans", "spherical_kmeans",
+    "cluster_sums", "ema_centroid_update", "euclidean_kmeans", "greedy_nearest_order", "hamming_kmeans",
+    "spherical_kmeans",
 ]
 
 
-def _cluster_sums(points: torch.Tensor, assign: torch.Tensor, k: int, weight: torch.Tensor | None = None):
+def cluster_sums(points: torch.Tensor, assign: torch.Tensor, k: int, weight: torch.Tensor | None = None):
     """Per-cluster sums and counts. points (..., n, d), assign (..., n) in [0, k), weight (..., n) or None.
     Returns sums (..., k, d) and counts (..., k). O(n d), no (n, k) one-hot: one ``index_add_`` over the
     flattened (batch x cluster) rows, several times faster on CPU than ``scatter_add_`` with an index expanded
@@ -65,7 +66,7 @@ def spherical_kmeans(
     centroids = _kmeans_plus_plus(x, k, generator)
     for _ in range(iterations):
         assign = (x @ centroids.T).argmax(-1)
-        sums, counts = _cluster_sums(x, assign, k)
+        sums, counts = cluster_sums(x, assign, k)
         centroids = torch.where(counts.unsqueeze(-1) > 0, F.normalize(sums, dim=-1), centroids)
     return centroids
 
@@ -119,7 +120,7 @@ def ema_centroid_update(
     Clusters with no point this step keep their centroid. Returns the new centroids (G, k, d)."""
     k = centroids.shape[-2]
     x = F.normalize(points.to(centroids.dtype), dim=-1)
-    sums, counts = _cluster_sums(x, assign, k, valid)
+    sums, counts = cluster_sums(x, assign, k, valid)
     if reduce is not None:
         sums, counts = reduce(sums), reduce(counts)
     means = sums / counts.clamp(min=1).unsqueeze(-1)
@@ -176,7 +177,7 @@ def hamming_kmeans(
 
     assign = assign_to(centroids)
     for _ in range(iterations):
-        sums, counts = _cluster_sums(x, assign, C, weight)
+        sums, counts = cluster_sums(x, assign, C, weight)
         ones, zeros = 2 * sums, counts.unsqueeze(-1)
         centroids = torch.where(ones > zeros, 1.0, torch.where(ones < zeros, 0.0, centroids))
         assign = assign_to(centroids)
@@ -222,7 +223,7 @@ def euclidean_kmeans(
 
     assign = assign_to(centroids)
     for _ in range(iterations):
-        sums, counts = _cluster_sums(x, assign, C, weight)
+        sums, counts = cluster_sums(x, assign, C, weight)
         centroids = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp(min=1).unsqueeze(-1), centroids)
         assign = assign_to(centroids)
     return assign

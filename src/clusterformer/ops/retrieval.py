@@ -1,0 +1,378 @@
+"""Cluster retrieval over a growing key/value cache: long-context decoding that reads a fraction of the keys.
+
+The setting of ClusterKV and Squeezed Attention (pretrained decoder LLMs, long prompts): per layer and key/value
+head, the cached keys are grouped by K-means; each query scores the cluster centroids and attends exactly to the
+keys of its best clusters, up to a budget, plus the first few tokens (attention sinks, which soak up attention
+mass in pretrained LLMs) and a recent window. Without retrieval (``clusters=0``) this is StreamingLLM's
+sinks + window.
+
+Per query q (scaled by ``scale``) of a head whose key/value head holds the cache, with C clusters of sizes s_c,
+key means mu_c and value means nu_c:
+
+1. Scores q . mu_c; clusters in descending score order fill ``R = budget - sink - window`` slots (the last
+   one possibly in part), by position within a cluster. Under grouped-query attention the query heads that
+   share a key/value head share the ranking (by their best score): one gather of keys per group.
+2. Exact softmax attention over the union of the sink keys, the window (causal), and the retrieved keys.
+3. ``estimate_remainder=True`` (beyond ClusterKV): the keys of each cluster that were *not* retrieved, n'_c of
+   them, enter the same softmax as one term with logit q . mu_c + log n'_c and value nu_c -- the cluster seen
+   from its centroid, as improved-clustered attention treats the keys outside its top-k (there, eq. 11, the
+   cluster is a query cluster; here it is a key cluster).
+
+The three key sets are disjoint by construction: the index holds the real keys of rank >= ``sink`` (per
+sequence) at positions before the window; a key joins the index when it leaves the window. A budget that
+covers every retrieved slot attends to every key: the result is dense attention (up to rounding).
+
+The index (:class:`KeyClusterIndex`) is built by :func:`build_index` after a prefill (Lloyd K-means,
+:func:`clusterformer.clustering.euclidean_kmeans`, on each head's keys: nearby keys have nearby logits for
+every query, |q.k1 - q.k2| <= |q| |k1 - k2|, so Euclidean clusters are the ones a dot-product query can rank
+by their mean). :func:`extend_index` lets each key that leaves the window join its nearest centroid (the
+running means move with it); after ``refresh`` joins the index is rebuilt from all its keys. Members are kept
+per cluster in a slot array (G, C, capacity) that grows by doubling, so a join is O(C D), not a re-sort.
+
+Cost per query and head: O(C D) to score the centroids, O(R log C) to find the slots, O((sink + window + R) D)
+to attend -- against O(n D) for dense attention over n cached keys. Clustering: O(iterations n C D) per
+rebuild, amortised over ``refresh`` tokens.
+
+Padding: ``real`` (B, n) marks the real keys (left padding, as Hugging Face batches prompts for generation).
+Every choice is per sequence -- its budget from its own number of real keys, its own sinks, clusters from its
+own keys only (padding never seeds or moves a centroid) -- so a sequence's outputs do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .._checks import check_bool, check_int
+from ..clustering.kmeans import cluster_sums, euclidean_kmeans
+from .layouts import group_ranks
+
+__all__ = ["KeyClusterIndex", "RetrievalOptions", "build_index", "extend_index", "retrieval_attention"]
+
+
+@dataclass(frozen=True)
+class RetrievalOptions:
+    """Options of cluster retrieval.
+
+    Attributes:
+        budget: keys each query attends to, sinks and window included: a float in (0, 1] is a fraction of the
+            sequence's cached keys (rounded up), an int >= 1 a count. A budget >= the cache is dense attention.
+        clusters: K-means clusters per layer and key/value head (0: no retrieval -- sinks + window only,
+            StreamingLLM; the window then takes the whole budget left after the sinks).
+        sink: first real tokens every query attends to.
+        window: most recent tokens every query attends to (causally).
+        refresh: keys that may join the index before it is re-clustered from scratch.
+        iterations: Lloyd iterations of each (re)clustering.
+        estimate_remainder: add the unretrieved keys of every cluster, estimated from its centroid and size.
+    """
+
+    budget: float | int = 0.1
+    clusters: int = 256
+    sink: int = 4
+    window: int = 64
+    refresh: int = 512
+    iterations: int = 8
+    estimate_remainder: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+            raise ValueError(f"budget must be a fraction in (0, 1] or a count >= 1; got {self.budget!r}")
+        if isinstance(self.budget, float) and not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"budget as a float is a fraction of the cache and must be in (0, 1]; got {self.budget}")
+        if isinstance(self.budget, int) and self.budget < 1:
+            raise ValueError(f"budget as an int is a count of keys and must be >= 1; got {self.budget}")
+        check_int("clusters", self.clusters, minimum=0)
+        check_int("sink", self.sink, minimum=0)
+        check_int("window", self.window, minimum=0)
+        check_int("refresh", self.refresh, minimum=1)
+        check_int("iterations", self.iterations, minimum=0)
+        check_bool("estimate_remainder", self.estimate_remainder)
+
+    def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) real cached keys -> (B,) keys a query may attend to under the budget (at most the cache)."""
+        if isinstance(self.budget, float):
+            allowed = torch.ceil(lengths.double() * self.budget).long()
+        else:
+            allowed = torch.full_like(lengths, self.budget)
+        return torch.minimum(allowed, lengths)
+
+    def covers(self, lengths: torch.Tensor) -> bool:
+        """Whether the budget covers every cached key of every sequence (then attention is dense)."""
+        return bool((self.keys_allowed(lengths) >= lengths).all())
+
+
+JOIN_BATCH = 16  # keys leave the window for the index in batches: one update per 16 decoding steps
+
+
+@dataclass
+class KeyClusterIndex:
+    """The clustered keys of one layer: G = B x (key/value heads) rows of C clusters.
+
+    centroids (G, C, D), key_sums (G, C, D), value_sums (G, C, Dv) in the compute dtype, and the centroids
+    transposed in the keys' dtype for scoring (G, D, C); counts (G, C) long; members (G, C, capacity) the
+    positions of each cluster's keys (the first counts[g, c] valid, in the order they joined); sinks (B, S)
+    positions of each sequence's first real tokens, sink_ok (B, S) which exist, sink_keys / sink_values
+    (B, Hkv, S, D) their keys and values; end: the index holds the real keys of rank >= sink at positions
+    < end, and the window is everything from ``end`` on; joined: keys that joined since the last clustering;
+    fewest: the fewest keys any row holds (slots beyond it may be empty); length: the cache length at the last
+    call; probe (G, D): the key at position end - 1 then (to recognise the same cache later)."""
+
+    centroids: torch.Tensor
+    centroids_t: torch.Tensor
+    key_sums: torch.Tensor
+    value_sums: torch.Tensor
+    counts: torch.Tensor
+    members: torch.Tensor
+    sinks: torch.Tensor
+    sink_ok: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    end: int
+    joined: int
+    fewest: int
+    length: int
+    probe: torch.Tensor | None
+
+    def follows(self, k: torch.Tensor) -> bool:
+        """Whether cache keys k (B, Hkv, n, D) continue the cache this index was built on."""
+        B, Hkv, n, D = k.shape
+        if B * Hkv != self.counts.shape[0] or n < self.length or self.centroids.shape[-1] != D:
+            return False
+        if self.probe is None:
+            return True
+        return bool(torch.equal(k[:, :, self.end - 1].reshape(B * Hkv, D), self.probe))
+
+    def sinks_live(self) -> torch.Tensor:
+        """(B, S) the sinks attended as sinks: before the window (a sink inside the window is counted there)."""
+        return self.sink_ok & (self.sinks < self.end)
+
+
+def _ranks(real: torch.Tensor) -> torch.Tensor:
+    """(B, n) bool -> (B, n) long: number of real keys before each position."""
+    return real.long().cumsum(1) - real.long()
+
+
+def _indexable(real: torch.Tensor, sink: int, end: int) -> torch.Tensor:
+    """(B, end) bool: real keys of rank >= sink before ``end``."""
+    return real[:, :end] & (_ranks(real)[:, :end] >= sink)
+
+
+def _first_real(real: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (B, S) of each row's first ``count`` real keys, which exist (B, S)), S = min(count, n)."""
+    positions = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices[:, :min(count, real.shape[1])]
+    return positions, real.gather(1, positions)
+
+
+def build_index(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end: int,
+                options: RetrievalOptions) -> KeyClusterIndex:
+    """Cluster the keys at positions < ``end`` of cache k, v (B, Hkv, n, D); real (B, n) bool or None (no
+    padding)."""
+    B, Hkv, n, D = k.shape
+    if real is None:
+        real = torch.ones(B, n, dtype=torch.bool, device=k.device)
+    G, C = B * Hkv, max(1, options.clusters)
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    sinks, sink_ok = _first_real(real, options.sink)
+    valid = _indexable(real, options.sink, end).unsqueeze(1).expand(B, Hkv, end).reshape(G, end)
+    points = k[:, :, :end].reshape(G, end, D).to(dtype)
+    values = v[:, :, :end].reshape(G, end, v.shape[-1]).to(dtype)
+    if end == 0:
+        assign = torch.zeros(G, 0, dtype=torch.long, device=k.device)
+    else:
+        assign = euclidean_kmeans(points, C, iterations=options.iterations, valid=valid)
+    weight = valid.to(dtype)
+    key_sums, counts = cluster_sums(points, assign, C, weight)
+    value_sums, _ = cluster_sums(values, assign, C, weight)
+    counts = counts.round().long()
+    ids = torch.where(valid, assign, C)  # invalid keys go to an extra group, dropped below
+    rank, _ = group_ranks(ids, C + 1)
+    capacity = max(1, int(counts.max()) if counts.numel() else 1)
+    members = torch.zeros(G * (C + 1) * capacity, dtype=torch.long, device=k.device)
+    g = torch.arange(G, device=k.device).unsqueeze(1)
+    slot = ((g * (C + 1) + ids) * capacity + rank.clamp(max=capacity - 1))[valid]
+    members[slot] = torch.arange(end, device=k.device).expand(G, end)[valid]
+    centroids = key_sums / counts.clamp(min=1).unsqueeze(-1).to(dtype)
+    index = KeyClusterIndex(
+        centroids=centroids, centroids_t=centroids.transpose(1, 2).to(k.dtype).contiguous(), key_sums=key_sums,
+        value_sums=value_sums, counts=counts, members=members.view(G, C + 1, capacity)[:, :C].contiguous(),
+        sinks=sinks, sink_ok=sink_ok, sink_keys=_gather_positions(k, sinks), sink_values=_gather_positions(v, sinks),
+        end=end, joined=0, fewest=int(counts.sum(1).min()) if G else 0, length=n, probe=None,
+    )
+    _set_probe(index, k)
+    return index
+
+
+def _set_probe(index: KeyClusterIndex, k: torch.Tensor) -> None:
+    B, Hkv, n, D = k.shape
+    index.length = n
+    index.probe = None if index.end == 0 else k[:, :, index.end - 1].reshape(B * Hkv, D).clone()
+
+
+def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end: int,
+                 options: RetrievalOptions) -> KeyClusterIndex:
+    """Let the keys at positions [index.end, end) join their nearest centroids (re-cluster everything once
+    ``refresh`` keys have joined since the last clustering). Returns the (updated in place or new) index."""
+    start = index.end
+    if end <= start:
+        _set_probe(index, k)
+        return index
+    if index.joined + (end - start) > options.refresh:
+        return build_index(k, v, real, end, options)
+    B, Hkv, n, D = k.shape
+    if real is None:
+        real = torch.ones(B, n, dtype=torch.bool, device=k.device)
+    G, C = B * Hkv, index.counts.shape[1]
+    dtype = index.centroids.dtype
+    valid = _indexable(real, options.sink, end)[:, start:]
+    valid = valid.unsqueeze(1).expand(B, Hkv, end - start).reshape(G, end - start)
+    points = k[:, :, start:end].reshape(G, end - start, D).to(dtype)
+    values = v[:, :, start:end].reshape(G, end - start, v.shape[-1]).to(dtype)
+    c = index.centroids
+    score = torch.baddbmm(-(c * c).sum(-1).unsqueeze(1), points, c.transpose(1, 2), alpha=2)
+    score = score.masked_fill(index.counts.unsqueeze(1) == 0, float("-inf"))  # only clusters with members
+    assign = score.max(-1).indices
+    weight = valid.to(dtype)
+    key_sums, new_counts = cluster_sums(points, assign, C, weight)
+    value_sums, _ = cluster_sums(values, assign, C, weight)
+    ids = torch.where(valid, assign, C)
+    rank, _ = group_ranks(ids, C + 1)
+    rank = rank + torch.cat([index.counts, index.counts.new_zeros(G, 1)], 1).gather(1, ids)
+    counts = index.counts + new_counts.round().long()
+    capacity = index.members.shape[-1]
+    needed = int(counts.max())
+    if needed > capacity:  # grow by doubling: amortised O(1) per join
+        grown = index.members.new_zeros(G, C, max(needed, 2 * capacity))
+        grown[..., :capacity] = index.members
+        index.members, capacity = grown, grown.shape[-1]
+    g = torch.arange(G, device=k.device).unsqueeze(1)
+    slot = ((g * C + assign) * capacity + rank)[valid]
+    index.members.view(-1)[slot] = torch.arange(start, end, device=k.device).expand(G, end - start)[valid]
+    index.key_sums += key_sums
+    index.value_sums += value_sums
+    index.counts = counts
+    index.centroids = torch.where(counts.unsqueeze(-1) > 0, index.key_sums / counts.clamp(min=1).unsqueeze(-1),
+                                  index.centroids)
+    index.centroids_t = index.centroids.transpose(1, 2).to(k.dtype).contiguous()
+    index.fewest = int(counts.sum(1).min())
+    index.joined += end - start
+    index.end = end
+    _set_probe(index, k)
+    return index
+
+
+def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
+                        index: KeyClusterIndex | None, options: RetrievalOptions, scale: float) -> torch.Tensor:
+    """Attention of the last Lq positions of a cache to it, by sinks + window + retrieved clusters.
+
+    Args:
+        q: (B, H, Lq, D) queries of cache positions n - Lq .. n - 1 (H a multiple of the key/value heads).
+        k, v: (B, Hkv, n, D) the cache, the queries' own keys included.
+        real: (B, n) bool, the real (not padding) keys; None: no padding.
+        index: the clustered keys (:func:`build_index`); the window is then every position from ``index.end``
+            on (at least ``options.window`` and the Lq queries: the caller keeps the index that far back). None:
+            sinks + window only, the window taking what the sinks leave of the budget (``options.clusters`` 0).
+        options: the budget and its parts.
+        scale: softmax scale.
+
+    Returns:
+        (B, H, Lq, D).
+    """
+    B, H, Lq, D = q.shape
+    Hkv, n = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    Q = rep * Lq
+    qg = q.reshape(B, Hkv, Q, D) * scale  # queries grouped by their key/value head: no copies of the cache
+    if real is None:  # every row holds n keys: the budget is one number
+        allowed: torch.Tensor | int = min(n, math.ceil(n * options.budget) if isinstance(options.budget, float)
+                                          else options.budget)
+    else:
+        allowed = options.keys_allowed(real.sum(1))  # (B,)
+    if index is None:
+        all_real = real if real is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
+        sinks, sink_ok = _first_real(all_real, options.sink)
+        window = torch.as_tensor(allowed, device=q.device).expand(B) - options.sink
+        window = torch.maximum(window.clamp(min=0), torch.full_like(window, Lq))
+        start = int(n - min(n, int(window.max())))
+        sink_ok = sink_ok & (sinks < (n - window).unsqueeze(1))  # a sink inside the window is counted there
+        sink_keys, sink_values = _gather_positions(k, sinks), _gather_positions(v, sinks)
+        window_ok = torch.arange(start, n, device=q.device) >= (n - window).unsqueeze(1)  # (B, W)
+        if real is not None:
+            window_ok = window_ok & real[:, start:]
+        retrieved = None
+    else:
+        start = index.end
+        sink_keys, sink_values, sink_ok = index.sink_keys, index.sink_values, index.sinks_live()
+        window_ok = None if real is None else real[:, start:]
+        if real is None:
+            retrieved = max(0, allowed - options.sink - (n - start))
+        else:
+            retrieved = (allowed - options.sink - (n - start)).clamp(min=0)
+
+    # Exact part: sinks (shared by the group's queries) and the window, causal for the Lq new positions.
+    sink_logits = (qg @ sink_keys.transpose(-1, -2)).masked_fill(~sink_ok[:, None, None, :], float("-inf"))
+    window_logits = qg @ k[:, :, start:].transpose(-1, -2)  # (B, Hkv, Q, W)
+    if window_ok is not None:
+        window_logits = window_logits.masked_fill(~window_ok[:, None, None, :], float("-inf"))
+    if Lq > 1:
+        later = (torch.arange(start, n, device=q.device)
+                 > (n - Lq + torch.arange(Lq, device=q.device)).repeat(rep).unsqueeze(1))  # (Q, W)
+        window_logits = window_logits.masked_fill(later, float("-inf"))
+    logits, parts = [sink_logits, window_logits], [sink_values, v[:, :, start:]]
+
+    if index is not None and index.end > 0:
+        # Clusters are ranked per key/value head and query position by the best score among the group's query
+        # heads (they read the same cache): one gather of keys per group, not per query head.
+        C, capacity = index.counts.shape[1], index.members.shape[-1]
+        q5 = qg.view(B, Hkv, rep, Lq, D)
+        head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
+        scores = head_scores.amax(2) if rep > 1 else head_scores[:, :, 0]  # (B, Hkv, Lq, C)
+        perm = scores.sort(dim=-1, descending=True, stable=True).indices
+        sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, Lq, C).gather(-1, perm)
+        cum = sizes.cumsum(-1)
+        R = retrieved if isinstance(retrieved, int) else int(retrieved.max())
+        row_budget = retrieved if isinstance(retrieved, int) else retrieved.view(B, 1, 1, 1)
+        if R > 0:
+            slots = torch.arange(R, device=q.device).expand(B, Hkv, Lq, R).contiguous()
+            r = torch.searchsorted(cum, slots, right=True).clamp_(max=C - 1)  # the ranked cluster of each slot
+            within = (slots - (cum - sizes).gather(-1, r)).clamp_(max=capacity - 1)  # past a row's keys: masked
+            g = (torch.arange(B * Hkv, device=q.device) * C).view(B, Hkv, 1, 1)
+            flat = ((g + perm.gather(-1, r)) * capacity + within).view(-1)
+            positions = index.members.view(-1).index_select(0, flat).view(B, Hkv, Lq, R)
+            k_ret, v_ret = _gather_positions(k, positions), _gather_positions(v, positions)  # (B, Hkv, Lq, R, D)
+            ret_logits = torch.einsum("bgrld,bglkd->bgrlk", q5, k_ret)
+            if index.fewest < R or not isinstance(retrieved, int):  # rows with fewer keys or a smaller budget
+                empty = (slots >= cum[..., -1:]) | (slots >= row_budget)
+                ret_logits = ret_logits.masked_fill(empty.unsqueeze(2), float("-inf"))
+            logits.append(ret_logits.reshape(B, Hkv, Q, R))
+            parts.append(v_ret)
+        if options.estimate_remainder:
+            taken = (row_budget - (cum - sizes)).clamp(min=0)
+            left = (sizes - torch.minimum(taken, sizes)).to(q.dtype)  # (B, Hkv, Lq, C) in ranked order
+            ranked = head_scores.gather(-1, perm.unsqueeze(2).expand(B, Hkv, rep, Lq, C))
+            logits.append((ranked + torch.log(left).unsqueeze(2)).reshape(B, Hkv, Q, C))  # log 0: no term
+            means = (index.value_sums / index.counts.clamp(min=1).unsqueeze(-1)).to(q.dtype).view(B, Hkv, C, -1)
+            parts.append(_gather_positions(means, perm))  # (B, Hkv, Lq, C, Dv)
+
+    widths = [part.shape[-1] for part in logits]
+    weights = torch.softmax(torch.cat(logits, -1), dim=-1)
+    if real is not None:
+        weights = torch.nan_to_num(weights, nan=0.0)  # a query with no key at all (a padded row): zeros
+    out = None
+    for w, part in zip(weights.split(widths, -1), parts, strict=True):
+        if part.dim() == 4:  # keys shared by every query of the group: (B, Hkv, S, Dv)
+            term = w @ part
+        else:  # keys per query position: (B, Hkv, Lq, K, Dv)
+            term = torch.einsum("bgrlk,bglkd->bgrld", w.reshape(B, Hkv, rep, Lq, -1), part).reshape(B, Hkv, Q, -1)
+        out = term if out is None else out + term
+    return out.reshape(B, H, Lq, -1)
+
+
+def _gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x (B, Hkv, n, E); positions (B, S) shared by the heads or (B, Hkv, *S) per head -> (B, Hkv, *S, E)."""
+    B, Hkv, n, E = x.shape
+    if positions.dim() == 2:
+        return x.gather(2, positions.view(B, 1, -1, 1).expand(B, Hkv, -1, E))
+    offset = (torch.arange(B * Hkv, device=x.device) * n).view(B, Hkv, *([1] * (positions.dim() - 2)))
+    return x.reshape(B * Hkv * n, E).index_select(0, (positions + offset).reshape(-1)).view(*positions.shape, E)

@@ -1,0 +1,209 @@
+"""Cluster retrieval over a growing cache (clusterformer.ops.retrieval) against a float64 reference written from
+its definition: per query, sinks + causal window + whole clusters in descending centroid score (the best over
+the query heads sharing the key/value head; the last cluster in part, members by position) up to the budget,
+optionally the rest of every cluster from its centroid and size.
+
+The reference keeps its own cluster bookkeeping (assignments as Python dicts, centroids recomputed as means)
+and only borrows the K-means itself (tested in tests/ops/test_ops.py) for the (re)clusterings."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from clusterformer.clustering.kmeans import euclidean_kmeans
+from clusterformer.ops.retrieval import RetrievalOptions, build_index, extend_index, retrieval_attention
+from seeds import fixed_seed
+
+
+class ReferenceIndex:
+    """Cluster assignments of the indexable keys, per (batch, key/value head), as dicts position -> cluster."""
+
+    def __init__(self, k, real, end, opts):
+        self.opts = opts
+        self.assign: dict[tuple[int, int], dict[int, int]] = {}
+        self.joined = 0
+        self.end = 0
+        self._rebuild(k, real, end)
+
+    def _indexable(self, real, b, p):
+        return bool(real[b, p]) and int(real[b, :p].sum()) >= self.opts.sink
+
+    def _rebuild(self, k, real, end):
+        B, Hkv, _n, _D = k.shape
+        self.end, self.joined = end, 0
+        for b in range(B):
+            valid = torch.tensor([self._indexable(real, b, p) for p in range(end)], dtype=torch.bool)
+            for h in range(Hkv):
+                ids = euclidean_kmeans(k[b, h, :end].unsqueeze(0), max(1, self.opts.clusters),
+                                       iterations=self.opts.iterations, valid=valid.unsqueeze(0))[0]
+                self.assign[b, h] = {p: int(ids[p]) for p in range(end) if valid[p]}
+
+    def centroids(self, k, b, h):
+        members: dict[int, list[int]] = {}
+        for p, c in self.assign[b, h].items():
+            members.setdefault(c, []).append(p)
+        return {c: (k[b, h, ps].mean(0), sorted(ps)) for c, ps in members.items()}
+
+    def extend(self, k, real, end):
+        if end <= self.end:
+            return
+        if self.joined + end - self.end > self.opts.refresh:
+            self._rebuild(k, real, end)
+            return
+        B, Hkv = k.shape[:2]
+        for b in range(B):
+            for h in range(Hkv):
+                before = self.centroids(k, b, h)
+                for p in range(self.end, end):
+                    if self._indexable(real, b, p):
+                        dist = {c: float(((k[b, h, p] - mu) ** 2).sum()) for c, (mu, _) in before.items()}
+                        self.assign[b, h][p] = min(dist, key=lambda c: (dist[c], c))
+        self.joined += end - self.end
+        self.end = end
+
+
+def reference_attention(q, k, v, real, index, opts, scale):
+    B, H, Lq, _D = q.shape
+    Hkv, n = k.shape[1], k.shape[2]
+    out = torch.zeros(B, H, Lq, v.shape[-1], dtype=q.dtype)
+    for b in range(B):
+        L = int(real[b].sum())
+        allowed = min(L, math.ceil(L * opts.budget) if isinstance(opts.budget, float) else opts.budget)
+        if index is None:
+            window, retrieved = max(allowed - opts.sink, 0, Lq), 0
+        else:  # the window is everything the index does not hold yet
+            window = n - index.end
+            retrieved = max(0, allowed - opts.sink - window)
+        real_pos = [p for p in range(n) if real[b, p]]
+        for h in range(H):
+            g = h // (H // Hkv)
+            clusters = index.centroids(k, b, g) if index is not None else {}
+            for i in range(Lq):
+                pos = n - Lq + i
+                qi = q[b, h, i] * scale
+                keys = [p for p in real_pos[:opts.sink] if p < n - window]
+                keys += [p for p in real_pos if n - window <= p <= pos]
+                logits = [float(qi @ k[b, h_kv, p]) for p in keys for h_kv in [g]]
+                values = [v[b, g, p] for p in keys]
+                group = range(g * (H // Hkv), (g + 1) * (H // Hkv))  # heads sharing the key/value head g
+                best = {c: max(float(q[b, hh, i] * scale @ mu) for hh in group) for c, (mu, _) in clusters.items()}
+                ranked = sorted(clusters, key=lambda c: (-best[c], c))
+                left = retrieved
+                for c in ranked:
+                    mu, members = clusters[c]
+                    take = members[:left]
+                    left -= len(take)
+                    logits += [float(qi @ k[b, g, p]) for p in take]
+                    values += [v[b, g, p] for p in take]
+                    rest = len(members) - len(take)
+                    if opts.estimate_remainder and rest > 0:
+                        logits.append(float(qi @ mu) + math.log(rest))
+                        values.append(v[b, g, list(members)].mean(0))
+                w = torch.softmax(torch.tensor(logits, dtype=q.dtype), 0)
+                out[b, h, i] = (w.unsqueeze(1) * torch.stack(values)).sum(0)
+    return out
+
+
+def _cache(seed, B=2, Hkv=2, n=70, D=8, pad=(0, 9)):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, Hkv, n, D, generator=g, dtype=torch.float64) * 1.5
+    v = torch.randn(B, Hkv, n, D, generator=g, dtype=torch.float64)
+    real = torch.ones(B, n, dtype=torch.bool)
+    for b, p in enumerate(pad):
+        real[b, :p] = False  # left padding, as generate() batches prompts
+    return k, v, real, g
+
+
+@pytest.mark.parametrize("budget,estimate", [(0.3, False), (0.3, True), (23, True), (9, False)])
+def test_retrieval_matches_reference_through_steps(budget, estimate):
+    """Prefill-sized cache, then steps of 1 and 3 queries (index built, keys joining, a refresh), float64."""
+    opts = RetrievalOptions(budget=budget, clusters=5, sink=2, window=6, refresh=7, iterations=3,
+                            estimate_remainder=estimate)
+    k_all, v_all, real_all, g = _cache(fixed_seed(), n=70)
+    H, scale = 4, 0.37
+    n, index, ref_index = 50, None, None
+    for Lq in (1, 1, 3, 1, 3, 3, 1, 3):  # the 3rd..6th steps join 7+ keys: one refresh
+        n += Lq
+        k, v, real = k_all[:, :, :n], v_all[:, :, :n], real_all[:, :n]
+        q = torch.randn(2, H, Lq, 8, generator=g, dtype=torch.float64)
+        end = n - max(opts.window, Lq)
+        if index is None:
+            index, ref_index = build_index(k, v, real, end, opts), ReferenceIndex(k, real, end, opts)
+        else:
+            index = extend_index(index, k, v, real, end, opts)
+            ref_index.extend(k, real, end)
+        got = retrieval_attention(q, k, v, real, index, opts, scale)
+        want = reference_attention(q, k, v, real, ref_index, opts, scale)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    assert index.joined == ref_index.joined < n - opts.window - 45  # fewer than all the joins: a rebuild happened
+
+
+@pytest.mark.parametrize("pad", [(0, 9), (0, 60)])
+def test_sink_window_matches_reference(pad):
+    """StreamingLLM's sinks + window; with 60 of 64 keys padding, the 4 real keys are sinks inside the window."""
+    opts = RetrievalOptions(budget=0.2, clusters=0, sink=3, window=0)
+    k, v, real, g = _cache(fixed_seed(), n=64, pad=pad)
+    for Lq in (1, 4):
+        q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
+        got = retrieval_attention(q, k, v, real, None, opts, 0.5)
+        torch.testing.assert_close(got, reference_attention(q, k, v, real, None, opts, 0.5), rtol=0, atol=1e-10)
+
+
+def test_budget_covering_every_key_is_dense_attention():
+    """Every cluster retrieved whole: exactly softmax attention over all real keys (causal for the new ones)."""
+    k, v, real, g = _cache(fixed_seed(), n=60)
+    n, Lq = 60, 3
+    opts = RetrievalOptions(budget=1.0, clusters=4, sink=2, window=5, estimate_remainder=True)
+    index = build_index(k, v, real, n - 5, opts)
+    q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
+    got = retrieval_attention(q, k, v, real, index, opts, 0.3)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    allowed = real[:, None, None, :] & (torch.arange(n) <= torch.arange(n - Lq, n).unsqueeze(1))
+    want = torch.softmax((q @ kk.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf")), -1) @ vv
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_no_future_key_and_batch_invariance():
+    """A query never reads a later key; a sequence gives the same outputs alone as left-padded beside another."""
+    opts = RetrievalOptions(budget=0.3, clusters=4, sink=2, window=4, estimate_remainder=True)
+    k, v, real, g = _cache(fixed_seed(), n=48)
+    Lq = 4
+    q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
+    index = build_index(k, v, real, 48 - Lq, opts)
+    base = retrieval_attention(q, k, v, real, index, opts, 0.4)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, -1] += 5.0
+    v2[:, :, -1] -= 3.0  # the last position is in the future of queries 0..2
+    moved = retrieval_attention(q, k2, v2, real, build_index(k2, v2, real, 48 - Lq, opts), opts, 0.4)
+    torch.testing.assert_close(moved[:, :, :3], base[:, :, :3], rtol=0, atol=0)
+    assert not torch.allclose(moved[:, :, 3], base[:, :, 3])
+    alone = (k[1:, :, 9:], v[1:, :, 9:], real[1:, 9:])  # row 1 without its 9 padding keys
+    got = retrieval_attention(q[1:], *alone[:2], alone[2], build_index(*alone[:2], alone[2], 39 - Lq, opts), opts,
+                              0.4)
+    torch.testing.assert_close(got, base[1:], rtol=0, atol=1e-12)
+
+
+def test_options_are_validated():
+    for bad in ({"budget": 0.0}, {"budget": 1.5}, {"budget": 0}, {"budget": True}, {"clusters": -1},
+                {"refresh": 0}, {"estimate_remainder": 1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RetrievalOptions(**bad)
+
+
+@pytest.mark.parametrize("estimate", [False, True])
+def test_no_padding_path_equals_an_all_real_mask(estimate):
+    """real=None (no padding: budgets as plain numbers, no masks) computes what an all-True mask computes."""
+    opts = RetrievalOptions(budget=0.25, clusters=4, sink=2, window=5, estimate_remainder=estimate)
+    k, v, real, g = _cache(fixed_seed(), n=57, pad=(0, 0))
+    for Lq in (1, 3):
+        q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
+        with_mask = retrieval_attention(q, k, v, real, build_index(k, v, real, 57 - 5, opts), opts, 0.3)
+        without = retrieval_attention(q, k, v, None, build_index(k, v, None, 57 - 5, opts), opts, 0.3)
+        torch.testing.assert_close(without, with_mask, rtol=0, atol=1e-12)
+        streaming = dataclasses.replace(opts, clusters=0)
+        torch.testing.assert_close(retrieval_attention(q, k, v, None, None, streaming, 0.3),
+                                   retrieval_attention(q, k, v, real, None, streaming, 0.3), rtol=0, atol=1e-12)
