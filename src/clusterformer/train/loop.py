@@ -132,9 +132,9 @@ class TrainConfig:
                         "keys a token sees depends on later tokens), so its bits per character would be "
                         "optimistic; pass --allow-non-strict-causal to train it anyway")
         else:
-            from ..hf import PRETRAINED, validate_patch_options
+            from ..hf import PRETRAINED_ENCODERS, validate_patch_options
 
-            check_choice("init", self.init, tuple(PRETRAINED))
+            check_choice("init", self.init, PRETRAINED_ENCODERS)
             validate_patch_options(self.attention, self.attention_options)
             if self.task in ("wikiqa", "listops", "shakespeare-char"):
                 raise ValueError(f"--init fine-tunes single-text classifiers; task {self.task!r} is not one")
