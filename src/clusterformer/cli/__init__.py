@@ -12,6 +12,7 @@ Commands, one module each (each adds its own parser, as ``transformers/cli`` doe
   report    markdown table (and plot) of training runs                      (:mod:`.report`)
   compare   every mechanism on every task over seeds, resumable, summarised (:mod:`.compare`)
   approx    clustered attention inside a pretrained model, no retraining    (:mod:`.approx`)
+  longctx   long-context tasks of a pretrained decoder: cluster retrieval   (:mod:`.longctx`)
   cluster   the stand-alone clustering experiment                           (:mod:`.cluster`)
   demo      benchmark + short training of full vs neural-clustering         (:mod:`.demo`)
 """
@@ -21,11 +22,26 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import approx, bench, cluster, compare, data, demo, evaluate, generate, mechanisms, report, train, translate
+from . import (
+    approx,
+    bench,
+    cluster,
+    compare,
+    data,
+    demo,
+    evaluate,
+    generate,
+    longctx,
+    mechanisms,
+    report,
+    train,
+    translate,
+)
 
 __all__ = ["build_parser", "main"]
 
-COMMANDS = (mechanisms, bench, train, evaluate, generate, translate, data, report, compare, approx, cluster, demo)
+COMMANDS = (mechanisms, bench, train, evaluate, generate, translate, data, report, compare, approx, longctx, cluster,
+            demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""``clusterformer bench {attention,decode,reversible,report}``: time and memory benchmarks (docs/benchmarks.md)."""
+"""``clusterformer bench {attention,decode,retrieval,reversible,report}``: time and memory benchmarks
+(docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--options", default=None, help="per-mechanism options as JSON")
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.set_defaults(func=run_decode)
+
+    p = bench_sub.add_parser("retrieval", help="decode attention time per token over a long cache: dense SDPA vs "
+                                               "cluster retrieval (SmolLM2 shapes)")
+    p.add_argument("--contexts", type=int_list, default=[2048, 4096, 8192, 16384])
+    p.add_argument("--methods", default="dense,sink-window,cluster-retrieval")
+    p.add_argument("--budget", type=float, default=0.1, help="fraction (<= 1) or count (> 1) of keys per query")
+    p.add_argument("--options", default=None, help='cluster-retrieval options as JSON, e.g. {"clusters": 128}')
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--steps", type=int, default=64, help="timed decoding steps after the one that builds the index")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the records here (default: stdout)")
+    p.set_defaults(func=run_retrieval)
 
     p = bench_sub.add_parser("reversible", help="peak memory of an encoder against depth, reversible or not")
     p.add_argument("--depths", type=int_list, default=[1, 2, 4, 8])
@@ -111,6 +126,20 @@ def run_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_retrieval(args: argparse.Namespace) -> int:
+    from ..bench.retrieval import RetrievalBenchConfig, retrieval_table, run_retrieval_benchmark
+
+    options = json_object("--options", args.options, '{"clusters": 128}')
+    budget = args.budget if args.budget <= 1 else int(args.budget)
+    config = RetrievalBenchConfig(contexts=args.contexts, methods=[m.strip() for m in args.methods.split(",")],
+                                  budget=budget, options=options, heads=args.heads, kv_heads=args.kv_heads,
+                                  head_dim=args.head_dim, steps=args.steps, threads=args.threads)
+    records = run_retrieval_benchmark(config, progress=log)
+    emit_json(records, args.json, log=log)
+    log(retrieval_table(records))
+    return 0
+
+
 def run_reversible(args: argparse.Namespace) -> int:
     from ..bench.reversible import ReversibleBenchConfig, run_reversible_benchmark
 
@@ -131,6 +160,11 @@ def run_report(args: argparse.Namespace) -> int:
     if not isinstance(records, list) or not records or not isinstance(records[0], dict):
         raise ValueError(f"{args.json} must hold a non-empty list of benchmark records")
     reversible = "depth" in records[0]
+    if "amortized_ms" in records[0]:
+        from ..bench.retrieval import retrieval_table
+
+        print(retrieval_table(records))
+        return 0
     if "ms_per_token" in records[0]:
         print(decode_table(records))
         return 0

@@ -1,0 +1,126 @@
+"""Decode attention time per token over a long cache: dense SDPA vs cluster retrieval (issue #16).
+
+One attention call per generated token, as a decoder layer makes it through ``transformers``' AttentionInterface
+(:mod:`clusterformer.hf.interface`; the registered functions themselves are timed): a random cache of N keys
+and values in the shapes of SmolLM2-135M (9 query heads, 3 key/value heads, head size 64), grown by one token
+per step with ``torch.cat`` as ``DynamicCache`` does (not timed: every method pays it). Per (context, method):
+
+* ``build_ms``: the first step, which builds the key index (K-means of every key/value head; once per prompt).
+* ``ms_per_token``: median over ``steps`` later steps (keys joining the index in batches included).
+* ``amortized_ms``: mean over those steps + ``build_ms / refresh`` (the index is re-clustered every ``refresh``
+  keys): the cost per token of retrieval *and* clustering over a long generation.
+
+Methods run one after another in this process, dense first, so ratios come from the same conditions.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._checks import check_int
+
+__all__ = ["RetrievalBenchConfig", "run_retrieval_benchmark"]
+
+
+@dataclass
+class RetrievalBenchConfig:
+    contexts: list[int]
+    methods: list[str] = field(default_factory=lambda: ["dense", "sink-window", "cluster-retrieval"])
+    budget: float | int = 0.1
+    options: dict[str, Any] = field(default_factory=dict)  # cluster-retrieval options besides the budget
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    steps: int = 64
+    threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "kv_heads", "head_dim", "steps"):
+            check_int(name, getattr(self, name), minimum=1)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        for n in self.contexts:
+            check_int("contexts entry", n, minimum=16)
+        for method in self.methods:
+            if method not in ("dense", "sink-window", "cluster-retrieval"):
+                raise ValueError(f"methods must be among dense, sink-window, cluster-retrieval; got {method!r}")
+
+
+def run_retrieval_benchmark(config: RetrievalBenchConfig,
+                            progress: Callable[[str], None] | None = None) -> list[dict]:
+    """One record per (context, method)."""
+    import torch
+    import transformers  # noqa: F401  (the interface registers into it)
+
+    from ..hf.interface import RetrievalOptions, register_attention
+    from ..ops.retrieval import JOIN_BATCH
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    functions: dict[str, Any] = {}
+    refresh = RetrievalOptions(**config.options).refresh if config.options else RetrievalOptions().refresh
+    for method in config.methods:
+        if method == "dense":
+            functions[method] = None
+            continue
+        options = {"budget": config.budget, **(config.options if method == "cluster-retrieval" else {})}
+        name = register_attention(method, name=f"clusterformer-bench-{method}", **options)
+        from transformers import AttentionInterface
+
+        functions[method] = AttentionInterface._global_mapping[name]
+    B, H, Hkv, D = 1, config.heads, config.kv_heads, config.head_dim
+    records = []
+    for n in config.contexts:
+        dense_ms = None
+        for method in config.methods:
+            g = torch.Generator().manual_seed(config.seed)
+            k = torch.randn(B, Hkv, n, D, generator=g)
+            v = torch.randn(B, Hkv, n, D, generator=g)
+            module = torch.nn.Module()
+            module.is_causal, module.num_key_value_groups = True, H // Hkv
+            times = []
+            with torch.no_grad():
+                for _ in range(config.steps + 1):
+                    k = torch.cat([k, torch.randn(B, Hkv, 1, D, generator=g)], 2)
+                    v = torch.cat([v, torch.randn(B, Hkv, 1, D, generator=g)], 2)
+                    q = torch.randn(B, H, 1, D, generator=g)
+                    start = time.perf_counter()
+                    if functions[method] is None:
+                        torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, enable_gqa=True)
+                    else:
+                        functions[method](module, q, k, v, None, scaling=D ** -0.5)
+                    times.append(time.perf_counter() - start)
+            build_ms = times[0] * 1000
+            steps = times[1:]
+            median = statistics.median(steps) * 1000
+            amortized = statistics.fmean(steps) * 1000 + (build_ms / refresh if method == "cluster-retrieval" else 0)
+            if method == "dense":
+                dense_ms = amortized
+            record = {"context": n, "method": method, "budget": config.budget, "ms_per_token": round(median, 4),
+                      "amortized_ms": round(amortized, 4), "build_ms": round(build_ms, 2),
+                      "speedup_vs_dense": round(dense_ms / amortized, 3) if dense_ms else None,
+                      "join_batch": JOIN_BATCH, "refresh": refresh, "heads": H, "kv_heads": Hkv, "head_dim": D,
+                      "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "machine": platform.processor() or platform.machine()}
+            records.append(record)
+            if progress:
+                progress(f"N={n} {method}: {median:.3f} ms/token median, {amortized:.3f} amortized, build "
+                         f"{build_ms:.1f} ms" + (f", {record['speedup_vs_dense']:.2f}x dense"
+                                                 if record["speedup_vs_dense"] else ""))
+    return records
+
+
+def retrieval_table(records: list[dict]) -> str:
+    """Markdown: per context, each method's time per token and its speed-up over dense SDPA."""
+    lines = ["| context | method | ms/token (median) | amortized ms/token | index build ms | vs dense |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['context']} | {r['method']} | {r['ms_per_token']:.3f} | {r['amortized_ms']:.3f} | "
+                     f"{r['build_ms']:.1f} | {r['speedup_vs_dense']:.2f}x |")
+    return "\n".join(lines)
