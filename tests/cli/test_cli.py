@@ -112,7 +112,7 @@ def test_every_command_has_its_own_module_and_help():
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
     assert set(commands) == {"list", "bench", "train", "eval", "generate", "translate", "data", "report", "compare",
-                             "approx", "cluster", "demo"}
+                             "approx", "longctx", "cluster", "demo"}
     assert len(cli.COMMANDS) == len(commands)
     for name in commands:
         assert f"\n  {name} " in cli.__doc__, name

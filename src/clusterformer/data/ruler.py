@@ -114,13 +114,13 @@ def make_sample(task: str, length: int, sentences: Sequence[str], count_tokens: 
         raise ValueError("sentences must not be empty")
     rng = random.Random(f"{task}-{length}-{seed}")
     needles, question, answers = _needles(task, rng)
-    budget = length - sum(count_tokens(n) + 1 for n in needles)
+    budget = length - sum(count_tokens(n) for n in needles)
     start = rng.randrange(len(sentences))
     hay: list[str] = []
     used = 0
     while used < budget:
         sentence = sentences[(start + len(hay)) % len(sentences)]
-        used += count_tokens(sentence) + 1
+        used += count_tokens(sentence)
         hay.append(sentence)
     depths = sorted(rng.uniform(0.05, 0.95) for _ in needles)
     slots = [min(len(hay), round(d * len(hay))) for d in depths]

@@ -1,0 +1,32 @@
+"""`clusterformer bench retrieval`: the records it writes and their report (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from clusterformer.bench.retrieval import RetrievalBenchConfig, run_retrieval_benchmark
+from clusterformer.cli import main
+
+
+def test_records_cover_every_context_and_method(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["bench", "retrieval", "--contexts", "96,160", "--steps", "3", "--budget", "0.5",
+                 "--options", '{"clusters": 4, "window": 8}', "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["context"], r["method"]) for r in records] == [
+        (n, m) for n in (96, 160) for m in ("dense", "sink-window", "cluster-retrieval")]
+    assert all(r["amortized_ms"] > 0 and r["speedup_vs_dense"] > 0 for r in records)
+    assert all(r["speedup_vs_dense"] == 1.0 for r in records if r["method"] == "dense")
+    assert main(["bench", "report", "--json", str(out)]) == 0
+    assert "cluster-retrieval" in capsys.readouterr().out
+
+
+def test_bad_configuration():
+    with pytest.raises(ValueError, match="kv_heads"):
+        RetrievalBenchConfig(contexts=[64], heads=9, kv_heads=2)
+    with pytest.raises(ValueError, match="methods"):
+        run_retrieval_benchmark(RetrievalBenchConfig(contexts=[64], methods=["lsh"]))
