@@ -250,7 +250,9 @@ def _retrieval(module: torch.nn.Module, options: RetrievalOptions, q: torch.Tens
         raise ValueError("cluster retrieval attends causally over a decoder's cache; this call is bidirectional "
                          "(an encoder): use 'full', 'clustered' or 'improved-clustered'")
     real_or_none = None if structure.padding is None else ~structure.padding
-    if Lq == n or options.covers(torch.full((B,), n) if real_or_none is None else real_or_none.sum(1)):
+    covered = (options.keys_allowed_count(n) >= n if real_or_none is None
+               else options.covers(real_or_none.sum(1)))
+    if Lq == n or covered:
         return dense_attention(q, k, v, structure, scale)  # a prefill, or a budget that covers the cache
     index = None
     if options.clusters > 0:

@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .._checks import check_bool, check_int
 from ..clustering.kmeans import cluster_sums, euclidean_kmeans
@@ -72,7 +73,7 @@ class RetrievalOptions:
     clusters: int = 256
     sink: int = 4
     window: int = 64
-    refresh: int = 512
+    refresh: int = 4096
     iterations: int = 8
     estimate_remainder: bool = False
 
@@ -97,6 +98,10 @@ class RetrievalOptions:
         else:
             allowed = torch.full_like(lengths, self.budget)
         return torch.minimum(allowed, lengths)
+
+    def keys_allowed_count(self, length: int) -> int:
+        """:meth:`keys_allowed` for one length given as a Python int (no tensors: the decoding hot path)."""
+        return min(length, math.ceil(length * self.budget) if isinstance(self.budget, float) else self.budget)
 
     def covers(self, lengths: torch.Tensor) -> bool:
         """Whether the budget covers every cached key of every sequence (then attention is dense)."""
@@ -134,6 +139,7 @@ class KeyClusterIndex:
     fewest: int
     length: int
     probe: torch.Tensor | None
+    _live: tuple[int, torch.Tensor] | None = None
 
     def follows(self, k: torch.Tensor) -> bool:
         """Whether cache keys k (B, Hkv, n, D) continue the cache this index was built on."""
@@ -144,9 +150,12 @@ class KeyClusterIndex:
             return True
         return bool(torch.equal(k[:, :, self.end - 1].reshape(B * Hkv, D), self.probe))
 
-    def sinks_live(self) -> torch.Tensor:
+    @property
+    def sink_live(self) -> torch.Tensor:
         """(B, S) the sinks attended as sinks: before the window (a sink inside the window is counted there)."""
-        return self.sink_ok & (self.sinks < self.end)
+        if self._live is None or self._live[0] != self.end:
+            self._live = (self.end, self.sink_ok & (self.sinks < self.end))
+        return self._live[1]
 
 
 def _ranks(real: torch.Tensor) -> torch.Tensor:
@@ -159,8 +168,13 @@ def _indexable(real: torch.Tensor, sink: int, end: int) -> torch.Tensor:
     return real[:, :end] & (_ranks(real)[:, :end] >= sink)
 
 
-def _first_real(real: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions (B, S) of each row's first ``count`` real keys, which exist (B, S)), S = min(count, n)."""
+def _first_real(real: torch.Tensor | None, count: int, batch: int = 0, n: int = 0,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (B, S) of each row's first ``count`` real keys, which exist (B, S)), S = min(count, n).
+    ``real`` None: no padding (then ``batch``, ``n`` and ``device`` give the shape)."""
+    if real is None:
+        positions = torch.arange(min(count, n), device=device).expand(batch, -1)
+        return positions, torch.ones(positions.shape, dtype=torch.bool, device=device)
     positions = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices[:, :min(count, real.shape[1])]
     return positions, real.gather(1, positions)
 
@@ -285,88 +299,112 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real:
     Q = rep * Lq
     qg = q.reshape(B, Hkv, Q, D) * scale  # queries grouped by their key/value head: no copies of the cache
     if real is None:  # every row holds n keys: the budget is one number
-        allowed: torch.Tensor | int = min(n, math.ceil(n * options.budget) if isinstance(options.budget, float)
-                                          else options.budget)
+        allowed: torch.Tensor | int = options.keys_allowed_count(n)
     else:
         allowed = options.keys_allowed(real.sum(1))  # (B,)
-    if index is None:
-        all_real = real if real is not None else torch.ones(B, n, dtype=torch.bool, device=q.device)
-        sinks, sink_ok = _first_real(all_real, options.sink)
-        window = torch.as_tensor(allowed, device=q.device).expand(B) - options.sink
-        window = torch.maximum(window.clamp(min=0), torch.full_like(window, Lq))
-        start = int(n - min(n, int(window.max())))
-        sink_ok = sink_ok & (sinks < (n - window).unsqueeze(1))  # a sink inside the window is counted there
-        sink_keys, sink_values = _gather_positions(k, sinks), _gather_positions(v, sinks)
-        window_ok = torch.arange(start, n, device=q.device) >= (n - window).unsqueeze(1)  # (B, W)
-        if real is not None:
-            window_ok = window_ok & real[:, start:]
-        retrieved = None
+    if index is not None:
+        return _attend_retrieved(q, k, v, real, index, options, scale, allowed)
+    # Sinks + window (StreamingLLM): keys shared by every query of a group, the window takes the budget's rest.
+    sinks, sink_ok = _first_real(real, options.sink, B, n, q.device)
+    if real is None:
+        W = min(n, max(allowed - options.sink, Lq))
+        start, window_ok = n - W, None
+        sink_ok = sink_ok & (sinks < start)  # a sink inside the window is counted there
     else:
-        start = index.end
-        sink_keys, sink_values, sink_ok = index.sink_keys, index.sink_values, index.sinks_live()
-        window_ok = None if real is None else real[:, start:]
-        if real is None:
-            retrieved = max(0, allowed - options.sink - (n - start))
-        else:
-            retrieved = (allowed - options.sink - (n - start)).clamp(min=0)
-
-    # Exact part: sinks (shared by the group's queries) and the window, causal for the Lq new positions.
-    sink_logits = (qg @ sink_keys.transpose(-1, -2)).masked_fill(~sink_ok[:, None, None, :], float("-inf"))
-    window_logits = qg @ k[:, :, start:].transpose(-1, -2)  # (B, Hkv, Q, W)
-    if window_ok is not None:
-        window_logits = window_logits.masked_fill(~window_ok[:, None, None, :], float("-inf"))
+        window = torch.maximum((allowed - options.sink).clamp(min=0), torch.full_like(allowed, Lq))
+        start = int(n - min(n, int(window.max())))
+        sink_ok = sink_ok & (sinks < (n - window).unsqueeze(1))
+        window_ok = (torch.arange(start, n, device=q.device) >= (n - window).unsqueeze(1)) & real[:, start:]
+    keys = torch.cat([_gather_positions(k, sinks), k[:, :, start:]], 2)  # (B, Hkv, S + W, D)
+    values = torch.cat([_gather_positions(v, sinks), v[:, :, start:]], 2)
+    logits = qg @ keys.transpose(-1, -2)  # (B, Hkv, Q, S + W)
+    ok = torch.cat([sink_ok, torch.ones(B, n - start, dtype=torch.bool, device=q.device)
+                    if window_ok is None else window_ok], 1)[:, None, None, :]
     if Lq > 1:
         later = (torch.arange(start, n, device=q.device)
                  > (n - Lq + torch.arange(Lq, device=q.device)).repeat(rep).unsqueeze(1))  # (Q, W)
-        window_logits = window_logits.masked_fill(later, float("-inf"))
-    logits, parts = [sink_logits, window_logits], [sink_values, v[:, :, start:]]
-
-    if index is not None and index.end > 0:
-        # Clusters are ranked per key/value head and query position by the best score among the group's query
-        # heads (they read the same cache): one gather of keys per group, not per query head.
-        C, capacity = index.counts.shape[1], index.members.shape[-1]
-        q5 = qg.view(B, Hkv, rep, Lq, D)
-        head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
-        scores = head_scores.amax(2) if rep > 1 else head_scores[:, :, 0]  # (B, Hkv, Lq, C)
-        perm = scores.sort(dim=-1, descending=True, stable=True).indices
-        sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, Lq, C).gather(-1, perm)
-        cum = sizes.cumsum(-1)
-        R = retrieved if isinstance(retrieved, int) else int(retrieved.max())
-        row_budget = retrieved if isinstance(retrieved, int) else retrieved.view(B, 1, 1, 1)
-        if R > 0:
-            slots = torch.arange(R, device=q.device).expand(B, Hkv, Lq, R).contiguous()
-            r = torch.searchsorted(cum, slots, right=True).clamp_(max=C - 1)  # the ranked cluster of each slot
-            within = (slots - (cum - sizes).gather(-1, r)).clamp_(max=capacity - 1)  # past a row's keys: masked
-            g = (torch.arange(B * Hkv, device=q.device) * C).view(B, Hkv, 1, 1)
-            flat = ((g + perm.gather(-1, r)) * capacity + within).view(-1)
-            positions = index.members.view(-1).index_select(0, flat).view(B, Hkv, Lq, R)
-            k_ret, v_ret = _gather_positions(k, positions), _gather_positions(v, positions)  # (B, Hkv, Lq, R, D)
-            ret_logits = torch.einsum("bgrld,bglkd->bgrlk", q5, k_ret)
-            if index.fewest < R or not isinstance(retrieved, int):  # rows with fewer keys or a smaller budget
-                empty = (slots >= cum[..., -1:]) | (slots >= row_budget)
-                ret_logits = ret_logits.masked_fill(empty.unsqueeze(2), float("-inf"))
-            logits.append(ret_logits.reshape(B, Hkv, Q, R))
-            parts.append(v_ret)
-        if options.estimate_remainder:
-            taken = (row_budget - (cum - sizes)).clamp(min=0)
-            left = (sizes - torch.minimum(taken, sizes)).to(q.dtype)  # (B, Hkv, Lq, C) in ranked order
-            ranked = head_scores.gather(-1, perm.unsqueeze(2).expand(B, Hkv, rep, Lq, C))
-            logits.append((ranked + torch.log(left).unsqueeze(2)).reshape(B, Hkv, Q, C))  # log 0: no term
-            means = (index.value_sums / index.counts.clamp(min=1).unsqueeze(-1)).to(q.dtype).view(B, Hkv, C, -1)
-            parts.append(_gather_positions(means, perm))  # (B, Hkv, Lq, C, Dv)
-
-    widths = [part.shape[-1] for part in logits]
-    weights = torch.softmax(torch.cat(logits, -1), dim=-1)
+        ok = ok & torch.cat([torch.ones(Q, sinks.shape[1], dtype=torch.bool, device=q.device), ~later], 1)
+    weights = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1)
     if real is not None:
         weights = torch.nan_to_num(weights, nan=0.0)  # a query with no key at all (a padded row): zeros
-    out = None
-    for w, part in zip(weights.split(widths, -1), parts, strict=True):
-        if part.dim() == 4:  # keys shared by every query of the group: (B, Hkv, S, Dv)
-            term = w @ part
-        else:  # keys per query position: (B, Hkv, Lq, K, Dv)
-            term = torch.einsum("bgrlk,bglkd->bgrld", w.reshape(B, Hkv, rep, Lq, -1), part).reshape(B, Hkv, Q, -1)
-        out = term if out is None else out + term
-    return out.reshape(B, H, Lq, -1)
+    return (weights @ values).reshape(B, H, Lq, -1)
+
+
+def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
+                      index: KeyClusterIndex, options: RetrievalOptions, scale: float,
+                      allowed: torch.Tensor | int) -> torch.Tensor:
+    """The index path of :func:`retrieval_attention`: per key/value head and query position, one set of key
+    positions -- sinks, window (every position from ``index.end``), retrieved slots -- gathered once for keys
+    and once for values, attended by the group's query heads in one batched GEMM each way."""
+    B, H, Lq, D = q.shape
+    Hkv, n = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    dev = q.device
+    q5 = (q * scale).view(B, Hkv, rep, Lq, D)
+    start = index.end
+    W = n - start
+    S = index.sinks.shape[1]
+    if real is None:
+        retrieved: torch.Tensor | int = max(0, allowed - options.sink - W)
+        R, row_budget = retrieved, retrieved
+    else:
+        retrieved = (allowed - options.sink - W).clamp(min=0)
+        R, row_budget = int(retrieved.max()), retrieved.view(B, 1, 1, 1)
+    positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, Lq, S),
+                 torch.arange(start, n, device=dev).view(1, 1, 1, W).expand(B, Hkv, Lq, W)]
+    ok = [index.sink_live.view(B, 1, 1, S).expand(B, 1, Lq, S), None]  # (B, 1, Lq, width) or None = all
+    if real is not None or Lq > 1:
+        window_ok = torch.ones(B, 1, Lq, W, dtype=torch.bool, device=dev)
+        if real is not None:
+            window_ok = window_ok & real[:, None, None, start:]
+        if Lq > 1:  # causal among the new positions
+            window_ok = window_ok & (torch.arange(start, n, device=dev)
+                                     <= (n - Lq + torch.arange(Lq, device=dev)).unsqueeze(1))
+        ok[1] = window_ok
+
+    # Clusters ranked per key/value head and query position by the best score among the group's query heads
+    # (they read the same cache): one gather of keys per group, not per query head.
+    C, capacity = index.counts.shape[1], index.members.shape[-1]
+    head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
+    scores = head_scores.amax(2) if rep > 1 else head_scores[:, :, 0]  # (B, Hkv, Lq, C)
+    perm = scores.sort(dim=-1, descending=True, stable=True).indices
+    sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, Lq, C).gather(-1, perm)
+    cum = sizes.cumsum(-1)
+    if R > 0:
+        slots = torch.arange(R, device=dev).expand(B, Hkv, Lq, R).contiguous()
+        r = torch.searchsorted(cum, slots, right=True).clamp_(max=C - 1)  # the ranked cluster of each slot
+        within = (slots - (cum - sizes).gather(-1, r)).clamp_(max=capacity - 1)  # past a row's keys: masked
+        g = (torch.arange(B * Hkv, device=dev) * C).view(B, Hkv, 1, 1)
+        flat = ((g + perm.gather(-1, r)) * capacity + within).view(-1)
+        positions.append(index.members.view(-1).index_select(0, flat).view(B, Hkv, Lq, R))
+        needs_mask = index.fewest < R or real is not None  # rows with fewer keys or a smaller budget
+        ok.append(((slots < cum[..., -1:]) & (slots < row_budget)) if needs_mask else None)
+    positions = torch.cat(positions, -1)  # (B, Hkv, Lq, K)
+    K = positions.shape[-1]
+    keys, values = _gather_positions(k, positions), _gather_positions(v, positions)  # (B, Hkv, Lq, K, D)
+    mask = None
+    if any(m is not None for m in ok):
+        mask = torch.cat([(torch.ones(1, 1, Lq, w, dtype=torch.bool, device=dev) if m is None else m).expand(
+            B, Hkv, Lq, w) for m, w in zip(ok, [S, W, R][:len(ok)], strict=True)], -1)  # (B, Hkv, Lq, K)
+    if options.estimate_remainder:  # every cluster's unretrieved keys as one key mu_c with logit bias log n'_c
+        taken = (row_budget - (cum - sizes)).clamp(min=0)
+        left = torch.zeros_like(sizes).scatter_(-1, perm, sizes - torch.minimum(taken, sizes))  # cluster order
+        bias = torch.log(left.to(q.dtype))  # log 0 = -inf: nothing left, no term
+        keys = torch.cat([keys, index.centroids.to(q.dtype).view(B, Hkv, 1, C, D).expand(B, Hkv, Lq, C, D)], 3)
+        means = (index.value_sums / index.counts.clamp(min=1).unsqueeze(-1)).to(q.dtype).view(B, Hkv, 1, C, -1)
+        values = torch.cat([values, means.expand(B, Hkv, Lq, C, means.shape[-1])], 3)
+        zeros = torch.zeros(B, Hkv, Lq, K, dtype=q.dtype, device=dev)
+        if mask is not None:
+            zeros = zeros.masked_fill(~mask, float("-inf"))
+        mask = torch.cat([zeros, bias], -1)  # additive
+    # One fused attention per (sequence, key/value head, position): its rep query heads on its K keys.
+    qs = q5.permute(0, 1, 3, 2, 4).reshape(B, Hkv * Lq, rep, D)
+    out = F.scaled_dot_product_attention(
+        qs, keys.view(B, Hkv * Lq, -1, D), values.view(B, Hkv * Lq, -1, values.shape[-1]),
+        attn_mask=None if mask is None else mask.view(B, Hkv * Lq, 1, -1), scale=1.0)  # q is already scaled
+    if real is not None:
+        out = torch.nan_to_num(out, nan=0.0)  # a query with no key at all (a padded row): zeros
+    return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)
 
 
 def _gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
