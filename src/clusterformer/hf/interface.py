@@ -26,7 +26,8 @@ Mechanisms (:data:`MECHANISMS`):
   the queries) is dense SDPA; every call with cached keys (``generate()``'s steps, or a prompt fed in chunks)
   retrieves. The key index lives on each attention module (``module.clusterformer_index``), is built at the
   first step after a prefill, extended as keys leave the window, rebuilt every ``refresh`` keys, and rebuilt
-  from the cache whenever the cache is not the one it indexed (a new prompt, a reordered batch).
+  from the cache whenever the cache is not the one it indexed (a new prompt, a reordered batch). Without a cache
+  (``generate(use_cache=False)``) every call is a prefill, hence dense.
 * ``sink-window``: StreamingLLM at the same budget: the first ``sink`` tokens + the most recent ones.
 
 Decoders: grouped-query attention (fewer key/value heads than query heads, ``module.num_key_value_groups``) is
@@ -244,8 +245,7 @@ def _clustered(module: torch.nn.Module, mechanism: str, options: Any, causal_cal
 
 def _retrieval(module: torch.nn.Module, options: RetrievalOptions, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, structure: MaskStructure, scale: float) -> torch.Tensor:
-    B, _H, Lq, _D = q.shape
-    n = k.shape[2]
+    Lq, n = q.shape[2], k.shape[2]
     if not structure.causal and Lq > 1:
         raise ValueError("cluster retrieval attends causally over a decoder's cache; this call is bidirectional "
                          "(an encoder): use 'full', 'clustered' or 'improved-clustered'")

@@ -118,11 +118,11 @@ class KeyClusterIndex:
     centroids (G, C, D), key_sums (G, C, D), value_sums (G, C, Dv) in the compute dtype, and the centroids
     transposed in the keys' dtype for scoring (G, D, C); counts (G, C) long; members (G, C, capacity) the
     positions of each cluster's keys (the first counts[g, c] valid, in the order they joined); sinks (B, S)
-    positions of each sequence's first real tokens, sink_ok (B, S) which exist, sink_keys / sink_values
-    (B, Hkv, S, D) their keys and values; end: the index holds the real keys of rank >= sink at positions
-    < end, and the window is everything from ``end`` on; joined: keys that joined since the last clustering;
-    fewest: the fewest keys any row holds (slots beyond it may be empty); length: the cache length at the last
-    call; probe (G, D): the key at position end - 1 then (to recognise the same cache later)."""
+    positions of each sequence's first real tokens, sink_ok (B, S) which exist; end: the index holds the real
+    keys of rank >= sink at positions < end, and the window is everything from ``end`` on; joined: keys that
+    joined since the last clustering; fewest: the fewest keys any row holds (slots beyond it may be empty);
+    length: the cache length at the last call; probe (G, D): the key at position end - 1 then (to recognise the
+    same cache later)."""
 
     centroids: torch.Tensor
     centroids_t: torch.Tensor
@@ -132,8 +132,6 @@ class KeyClusterIndex:
     members: torch.Tensor
     sinks: torch.Tensor
     sink_ok: torch.Tensor
-    sink_keys: torch.Tensor
-    sink_values: torch.Tensor
     end: int
     joined: int
     fewest: int
@@ -211,7 +209,7 @@ def build_index(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end
     index = KeyClusterIndex(
         centroids=centroids, centroids_t=centroids.transpose(1, 2).to(k.dtype).contiguous(), key_sums=key_sums,
         value_sums=value_sums, counts=counts, members=members.view(G, C + 1, capacity)[:, :C].contiguous(),
-        sinks=sinks, sink_ok=sink_ok, sink_keys=_gather_positions(k, sinks), sink_values=_gather_positions(v, sinks),
+        sinks=sinks, sink_ok=sink_ok,
         end=end, joined=0, fewest=int(counts.sum(1).min()) if G else 0, length=n, probe=None,
     )
     _set_probe(index, k)
