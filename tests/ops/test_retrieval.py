@@ -90,6 +90,8 @@ def reference_attention(q, k, v, real, index, opts, scale):
                 logits = [float(qi @ k[b, h_kv, p]) for p in keys for h_kv in [g]]
                 values = [v[b, g, p] for p in keys]
                 group = range(g * (H // Hkv), (g + 1) * (H // Hkv))  # heads sharing the key/value head g
+                if opts.selection == "head":
+                    group = [h]
                 best = {c: max(float(q[b, hh, i] * scale @ mu) for hh in group) for c, (mu, _) in clusters.items()}
                 ranked = sorted(clusters, key=lambda c: (-best[c], c))
                 left = retrieved
@@ -118,11 +120,13 @@ def _cache(seed, B=2, Hkv=2, n=70, D=8, pad=(0, 9)):
     return k, v, real, g
 
 
-@pytest.mark.parametrize("budget,estimate", [(0.3, False), (0.3, True), (23, True), (9, False)])
-def test_retrieval_matches_reference_through_steps(budget, estimate):
+@pytest.mark.parametrize("budget,estimate,selection", [(0.3, False, "group"), (0.3, True, "group"),
+                                                       (23, True, "group"), (9, False, "group"), (0.3, True, "head"),
+                                                       (9, False, "head")])
+def test_retrieval_matches_reference_through_steps(budget, estimate, selection):
     """Prefill-sized cache, then steps of 1 and 3 queries (index built, keys joining, a refresh), float64."""
     opts = RetrievalOptions(budget=budget, clusters=5, sink=2, window=6, refresh=7, iterations=3,
-                            estimate_remainder=estimate)
+                            estimate_remainder=estimate, selection=selection)
     k_all, v_all, real_all, g = _cache(fixed_seed(), n=70)
     H, scale = 4, 0.37
     n, index, ref_index = 50, None, None
@@ -189,7 +193,7 @@ def test_no_future_key_and_batch_invariance():
 
 def test_options_are_validated():
     for bad in ({"budget": 0.0}, {"budget": 1.5}, {"budget": 0}, {"budget": True}, {"clusters": -1},
-                {"refresh": 0}, {"estimate_remainder": 1}):
+                {"refresh": 0}, {"estimate_remainder": 1}, {"selection": "query"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RetrievalOptions(**bad)
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_int
+from .._checks import check_bool, check_choice, check_int
 from ..clustering.kmeans import cluster_sums, euclidean_kmeans
 from .layouts import group_ranks
 
@@ -67,6 +67,9 @@ class RetrievalOptions:
         refresh: keys that may join the index before it is re-clustered from scratch.
         iterations: Lloyd iterations of each (re)clustering.
         estimate_remainder: add the unretrieved keys of every cluster, estimated from its centroid and size.
+        selection: ``"group"``: the query heads that share a key/value head share one ranking of the clusters
+            (their best score) and one set of keys; ``"head"``: every query head ranks and gathers its own (more
+            precise, ``rep`` times the gathering under grouped-query attention).
     """
 
     budget: float | int = 0.1
@@ -76,6 +79,7 @@ class RetrievalOptions:
     refresh: int = 4096
     iterations: int = 8
     estimate_remainder: bool = False
+    selection: str = "group"
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -90,6 +94,7 @@ class RetrievalOptions:
         check_int("refresh", self.refresh, minimum=1)
         check_int("iterations", self.iterations, minimum=0)
         check_bool("estimate_remainder", self.estimate_remainder)
+        check_choice("selection", self.selection, ("group", "head"))
 
     def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
         """(B,) real cached keys -> (B,) keys a query may attend to under the budget (at most the cache)."""
@@ -331,14 +336,18 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real:
 def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
                       index: KeyClusterIndex, options: RetrievalOptions, scale: float,
                       allowed: torch.Tensor | int) -> torch.Tensor:
-    """The index path of :func:`retrieval_attention`: per key/value head and query position, one set of key
-    positions -- sinks, window (every position from ``index.end``), retrieved slots -- gathered once for keys
-    and once for values, attended by the group's query heads in one batched GEMM each way."""
+    """The index path of :func:`retrieval_attention`. A *unit* chooses one set of key positions -- sinks, window
+    (every position from ``index.end``), retrieved slots -- gathered once for keys and once for values and
+    attended in one fused SDPA call: per key/value head and query position (``selection="group"``: the group's
+    query heads share it) or per query head and position (``"head"``)."""
     B, H, Lq, D = q.shape
     Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
     dev = q.device
     q5 = (q * scale).view(B, Hkv, rep, Lq, D)
+    per_head = options.selection == "head"
+    U, m = (rep * Lq, 1) if per_head else (Lq, rep)  # units per group, queries per unit
+    unit_pos = n - Lq + (torch.arange(Lq, device=dev).repeat(rep) if per_head else torch.arange(Lq, device=dev))
     start = index.end
     W = n - start
     S = index.sinks.shape[1]
@@ -348,60 +357,61 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     else:
         retrieved = (allowed - options.sink - W).clamp(min=0)
         R, row_budget = int(retrieved.max()), retrieved.view(B, 1, 1, 1)
-    positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, Lq, S),
-                 torch.arange(start, n, device=dev).view(1, 1, 1, W).expand(B, Hkv, Lq, W)]
-    ok = [index.sink_live.view(B, 1, 1, S).expand(B, 1, Lq, S), None]  # (B, 1, Lq, width) or None = all
+    positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, U, S),
+                 torch.arange(start, n, device=dev).view(1, 1, 1, W).expand(B, Hkv, U, W)]
+    ok = [index.sink_live.view(B, 1, 1, S).expand(B, 1, U, S), None]  # (B, 1, U, width) or None = all
     if real is not None or Lq > 1:
-        window_ok = torch.ones(B, 1, Lq, W, dtype=torch.bool, device=dev)
+        window_ok = torch.ones(B, 1, U, W, dtype=torch.bool, device=dev)
         if real is not None:
             window_ok = window_ok & real[:, None, None, start:]
         if Lq > 1:  # causal among the new positions
-            window_ok = window_ok & (torch.arange(start, n, device=dev)
-                                     <= (n - Lq + torch.arange(Lq, device=dev)).unsqueeze(1))
+            window_ok = window_ok & (torch.arange(start, n, device=dev) <= unit_pos.unsqueeze(1))
         ok[1] = window_ok
 
-    # Clusters ranked per key/value head and query position by the best score among the group's query heads
-    # (they read the same cache): one gather of keys per group, not per query head.
+    # Clusters ranked per unit: by its query's score, or the best score among the group's query heads (they read
+    # the same cache, so the group gathers its keys once).
     C, capacity = index.counts.shape[1], index.members.shape[-1]
     head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
-    scores = head_scores.amax(2) if rep > 1 else head_scores[:, :, 0]  # (B, Hkv, Lq, C)
+    scores = head_scores.reshape(B, Hkv, U, C) if per_head else head_scores.amax(2)  # (B, Hkv, U, C)
     perm = scores.sort(dim=-1, descending=True, stable=True).indices
-    sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, Lq, C).gather(-1, perm)
+    sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, U, C).gather(-1, perm)
     cum = sizes.cumsum(-1)
     if R > 0:
-        slots = torch.arange(R, device=dev).expand(B, Hkv, Lq, R).contiguous()
+        slots = torch.arange(R, device=dev).expand(B, Hkv, U, R).contiguous()
         r = torch.searchsorted(cum, slots, right=True).clamp_(max=C - 1)  # the ranked cluster of each slot
         within = (slots - (cum - sizes).gather(-1, r)).clamp_(max=capacity - 1)  # past a row's keys: masked
         g = (torch.arange(B * Hkv, device=dev) * C).view(B, Hkv, 1, 1)
         flat = ((g + perm.gather(-1, r)) * capacity + within).view(-1)
-        positions.append(index.members.view(-1).index_select(0, flat).view(B, Hkv, Lq, R))
+        positions.append(index.members.view(-1).index_select(0, flat).view(B, Hkv, U, R))
         needs_mask = index.fewest < R or real is not None  # rows with fewer keys or a smaller budget
         ok.append(((slots < cum[..., -1:]) & (slots < row_budget)) if needs_mask else None)
-    positions = torch.cat(positions, -1)  # (B, Hkv, Lq, K)
+    positions = torch.cat(positions, -1)  # (B, Hkv, U, K)
     K = positions.shape[-1]
-    keys, values = _gather_positions(k, positions), _gather_positions(v, positions)  # (B, Hkv, Lq, K, D)
+    keys, values = _gather_positions(k, positions), _gather_positions(v, positions)  # (B, Hkv, U, K, D)
     mask = None
-    if any(m is not None for m in ok):
-        mask = torch.cat([(torch.ones(1, 1, Lq, w, dtype=torch.bool, device=dev) if m is None else m).expand(
-            B, Hkv, Lq, w) for m, w in zip(ok, [S, W, R][:len(ok)], strict=True)], -1)  # (B, Hkv, Lq, K)
+    if any(mk is not None for mk in ok):
+        mask = torch.cat([(torch.ones(1, 1, U, w, dtype=torch.bool, device=dev) if mk is None else mk).expand(
+            B, Hkv, U, w) for mk, w in zip(ok, [S, W, R][:len(ok)], strict=True)], -1)  # (B, Hkv, U, K)
     if options.estimate_remainder:  # every cluster's unretrieved keys as one key mu_c with logit bias log n'_c
         taken = (row_budget - (cum - sizes)).clamp(min=0)
         left = torch.zeros_like(sizes).scatter_(-1, perm, sizes - torch.minimum(taken, sizes))  # cluster order
         bias = torch.log(left.to(q.dtype))  # log 0 = -inf: nothing left, no term
-        keys = torch.cat([keys, index.centroids.to(q.dtype).view(B, Hkv, 1, C, D).expand(B, Hkv, Lq, C, D)], 3)
+        keys = torch.cat([keys, index.centroids.to(q.dtype).view(B, Hkv, 1, C, D).expand(B, Hkv, U, C, D)], 3)
         means = (index.value_sums / index.counts.clamp(min=1).unsqueeze(-1)).to(q.dtype).view(B, Hkv, 1, C, -1)
-        values = torch.cat([values, means.expand(B, Hkv, Lq, C, means.shape[-1])], 3)
-        zeros = torch.zeros(B, Hkv, Lq, K, dtype=q.dtype, device=dev)
+        values = torch.cat([values, means.expand(B, Hkv, U, C, means.shape[-1])], 3)
+        zeros = torch.zeros(B, Hkv, U, K, dtype=q.dtype, device=dev)
         if mask is not None:
             zeros = zeros.masked_fill(~mask, float("-inf"))
         mask = torch.cat([zeros, bias], -1)  # additive
-    # One fused attention per (sequence, key/value head, position): its rep query heads on its K keys.
-    qs = q5.permute(0, 1, 3, 2, 4).reshape(B, Hkv * Lq, rep, D)
+    # One fused attention per (sequence, key/value head, unit): its m queries on its keys.
+    units = q5.reshape(B, Hkv, U, 1, D) if per_head else q5.permute(0, 1, 3, 2, 4)  # (B, Hkv, U, m, D)
     out = F.scaled_dot_product_attention(
-        qs, keys.view(B, Hkv * Lq, -1, D), values.view(B, Hkv * Lq, -1, values.shape[-1]),
-        attn_mask=None if mask is None else mask.view(B, Hkv * Lq, 1, -1), scale=1.0)  # q is already scaled
+        units.reshape(B, Hkv * U, m, D), keys.view(B, Hkv * U, -1, D), values.view(B, Hkv * U, -1, values.shape[-1]),
+        attn_mask=None if mask is None else mask.view(B, Hkv * U, 1, -1), scale=1.0)  # q is already scaled
     if real is not None:
         out = torch.nan_to_num(out, nan=0.0)  # a query with no key at all (a padded row): zeros
+    if per_head:  # units are (rep, Lq) in head order
+        return out.view(B, H, Lq, -1)
     return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)
 
 
