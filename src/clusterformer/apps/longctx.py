@@ -185,6 +185,10 @@ def run_longctx(config: LongContextConfig, progress: bool = True) -> dict[str, A
             continue
         sample = make_sample(task, length, sentences, count, seed=config.seed * 1000 + s)
         context_ids, question_ids = _chat_ids(tokenizer, INSTRUCTION[task], sample.context, sample.question)
+        overhead = len(context_ids) + len(question_ids) - length  # instruction, question, chat template
+        if overhead > 0:  # the whole prompt, not just the haystack, has the requested length (same needles)
+            sample = make_sample(task, max(64, length - overhead), sentences, count, seed=config.seed * 1000 + s)
+            context_ids, question_ids = _chat_ids(tokenizer, INSTRUCTION[task], sample.context, sample.question)
         model.set_attn_implementation("sdpa")
         cache = transformers.DynamicCache(config=model.config)
         start = time.perf_counter()
