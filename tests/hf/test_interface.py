@@ -97,6 +97,21 @@ def test_retrieval_general_path_is_dense_on_a_covered_sequence():
     assert (got[0] - want[0]).abs().max() > 1e-6
 
 
+def test_dense_layers_attend_densely():
+    """dense_layers=2 in a 2-layer model: every layer dense, generation is dense; dense_layers=1: only layer 0."""
+    model = _llama()
+    batch = _prompts([60, 41], fixed_seed())
+    _, want = _generate(model, batch)
+    options = {"budget": 12, "clusters": 4, "sink": 2, "window": 4}
+    _, both = _generate(_with(model, hf.register_attention("cluster-retrieval", name="test-d2", dense_layers=2,
+                                                           **options)), batch)
+    torch.testing.assert_close(both, want, rtol=0, atol=1e-10)
+    _, first = _generate(_with(model, hf.register_attention("cluster-retrieval", name="test-d1", dense_layers=1,
+                                                            **options)), batch)
+    _, none = _generate(_with(model, hf.register_attention("cluster-retrieval", name="test-d0", **options)), batch)
+    assert (first - want).abs().max() > 1e-6 and (first - none).abs().max() > 1e-6
+
+
 def test_cached_generation_equals_uncached_generation():
     model = _llama()
     batch = _prompts([12, 25], fixed_seed())

@@ -152,10 +152,10 @@ def _attention_options(mechanism: str, options: dict[str, Any]) -> tuple[Any, st
             raise ValueError(f"'full' takes no options; got {', '.join(sorted(options))}")
         return None, causal
     if mechanism == "sink-window":
-        unknown = sorted(set(options) - {"budget", "sink"})
+        unknown = sorted(set(options) - {"budget", "sink", "dense_layers"})
         if unknown:
             raise ValueError(f"unknown option{'s' if len(unknown) > 1 else ''} for 'sink-window': "
-                             f"{', '.join(unknown)} (it takes budget and sink)")
+                             f"{', '.join(unknown)} (it takes budget, sink and dense_layers)")
         return RetrievalOptions(clusters=0, window=0, **options), causal
     fields = {f.name for f in dataclasses.fields(RetrievalOptions)}
     unknown = sorted(set(options) - fields)
@@ -252,8 +252,9 @@ def _retrieval(module: torch.nn.Module, options: RetrievalOptions, q: torch.Tens
     real_or_none = None if structure.padding is None else ~structure.padding
     covered = (options.keys_allowed_count(n) >= n if real_or_none is None
                else options.covers(real_or_none.sum(1)))
-    if Lq == n or covered:
-        return dense_attention(q, k, v, structure, scale)  # a prefill, or a budget that covers the cache
+    dense_layer = (getattr(module, "layer_idx", None) or 0) < options.dense_layers
+    if Lq == n or covered or dense_layer:
+        return dense_attention(q, k, v, structure, scale)  # a prefill, a budget that covers the cache, a low layer
     index = None
     if options.clusters > 0:
         end = max(0, n - max(options.window, Lq))

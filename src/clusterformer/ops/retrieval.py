@@ -67,6 +67,9 @@ class RetrievalOptions:
         refresh: keys that may join the index before it is re-clustered from scratch.
         iterations: Lloyd iterations of each (re)clustering.
         estimate_remainder: add the unretrieved keys of every cluster, estimated from its centroid and size.
+        dense_layers: the model's first ``dense_layers`` layers (by ``module.layer_idx``) attend densely, as Quest
+            and ClusterKV do: the lowest layers' attention is the least sparse (measured in docs/results.md). Keys
+            read then average ``(dense_layers + (L - dense_layers) * budget) / L`` of the cache over L layers.
         selection: ``"group"``: the query heads that share a key/value head share one ranking of the clusters
             (their best score) and one set of keys; ``"head"``: every query head ranks and gathers its own (more
             precise, ``rep`` times the gathering under grouped-query attention).
@@ -79,6 +82,7 @@ class RetrievalOptions:
     refresh: int = 4096
     iterations: int = 8
     estimate_remainder: bool = False
+    dense_layers: int = 0
     selection: str = "group"
 
     def __post_init__(self) -> None:
@@ -94,6 +98,7 @@ class RetrievalOptions:
         check_int("refresh", self.refresh, minimum=1)
         check_int("iterations", self.iterations, minimum=0)
         check_bool("estimate_remainder", self.estimate_remainder)
+        check_int("dense_layers", self.dense_layers, minimum=0)
         check_choice("selection", self.selection, ("group", "head"))
 
     def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
