@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice
+from ..attention.base import layer_seed
 from ..attention.registry import build_inner, make_options
 from ..ops.retrieval import JOIN_BATCH, RetrievalOptions, build_index, extend_index, retrieval_attention
 
@@ -230,6 +231,9 @@ def _clustered(module: torch.nn.Module, mechanism: str, options: Any, causal_cal
                          f"calls densely")
     if Lq != k.shape[2]:
         raise ValueError(f"{mechanism!r} attends a sequence to itself; got {Lq} queries for {k.shape[2]} keys")
+    layer = getattr(module, "layer_idx", None)
+    if options.seed is not None and layer is not None:  # each layer its own hash planes, as hf.patch gives them
+        options = dataclasses.replace(options, seed=layer_seed(options.seed, int(layer)))
     inner = getattr(module, "clusterformer_inner", None)
     if inner is None or inner.options != options or inner.heads != H:
         inner = build_inner(mechanism, dim=H * D, heads=H, **dataclasses.asdict(options))
