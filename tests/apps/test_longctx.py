@@ -79,6 +79,8 @@ def test_method_specs_and_bad_arguments(tmp_path):
         parse_method("cluster-retrieval:clusters", None)
     with pytest.raises(ValueError, match="tasks"):
         LongContextConfig(tasks=["summaries"])
+    with pytest.raises(ValueError, match="model must be a pretrained decoder"):
+        LongContextConfig(model="minilm")
     with pytest.raises(ValueError, match="ppl lengths"):
         LongContextConfig(ppl_lengths=[200], scored=256)
     assert summarize({"samples": {}, "perplexity": {}}) == {"accuracy": {}, "perplexity": {}, "s_per_token": {}}

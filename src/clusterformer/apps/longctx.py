@@ -79,6 +79,9 @@ class LongContextConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
+        decoders = ("smollm2",)  # the pretrained decoders clusterformer.hf.load_pretrained knows
+        if self.model not in decoders:
+            raise ValueError(f"model must be a pretrained decoder: one of {', '.join(decoders)}; got {self.model!r}")
         check_int("samples", self.samples, minimum=1)
         check_int("ppl_windows", self.ppl_windows, minimum=1)
         check_int("scored", self.scored, minimum=2)
