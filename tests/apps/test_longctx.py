@@ -87,3 +87,21 @@ def test_method_specs_and_bad_arguments(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["longctx", "--tasks", "passkey", "--lengths", "64", "--json", str(tmp_path / "x.json")])
     assert exit_info.value.code == 2
+
+
+def test_summary_table_and_plot_from_records(tmp_path):
+    """summarize / markdown / plot on hand-made records: means per task, length and method."""
+    from clusterformer.apps.longctx import markdown, plot
+
+    record = lambda a, b: {"methods": {"dense": {"score": a, "s_per_token": 0.1},  # noqa: E731
+                                       "sink-window": {"score": b, "s_per_token": 0.05}}}
+    results = {"samples": {"passkey/1024/0": record(1.0, 0.0), "passkey/1024/1": record(0.0, 0.0),
+                           "passkey/2048/0": record(1.0, 1.0)},
+               "perplexity": {"1024/0": {"dense": 2.0, "sink-window": 3.0}}}
+    results["summary"] = summarize(results)
+    accuracy = results["summary"]["accuracy"]["passkey"]
+    assert accuracy["1024"]["dense"] == {"mean": 0.5, "n": 2} and accuracy["2048"]["sink-window"]["mean"] == 1.0
+    table = markdown(results["summary"], ["dense", "sink-window"])
+    assert "| passkey (n=2) | 1024 | 50 | 0 |" in table and "| wikitext-2 test | 1024 | 7.39 | 20.09 |" in table
+    plot(results, ["dense", "sink-window"], tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
