@@ -56,7 +56,7 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
                             progress: Callable[[str], None] | None = None) -> list[dict]:
     """One record per (context, method)."""
     import torch
-    import transformers  # noqa: F401  (the interface registers into it)
+    from transformers import AttentionInterface
 
     from ..hf.interface import RetrievalOptions, register_attention
     from ..ops.retrieval import JOIN_BATCH
@@ -71,9 +71,7 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
             continue
         options = {"budget": config.budget, **(config.options if method == "cluster-retrieval" else {})}
         name = register_attention(method, name=f"clusterformer-bench-{method}", **options)
-        from transformers import AttentionInterface
-
-        functions[method] = AttentionInterface._global_mapping[name]
+        functions[method] = AttentionInterface()[name]  # the function transformers will call
     B, H, Hkv, D = 1, config.heads, config.kv_heads, config.head_dim
     records = []
     for n in config.contexts:

@@ -187,6 +187,19 @@ def _first_real(real: torch.Tensor | None, count: int, batch: int = 0, n: int = 
     return positions, real.gather(1, positions)
 
 
+def _tally(points: torch.Tensor, values: torch.Tensor, assign: torch.Tensor, valid: torch.Tensor,
+           C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What keys (G, m, D) with values (G, m, Dv), assigned to clusters (G, m), add to an index (only the
+    ``valid`` ones): key sums, value sums, counts (G, C) long, each key's group (C for an invalid key: an extra
+    group that is dropped) and its rank among the earlier keys of that group."""
+    weight = valid.to(points.dtype)
+    key_sums, counts = cluster_sums(points, assign, C, weight)
+    value_sums, _ = cluster_sums(values, assign, C, weight)
+    ids = torch.where(valid, assign, C)
+    rank, _ = group_ranks(ids, C + 1)
+    return key_sums, value_sums, counts.round().long(), ids, rank
+
+
 def build_index(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end: int,
                 options: RetrievalOptions) -> KeyClusterIndex:
     """Cluster the keys at positions < ``end`` of cache k, v (B, Hkv, n, D); real (B, n) bool or None (no
@@ -204,12 +217,7 @@ def build_index(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end
         assign = torch.zeros(G, 0, dtype=torch.long, device=k.device)
     else:
         assign = euclidean_kmeans(points, C, iterations=options.iterations, valid=valid)
-    weight = valid.to(dtype)
-    key_sums, counts = cluster_sums(points, assign, C, weight)
-    value_sums, _ = cluster_sums(values, assign, C, weight)
-    counts = counts.round().long()
-    ids = torch.where(valid, assign, C)  # invalid keys go to an extra group, dropped below
-    rank, _ = group_ranks(ids, C + 1)
+    key_sums, value_sums, counts, ids, rank = _tally(points, values, assign, valid, C)
     capacity = max(1, int(counts.max()) if counts.numel() else 1)
     members = torch.zeros(G * (C + 1) * capacity, dtype=torch.long, device=k.device)
     g = torch.arange(G, device=k.device).unsqueeze(1)
@@ -255,13 +263,9 @@ def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, real:
     score = torch.baddbmm(-(c * c).sum(-1).unsqueeze(1), points, c.transpose(1, 2), alpha=2)
     score = score.masked_fill(index.counts.unsqueeze(1) == 0, float("-inf"))  # only clusters with members
     assign = score.max(-1).indices
-    weight = valid.to(dtype)
-    key_sums, new_counts = cluster_sums(points, assign, C, weight)
-    value_sums, _ = cluster_sums(values, assign, C, weight)
-    ids = torch.where(valid, assign, C)
-    rank, _ = group_ranks(ids, C + 1)
+    key_sums, value_sums, new_counts, ids, rank = _tally(points, values, assign, valid, C)
     rank = rank + torch.cat([index.counts, index.counts.new_zeros(G, 1)], 1).gather(1, ids)
-    counts = index.counts + new_counts.round().long()
+    counts = index.counts + new_counts
     capacity = index.members.shape[-1]
     needed = int(counts.max())
     if needed > capacity:  # grow by doubling: amortised O(1) per join
