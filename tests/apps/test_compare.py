@@ -6,7 +6,9 @@ import json
 import os
 
 import pytest
+import torch
 
+from clusterformer._specs import parse_spec, split_specs
 from clusterformer.apps.compare import sign_flip_p_value
 from clusterformer.cli import main
 
@@ -25,38 +27,88 @@ def _write_task(root):
     (root / "test.txt").write_text("\n".join(lines[:16]) + "\n")
 
 
+def _train_flags(root, steps: int = 4) -> list[str]:
+    return ["--", "--train-file", str(root / "train.txt"), "--test-file", str(root / "test.txt"), "--limit", "48",
+            "--max-steps", str(steps), "--checkpoint-every", "2", "--batch-size", "8", "--dim", "16", "--heads", "2",
+            "--depth", "1", "--max-len", "16", "--warmup-steps", "1"]
+
+
 def test_compare_runs_the_grid_resumes_and_summarises(tmp_path, capsys):
+    """The issue's tiny grid: 2 tasks (a classification file, generated ListOps) x 2 mechanisms x 2 seeds, two runs
+    at a time; then an interrupted run resumes from its mid-run checkpoint and ends where it would have."""
     _write_task(tmp_path)
     out = tmp_path / "cmp"
-    train = ["--", "--train-file", str(tmp_path / "train.txt"), "--test-file", str(tmp_path / "test.txt"),
-             "--max-steps", "3", "--batch-size", "8", "--dim", "16", "--heads", "2", "--depth", "1",
-             "--max-len", "16", "--warmup-steps", "1"]
-    argv = ["compare", "--tasks", "text-classification", "--attention", "full,neural-clustering,lsh",
-            "--seeds", "0,1", "--out", str(out), "--options", '{"lsh": {"bucket_size": 4}}', *train]
+    argv = ["compare", "--tasks", "text-classification,listops", "--attention", "full,neural-clustering",
+            "--seeds", "0,1", "--jobs", "2", "--out", str(out), *_train_flags(tmp_path)]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "[1/6] text-classification full seed0: running" in err and "[6/6]" in err
+    assert "[1/8] text-classification full seed0: running" in err and "[8/8] listops neural-clustering seed1" in err
+    assert err.count("finished in") == 8
     summary = json.loads((out / "summary.json").read_text())
-    rows = summary["tasks"]["text-classification"]["mechanisms"]
-    assert set(rows) == {"full", "neural-clustering", "lsh"}
-    for name, row in rows.items():
-        scores = [json.loads((out / "text-classification" / name / f"seed{s}" / "metrics.json").read_text())
-                  ["metrics"]["accuracy"] for s in (0, 1)]
-        assert row["n"] == 2 and row["mean"] == pytest.approx(sum(scores) / 2)
-        assert row["peak_rss_mb"] > 10
-    lsh, full = rows["lsh"], rows["full"]
-    assert lsh["vs_full"]["pairs"] == 2
-    assert lsh["vs_full"]["mean_difference"] == pytest.approx(lsh["mean"] - full["mean"])
-    assert "vs_full" not in full and "vs_neural-clustering" in full
-    assert "| lsh |" in (out / "summary.md").read_text()
-    # a finished run is skipped; a deleted one runs again; an interrupted one (checkpoint, no metrics) resumes
-    done = out / "text-classification" / "lsh" / "seed1"
+    for task in ("text-classification", "listops"):
+        rows = summary["tasks"][task]["mechanisms"]
+        assert set(rows) == {"full", "neural-clustering"}
+        for name, row in rows.items():
+            scores = [json.loads((out / task / name / f"seed{s}" / "metrics.json").read_text())
+                      ["metrics"]["accuracy"] for s in (0, 1)]
+            assert row["n"] == 2 and row["mean"] == pytest.approx(sum(scores) / 2)
+            assert row["peak_rss_mb"] > 10
+        nc, full = rows["neural-clustering"], rows["full"]
+        assert nc["vs_full"]["pairs"] == 2
+        assert nc["vs_full"]["mean_difference"] == pytest.approx(nc["mean"] - full["mean"])
+        assert "vs_full" not in full and "vs_neural-clustering" in full
+    assert "| neural-clustering |" in (out / "summary.md").read_text()
+    # interrupt one run after its step-2 checkpoint: its final checkpoint and metrics are gone, the step-2 one is
+    # the latest. A finished run is skipped; the interrupted one resumes and reaches the same end, exactly.
+    done = out / "listops" / "full" / "seed1"
     stamp = os.path.getmtime(done / "checkpoint.pt")
-    (out / "text-classification" / "full" / "seed1" / "metrics.json").unlink()
+    cut = out / "text-classification" / "neural-clustering" / "seed1"
+    finished = json.loads((cut / "metrics.json").read_text())
+    (cut / "metrics.json").unlink()
+    os.replace(cut / "checkpoint.prev.pt", cut / "checkpoint.pt")
+    assert torch.load(cut / "checkpoint.pt", weights_only=False)["step"] == 2
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "lsh seed1: done, skipped" in err and "full seed1: resuming" in err
+    assert "listops full seed1: done, skipped" in err and "neural-clustering seed1: resuming" in err
+    assert err.count("resuming") == 1 and err.count("finished in") == 1
     assert os.path.getmtime(done / "checkpoint.pt") == stamp
+    resumed = json.loads((cut / "metrics.json").read_text())
+    assert resumed["metrics"] == finished["metrics"]
+    assert torch.load(cut / "checkpoint.pt", weights_only=False)["step"] == 4
+
+
+def test_compare_entries_carry_their_options_and_train_flags(tmp_path, capsys):
+    """A spec (NAME:key=value) and a --variants label train what they say, under their own labels."""
+    _write_task(tmp_path)
+    out = tmp_path / "cmp"
+    variants = {"nc-no-losses": {"attention": "neural-clustering", "options": {"look_back": 2},
+                                 "train_args": ["--clustering-weight", "0", "--centroid-sorting-weight", "0"]}}
+    assert main(["compare", "--tasks", "text-classification", "--attention",
+                 "full,neural-clustering:grouping=random,look_back=2,nc-no-losses", "--seeds", "0", "--jobs", "2",
+                 "--variants", json.dumps(variants), "--out", str(out), *_train_flags(tmp_path, steps=2)]) == 0
+    task = out / "text-classification"
+    random = json.loads((task / "neural-clustering--grouping-random--look_back-2" / "seed0" / "metrics.json")
+                        .read_text())["config"]
+    assert random["attention"] == "neural-clustering"
+    assert random["attention_options"] == {"grouping": "random", "look_back": 2}
+    no_losses = json.loads((task / "nc-no-losses" / "seed0" / "metrics.json").read_text())["config"]
+    assert no_losses["attention_options"] == {"look_back": 2}
+    assert no_losses["clustering_weight"] == 0 and no_losses["centroid_sorting_weight"] == 0
+    assert random["clustering_weight"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["tasks"]["text-classification"]["mechanisms"]) == [
+        "full", "neural-clustering:grouping=random,look_back=2", "nc-no-losses"]
+    assert summary["entries"]["nc-no-losses"]["train_args"] == variants["nc-no-losses"]["train_args"]
+
+
+def test_split_specs_keeps_options_with_their_mechanism():
+    assert split_specs("full,neural-clustering:k=4,look_back=2,lsh") == [
+        "full", "neural-clustering:k=4,look_back=2", "lsh"]
+    assert split_specs("a:x=1,y=2;b:z=3") == ["a:x=1,y=2", "b:z=3"]
+    assert parse_spec("neural-clustering:grouping=random,look_back=2,scale=0.5,flag=true") == (
+        "neural-clustering", {"grouping": "random", "look_back": 2, "scale": 0.5, "flag": True})
+    with pytest.raises(ValueError, match="must be key=value"):
+        parse_spec("lsh:oops")
 
 
 def test_compare_runs_the_cluster_former_stack(tmp_path, capsys):
@@ -78,6 +130,17 @@ def test_compare_rejects_bad_arguments(tmp_path, capsys):
         (["--tasks", "sst2"], "unknown task 'sst2'"),
         (["--tasks", "mr", "--options", '{"lsh": {}}'], "not compared: lsh"),
         (["--tasks", "mr", "--", "--seed", "3"], "--seed are set by compare itself"),
+        (["--tasks", "mr", "--attention", "full,neural-clustering:nonsense=1"], "unknown option 'nonsense'"),
+        (["--tasks", "mr", "--attention", "lsh:num_clusters=0"], "--attention 'lsh:num_clusters=0'"),
+        (["--tasks", "mr", "--attention", "nope"], "unknown mechanism 'nope'"),
+        (["--tasks", "mr", "--attention", "full,full"], "names a label twice"),
+        (["--tasks", "mr", "--variants", '{"v": {"attention": "full"}}'], "does not name: v"),
+        (["--tasks", "mr", "--attention", "v", "--variants", '{"v": {"options": {}}}'], "'attention' mechanism"),
+        (["--tasks", "mr", "--attention", "v", "--variants",
+          '{"v": {"attention": "full", "train_args": ["--seed", "1"]}}'], "--seed are set by compare itself"),
+        (["--tasks", "mr", "--attention", "v", "--variants", '{"v": {"attention": "full", "flags": []}}'],
+         "unknown fields flags"),
+        (["--tasks", "mr", "--jobs", "0"], "--jobs must be a positive int"),
     ):
         with pytest.raises(SystemExit):
             main(["compare", "--out", str(tmp_path / "x"), *argv])

@@ -1,16 +1,26 @@
 """``clusterformer compare``: every mechanism on every task over several seeds (or CV folds), resumable, summarised.
 
-The grid is tasks x mechanisms x units (a mechanism is a registered name, or ``cluster-former-stack``: the
-Cluster-Former paper's stack of sliding-window layers whose last layer is a Cluster-Former layer), a unit being a
-seed (or, with ``folds``, a fold of the sentence tasks' CV).
-Each run is ``clusterformer train`` in a subprocess (one process per run: its peak resident memory is its own, and a
-crash loses one run) with the same flags for every mechanism -- equal budgets, equal model size -- writing into
-``OUT/TASK/MECHANISM/seedS`` (or ``foldF``). A run whose ``metrics.json`` exists is skipped; one with a checkpoint
-but no metrics is resumed (``--resume``); so an interrupted comparison continues where it stopped.
+The grid is tasks x entries x units. An entry is what one column of the comparison runs, under a label:
 
-The summary (``OUT/summary.json`` and ``OUT/summary.md``) gives, per task and mechanism, the mean and sample standard
+* a registered mechanism name (``lsh``), with the options ``--options`` gives that label;
+* a spec ``NAME:key=value,...`` (``neural-clustering:grouping=random``): the mechanism with those options on top;
+* a variant, a label defined by ``--variants`` with its mechanism, options and extra train flags (the ablation
+  without clustering losses is ``{"attention": "neural-clustering", "train_args": ["--clustering-weight", "0",
+  "--centroid-sorting-weight", "0"]}``);
+* ``cluster-former-stack``, a built-in variant: the Cluster-Former paper's stack of sliding-window layers whose last
+  layer is a Cluster-Former layer (``--attention cluster-former --cluster-layers -1``).
+
+A unit is a seed (or, with ``folds``, a fold of the sentence tasks' CV). Each run is ``clusterformer train`` in a
+subprocess (its peak resident memory is its own, and a crash loses one run) with the same flags for every entry --
+equal budgets, equal model size -- writing into ``OUT/TASK/DIRECTORY/seedS`` (or ``foldF``), DIRECTORY being the
+label with ``:``, ``,`` and ``=`` made file-name friendly. A run whose ``metrics.json`` exists is skipped; one with a
+checkpoint but no metrics is resumed (``--resume``); so an interrupted comparison continues where it stopped.
+``jobs`` runs that many trainings at once, each with ``cpu_count // jobs`` threads (``OMP_NUM_THREADS``, unless
+the caller set it): small models train faster as two one-thread runs than as one two-thread run.
+
+The summary (``OUT/summary.json`` and ``OUT/summary.md``) gives, per task and entry, the mean and sample standard
 deviation of the task's score over units, seconds per epoch, the largest peak resident memory of its runs, and for
-each mechanism its difference to ``full`` and to ``neural-clustering``, paired by unit, with the two-sided p-value of
+each entry its difference to ``full`` and to ``neural-clustering``, paired by unit, with the two-sided p-value of
 an exact sign-flip permutation test on the paired differences (no distributional assumption; with n units the
 smallest attainable p is 2 / 2^n, e.g. 0.25 for 3 seeds -- say so before calling a difference significant).
 """
@@ -21,6 +31,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,52 +41,117 @@ from pathlib import Path
 from typing import Any
 
 from .._io import write_json
+from .._specs import parse_spec
 
-__all__ = ["CompareConfig", "run_comparison", "sign_flip_p_value", "summarise"]
+__all__ = ["CompareConfig", "Entry", "run_comparison", "sign_flip_p_value", "summarise"]
 
 SENTENCE_TASKS = ("mr", "cr", "subj", "mpqa")
 STACK = "cluster-former-stack"  # the Cluster-Former paper's stack: sliding-window layers, the last a Cluster-Former
-STACK_FLAGS = ["--attention", "cluster-former", "--cluster-layers", "-1"]
+BUILT_IN_VARIANTS = {STACK: {"attention": "cluster-former", "train_args": ["--cluster-layers", "-1"]}}
 # the score of each task and which way is better (default: accuracy, higher)
 SCORE = {"wikiqa": ("map", "higher"), "shakespeare-char": ("bpc", "lower"), "multi30k": ("bleu", "higher")}
+# train flags that compare sets per run; a variant may add --cluster-layers, nothing else of these
+RESERVED = {"--task", "--attention", "--attention-options", "--seed", "--out", "--fold", "--folds", "--cv",
+            "--resume"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One column of the comparison: a label, the mechanism it trains, its options and its own train flags."""
+
+    label: str
+    mechanism: str
+    options: dict[str, Any]
+    train_args: tuple[str, ...] = ()
+
+    @property
+    def directory(self) -> str:
+        """The label as a directory name: ``nc:k=4,look_back=2`` -> ``nc--k-4--look_back-2``."""
+        return re.sub(r"[:,]", "--", self.label).replace("=", "-")
 
 
 @dataclass
 class CompareConfig:
     tasks: list[str]
-    attention: list[str]
+    attention: list[str]  # labels: registered names, NAME:key=value specs, names defined in variants, STACK
     out: str
     seeds: list[int] = field(default_factory=lambda: [0])
     folds: int | None = None  # sentence tasks: run CV folds 0..folds-1 (seed = the first seed) instead of seeds
-    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # mechanism -> attention options
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> attention options
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> {attention, options, train_args}
     train_args: list[str] = field(default_factory=list)  # passed to every `clusterformer train`
+    jobs: int = 1
+    entries: list[Entry] = field(init=False)  # one per label of `attention`, resolved and validated
 
     def __post_init__(self) -> None:
-        from ..attention import names
         from ..train.tasks import TASKS
 
         for task in self.tasks:
             if task not in TASKS:
                 raise ValueError(f"--tasks: unknown task {task!r}; expected some of {', '.join(TASKS)}")
-        for name in self.attention:
-            if name not in names() and name != STACK:
-                raise ValueError(f"--attention: unknown mechanism {name!r}; available: {', '.join(names())}, {STACK}")
+        if not self.attention:
+            raise ValueError("--attention must name at least one mechanism")
+        if len(set(self.attention)) != len(self.attention):
+            raise ValueError(f"--attention names a label twice: {', '.join(self.attention)}")
         unknown = sorted(set(self.options) - set(self.attention))
         if unknown:
             raise ValueError(f"--options names mechanisms that are not compared: {', '.join(unknown)}")
+        unused = sorted(set(self.variants) - set(self.attention))
+        if unused:
+            raise ValueError(f"--variants defines labels that --attention does not name: {', '.join(unused)}")
         if not self.seeds:
             raise ValueError("--seeds must name at least one seed")
         if self.folds is not None and self.folds < 2:
             raise ValueError(f"--folds must be >= 2, got {self.folds}")
-        reserved = {"--task", "--attention", "--attention-options", "--seed", "--out", "--fold", "--folds", "--cv",
-                    "--resume", "--cluster-layers"}
-        clash = sorted(reserved & {a.split("=")[0] for a in self.train_args})
-        if clash:
-            raise ValueError(f"train flags {', '.join(clash)} are set by compare itself; leave them out")
+        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
+            raise ValueError(f"--jobs must be a positive int, got {self.jobs!r}")
+        _check_train_args("train flags", self.train_args, RESERVED | {"--cluster-layers"})
+        self.entries = [self._entry(label) for label in self.attention]
+        directories = [e.directory for e in self.entries]
+        if len(set(directories)) != len(directories):
+            raise ValueError(f"--attention: labels that differ only in punctuation share a directory: "
+                             f"{', '.join(self.attention)}")
+
+    def _entry(self, label: str) -> Entry:
+        """Resolve a label to its mechanism, options (validated by the registry now, not hours into the grid) and
+        train flags."""
+        from ..attention.registry import make_options, names
+
+        variant = self.variants.get(label, BUILT_IN_VARIANTS.get(label))
+        if variant is not None:
+            if not isinstance(variant, dict) or "attention" not in variant:
+                raise ValueError(f"--variants: {label!r} must be an object with an 'attention' mechanism name")
+            extra = sorted(set(variant) - {"attention", "options", "train_args"})
+            if extra:
+                raise ValueError(f"--variants: {label!r} has unknown fields {', '.join(extra)}; expected "
+                                 "attention, options, train_args")
+            mechanism, options = variant["attention"], dict(variant.get("options", {}))
+            train_args = variant.get("train_args", [])
+            if not isinstance(train_args, list) or not all(isinstance(a, str) for a in train_args):
+                raise ValueError(f"--variants: {label!r} train_args must be a list of strings")
+            _check_train_args(f"--variants {label!r} train_args", train_args, RESERVED)
+        else:
+            mechanism, options = parse_spec(label)
+            train_args = []
+        if mechanism not in names():
+            raise ValueError(f"--attention: unknown mechanism {mechanism!r} in {label!r}; available: "
+                             f"{', '.join(names())}, {STACK}, or a label defined by --variants")
+        options.update(self.options.get(label, {}))
+        try:
+            make_options(mechanism, options)
+        except ValueError as error:
+            raise ValueError(f"--attention {label!r}: {error}") from None
+        return Entry(label, mechanism, options, tuple(train_args))
+
+
+def _check_train_args(what: str, args: list[str], reserved: set[str]) -> None:
+    clash = sorted(reserved & {a.split("=")[0] for a in args})
+    if clash:
+        raise ValueError(f"{what}: {', '.join(clash)} are set by compare itself; leave them out")
 
 
 def _units(config: CompareConfig, task: str) -> list[tuple[str, list[str]]]:
-    """(unit name, its train flags) per run of one task and mechanism."""
+    """(unit name, its train flags) per run of one task and entry."""
     if config.folds is not None and task in SENTENCE_TASKS:
         seed = config.seeds[0]
         return [(f"fold{f}", ["--seed", str(seed), "--fold", str(f), "--folds", str(config.folds)])
@@ -83,27 +159,33 @@ def _units(config: CompareConfig, task: str) -> list[tuple[str, list[str]]]:
     return [(f"seed{s}", ["--seed", str(s)]) for s in config.seeds]
 
 
+@dataclass
+class _Run:
+    number: int
+    task: str
+    entry: Entry
+    unit: str
+    directory: Path
+    argv: list[str]
+    started: float = 0.0
+
+
 def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) -> dict:
-    """Run (or resume) the grid, then write and return the summary."""
-    grid = [(task, name, unit, flags) for task in config.tasks for name in config.attention
+    """Run (or resume) the grid, ``config.jobs`` trainings at a time, then write and return the summary."""
+    grid = [(task, entry, unit, flags) for task in config.tasks for entry in config.entries
             for unit, flags in _units(config, task)]
-    for i, (task, name, unit, flags) in enumerate(grid, start=1):
-        run_dir = Path(config.out) / task / name / unit
+    pending: list[_Run] = []
+    for i, (task, entry, unit, flags) in enumerate(grid, start=1):
+        run_dir = Path(config.out) / task / entry.directory / unit
         if (run_dir / "metrics.json").is_file():
-            log(f"[{i}/{len(grid)}] {task} {name} {unit}: done, skipped")
+            log(f"[{i}/{len(grid)}] {task} {entry.label} {unit}: done, skipped")
             continue
-        resume = (run_dir / "checkpoint.pt").is_file()
-        mechanism = STACK_FLAGS if name == STACK else ["--attention", name]
-        argv = [sys.executable, "-m", "clusterformer", "train", "--task", task, *mechanism,
-                "--attention-options", json.dumps(config.options.get(name, {})), "--out", str(run_dir),
-                "--no-progress", *flags, *config.train_args, *(["--resume"] if resume else [])]
-        log(f"[{i}/{len(grid)}] {task} {name} {unit}: {'resuming' if resume else 'running'}")
-        started = time.time()
-        peak_mb = _run(argv, run_dir)
-        log(f"[{i}/{len(grid)}] {task} {name} {unit}: finished in {time.time() - started:.0f} s")
-        metrics = json.loads((run_dir / "metrics.json").read_text())
-        metrics["peak_rss_mb"] = max(peak_mb, metrics.get("peak_rss_mb", 0.0))  # a resumed run keeps the larger
-        write_json(run_dir / "metrics.json", metrics)
+        resume = ["--resume"] if (run_dir / "checkpoint.pt").is_file() else []
+        argv = [sys.executable, "-m", "clusterformer", "train", "--task", task, "--attention", entry.mechanism,
+                "--attention-options", json.dumps(entry.options), "--out", str(run_dir), "--no-progress", *flags,
+                *config.train_args, *entry.train_args, *resume]
+        pending.append(_Run(i, task, entry, unit, run_dir, argv))
+    _run_all(pending, len(grid), config.jobs, log)
     summary = summarise(config)
     write_json(Path(config.out) / "summary.json", summary)
     (Path(config.out) / "summary.md").write_text(summary_markdown(summary))
@@ -111,17 +193,44 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
     return summary
 
 
-def _run(argv: list[str], run_dir: Path) -> float:
-    """Run one training in a subprocess; its peak resident memory in MB (``os.wait4``: this child's alone)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "train.log", "a") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0 or not (run_dir / "metrics.json").is_file():
-        raise RuntimeError(f"training failed (exit {proc.returncode}); see {run_dir / 'train.log'}; run the same "
-                           "compare command again to resume")
-    return usage.ru_maxrss / 1024  # kilobytes on Linux
+def _run_all(runs: list[_Run], total: int, jobs: int, log: Callable[[str], None]) -> None:
+    """Run the trainings ``jobs`` at a time; each finished run's peak resident memory (``os.wait4``: that child's
+    alone) goes into its ``metrics.json``. A failure stops launching new runs, lets the running ones finish (they
+    are kept), and raises."""
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    queue, running, failed = list(runs), {}, []
+    while queue or running:
+        while queue and len(running) < jobs and not failed:
+            run = queue.pop(0)
+            run.directory.mkdir(parents=True, exist_ok=True)
+            with open(run.directory / "train.log", "a") as out:
+                proc = subprocess.Popen(run.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+            run.started = time.time()
+            running[proc.pid] = run
+            log(f"[{run.number}/{total}] {run.task} {run.entry.label} {run.unit}: "
+                f"{'resuming' if '--resume' in run.argv else 'running'}")
+        if not running:
+            break
+        pid, status, usage = os.wait4(-1, 0)
+        run = running.pop(pid, None)
+        if run is None:  # a child that is not one of our runs
+            continue
+        metrics_path = run.directory / "metrics.json"
+        if os.waitstatus_to_exitcode(status) != 0 or not metrics_path.is_file():
+            failed.append(f"{run.task} {run.entry.label} {run.unit} (exit {os.waitstatus_to_exitcode(status)}; "
+                          f"see {run.directory / 'train.log'})")
+            log(f"[{run.number}/{total}] {run.task} {run.entry.label} {run.unit}: FAILED")
+            continue
+        metrics = json.loads(metrics_path.read_text())
+        peak_mb = usage.ru_maxrss / 1024  # kilobytes on Linux
+        metrics["peak_rss_mb"] = max(peak_mb, metrics.get("peak_rss_mb", 0.0))  # a resumed run keeps the larger
+        write_json(metrics_path, metrics)
+        log(f"[{run.number}/{total}] {run.task} {run.entry.label} {run.unit}: finished in "
+            f"{time.time() - run.started:.0f} s")
+    if failed:
+        raise RuntimeError(f"training failed: {'; '.join(failed)}; run the same compare command again to resume")
 
 
 def sign_flip_p_value(differences: list[float]) -> float:
@@ -147,10 +256,11 @@ def summarise(config: CompareConfig) -> dict:
     for task in config.tasks:
         metric, better = SCORE.get(task, ("accuracy", "higher"))
         rows: dict[str, dict] = {}
-        for name in config.attention:
+        for entry in config.entries:
+            name = entry.label
             runs = {}
             for unit, _ in _units(config, task):
-                path = Path(config.out) / task / name / unit / "metrics.json"
+                path = Path(config.out) / task / entry.directory / unit / "metrics.json"
                 if path.is_file():
                     runs[unit] = json.loads(path.read_text())
             if not runs:
@@ -173,7 +283,9 @@ def summarise(config: CompareConfig) -> dict:
                 row["time_vs_full"] = row["seconds_per_epoch"] / rows["full"]["seconds_per_epoch"]
         tasks[task] = {"metric": metric, "better": better, "mechanisms": rows}
     return {"tasks": tasks, "units": "folds" if config.folds else "seeds", "seeds": config.seeds,
-            "folds": config.folds, "train_args": config.train_args, "options": config.options,
+            "folds": config.folds, "train_args": config.train_args,
+            "entries": {e.label: {"attention": e.mechanism, "options": e.options, "train_args": list(e.train_args)}
+                        for e in config.entries},
             "test": "exact two-sided sign-flip permutation test on paired differences"}
 
 

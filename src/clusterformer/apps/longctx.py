@@ -20,7 +20,6 @@ every sample (a rerun with the same arguments skips what is there).
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ import torch
 
 from .._checks import check_int
 from .._io import read_json, write_json
+from .._specs import parse_spec
 from ..data.ruler import INSTRUCTION, TASKS, detokenize_wikitext, haystack_sentences, make_sample, score
 
 __all__ = ["LongContextConfig", "parse_method", "run_longctx", "summarize"]
@@ -41,21 +41,11 @@ BUDGETED = ("cluster-retrieval", "sink-window")
 
 
 def parse_method(spec: str, budget: float | int | None) -> tuple[str, str, dict[str, Any]]:
-    """"NAME[:key=value,...]" -> (label, mechanism, options); values are JSON (true, 0.1, 64) or strings."""
-    label = spec.strip()
-    mechanism, _, rest = label.partition(":")
-    options: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"method option {item!r} in {spec!r} must be key=value")
-        try:
-            options[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key.strip()] = value.strip()
+    """"NAME[:key=value,...]" -> (label, mechanism, options); the budgeted methods default to ``budget``."""
+    mechanism, options = parse_spec(spec)
     if mechanism in BUDGETED and budget is not None:
         options.setdefault("budget", budget)
-    return label, mechanism, options
+    return spec.strip(), mechanism, options
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """``clusterformer compare``: the papers' comparison across the family -- every mechanism on every task, several
-seeds (or CV folds), equal budgets, resumable -- summarised in ``OUT/summary.{json,md}`` (docs/results.md)."""
+seeds (or CV folds), equal budgets, resumable, several runs at once -- summarised in ``OUT/summary.{json,md}``
+(docs/results.md)."""
 
 from __future__ import annotations
 
 import argparse
 
+from .._specs import split_specs
 from ._args import json_object, log, name_list
 
 
@@ -16,29 +18,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "train run, e.g. -- --epochs 5 --dim 128.")
     p.add_argument("--tasks", required=True, type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
                    help="comma-separated tasks, e.g. mr,cr,wikiqa,listops")
-    p.add_argument("--attention", type=_mechanisms, default=_mechanisms("full,neural-clustering"),
-                   help="comma-separated mechanisms, or 'all' (every registered one and cluster-former-stack); "
+    p.add_argument("--attention", type=_labels, default=_labels("full,neural-clustering"),
+                   help="comma-separated mechanisms, or 'all' (every registered one and cluster-former-stack); an "
+                        "entry may carry options, NAME:key=value,... (e.g. neural-clustering:grouping=random; use ';' "
+                        "between entries when options hold commas), or be a label defined by --variants; "
                         "cluster-former-stack is the paper's stack (sliding-window layers, the last Cluster-Former)")
     p.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=[0, 1, 2])
     p.add_argument("--folds", type=int, default=None,
                    help="sentence tasks (mr, cr, subj, mpqa): run these CV folds instead of the seeds")
-    p.add_argument("--options", default=None, help='attention options per mechanism as JSON, e.g. '
+    p.add_argument("--options", default=None, help='attention options per entry as JSON, e.g. '
                                                    '{"lsh": {"chunk_size": 32}}')
+    p.add_argument("--variants", default=None,
+                   help='labelled variants as JSON: {"LABEL": {"attention": NAME, "options": {...}, "train_args": '
+                        '[...]}}, e.g. {"nc-no-losses": {"attention": "neural-clustering", "train_args": '
+                        '["--clustering-weight", "0", "--centroid-sorting-weight", "0"]}}; name LABEL in --attention')
+    p.add_argument("--jobs", type=int, default=1,
+                   help="trainings at once, each with cpu_count/jobs threads unless OMP_NUM_THREADS is set "
+                        "(default 1)")
     p.add_argument("--out", required=True, help="comparison directory")
     p.add_argument("--plot", default=None, help="also draw the speed-accuracy picture here (PNG)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then flags for every train run")
     p.set_defaults(func=run)
 
 
-def _mechanisms(text: str) -> list[str]:
+def _labels(text: str) -> list[str]:
     from ..apps.compare import STACK
 
     if text.strip() == "all":
         return [*name_list("all"), STACK]
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    if not names:
+    labels = split_specs(text)
+    if not labels:
         raise argparse.ArgumentTypeError(f"expected mechanism names, got {text!r}")
-    return [name if name == STACK else name_list(name)[0] for name in names]
+    return labels
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     options = json_object("--options", args.options, '{"lsh": {"chunk_size": 32}}')
+    variants = json_object("--variants", args.variants,
+                           '{"nc-no-losses": {"attention": "neural-clustering", "train_args": [...]}}')
     config = CompareConfig(tasks=args.tasks, attention=args.attention, out=args.out, seeds=args.seeds,
-                           folds=args.folds, options=options, train_args=train_args)
+                           folds=args.folds, options=options, variants=variants, train_args=train_args,
+                           jobs=args.jobs)
     summary = run_comparison(config, log=log)
     if args.plot:
         log(f"wrote {plot_comparison(summary, args.plot)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._specs import split_specs
 from ._args import int_list
 
 
@@ -31,19 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _methods(text: str) -> list[str]:
-    parts = text.split(";") if ";" in text else _split_commas(text)
-    return ["dense", *[m.strip() for m in parts if m.strip() and m.strip() != "dense"]]
-
-
-def _split_commas(text: str) -> list[str]:
-    """Split on commas that start a new method (a comma followed by key=value continues the options)."""
-    methods: list[str] = []
-    for piece in text.split(","):
-        if methods and "=" in piece and ":" not in piece:
-            methods[-1] += "," + piece
-        else:
-            methods.append(piece)
-    return methods
+    return ["dense", *[m for m in split_specs(text) if m != "dense"]]
 
 
 def run(args: argparse.Namespace) -> int:
