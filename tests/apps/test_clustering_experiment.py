@@ -22,6 +22,7 @@ from clusterformer.apps.clustering import (
 from clusterformer.apps.som import SOM, grid_shape, som_step
 from clusterformer.cli import main
 from clusterformer.clustering.neural import neural_clustering
+from seeds import fixed_seed
 
 
 def _blobs(n_per: int, centres: int, dim: int, seed: int, spread: float = 0.3):
@@ -139,3 +140,33 @@ def test_neural_clusterer_mini_batches_and_early_stopping():
         NeuralClusterer(3, batch_size=0)
     with pytest.raises(ValueError, match="dtype"):
         NeuralClusterer(3, dtype="float16")
+
+
+@pytest.mark.parametrize("assign", ["subordinate", "nearest"])
+@pytest.mark.parametrize("per_set_k", [False, True])
+def test_shared_points_give_what_expanded_points_give(assign, per_set_k):
+    """neural_clustering on (N, d) points shared by B centroid sets (the clusterer's restarts, one product) equals
+    the same points expanded to (B, N, d): assignments, C_hat, both losses and the gradients of points and
+    centroids, float64 to 1e-10."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, N, k, d = 3, 37, 5, 7
+    base = torch.randn(N, d, generator=g, dtype=torch.float64)
+    cents = torch.randn(B, k, d, generator=g, dtype=torch.float64)
+    num_clusters = torch.tensor([5, 2, 4]) if per_set_k else None
+    weights = torch.randn(B, k, d, generator=g, dtype=torch.float64)  # a probe of C_hat for the gradients
+    results = []
+    for shared in (True, False):
+        points, centroids = base.clone().requires_grad_(), cents.clone().requires_grad_()
+        out = neural_clustering(points if shared else points.expand(B, N, d), centroids, scale=3.0, assign=assign,
+                                num_clusters=num_clusters)
+        (out.clustering_loss + out.sorting_loss + (out.updated_centroids * weights).sum()).backward()
+        results.append((out, points.grad, centroids.grad))
+    (a, ga_p, ga_c), (b, gb_p, gb_c) = results
+    assert torch.equal(a.assignments, b.assignments)
+    for x, y in ((a.updated_centroids, b.updated_centroids), (a.clustering_loss, b.clustering_loss),
+                 (a.sorting_loss, b.sorting_loss), (ga_p, gb_p), (ga_c, gb_c)):
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        neural_clustering(base, cents, key_padding_mask=torch.zeros(N, dtype=torch.bool))
+    with pytest.raises(ValueError, match="centroids"):
+        neural_clustering(base, cents[0])

@@ -48,9 +48,10 @@ METHODS = ("neural", "kmeans", "som")
 class NeuralClusterer:
     """The Neural Clustering Method as a clusterer; ``NeuralClusterer(k).fit(x).labels_``.
 
-    ``n_init`` restarts (different random points as initial centroids) are trained side by side, as one
-    batch of ``n_init`` "sequences" through :func:`neural_clustering` (no loop over restarts), and the one
-    with the lowest final clustering loss L1 is kept -- the analogue of k-means keeping its lowest-inertia
+    ``n_init`` restarts (different random points as initial centroids) are trained side by side, as ``n_init``
+    centroid sets over the same shared points in one call of :func:`neural_clustering` (no loop over restarts, and
+    no per-restart copy of the points: the scores of all restarts are one (m, d) x (d, n_init k) product), and the
+    one with the lowest final clustering loss L1 is kept -- the analogue of k-means keeping its lowest-inertia
     restart. ``losses`` records the mean L1 over restarts at every step; ``restart_losses`` the final L1 of
     each restart (over the whole data set).
 
@@ -90,9 +91,9 @@ class NeuralClusterer:
             raise ValueError(f"x must have at least k={self.k} points, got {n}")
         g = torch.Generator().manual_seed(self.seed)
         R = self.n_init
-        x = x.to(self.dtype).unsqueeze(0)  # (1, n, d); broadcast over the R restarts
+        x = x.to(self.dtype)  # (n, d), shared by the R restarts (one product for all of them)
         start = torch.rand(R, n, generator=g).argsort(-1)[:, : self.k]  # k distinct random points per restart
-        centroids = torch.nn.Parameter(x[0][start].clone())  # (R, k, d)
+        centroids = torch.nn.Parameter(x[start].clone())  # (R, k, d)
         params = [centroids]
         w = None
         if self.projection:
@@ -101,8 +102,7 @@ class NeuralClusterer:
         batch = n if self.batch_size is None else min(self.batch_size, n)
 
         def step(points: torch.Tensor) -> tuple[torch.Tensor, NeuralClusteringOutput]:
-            m = points.shape[1]
-            points = points.expand(R, m, d) if w is None else points @ w
+            points = points if w is None else points @ w  # (m, d) shared, or (R, m, d) projected per restart
             return points, neural_clustering(points, centroids, scale=self.scale, assign=self.assign)
 
         # The loss is a mean over the R restarts, so each restart's gradient is 1/R of its own; Adam's
@@ -110,7 +110,7 @@ class NeuralClusterer:
         opt = torch.optim.Adam(params, lr=self.lr)
         smoothed: list[float] = []
         for _ in range(self.steps):
-            sample = x if batch == n else x[:, torch.randperm(n, generator=g)[:batch]]
+            sample = x if batch == n else x[torch.randperm(n, generator=g)[:batch]]
             _, out = step(sample)
             opt.zero_grad()
             out.clustering_loss.backward()
@@ -148,9 +148,11 @@ def digits_784(n: int = 10_000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _per_sequence_clustering_loss(points: torch.Tensor, out: NeuralClusteringOutput) -> torch.Tensor:
-    """L1 (eq. 6, cosine) of every sequence separately: (B, N, d) points -> (B,)."""
-    chosen = out.updated_centroids.gather(1, out.assignments.unsqueeze(-1).expand_as(points))
-    return -torch.nn.functional.cosine_similarity(points, chosen, dim=-1).mean(-1)
+    """L1 (eq. 6, cosine) of every centroid set separately: (B, N, d) points, or (N, d) shared by the sets -> (B,).
+    From the (B, N, k) cosines of every point to every C_hat, not a (B, N, d) gather of the chosen C_hat."""
+    unit = torch.nn.functional.normalize
+    cosines = unit(points, dim=-1, eps=1e-8) @ unit(out.updated_centroids, dim=-1, eps=1e-8).transpose(-1, -2)
+    return -cosines.gather(-1, out.assignments.unsqueeze(-1)).squeeze(-1).mean(-1)
 
 
 def _contingency(clusters: np.ndarray, labels: np.ndarray) -> np.ndarray:

@@ -61,7 +61,10 @@ def neural_clustering(
     """Soft-cluster ``points`` around ``centroids`` (eqs. 2-4), with the losses of eqs. 6 and 11.
 
     Args:
-        points: (B, N, d) projected hidden states X W^C.
+        points: (B, N, d) projected hidden states X W^C; or (N, d) points shared by the B centroid sets of a
+            (B, k, d) ``centroids`` (the stand-alone clusterer's restarts): then the scores of every set are one
+            (N, d) x (d, B k) product and nothing of size (B, N, d) is formed. Same results as the points
+            expanded to (B, N, d); no ``key_padding_mask``.
         centroids: (k, d) parameter centroids C, or (B, k, d) per-sequence centroids (e.g. the previous
             layer's C_hat).
         key_padding_mask: optional (B, N) bool, True marks padding: excluded from U, C_hat and the losses.
@@ -77,7 +80,15 @@ def neural_clustering(
     Returns:
         :class:`NeuralClusteringOutput`.
     """
-    B, N, d = points.shape
+    shared = points.dim() == 2
+    if shared:
+        if centroids.dim() != 3:
+            raise ValueError(f"shared (N, d) points need (B, k, d) centroids, got shape {tuple(centroids.shape)}")
+        if key_padding_mask is not None:
+            raise ValueError("key_padding_mask is not supported with shared (N, d) points")
+        B, (N, d) = centroids.shape[0], points.shape
+    else:
+        B, N, d = points.shape
     if centroids.dim() == 2:
         centroids = centroids.unsqueeze(0).expand(B, -1, -1)
     k = centroids.shape[1]
@@ -90,7 +101,10 @@ def neural_clustering(
         # Scores laid out (B, N, k): one matmul without a transposed copy, contiguous argmax over k. For
         # cosine, divide the (N, k) product by the point norms instead of normalising the (N, d) points, so
         # that no (N, d) copy is kept for the backward.
-        raw = points @ unit_centroids.transpose(1, 2)
+        if shared:  # (N, B k) in one product, viewed as (B, N, k) without a copy
+            raw = (points @ unit_centroids.reshape(B * k, d).T).view(N, B, k).transpose(0, 1)
+        else:
+            raw = points @ unit_centroids.transpose(1, 2)
         scores = raw
         if similarity == "cosine":
             scores = raw * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
@@ -106,7 +120,7 @@ def neural_clustering(
         u = torch.softmax(scores, dim=1)
         if key_padding_mask is not None or unused is not None:
             u = torch.nan_to_num(u, nan=0.0)
-        updated = u.transpose(1, 2) @ points  # eq. 3: C_hat_i = sum_j U_ij X_j W^C, (B, k, d)
+        updated = _weighted_sums(u, points)  # eq. 3: C_hat_i = sum_j U_ij X_j W^C, (B, k, d)
 
         # Eq. 4: I_j = argmax_i U_ij = argmax_i (score_ij - logsumexp_j' score_ij'). No gradient: the
         # assignment is a hard argmax in the paper too, and the temporaries are freed at once.
@@ -128,8 +142,11 @@ def neural_clustering(
         if key_padding_mask is not None:
             real = ~key_padding_mask
         unit_points = _unit(points, similarity)  # not saved for the backward: scatter_add keeps only the index
-        members = torch.zeros(B, k + 1, d, dtype=points.dtype, device=points.device)  # row k: padding
-        members = members.scatter_add(1, ids.unsqueeze(-1).expand(B, N, d), unit_points)
+        if shared:  # the sums of every set's clusters as one product of a one-hot matrix
+            members = _weighted_sums(F.one_hot(ids, k + 1).to(points.dtype), unit_points)
+        else:
+            members = torch.zeros(B, k + 1, d, dtype=points.dtype, device=points.device)  # row k: padding
+            members = members.scatter_add(1, ids.unsqueeze(-1).expand(B, N, d), unit_points)
         unit_updated = _unit(updated, similarity)
         clustering_loss = -(members[:, :k] * unit_updated).sum() / real.sum().clamp(min=1)
 
@@ -146,6 +163,15 @@ def neural_clustering(
         ring = torch.where(has_real, ring, torch.zeros_like(ring))
         sorting_loss = -ring.sum() / has_real.sum().clamp(min=1)
     return NeuralClusteringOutput(ids, updated, clustering_loss, sorting_loss)
+
+
+def _weighted_sums(weights: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[b, j, i] points[(b,) j] -> (B, r, d) for weights (B, N, r) and points (B, N, d) or (N, d).
+    Shared points: one (B r, N) x (N, d) product; the small (N, B r) copy of the weights is what lets it fold."""
+    if points.dim() == 3:
+        return weights.transpose(1, 2) @ points
+    B, N, r = weights.shape
+    return (weights.transpose(0, 1).reshape(N, B * r).T @ points).view(B, r, -1)
 
 
 def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, similarity: str = "cosine") -> torch.Tensor:
