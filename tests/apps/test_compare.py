@@ -58,6 +58,12 @@ def test_compare_runs_the_grid_resumes_and_summarises(tmp_path, capsys):
         assert nc["vs_full"]["mean_difference"] == pytest.approx(nc["mean"] - full["mean"])
         assert "vs_full" not in full and "vs_neural-clustering" in full
     assert "| neural-clustering |" in (out / "summary.md").read_text()
+    runs = [json.loads(p.read_text()) for p in out.glob("*/*/seed*/metrics.json")]
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, (os.cpu_count() or 1) // 2)))  # --jobs 2 shares the cores
+    assert {r["threads"] for r in runs} == {threads}
+    assert summary["runs_finished"] == 8 and summary["machines"] == [f"{runs[0]['machine']}, cpu, torch "
+                                                                      f"{torch.__version__}, {threads} thread(s)"]
+    assert summary["wall_seconds"] == pytest.approx(sum(r["wall_seconds"] for r in runs))
     # interrupt one run after its step-2 checkpoint: its final checkpoint and metrics are gone, the step-2 one is
     # the latest. A finished run is skipped; the interrupted one resumes and reaches the same end, exactly.
     done = out / "listops" / "full" / "seed1"

@@ -251,8 +251,9 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarise(config: CompareConfig) -> dict:
-    """Per task and mechanism: score mean / std over the units that finished, time, memory, paired differences."""
-    tasks = {}
+    """Per task and mechanism: score mean / std over the units that finished, time, memory, paired differences;
+    and where the runs ran (machine, torch, threads) and their summed wall time."""
+    tasks, machines, wall, finished = {}, set(), 0.0, 0
     for task in config.tasks:
         metric, better = SCORE.get(task, ("accuracy", "higher"))
         rows: dict[str, dict] = {}
@@ -265,6 +266,11 @@ def summarise(config: CompareConfig) -> dict:
                     runs[unit] = json.loads(path.read_text())
             if not runs:
                 continue
+            for r in runs.values():
+                machines.add(f"{r.get('machine', '?')}, {r.get('device', '?')}, torch {r.get('torch', '?')}, "
+                             f"{r.get('threads', '?')} thread(s)")
+                wall += r.get("wall_seconds", 0.0)
+                finished += 1
             scores = {u: r["metrics"][metric] for u, r in runs.items()}
             mean, std = _mean_std(list(scores.values()))
             seconds, _ = _mean_std([r["seconds_per_epoch"] for r in runs.values()])
@@ -282,7 +288,8 @@ def summarise(config: CompareConfig) -> dict:
             if "full" in rows:
                 row["time_vs_full"] = row["seconds_per_epoch"] / rows["full"]["seconds_per_epoch"]
         tasks[task] = {"metric": metric, "better": better, "mechanisms": rows}
-    return {"tasks": tasks, "units": "folds" if config.folds else "seeds", "seeds": config.seeds,
+    return {"tasks": tasks, "runs_finished": finished, "wall_seconds": wall, "machines": sorted(machines),
+            "units": "folds" if config.folds else "seeds", "seeds": config.seeds,
             "folds": config.folds, "train_args": config.train_args,
             "entries": {e.label: {"attention": e.mechanism, "options": e.options, "train_args": list(e.train_args)}
                         for e in config.entries},
@@ -290,7 +297,9 @@ def summarise(config: CompareConfig) -> dict:
 
 
 def summary_markdown(summary: dict) -> str:
-    lines = [f"Units: {summary['units']}; paired test: {summary['test']}.", ""]
+    lines = [f"Units: {summary['units']}; paired test: {summary['test']}.",
+             f"Runs finished: {summary['runs_finished']}, {summary['wall_seconds'] / 3600:.2f} h of wall time in all, "
+             f"on {'; '.join(summary['machines']) or '-'}.", ""]
     for task, block in summary["tasks"].items():
         lines += [f"## {task} ({block['metric']}, {block['better']} is better)", "",
                   "| mechanism | score (mean ± std, n) | Δ vs full (p) | Δ vs neural-clustering (p) | s/epoch | "
