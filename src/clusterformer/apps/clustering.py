@@ -14,7 +14,8 @@ Methods (all on the same centred features; centring changes neither k-means nor 
 translation invariant, but matters for the cosine similarity of the neural method):
 
 * ``neural``: :class:`NeuralClusterer` -- the Neural Clustering Method of section 3.1 on its clustering loss
-  alone: learnable centroids C (k x d, started at k random points), U = softmax over points of
+  alone: learnable centroids C (k x d, started at k points chosen by k-means++ on the cosine distance, as
+  k-means starts; ``init="random"``: k random points), U = softmax over points of
   ``scale`` * cos(C_i, x_j) (eq. 2), C_hat = U X (eq. 3), I_j = argmax_i U_ij (eq. 4), and L1 = -mean_j
   cos(x_j, C_hat_{I_j}) (eq. 6) minimised with Adam (up to 1,000 steps on mini-batches of 2,048 points in
   float32, stopping early once the smoothed loss stalls; the final assignment over every point); like k-means,
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from .._checks import check_choice, check_float, check_int, check_tensor
+from ..clustering.kmeans import kmeans_plus_plus
 from ..clustering.neural import NeuralClusteringOutput, neural_clustering
 from .som import SOM
 
@@ -48,7 +50,8 @@ METHODS = ("neural", "kmeans", "som")
 class NeuralClusterer:
     """The Neural Clustering Method as a clusterer; ``NeuralClusterer(k).fit(x).labels_``.
 
-    ``n_init`` restarts (different random points as initial centroids) are trained side by side, as ``n_init``
+    ``n_init`` restarts (different initial centroids: k-means++ seeds, or random points with
+    ``init="random"``) are trained side by side, as ``n_init``
     centroid sets over the same shared points in one call of :func:`neural_clustering` (no loop over restarts, and
     no per-restart copy of the points: the scores of all restarts are one (m, d) x (d, n_init k) product), and the
     one with the lowest final clustering loss L1 is kept -- the analogue of k-means keeping its lowest-inertia
@@ -65,7 +68,7 @@ class NeuralClusterer:
     def __init__(self, k: int, *, steps: int = 1000, lr: float = 0.05, scale: float = 3.0,
                  assign: str = "subordinate", projection: bool = False, n_init: int = 10, seed: int = 0,
                  batch_size: int | None = 2048, dtype: str = "float32", tol: float = 1e-4,
-                 patience: int = 50) -> None:
+                 patience: int = 50, init: str = "k-means++") -> None:
         self.k = check_int("k", k, minimum=1)
         self.steps = check_int("steps", steps, minimum=0)
         self.lr = check_float("lr", lr, minimum=0.0, exclusive_minimum=True)
@@ -78,6 +81,7 @@ class NeuralClusterer:
         self.dtype = getattr(torch, check_choice("dtype", dtype, ("float32", "float64")))
         self.tol = check_float("tol", tol, minimum=0.0)
         self.patience = check_int("patience", patience, minimum=1)
+        self.init = check_choice("init", init, ("k-means++", "random"))
         self.centroids: torch.Tensor | None = None
         self.labels_: torch.Tensor | None = None
         self.losses: list[float] = []
@@ -92,7 +96,11 @@ class NeuralClusterer:
         g = torch.Generator().manual_seed(self.seed)
         R = self.n_init
         x = x.to(self.dtype)  # (n, d), shared by the R restarts (one product for all of them)
-        start = torch.rand(R, n, generator=g).argsort(-1)[:, : self.k]  # k distinct random points per restart
+        if self.init == "random":  # k distinct random points per restart
+            start = torch.rand(R, n, generator=g).argsort(-1)[:, : self.k]
+        else:  # k-means++ on the cosine distance that eq. 2 scores by; each restart draws its own seeds
+            unit = torch.nn.functional.normalize(x, dim=-1, eps=1e-8)
+            start = torch.stack([kmeans_plus_plus(unit, self.k, g) for _ in range(R)])  # R short chains, once
         centroids = torch.nn.Parameter(x[start].clone())  # (R, k, d)
         params = [centroids]
         w = None

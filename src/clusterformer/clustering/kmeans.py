@@ -9,8 +9,12 @@
 * :func:`euclidean_kmeans` -- batched Lloyd K-means on real vectors with the same deterministic seeding
   (clustered attention with ``query_clustering="euclidean"``: the queries themselves instead of their hashes).
 
+* :func:`kmeans_plus_plus` -- k-means++ seeding on the cosine distance (spherical k-means; the stand-alone
+  neural clusterer's restarts).
+
 All are vectorised over points and clusters; the only Python loops run over Lloyd iterations (and, in
-:func:`greedy_nearest_order`, over the k picks of a greedy chain that runs once per centroid refresh).
+:func:`greedy_nearest_order` and :func:`kmeans_plus_plus`, over the k picks of a chain that runs once per
+centroid refresh or initialisation).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .._checks import check_int, check_tensor
 
 __all__ = [
     "cluster_sums", "ema_centroid_update", "euclidean_kmeans", "greedy_nearest_order", "hamming_kmeans",
-    "spherical_kmeans",
+    "kmeans_plus_plus", "spherical_kmeans",
 ]
 
 
@@ -63,7 +67,7 @@ def spherical_kmeans(
     if n == 0:
         raise ValueError("points must hold at least one row to compute centroids from")
     x = F.normalize(points.to(torch.promote_types(points.dtype, torch.float32)), dim=-1)
-    centroids = _kmeans_plus_plus(x, k, generator)
+    centroids = x[kmeans_plus_plus(x, k, generator)]
     for _ in range(iterations):
         assign = (x @ centroids.T).argmax(-1)
         sums, counts = cluster_sums(x, assign, k)
@@ -71,9 +75,11 @@ def spherical_kmeans(
     return centroids
 
 
-def _kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
-    """k seeds from unit rows x (n, d): the first uniformly, each next with probability proportional to its
-    distance 1 - cos to the nearest seed so far (uniform again if every point is already a seed)."""
+def kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The indices (k,) of k seeds among unit rows x (n, d), k-means++ on the cosine distance (1 - cos = half the
+    squared Euclidean distance of unit vectors): the first uniformly, each next with probability proportional to
+    its distance to the nearest seed so far (uniform again if every point is already a seed). Sequential over
+    the k seeds by definition; each step is one (n, d) x (d,) product."""
     n = x.shape[0]
     first = int(torch.randint(n, (1,), generator=generator))
     seeds = [first]
@@ -85,7 +91,7 @@ def _kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator | None
         pick = int(torch.multinomial(weights, 1, generator=generator))
         seeds.append(pick)
         nearest = torch.minimum(nearest, 1.0 - x @ x[pick])
-    return x[torch.tensor(seeds, device=x.device)]
+    return torch.tensor(seeds, device=x.device)
 
 
 def greedy_nearest_order(centroids: torch.Tensor) -> torch.Tensor:
