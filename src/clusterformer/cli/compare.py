@@ -12,8 +12,8 @@ from ._args import json_object, log, name_list
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="every mechanism on every task over seeds/folds (resumable) + summary",
-                       description="Run `clusterformer train` for each task x mechanism x seed (or fold) into "
-                                   "OUT/TASK/MECHANISM/seedS, skipping finished runs and resuming interrupted ones, "
+                       description="Run `clusterformer train` for each task x entry x seed (or fold) into "
+                                   "OUT/TASK/LABEL/seedS, skipping finished runs and resuming interrupted ones, "
                                    "then write OUT/summary.json and OUT/summary.md. Flags after `--` go to every "
                                    "train run, e.g. -- --epochs 5 --dim 128.")
     p.add_argument("--tasks", required=True, type=lambda t: [v.strip() for v in t.split(",") if v.strip()],
