@@ -299,7 +299,7 @@ def summarise(config: CompareConfig) -> dict:
 def summary_markdown(summary: dict) -> str:
     lines = [f"Units: {summary['units']}; paired test: {summary['test']}.",
              f"Runs finished: {summary['runs_finished']}, {summary['wall_seconds'] / 3600:.2f} h of wall time in all, "
-             f"on {'; '.join(summary['machines']) or '-'}.", ""]
+             f"on {'; '.join(summary['machines']) or '-'}.", "", *_overview(summary)]
     for task, block in summary["tasks"].items():
         lines += [f"## {task} ({block['metric']}, {block['better']} is better)", "",
                   "| mechanism | score (mean ± std, n) | Δ vs full (p) | Δ vs neural-clustering (p) | s/epoch | "
@@ -311,6 +311,25 @@ def summary_markdown(summary: dict) -> str:
                          f"{row.get('time_vs_full', math.nan):.2f} | {row['peak_rss_mb']:.0f} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _overview(summary: dict) -> list[str]:
+    """Entries as rows, tasks as columns (the papers' table layout): score mean ± std, then time per epoch
+    relative to full's."""
+    tasks = summary["tasks"]
+    labels = list(dict.fromkeys(label for block in tasks.values() for label in block["mechanisms"]))
+    if not labels:
+        return []
+    head = [f"{task} ({block['metric']})" for task, block in tasks.items()]
+    lines = ["## Overview: score mean ± std over units; time per epoch / full's", "",
+             "| entry | " + " | ".join(head) + " | " + " | ".join(f"time {task}" for task in tasks) + " |",
+             "|---" * (1 + 2 * len(tasks)) + "|"]
+    for label in labels:
+        rows = [block["mechanisms"].get(label) for block in tasks.values()]
+        scores = [f"{r['mean']:.4f} ± {r['std']:.4f}" if r else "—" for r in rows]
+        times = [f"{r['time_vs_full']:.2f}" if r and "time_vs_full" in r else "—" for r in rows]
+        lines.append(f"| {label} | " + " | ".join(scores) + " | " + " | ".join(times) + " |")
+    return [*lines, ""]
 
 
 def _difference(d: dict | None) -> str:
