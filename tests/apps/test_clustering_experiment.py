@@ -170,3 +170,20 @@ def test_shared_points_give_what_expanded_points_give(assign, per_set_k):
         neural_clustering(base, cents, key_padding_mask=torch.zeros(N, dtype=torch.bool))
     with pytest.raises(ValueError, match="centroids"):
         neural_clustering(base, cents[0])
+
+
+def test_neural_clusterer_starts_from_cosine_kmeans_plus_plus_seeds():
+    """The default start is k-means++ on the cosine distance, drawn from the clusterer's seeded generator (steps=0
+    keeps the start); init="random" starts elsewhere; a bad init is refused by name."""
+    from clusterformer.clustering.kmeans import kmeans_plus_plus
+
+    x, _ = _blobs(30, 4, 5, seed=8)
+    x = (x - x.mean(0)).float()
+    start = NeuralClusterer(4, steps=0, n_init=1, seed=3).fit(x).centroids
+    seeds = kmeans_plus_plus(torch.nn.functional.normalize(x, dim=-1), 4, torch.Generator().manual_seed(3))
+    assert len(set(seeds.tolist())) == 4
+    torch.testing.assert_close(start, x[seeds], atol=0, rtol=0)
+    random = NeuralClusterer(4, steps=0, n_init=1, seed=3, init="random").fit(x).centroids
+    assert not torch.equal(random, start)
+    with pytest.raises(ValueError, match="init"):
+        NeuralClusterer(4, init="kmeans")

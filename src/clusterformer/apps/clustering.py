@@ -50,13 +50,12 @@ METHODS = ("neural", "kmeans", "som")
 class NeuralClusterer:
     """The Neural Clustering Method as a clusterer; ``NeuralClusterer(k).fit(x).labels_``.
 
-    ``n_init`` restarts (different initial centroids: k-means++ seeds, or random points with
-    ``init="random"``) are trained side by side, as ``n_init``
-    centroid sets over the same shared points in one call of :func:`neural_clustering` (no loop over restarts, and
-    no per-restart copy of the points: the scores of all restarts are one (m, d) x (d, n_init k) product), and the
-    one with the lowest final clustering loss L1 is kept -- the analogue of k-means keeping its lowest-inertia
-    restart. ``losses`` records the mean L1 over restarts at every step; ``restart_losses`` the final L1 of
-    each restart (over the whole data set).
+    ``n_init`` restarts (different initial centroids: k-means++ seeds, or random points with ``init="random"``)
+    are trained side by side, as ``n_init`` centroid sets over the same shared points in one call of
+    :func:`neural_clustering` (no loop over restarts, and no per-restart copy of the points: the scores of all
+    restarts are one (m, d) x (d, n_init k) product), and the one with the lowest final clustering loss L1 is kept
+    -- the analogue of k-means keeping its lowest-inertia restart. ``losses`` records the mean L1 over restarts at
+    every step; ``restart_losses`` the final L1 of each restart (over the whole data set).
 
     Speed (issue #14). Each step draws ``batch_size`` points (one sample shared by the restarts; None = every
     point, the paper's eq. 2 over the whole data set) and computes eqs. 2-6 on them in ``dtype``; training

@@ -8,7 +8,6 @@
 * :func:`hamming_kmeans` -- K-means on binary hash codes with Hamming distance (clustered attention).
 * :func:`euclidean_kmeans` -- batched Lloyd K-means on real vectors with the same deterministic seeding
   (clustered attention with ``query_clustering="euclidean"``: the queries themselves instead of their hashes).
-
 * :func:`kmeans_plus_plus` -- k-means++ seeding on the cosine distance (spherical k-means; the stand-alone
   neural clusterer's restarts).
 
