@@ -15,8 +15,9 @@ subprocess (its peak resident memory is its own, and a crash loses one run) with
 equal budgets, equal model size -- writing into ``OUT/TASK/DIRECTORY/seedS`` (or ``foldF``), DIRECTORY being the
 label with ``:``, ``,`` and ``=`` made file-name friendly. A run whose ``metrics.json`` exists is skipped; one with a
 checkpoint but no metrics is resumed (``--resume``); so an interrupted comparison continues where it stopped.
-``jobs`` runs that many trainings at once, each with ``cpu_count // jobs`` threads (``OMP_NUM_THREADS``, unless
-the caller set it): small models train faster as two one-thread runs than as one two-thread run.
+``jobs`` > 1 runs that many trainings at once, each with ``cpu_count // jobs`` threads (``OMP_NUM_THREADS``, unless
+the caller set it; one job keeps torch's own choice): small models train faster as two one-thread runs than as
+one two-thread run.
 
 The summary (``OUT/summary.json`` and ``OUT/summary.md``) gives, per task and entry, the mean and sample standard
 deviation of the task's score over units, seconds per epoch, the largest peak resident memory of its runs, and for
@@ -198,7 +199,7 @@ def _run_all(runs: list[_Run], total: int, jobs: int, log: Callable[[str], None]
     alone) goes into its ``metrics.json``. A failure stops launching new runs, lets the running ones finish (they
     are kept), and raises."""
     env = dict(os.environ)
-    if "OMP_NUM_THREADS" not in env:
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:  # one run alone keeps torch's own choice of threads
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
     queue, running, failed = list(runs), {}, []
     while queue or running:

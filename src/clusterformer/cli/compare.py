@@ -33,8 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         '[...]}}, e.g. {"nc-no-losses": {"attention": "neural-clustering", "train_args": '
                         '["--clustering-weight", "0", "--centroid-sorting-weight", "0"]}}; name LABEL in --attention')
     p.add_argument("--jobs", type=int, default=1,
-                   help="trainings at once, each with cpu_count/jobs threads unless OMP_NUM_THREADS is set "
-                        "(default 1)")
+                   help="trainings at once (default 1); with more than one, each gets cpu_count/jobs threads "
+                        "unless OMP_NUM_THREADS is set")
     p.add_argument("--out", required=True, help="comparison directory")
     p.add_argument("--plot", default=None, help="also draw the speed-accuracy picture here (PNG)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then flags for every train run")
