@@ -423,3 +423,66 @@ def test_cluster_layers_build_the_cluster_former_stack(tmp_path):
                          ({"cluster_layers": [3]}, "outside depth=3"), ({"cluster_layers": []}, "at least one")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**{**config.__dict__, **bad})
+
+
+def test_centroid_lr_scale_scales_only_the_clustering_parameters_update(tmp_path):
+    """One AdamW step moves each parameter by lr * (g / |g| + weight decay * p): proportional to its group's lr.
+    With --centroid-lr-scale 4 the centroids and W^C move exactly 4x as far, every other weight exactly as far."""
+    train, test = _write_task(tmp_path)
+    moved = {}
+    for scale in ("1", "4"):
+        out = tmp_path / f"scale{scale}"
+        assert main(_argv(train, test, out, "--attention", "neural-clustering", "--max-steps", "1", "--batch-size",
+                          "16", "--dropout", "0", "--centroid-lr-scale", scale)) == 0
+        moved[scale] = _weights(out)
+    torch.manual_seed(0)  # the initial weights of both runs (build_model after the run's own manual_seed)
+    from clusterformer.train.loop import TrainConfig as Config, build_model
+    from clusterformer.train.tasks import prepare_task
+
+    config = Config(task="text-classification", out=str(tmp_path / "x"), train_file=str(train),
+                    test_file=str(test), max_steps=1, dim=16, depth=2, heads=2, max_len=16,
+                    attention="neural-clustering")
+    task = prepare_task("text-classification", data_dir=None, max_len=16, train_file=str(train), test_file=str(test))
+    initial = build_model(config, task).state_dict()
+    clustering = [n for n in initial if n.endswith(("inner.centroids", "inner.to_cluster.weight"))]
+    assert len(clustering) == 4
+    for name, start in initial.items():
+        if not (isinstance(start, torch.Tensor) and start.is_floating_point()):
+            continue
+        d1, d4 = moved["1"][name] - start, moved["4"][name] - start
+        if name in clustering:
+            # float32 weights of size ~1 round each delta to ~1e-7: compare the ratio of norms and each entry
+            assert d1.abs().max() > 1e-5 and abs(d4.norm() / d1.norm() - 4) < 1e-3, name
+            assert torch.allclose(d4, 4 * d1, rtol=1e-2, atol=1e-6), name
+        else:
+            assert torch.equal(moved["1"][name], moved["4"][name]), name
+
+
+def test_centroid_flow_flag_builds_the_papers_flow_and_resume_refuses_a_change(tmp_path, capsys):
+    from clusterformer.train.loop import build_model, parameter_groups
+    from clusterformer.train.tasks import prepare_task
+
+    train, test = _write_task(tmp_path)
+    config = TrainConfig(task="text-classification", out=str(tmp_path / "o"), train_file=str(train),
+                         test_file=str(test), max_steps=1, dim=16, depth=3, heads=2, attention="neural-clustering",
+                         centroid_flow=True)
+    task = prepare_task("text-classification", data_dir=None, max_len=16, train_file=str(train), test_file=str(test))
+    model = build_model(config, task)
+    owners = [any(n == "centroids" for n, _ in block.attn.inner.named_parameters()) for block in model.encoder.blocks]
+    assert owners == [True, False, False]  # layer 1 owns C; later layers start from the flowed C_hat
+    assert len(parameter_groups(model, config)) == 1
+    for bad, message in (({"attention": "full"}, "needs attention='neural-clustering'"),
+                         ({"reversible": True}, "reversible"),
+                         ({"centroid_flow": False, "centroid_lr_scale": 0.0}, "centroid_lr_scale must be > 0"),
+                         ({"centroid_flow": False, "centroid_lr_scale": 2.0, "attention": "routing"},
+                          "centroid_lr_scale acts on neural-clustering")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**{**config.__dict__, **bad})
+    out = tmp_path / "run"
+    assert main(_argv(train, test, out, "--attention", "neural-clustering", "--max-steps", "2", "--batch-size", "16",
+                      "--centroid-flow", "--checkpoint-every", "1")) == 0
+    assert json.loads((out / "metrics.json").read_text())["config"]["centroid_flow"] is True
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(train, test, out, "--attention", "neural-clustering", "--max-steps", "3", "--batch-size", "16",
+                   "--resume"))
+    assert exc.value.code == 2 and "different centroid_flow" in capsys.readouterr().err

@@ -44,6 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster-layers", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=None,
                    help="with --attention cluster-former: the paper's stack -- Cluster-Former layers at these depths "
                         "(0-based; -1 = the last), sliding-window layers (same window and stride) elsewhere")
+    p.add_argument("--centroid-flow", action="store_true",
+                   help="neural-clustering: the paper's centroid flow -- layer 1 owns the centroids and layer l + 1 "
+                        "starts from layer l's updated centroids (default: every layer its own)")
+    p.add_argument("--centroid-lr-scale", type=float, default=1.0,
+                   help="neural-clustering: multiply the learning rate of the centroids and W^C by this")
     p.add_argument("--decoder-attention", type=mechanism, default=None,
                    help="multi30k: the decoder's causal self-attention, one with cached decoding (default: --attention "
                         "where it has one, else full); cross-attention is full")

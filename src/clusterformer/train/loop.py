@@ -19,7 +19,9 @@ Semantics (what the tests check):
 * **Loss.** ``task_weight * task + clustering_weight * L1 + centroid_sorting_weight * L2 + commitment_weight *
   commitment`` (:func:`clusterformer.attention.total_loss`; aux losses averaged over layers).
 * **Schedule.** AdamW; learning rate warms up linearly over ``warmup_steps`` then decays (``linear`` to 0 at the
-  last step, ``cosine``, or ``constant``); gradient norm clipped to ``clip`` (0 = off).
+  last step, ``cosine``, or ``constant``); gradient norm clipped to ``clip`` (0 = off). ``centroid_lr_scale``
+  multiplies the learning rate of neural-clustering's clustering parameters (centroids C and the projection W^C),
+  which then form a second parameter group under the same schedule.
 * **Checkpoints** (:mod:`clusterformer.train.checkpoint`): every ``checkpoint_every`` steps and at the end, with
   model (with every layer's state: centroids, memory banks, generators; pending EMA updates are applied
   after each optimiser step, so the buffers are never one step old), optimiser, schedule, step, every rank's
@@ -57,7 +59,7 @@ from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .tasks import TASKS, Task, prepare_task
 
-__all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "load_run", "run_training"]
+__all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "load_run", "parameter_groups", "run_training"]
 
 # Default peak learning rate when fine-tuning a pretrained model (``init``): the usual BERT fine-tuning range
 # (2e-5 .. 5e-5); the from-scratch default 1e-3 would wreck the pretrained weights.
@@ -110,6 +112,8 @@ class TrainConfig:
     init: str | None = None  # a pretrained model of clusterformer.hf (e.g. "minilm") to fine-tune
     allow_non_strict_causal: bool = False  # LM with a mechanism whose causal mode is not strict (optimistic bpc)
     cluster_layers: list[int] | None = None  # cluster-former: the paper's stack, Cluster-Former layers only here
+    centroid_flow: bool = False  # neural-clustering: layer l + 1 starts from layer l's updated centroids (paper)
+    centroid_lr_scale: float = 1.0  # neural-clustering: learning-rate multiplier of the centroids and W^C
     # translation (task multi30k)
     decoder_attention: str | None = None  # None: the encoder's mechanism if it can decode, else full
     decoder_attention_options: dict[str, Any] = field(default_factory=dict)
@@ -170,6 +174,16 @@ class TrainConfig:
                 if not -self.depth <= layer < self.depth:
                     raise ValueError(f"cluster_layers entry {layer} is outside depth={self.depth} (negative counts "
                                      "from the last layer)")
+        check_float("centroid_lr_scale", self.centroid_lr_scale, minimum=0.0, exclusive_minimum=True)
+        if self.centroid_flow or self.centroid_lr_scale != 1.0:
+            flag = "centroid_flow" if self.centroid_flow else "centroid_lr_scale"
+            if self.attention != "neural-clustering" or self.init or self.task == "multi30k":
+                raise ValueError(f"{flag} acts on neural-clustering's centroids: it needs attention="
+                                 f"'neural-clustering', no init and a task other than multi30k (got attention="
+                                 f"{self.attention!r}, init={self.init!r}, task={self.task!r})")
+            if self.centroid_flow and (self.reversible or "own_centroids" in self.attention_options):
+                raise ValueError("centroid_flow sets own_centroids per layer and replays no blocks: it cannot be "
+                                 "combined with reversible or an own_centroids option")
         for name in ("vocab_size", "max_len", "dim", "depth", "heads", "batch_size", "log_every", "folds"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed"):
@@ -236,8 +250,26 @@ def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
         return task.build_model(cluster_former_config(
             cluster_layers=layers, window=options.window, stride=options.stride, num_clusters=options.num_clusters,
             cluster_options=rest, **size))
-    enc = EncoderConfig(attention=config.attention, attention_options=dict(config.attention_options), **size)
+    enc = EncoderConfig(attention=config.attention, attention_options=dict(config.attention_options),
+                        centroid_flow=config.centroid_flow, **size)
     return task.build_model(enc)
+
+
+CLUSTERING_PARAMETERS = (".inner.centroids", ".inner.to_cluster.")  # neural-clustering's C and W^C
+
+
+def parameter_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
+    """The optimiser's parameter groups: one group, or with ``centroid_lr_scale`` != 1 a second one holding
+    neural-clustering's centroids and clustering projection at ``lr * centroid_lr_scale`` (its own ``lr``, which
+    the schedule then scales like the first group's)."""
+    if config.centroid_lr_scale == 1.0:
+        return [{"params": list(model.parameters())}]
+    clustering, rest = [], []
+    for name, parameter in model.named_parameters():
+        (clustering if any(key in name for key in CLUSTERING_PARAMETERS) else rest).append(parameter)
+    if not clustering:
+        raise ValueError("centroid_lr_scale was given but the model has no neural-clustering centroids")
+    return [{"params": rest}, {"params": clustering, "lr": config.lr * config.centroid_lr_scale}]
 
 
 def _schedule(config: TrainConfig, total: int):
@@ -440,7 +472,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     model = build_model(config, task).to(device)
     per_epoch = task.steps_per_epoch(config.batch_size, world)
     total = min(x for x in (config.max_steps, config.epochs and config.epochs * per_epoch) if x)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(parameter_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total))
     run = _Run(config, task, rank, world, device, out, model, _wrap(model, config, device, world), optimizer,
                scheduler, per_epoch, total, started)
@@ -460,7 +492,8 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     state = load_checkpoint(out / CHECKPOINT)
     saved = state["config"]
     changed = {k for k in ("task", "attention", "attention_options", "dim", "depth", "heads", "max_len", "seed",
-                           "batch_size", "cluster_layers", "decoder_attention", "decoder_attention_options")
+                           "batch_size", "cluster_layers", "decoder_attention", "decoder_attention_options",
+                           "centroid_flow", "centroid_lr_scale")
                if saved.get(k, getattr(config, k)) != getattr(config, k)}
     if changed:
         raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
