@@ -436,12 +436,12 @@ def test_centroid_lr_scale_scales_only_the_clustering_parameters_update(tmp_path
                           "16", "--dropout", "0", "--centroid-lr-scale", scale)) == 0
         moved[scale] = _weights(out)
     torch.manual_seed(0)  # the initial weights of both runs (build_model after the run's own manual_seed)
-    from clusterformer.train.loop import TrainConfig as Config, build_model
+    from clusterformer.train.loop import build_model
     from clusterformer.train.tasks import prepare_task
 
-    config = Config(task="text-classification", out=str(tmp_path / "x"), train_file=str(train),
-                    test_file=str(test), max_steps=1, dim=16, depth=2, heads=2, max_len=16,
-                    attention="neural-clustering")
+    config = TrainConfig(task="text-classification", out=str(tmp_path / "x"), train_file=str(train),
+                         test_file=str(test), max_steps=1, dim=16, depth=2, heads=2, max_len=16,
+                         attention="neural-clustering")
     task = prepare_task("text-classification", data_dir=None, max_len=16, train_file=str(train), test_file=str(test))
     initial = build_model(config, task).state_dict()
     clustering = [n for n in initial if n.endswith(("inner.centroids", "inner.to_cluster.weight"))]
