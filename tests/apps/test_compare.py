@@ -156,3 +156,39 @@ def test_compare_rejects_bad_arguments(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["compare", "--out", str(tmp_path / "x"), *argv])
         assert message in capsys.readouterr().err
+
+
+def _block(metric: str, rows: dict[str, tuple[float, float]]) -> dict:
+    return {"metric": metric, "better": "higher", "mechanisms": {
+        name: {"mean": mean, "std": 0.01, "time_vs_full": time} for name, (mean, time) in rows.items()}}
+
+
+def test_report_grids_joins_comparisons_into_one_table(tmp_path, capsys):
+    """Planted summaries: the average covers the accuracy columns only and only full rows; a task present in two
+    grids is told apart by the grid's name; times are per column."""
+    a = {"tasks": {"20news": _block("accuracy", {"full": (0.50, 1.0), "neural-clustering": (0.40, 0.5)}),
+                   "wikiqa": _block("map", {"full": (0.90, 1.0), "neural-clustering": (0.10, 0.8)})}}
+    b = {"tasks": {"20news": _block("accuracy", {"full": (0.30, 1.0), "neural-clustering": (0.60, 0.25),
+                                                 "lsh": (0.2, 2.0)})}}
+    for name, summary in (("short", a), ("long", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    assert main(["report", "--grids", str(tmp_path / "short"), str(tmp_path / "long" / "summary.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| entry | 20news (short) accuracy | wikiqa map | 20news (long) accuracy | "
+                               "avg accuracy (2 columns) |")
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines[2:]}
+    assert rows["full"][4] == "0.4000" and rows["neural-clustering"][4] == "0.5000"  # MAP not averaged
+    assert rows["lsh"][1:5] == ["—", "—", "0.2000 ± 0.0100", "—"]  # no average over a partial row
+    assert rows["neural-clustering"][5:] == ["0.50", "0.80", "0.25 |"]
+    for argv, message in ((["report", "--grids", str(tmp_path / "nothing")], "neither a comparison directory"),
+                          (["report"], "give run directories"),
+                          (["report", str(tmp_path), "--grids", str(tmp_path / "long")],
+                           "comparison directories only")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["report", "--grids", str(tmp_path / "bad.json")])
+    assert "not a comparison summary" in capsys.readouterr().err

@@ -333,6 +333,36 @@ def _overview(summary: dict) -> list[str]:
     return [*lines, ""]
 
 
+def grids_table(grids: list[tuple[str, dict]]) -> str:
+    """One table across several comparisons (the Long Range Arena paper's layout): entries as rows, one score
+    column per (grid, task), the average of the accuracy columns (LRA's "Avg"; other metrics such as MAP or bits
+    per character are shown but not averaged), then each column's time per epoch relative to full's in the same
+    grid. ``grids``: (name, summary) pairs, e.g. the directory name and its ``summary.json``."""
+    for name, summary in grids:
+        if not isinstance(summary, dict) or not isinstance(summary.get("tasks"), dict):
+            raise ValueError(f"grid {name!r}: not a comparison summary (no 'tasks')")
+    counts: dict[str, int] = {}
+    for _, summary in grids:
+        for task in summary["tasks"]:
+            counts[task] = counts.get(task, 0) + 1
+    columns = [(f"{task} ({name})" if counts[task] > 1 else task, block)  # the grid's name where a task repeats
+               for name, summary in grids for task, block in summary["tasks"].items()]
+    labels = list(dict.fromkeys(label for _, block in columns for label in block["mechanisms"]))
+    averaged = [block.get("metric") == "accuracy" for _, block in columns]
+    lines = ["| entry | " + " | ".join(f"{h} {b['metric']}" for h, b in columns) + " | avg accuracy (" +
+             f"{sum(averaged)} columns) | " + " | ".join(f"time {h}" for h, _ in columns) + " |",
+             "|---" * (2 + 2 * len(columns)) + "|"]
+    for label in labels:
+        rows = [block["mechanisms"].get(label) for _, block in columns]
+        scores = [f"{r['mean']:.4f} ± {r['std']:.4f}" if r else "—" for r in rows]
+        accuracies = [r["mean"] for r, a in zip(rows, averaged, strict=True) if a and r]
+        average = (f"{sum(accuracies) / len(accuracies):.4f}" if len(accuracies) == sum(averaged) and accuracies
+                   else "—")  # only over a full row: a missing task would bias the average
+        times = [f"{r['time_vs_full']:.2f}" if r and "time_vs_full" in r else "—" for r in rows]
+        lines.append(f"| {label} | " + " | ".join(scores) + f" | {average} | " + " | ".join(times) + " |")
+    return "\n".join(lines)
+
+
 def _difference(d: dict | None) -> str:
     return "—" if d is None else f"{d['mean_difference']:+.4f} ({d['p_value']:.2f}, {d['pairs']} pairs)"
 
