@@ -318,7 +318,7 @@ def _overview(summary: dict) -> list[str]:
     """Entries as rows, tasks as columns (the papers' table layout): score mean ± std, then time per epoch
     relative to full's."""
     tasks = summary["tasks"]
-    labels = list(dict.fromkeys(label for block in tasks.values() for label in block["mechanisms"]))
+    labels = _entry_labels(tasks.values())
     if not labels:
         return []
     head = [f"{task} ({block['metric']})" for task, block in tasks.items()]
@@ -326,11 +326,23 @@ def _overview(summary: dict) -> list[str]:
              "| entry | " + " | ".join(head) + " | " + " | ".join(f"time {task}" for task in tasks) + " |",
              "|---" * (1 + 2 * len(tasks)) + "|"]
     for label in labels:
-        rows = [block["mechanisms"].get(label) for block in tasks.values()]
-        scores = [f"{r['mean']:.4f} ± {r['std']:.4f}" if r else "—" for r in rows]
-        times = [f"{r['time_vs_full']:.2f}" if r and "time_vs_full" in r else "—" for r in rows]
+        scores, times, _ = _cells(label, tasks.values())
         lines.append(f"| {label} | " + " | ".join(scores) + " | " + " | ".join(times) + " |")
     return [*lines, ""]
+
+
+def _entry_labels(blocks) -> list[str]:
+    """Every entry of these task blocks, in first-seen order."""
+    return list(dict.fromkeys(label for block in blocks for label in block["mechanisms"]))
+
+
+def _cells(label: str, blocks) -> tuple[list[str], list[str], list[dict | None]]:
+    """An entry's score cells (mean ± std) and time cells (time per epoch / full's) over task blocks, "—" where it
+    has no runs, and its rows."""
+    rows = [block["mechanisms"].get(label) for block in blocks]
+    scores = [f"{r['mean']:.4f} ± {r['std']:.4f}" if r else "—" for r in rows]
+    times = [f"{r['time_vs_full']:.2f}" if r and "time_vs_full" in r else "—" for r in rows]
+    return scores, times, rows
 
 
 def grids_table(grids: list[tuple[str, dict]]) -> str:
@@ -347,18 +359,16 @@ def grids_table(grids: list[tuple[str, dict]]) -> str:
             counts[task] = counts.get(task, 0) + 1
     columns = [(f"{task} ({name})" if counts[task] > 1 else task, block)  # the grid's name where a task repeats
                for name, summary in grids for task, block in summary["tasks"].items()]
-    labels = list(dict.fromkeys(label for _, block in columns for label in block["mechanisms"]))
-    averaged = [block.get("metric") == "accuracy" for _, block in columns]
+    blocks = [block for _, block in columns]
+    averaged = [block.get("metric") == "accuracy" for block in blocks]
     lines = ["| entry | " + " | ".join(f"{h} {b['metric']}" for h, b in columns) + " | avg accuracy (" +
              f"{sum(averaged)} columns) | " + " | ".join(f"time {h}" for h, _ in columns) + " |",
              "|---" * (2 + 2 * len(columns)) + "|"]
-    for label in labels:
-        rows = [block["mechanisms"].get(label) for _, block in columns]
-        scores = [f"{r['mean']:.4f} ± {r['std']:.4f}" if r else "—" for r in rows]
+    for label in _entry_labels(blocks):
+        scores, times, rows = _cells(label, blocks)
         accuracies = [r["mean"] for r, a in zip(rows, averaged, strict=True) if a and r]
         average = (f"{sum(accuracies) / len(accuracies):.4f}" if len(accuracies) == sum(averaged) and accuracies
                    else "—")  # only over a full row: a missing task would bias the average
-        times = [f"{r['time_vs_full']:.2f}" if r and "time_vs_full" in r else "—" for r in rows]
         lines.append(f"| {label} | " + " | ".join(scores) + f" | {average} | " + " | ".join(times) + " |")
     return "\n".join(lines)
 

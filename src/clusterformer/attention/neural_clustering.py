@@ -192,6 +192,11 @@ class NeuralClusteringAttention(InnerAttention):
         else:
             self.register_parameter("centroids", None)
 
+    def clustering_parameters(self) -> list[nn.Parameter]:
+        """The parameters that only the clustering uses: W^C and, when this layer owns them, the centroids C
+        (``train --centroid-lr-scale`` gives them their own learning rate)."""
+        return [self.to_cluster.weight, *([self.centroids] if self.centroids is not None else [])]
+
     def init_for_pretrained(self) -> None:
         """W^C = identity, so the clustering starts on the pretrained model's own hidden states; C ~ N(0, 1/dim)."""
         with torch.no_grad():

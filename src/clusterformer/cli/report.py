@@ -4,6 +4,8 @@ several ``clusterformer compare`` grids (``--grids``, the Long Range Arena paper
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from ._args import log
 
@@ -37,9 +39,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _grids_table(paths: list[str]) -> str:
-    import json
-    from pathlib import Path
-
     from ..apps.compare import grids_table
 
     grids = []

@@ -53,7 +53,7 @@ import torch
 
 from .._checks import check_choice, check_float, check_int
 from .._io import write_json
-from ..attention import apply_pending_updates, collect_aux_losses, total_loss
+from ..attention import NeuralClusteringAttention, apply_pending_updates, collect_aux_losses, total_loss
 from ..attention.registry import can_decode, causal_semantics, make_options
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
@@ -255,18 +255,16 @@ def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
     return task.build_model(enc)
 
 
-CLUSTERING_PARAMETERS = (".inner.centroids", ".inner.to_cluster.")  # neural-clustering's C and W^C
-
-
 def parameter_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
     """The optimiser's parameter groups: one group, or with ``centroid_lr_scale`` != 1 a second one holding
-    neural-clustering's centroids and clustering projection at ``lr * centroid_lr_scale`` (its own ``lr``, which
-    the schedule then scales like the first group's)."""
+    neural-clustering's centroids and clustering projection (each layer's ``clustering_parameters``) at
+    ``lr * centroid_lr_scale`` (its own ``lr``, which the schedule then scales like the first group's)."""
     if config.centroid_lr_scale == 1.0:
         return [{"params": list(model.parameters())}]
-    clustering, rest = [], []
-    for name, parameter in model.named_parameters():
-        (clustering if any(key in name for key in CLUSTERING_PARAMETERS) else rest).append(parameter)
+    clustering = [p for m in model.modules() if isinstance(m, NeuralClusteringAttention)
+                  for p in m.clustering_parameters()]
+    chosen = {id(p) for p in clustering}
+    rest = [p for p in model.parameters() if id(p) not in chosen]
     if not clustering:
         raise ValueError("centroid_lr_scale was given but the model has no neural-clustering centroids")
     return [{"params": rest}, {"params": clustering, "lr": config.lr * config.centroid_lr_scale}]
