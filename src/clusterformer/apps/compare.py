@@ -201,6 +201,9 @@ def _run_all(runs: list[_Run], total: int, jobs: int, log: Callable[[str], None]
     env = dict(os.environ)
     if jobs > 1 and "OMP_NUM_THREADS" not in env:  # one run alone keeps torch's own choice of threads
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    # running: pid -> (run, its Popen). The Popen objects are kept alive on purpose: one that is dropped while its
+    # child runs goes to subprocess's list of orphans, which the next Popen() reaps -- and os.wait4 below would then
+    # never see that child (ChildProcessError, or a run lost).
     queue, running, failed = list(runs), {}, []
     while queue or running:
         while queue and len(running) < jobs and not failed:
@@ -209,15 +212,16 @@ def _run_all(runs: list[_Run], total: int, jobs: int, log: Callable[[str], None]
             with open(run.directory / "train.log", "a") as out:
                 proc = subprocess.Popen(run.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
             run.started = time.time()
-            running[proc.pid] = run
+            running[proc.pid] = (run, proc)
             log(f"[{run.number}/{total}] {run.task} {run.entry.label} {run.unit}: "
                 f"{'resuming' if '--resume' in run.argv else 'running'}")
         if not running:
             break
         pid, status, usage = os.wait4(-1, 0)
-        run = running.pop(pid, None)
-        if run is None:  # a child that is not one of our runs
+        if pid not in running:  # a child that is not one of our runs
             continue
+        run, proc = running.pop(pid)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: the Popen must not wait for it again
         metrics_path = run.directory / "metrics.json"
         if os.waitstatus_to_exitcode(status) != 0 or not metrics_path.is_file():
             failed.append(f"{run.task} {run.entry.label} {run.unit} (exit {os.waitstatus_to_exitcode(status)}; "
