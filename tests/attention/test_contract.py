@@ -21,8 +21,10 @@ NON_CAUSAL = {"clustered", "improved-clustered"}  # refuse causal=True with a Va
 NOT_STRICT = {"cluster-former"}  # causal mask inside sorted windows (paper); documented as not strict
 STRICT_CAUSAL = [n for n in ALL if n not in NON_CAUSAL | NOT_STRICT]
 SMALL = {  # options that make the sparse structure bite at test sizes
-    "lsh": {"chunk_size": 4, "num_rounds": 2}, "routing": {"chunk_size": 4, "num_clusters": 3},
-    "kmeans": {"chunk_size": 4, "num_clusters": 3}, "sliding-window": {"window": 6, "stride": 3},
+    "lsh": {"chunk_size": 4, "causal_chunk_size": 3, "num_rounds": 2},
+    "routing": {"chunk_size": 4, "causal_chunk_size": 3, "num_clusters": 3},
+    "kmeans": {"chunk_size": 4, "causal_chunk_size": 3, "num_clusters": 3},
+    "sliding-window": {"window": 6, "stride": 3},
     "cluster-former": {"window": 6, "stride": 3, "num_clusters": 3}, "clustered": {"num_clusters": 4},
     "improved-clustered": {"num_clusters": 4, "topk": 3}, "neural-clustering": {"num_clusters": 3}, "full": {},
 }

@@ -78,7 +78,10 @@ def _pad_mask(B, N, pad_last):
     (19, 3, 1, 1, True, 5), (1, 4, 2, 1, False, 0),
 ])
 def test_lsh_matches_dense_reference(N, bucket_size, n_hashes, look_back, causal, pad_last):
-    layer = _layer("lsh", bucket_size=bucket_size, n_hashes=n_hashes, look_back=look_back, seed=_fresh_seed() % 1000)
+    # causal chunks differ from bucket_size, so a forward that used the wrong one cannot match the reference
+    chunk = bucket_size + 1 if causal else bucket_size
+    layer = _layer("lsh", bucket_size=bucket_size, n_hashes=n_hashes, look_back=look_back, causal_chunk_size=chunk,
+                   seed=_fresh_seed() % 1000)
     B = 2
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(B, N, pad_last)
@@ -88,7 +91,7 @@ def test_lsh_matches_dense_reference(N, bucket_size, n_hashes, look_back, causal
     for b in range(B):
         qk, v = _shared_heads(layer, x[b])
         heads = torch.stack([
-            bucket_reference(qk[h], v[h], buckets[b, h], min(bucket_size, N), look_back, causal,
+            bucket_reference(qk[h], v[h], buckets[b, h], min(chunk, N), look_back, causal,
                              pad[b] if pad_last else None, n_buckets)
             for h in range(layer.heads)
         ])
@@ -147,7 +150,8 @@ def test_lsh_training_redraws_rotations_and_seed_fixes_them():
 
 @pytest.mark.parametrize(("N", "window", "causal", "pad_last"), [(24, 4, False, 0), (17, 5, True, 3), (6, 8, False, 2)])
 def test_routing_matches_dense_reference(N, window, causal, pad_last):
-    layer = _layer("routing", num_clusters=3, window_size=window, seed=1)
+    chunk = window - 2 if causal else window  # causal=True chunks by causal_chunk_size
+    layer = _layer("routing", num_clusters=3, window_size=window, causal_chunk_size=chunk, seed=1)
     B = 2
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(B, N, pad_last)
@@ -162,7 +166,7 @@ def test_routing_matches_dense_reference(N, window, causal, pad_last):
             unit = F.normalize(qk[h], dim=-1)
             ids = (unit @ mu[h].T).argmax(-1)
             assert torch.equal(clusters[b, h][~pad[b]], ids[~pad[b]])
-            heads.append(bucket_reference(qk[h], v[h], ids[None], min(window, N), 1, causal,
+            heads.append(bucket_reference(qk[h], v[h], ids[None], min(chunk, N), 1, causal,
                                           pad[b] if pad_last else None, 3))
             for i in range(N):
                 if not pad[b, i] or not pad_last:
@@ -212,7 +216,8 @@ def test_vote_buckets_is_the_mode_in_round_zero_labels():
 
 @pytest.mark.parametrize(("N", "causal", "pad_last"), [(21, False, 0), (26, True, 4), (5, False, 0)])
 def test_kmeans_matches_dense_reference(N, causal, pad_last):
-    layer = _layer("kmeans", num_clusters=3, n_rounds=3, bucket_size=4, seed=4)
+    chunk = 3 if causal else 4  # causal=True chunks by causal_chunk_size
+    layer = _layer("kmeans", num_clusters=3, n_rounds=3, bucket_size=4, causal_chunk_size=chunk, seed=4)
     B = 2
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = _pad_mask(B, N, pad_last)
@@ -225,7 +230,8 @@ def test_kmeans_matches_dense_reference(N, causal, pad_last):
         buckets = vote_buckets(round_ids.unsqueeze(1), mu)[0]
         assert torch.equal(all_buckets[b][:, ~pad[b]], buckets[:, ~pad[b]])
         heads = torch.stack([
-            bucket_reference(qk[h], v[h], buckets[h][None], min(4, N), 1, causal, pad[b] if pad_last else None, 3)
+            bucket_reference(qk[h], v[h], buckets[h][None], min(chunk, N), 1, causal, pad[b] if pad_last else None,
+                             3)
             for h in range(layer.heads)
         ])
         expected = _project_out(layer, heads)

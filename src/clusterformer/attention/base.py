@@ -115,15 +115,28 @@ class BucketOptions(SeededOptions):
         chunk_size: tokens per chunk after sorting by bucket or cluster (the Reformer's bucket size, the
             Routing Transformer's window).
         look_back: previous chunks each chunk attends to (1 in the papers).
+        causal_chunk_size: tokens per chunk under ``causal=True`` (and in cached decoding). Strict causal
+            chunking gives every bucket chunks of its own (a token's chunk is fixed by the earlier tokens), so
+            each non-empty bucket leaves up to a chunk of empty slots: with 16 buckets and chunks of 64 a
+            256-token sequence fills 1,264 slots, and training ran 15-50x slower than full attention
+            (docs/benchmarks.md). A chunk near the expected bucket size keeps the slots near N; 16, as
+            neural-clustering's ``causal_chunk_size``. Fixed, not derived from the length, so a prefix
+            alone gives the same outputs as inside a longer sequence.
     """
 
     chunk_size: int = 64
     look_back: int = 1
+    causal_chunk_size: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("chunk_size", self.chunk_size, minimum=1)
         check_int("look_back", self.look_back, minimum=0)
+        check_int("causal_chunk_size", self.causal_chunk_size, minimum=1)
+
+    def chunk_for(self, causal: bool) -> int:
+        """The chunk size of a forward: ``causal_chunk_size`` under ``causal=True``, else ``chunk_size``."""
+        return self.causal_chunk_size if causal else self.chunk_size
 
 
 def option_fields(options: type) -> dict[str, Any]:

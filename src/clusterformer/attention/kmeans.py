@@ -23,8 +23,9 @@ For x (B, N, dim):
 The layer's output projection follows. Groups published: the final buckets, (B, H, N).
 
 Cost: O(num_rounds N k D) for the assignments + O(N (look_back + 1) chunk_size D) attention.
-Masks: key padding; ``causal=True`` strict (the bucket depends on the token alone; per-bucket chunking). Cached
-decoding (``layer.prefill`` / ``layer.step``): a ring of each bucket's last ``(look_back + 1) * chunk_size`` keys.
+Masks: key padding; ``causal=True`` strict (the bucket depends on the token alone; per-bucket chunking in
+chunks of ``causal_chunk_size``). Cached decoding (``layer.prefill`` / ``layer.step``): a ring of each bucket's
+last ``(look_back + 1) * causal_chunk_size`` keys.
 Randomness: centroid initialisation from the layer's generator (``seed``); forward is deterministic.
 """
 
@@ -114,7 +115,7 @@ class KMeansAttention(InnerAttention):
             )
             self.pending["centroids"] = updated.view(m, H, n_clusters, D)
         return bucketed_attention(
-            q, v, buckets.unsqueeze(2), min(self.options.chunk_size, max(N, 1)), num_buckets=n_clusters,
+            q, v, buckets.unsqueeze(2), min(self.options.chunk_for(causal), max(N, 1)), num_buckets=n_clusters,
             look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
         )
@@ -129,7 +130,7 @@ class KMeansAttention(InnerAttention):
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_padding_mask: torch.Tensor | None) -> GroupRingCache:
         _, buckets = self._buckets(F.normalize(q.detach(), dim=-1))
-        return bucketed_cache(q, v, buckets.unsqueeze(2), self.options.chunk_size,
+        return bucketed_cache(q, v, buckets.unsqueeze(2), self.options.causal_chunk_size,
                               num_buckets=self.options.num_clusters, look_back=self.options.look_back,
                               key_padding_mask=key_padding_mask)
 

@@ -17,9 +17,9 @@ Cost: O(num_rounds N (look_back + 1) chunk_size D) for attention plus O(num_roun
 Any length: the last chunk may be short (empty slots are masked, never asserted away).
 
 Masks: key padding; ``causal=True`` is strict -- hashes depend on each token alone and each bucket is
-chunked by rank among earlier tokens, so output t depends on tokens 0..t only; the bucket count is then fixed
-(``causal_clusters``, not derived from the length), so a prefix alone gives the same outputs as inside a
-longer sequence.
+chunked by rank among earlier tokens, in chunks of ``causal_chunk_size`` (16), so output t depends on tokens
+0..t only; the bucket count is then fixed (``causal_clusters``, not derived from the length), so a prefix
+alone gives the same outputs as inside a longer sequence.
 
 Randomness: in training each forward draws new rotations from the layer's generator (seeded by ``seed``);
 in evaluation the rotations are re-drawn from ``seed`` each call, so the same input gives the same output.
@@ -123,7 +123,7 @@ class LSHAttention(InnerAttention):
         buckets = angular_lsh_buckets(q.detach(), rotations, num_buckets=per_sequence)  # (B, H, rounds, N)
         publish_groups(self, buckets)
         return bucketed_attention(
-            q, v, buckets, min(self.options.chunk_size, max(N, 1)), num_buckets=n_buckets,
+            q, v, buckets, min(self.options.chunk_for(causal), max(N, 1)), num_buckets=n_buckets,
             look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
             dropout_p=self.dropout_p,
         )
@@ -138,7 +138,7 @@ class LSHAttention(InnerAttention):
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_padding_mask: torch.Tensor | None) -> GroupRingCache:
         buckets, n = self._causal_buckets(q)
-        return bucketed_cache(q, v, buckets, self.options.chunk_size, num_buckets=n,
+        return bucketed_cache(q, v, buckets, self.options.causal_chunk_size, num_buckets=n,
                               look_back=self.options.look_back, key_padding_mask=key_padding_mask)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache

@@ -24,8 +24,9 @@ For x (B, N, dim):
 The layer's output projection follows. Groups published: the cluster ids, (B, H, N).
 
 Cost: O(N k D) routing + O(N (look_back + 1) chunk_size D) attention.
-Masks: key padding; ``causal=True`` strict (per-cluster chunking by rank among earlier tokens). Cached decoding
-(``layer.prefill`` / ``layer.step``): a ring of each cluster's last ``(look_back + 1) * chunk_size`` keys per head.
+Masks: key padding; ``causal=True`` strict (per-cluster chunking by rank among earlier tokens, chunks of
+``causal_chunk_size``). Cached decoding (``layer.prefill`` / ``layer.step``): a ring of each cluster's last
+``(look_back + 1) * causal_chunk_size`` keys per head.
 Randomness: centroids initialised from the layer's generator (``seed``); forward is deterministic.
 """
 
@@ -100,9 +101,9 @@ class RoutingAttention(InnerAttention):
                 valid=weight.transpose(0, 1).reshape(H, B * N) > 0, reduce=all_reduce_sum,
             )
         return bucketed_attention(
-            q, v, ids.unsqueeze(2), min(self.options.chunk_size, max(N, 1)), num_buckets=self.options.num_clusters,
-            look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
-            dropout_p=self.dropout_p,
+            q, v, ids.unsqueeze(2), min(self.options.chunk_for(causal), max(N, 1)),
+            num_buckets=self.options.num_clusters, look_back=self.options.look_back, causal=causal,
+            key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
         )
 
     def _route(self, unit: torch.Tensor) -> torch.Tensor:
@@ -113,7 +114,7 @@ class RoutingAttention(InnerAttention):
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_padding_mask: torch.Tensor | None) -> GroupRingCache:
         ids = self._route(F.normalize(q, dim=-1)).unsqueeze(2)
-        return bucketed_cache(q, v, ids, self.options.chunk_size, num_buckets=self.options.num_clusters,
+        return bucketed_cache(q, v, ids, self.options.causal_chunk_size, num_buckets=self.options.num_clusters,
                               look_back=self.options.look_back, key_padding_mask=key_padding_mask)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache
