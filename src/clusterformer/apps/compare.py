@@ -223,8 +223,8 @@ def _run_all(runs: list[_Run], total: int, jobs: int, log: Callable[[str], None]
         run, proc = running.pop(pid)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: the Popen must not wait for it again
         metrics_path = run.directory / "metrics.json"
-        if os.waitstatus_to_exitcode(status) != 0 or not metrics_path.is_file():
-            failed.append(f"{run.task} {run.entry.label} {run.unit} (exit {os.waitstatus_to_exitcode(status)}; "
+        if proc.returncode != 0 or not metrics_path.is_file():
+            failed.append(f"{run.task} {run.entry.label} {run.unit} (exit {proc.returncode}; "
                           f"see {run.directory / 'train.log'})")
             log(f"[{run.number}/{total}] {run.task} {run.entry.label} {run.unit}: FAILED")
             continue
