@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clusterformer._specs import parse_spec, split_specs
-from clusterformer.apps.compare import sign_flip_p_value
+from clusterformer.apps.compare import sign_flip_p_value, summary_markdown
 from clusterformer.cli import main
 
 
@@ -161,6 +161,18 @@ def test_compare_rejects_bad_arguments(tmp_path, capsys):
 def _block(metric: str, rows: dict[str, tuple[float, float]]) -> dict:
     return {"metric": metric, "better": "higher", "mechanisms": {
         name: {"mean": mean, "std": 0.01, "time_vs_full": time} for name, (mean, time) in rows.items()}}
+
+
+def test_summary_markdown_without_full_shows_no_time_ratio():
+    """A grid without full (e.g. two neural-clustering variants) has no time ratio: the cell reads "—", not nan."""
+    row = {"mean": 0.44, "std": 0.02, "n": 4, "seconds_per_epoch": 158.4, "peak_rss_mb": 2254.0}
+    summary = {"units": "seeds", "test": "sign-flip", "runs_finished": 8, "wall_seconds": 3600.0, "machines": [],
+               "tasks": {"20news": {"metric": "accuracy", "better": "higher",
+                                    "mechanisms": {"neural-clustering": row, "nc-centroid-flow": dict(row)}}}}
+    table = [line for line in summary_markdown(summary).splitlines()
+             if line.startswith("| nc-centroid-flow | 0.4400 ± 0.0200 (4)")]
+    assert len(table) == 1 and table[0].endswith("| 158.4 | — | 2254 |")
+    assert "nan" not in summary_markdown(summary)
 
 
 def test_report_grids_joins_comparisons_into_one_table(tmp_path, capsys):

@@ -313,7 +313,7 @@ def summary_markdown(summary: dict) -> str:
             lines.append(f"| {name} | {row['mean']:.4f} ± {row['std']:.4f} ({row['n']}) | "
                          f"{_difference(row.get('vs_full'))} | {_difference(row.get('vs_neural-clustering'))} | "
                          f"{row['seconds_per_epoch']:.1f} | "
-                         f"{row.get('time_vs_full', math.nan):.2f} | {row['peak_rss_mb']:.0f} |")
+                         f"{_ratio(row.get('time_vs_full'))} | {row['peak_rss_mb']:.0f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -375,6 +375,11 @@ def grids_table(grids: list[tuple[str, dict]]) -> str:
                    else "—")  # only over a full row: a missing task would bias the average
         lines.append(f"| {label} | " + " | ".join(scores) + f" | {average} | " + " | ".join(times) + " |")
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    """A time ratio to full's, or "—" in a grid without full (not "nan")."""
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _difference(d: dict | None) -> str:
