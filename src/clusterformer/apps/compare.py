@@ -345,7 +345,7 @@ def _cells(label: str, blocks) -> tuple[list[str], list[str], list[dict | None]]
     has no runs, and its rows."""
     rows = [block["mechanisms"].get(label) for block in blocks]
     scores = [f"{r['mean']:.4f} ± {r['std']:.4f}" if r else "—" for r in rows]
-    times = [f"{r['time_vs_full']:.2f}" if r and "time_vs_full" in r else "—" for r in rows]
+    times = [_ratio(r.get("time_vs_full")) if r else "—" for r in rows]
     return scores, times, rows
 
 
