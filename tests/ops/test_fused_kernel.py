@@ -205,3 +205,22 @@ def test_fused_and_unfused_paths_agree_on_a_layer_sized_problem():
     tol = TOL * math.sqrt(w)
     assert (results[0][0] - results[1][0]).abs().max() < tol
     assert (results[0][1] - results[1][1]).abs().max() < tol
+
+
+
+def test_fused_path_promotes_mixed_dtypes():
+    """Under autocast a mechanism's float32 steps (normalised keys) meet half-precision queries, and the
+    kernel multiplies in one dtype: the fused path casts to autocast's dtype, else promotes. It failed to
+    compile on an H100 before ("Both operands must be same dtype")."""
+    g = torch.Generator().manual_seed(51)
+    N, D, w, H = 40, 8, 8, 2
+    ids = torch.randint(0, 3, (1, N), generator=g).to(DEVICE)
+    layout = sorted_layout(ids, w, 1)
+    x = torch.randn(layout.rows.numel(), H, 3, D, generator=g, dtype=torch.float64).to(DEVICE, DTYPE)
+    W = layout.num_windows
+    low = torch.float16 if ON_GPU else torch.float32
+    q = layout.query_rows(x[:, :, 0]).view(W, w, H, D).transpose(1, 2).to(low)
+    fused = windowed_attention(q, x[:, :, 1], x[:, :, 2], layout, causal=True, kernel="fused")
+    promoted = windowed_attention(q.to(DTYPE), x[:, :, 1], x[:, :, 2], layout, causal=True, kernel="sdpa")
+    assert fused.dtype == DTYPE
+    assert (fused - promoted).abs().max() < TOL

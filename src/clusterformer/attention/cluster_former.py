@@ -206,7 +206,7 @@ class ClusterFormerAttention(InnerAttention):
         q, k, v = projection.qkv(x)
         if N == 0:
             return (q * 0).transpose(1, 2), None
-        sims = F.normalize(x.detach(), dim=-1) @ F.normalize(centroids.to(x.dtype), dim=-1).T
+        sims = F.normalize(x.detach(), dim=-1) @ F.normalize(centroids.to(x), dim=-1).T
         ids = sims.argmax(-1)  # (B, N): maximum cosine similarity
         if key_padding_mask is not None:
             ids = ids.masked_fill(key_padding_mask, self.options.num_clusters)  # padding sorts last

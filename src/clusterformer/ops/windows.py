@@ -127,6 +127,13 @@ def _fused_windowed(
     from .fused_chunked import fused_chunk_attention
 
     W, H, w, D = q.shape
+    # The kernel multiplies in one dtype. Under autocast the mechanisms' own float32 steps (normalised keys,
+    # say) meet half-precision projections; SDPA would run in autocast's dtype, so cast to it, else promote.
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k_rows.dtype), v_rows.dtype)
+    q, k_rows, v_rows = q.to(dtype), k_rows.to(dtype), v_rows.to(dtype)
     key_ok, positions = _row_meta(layout, causal, key_padding_mask)
     out, lse = fused_chunk_attention(
         q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
