@@ -7,12 +7,18 @@ the dense references directly (tests/ops/test_fused_kernel.py, compiled on CUDA 
 precision).
 
 Mechanisms make discrete choices (cluster ids, hash buckets, top-k) from rounded numbers, so in half
-precision a few tokens may legitimately land in another cluster than in float64. Tolerances (per-token
-relative error e_t = |y_t - ref_t| / |ref_t|, over real tokens):
+precision some tokens legitimately land in another group than in float64, and in the balanced mechanisms
+(kmeans, routing, lsh, neural-clustering's sorted chunks) one moved token shifts the chunk boundaries of
+every token sorted after it. The groups each layer publishes (``record_groups``) are compared with the
+float64 run's. Tolerances (per-token relative error e_t = |y_t - ref_t| / |ref_t|, over real tokens):
 
 * float32: max e_t <= 1e-3; input and parameter gradients within 1e-3 relative (norm of difference / norm).
-* bfloat16 / float16: median e_t <= 2e-2 (bf16) / 5e-3 (fp16) and 95th percentile <= 8e-2 / 3e-2;
-  gradient cosine similarity >= 0.99. A real bug (a wrong mask, a lost chunk) moves every token by O(1).
+* bfloat16 / float16 with every group as in float64: median e_t <= 2e-2 (bf16) / 5e-3 (fp16) and 95th
+  percentile <= 8e-2 / 3e-2; gradient cosine similarity >= 0.99.
+* bfloat16 / float16 where rounding moved some tokens' groups: at least 90% of the group ids agree, median
+  e_t <= 0.1, gradient cosine >= 0.95. The attention arithmetic itself is checked in half precision with
+  the groups fixed (test_fused_kernel_half_precision_matches_dense_reference, below). A real bug (a wrong
+  mask, a lost chunk) moves every token by O(1).
 
 Every run must be free of NaN/inf in outputs and gradients; evaluation must be bitwise repeatable.
 Set CUDA_REPORT=path to write the measured errors as JSON (docs/benchmarks.md records them).
@@ -27,7 +33,7 @@ import os
 import pytest
 import torch
 
-from clusterformer.attention import build, collect_aux_losses, names
+from clusterformer.attention import build, collect_aux_losses, names, record_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -56,12 +62,21 @@ def _reference(name: str, causal: bool, padded: bool):
         pad[1, 211:] = True
     grad_out = torch.randn(B, N, DIM, generator=g, dtype=torch.float64)
     x_ref = x.clone().requires_grad_()
-    with collect_aux_losses() as aux:
+    with collect_aux_losses() as aux, record_groups() as groups:
         y = layer(x_ref, key_padding_mask=pad, causal=causal)
     loss = (y * grad_out).sum() + sum(aux.values(), torch.zeros((), dtype=torch.float64))
     loss.backward()
     grads = {"x": x_ref.grad} | {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
-    return layer.state_dict(), x, pad, grad_out, y.detach(), grads
+    return layer.state_dict(), x, pad, grad_out, y.detach(), grads, list(groups.values())
+
+
+def _group_agreement(groups: list[torch.Tensor], ref_groups: list[torch.Tensor]) -> float:
+    """Fraction of published group ids equal to the float64 run's (1.0 for mechanisms without groups)."""
+    assert len(groups) == len(ref_groups)
+    if not groups:
+        return 1.0
+    same = sum((a.cpu() == b).sum().item() for a, b in zip(groups, ref_groups, strict=True))
+    return same / sum(b.numel() for b in ref_groups)
 
 
 def _token_errors(y: torch.Tensor, ref: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
@@ -79,7 +94,7 @@ def test_cuda_matches_cpu_float64(name, dtype, mode, causal, padded):
         pytest.skip("refuses causal=True")
     if mode == "autocast" and dtype == "float32":
         pytest.skip("autocast to float32 is the native float32 run")
-    state, x, pad, grad_out, ref, ref_grads = _reference(name, causal, padded)
+    state, x, pad, grad_out, ref, ref_grads, ref_groups = _reference(name, causal, padded)
     torch.manual_seed(SEED)
     layer = build(name, dim=DIM, heads=HEADS)
     layer.load_state_dict(state)
@@ -89,7 +104,7 @@ def test_cuda_matches_cpu_float64(name, dtype, mode, causal, padded):
     xd = x.to("cuda", run_dtype).requires_grad_()
     padd = None if pad is None else pad.cuda()
     with torch.autocast("cuda", dtype=dt, enabled=mode == "autocast"):
-        with collect_aux_losses() as aux:
+        with collect_aux_losses() as aux, record_groups() as groups:
             y = layer(xd, key_padding_mask=padd, causal=causal)
         loss = (y.float() * grad_out.to("cuda", torch.float32)).sum() + sum(
             (v.float() for v in aux.values()), torch.zeros((), device="cuda"))
@@ -110,8 +125,13 @@ def test_cuda_matches_cpu_float64(name, dtype, mode, causal, padded):
         else:
             grad_scores[n] = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
     key = f"{name}|{dtype}|{mode}|causal={causal}|padded={padded}"
-    REPORT[key] = {"median": median, "p95": p95, "max": worst, "grads": grad_scores}
+    agreement = _group_agreement(list(groups.values()), ref_groups)
+    REPORT[key] = {"median": median, "p95": p95, "max": worst, "grads": grad_scores,
+                   "group_agreement": agreement}
     tol_median, tol_p95, tol_max, tol_grad = TOL[dtype]
+    if agreement < 1.0 and dtype != "float32":  # rounding moved some groups (module docstring)
+        assert agreement >= 0.9, f"only {agreement:.1%} of the group ids agree with float64"
+        tol_median, tol_p95, tol_grad = 0.1, float("inf"), 0.95
     assert median <= tol_median, f"median token error {median:.2e}"
     assert p95 <= tol_p95, f"95th percentile token error {p95:.2e}"
     if tol_max is not None:
