@@ -25,7 +25,7 @@ def profile(name: str, length: int, device: str, dtype: str, heads: int, head_di
     torch.manual_seed(0)
     dim = heads * head_dim
     layer = build(name, dim=dim, heads=heads).to(device=device, dtype=getattr(torch, dtype))
-    x = torch.randn(1, length, dim, device=device, dtype=layer.to_out.weight.dtype, requires_grad=True)
+    x = torch.randn(1, length, dim, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     cuda = torch.device(device).type == "cuda"
 
     def forward() -> None:
