@@ -175,6 +175,21 @@ def test_summary_markdown_without_full_shows_no_time_ratio():
     assert "nan" not in summary_markdown(summary)
 
 
+def test_summary_markdown_shows_gpu_peak_only_for_gpu_grids():
+    """Rows from GPU runs carry the accelerator's peak (host RSS says nothing about it): a column appears for it,
+    a CPU row in the same table reads nan there rather than a made-up number, and CPU-only grids have no column."""
+    cpu = {"mean": 0.5, "std": 0.0, "n": 2, "seconds_per_epoch": 10.0, "peak_rss_mb": 900.0, "time_vs_full": 1.0}
+    gpu = dict(cpu, peak_device_mb=1234.4)
+    summary = {"units": "seeds", "test": "sign-flip", "runs_finished": 4, "wall_seconds": 60.0, "machines": [],
+               "tasks": {"listops": {"metric": "accuracy", "better": "higher",
+                                     "mechanisms": {"full": gpu, "lsh": cpu}}}}
+    text = summary_markdown(summary)
+    assert "| time vs full | peak RSS MB | peak GPU MB |" in text
+    assert "| full | 0.5000 ± 0.0000 (2) |" in text and "| 900 | 1234 |" in text and "| 900 | nan |" in text
+    summary["tasks"]["listops"]["mechanisms"] = {"full": cpu}
+    assert "peak GPU MB" not in summary_markdown(summary)
+
+
 def test_report_grids_joins_comparisons_into_one_table(tmp_path, capsys):
     """Planted summaries: the average covers the accuracy columns only and only full rows; a task present in two
     grids is told apart by the grid's name; times are per column."""

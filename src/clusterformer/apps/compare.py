@@ -282,6 +282,9 @@ def summarise(config: CompareConfig) -> dict:
             rows[name] = {"metric": metric, "mean": mean, "std": std, "n": len(scores), "scores": scores,
                           "seconds_per_epoch": seconds, "peak_rss_mb": max(r.get("peak_rss_mb", math.nan)
                                                                              for r in runs.values())}
+            device_peaks = [r["peak_device_mb"] for r in runs.values() if "peak_device_mb" in r]
+            if device_peaks:  # GPU runs: the accelerator's peak, the memory that limits them
+                rows[name]["peak_device_mb"] = max(device_peaks)
         for name, row in rows.items():
             for reference in ("full", "neural-clustering"):
                 if reference == name or reference not in rows:
@@ -306,14 +309,17 @@ def summary_markdown(summary: dict) -> str:
              f"Runs finished: {summary['runs_finished']}, {summary['wall_seconds'] / 3600:.2f} h of wall time in all, "
              f"on {'; '.join(summary['machines']) or '-'}.", "", *_overview(summary)]
     for task, block in summary["tasks"].items():
+        gpu = any("peak_device_mb" in row for row in block["mechanisms"].values())
         lines += [f"## {task} ({block['metric']}, {block['better']} is better)", "",
                   "| mechanism | score (mean ± std, n) | Δ vs full (p) | Δ vs neural-clustering (p) | s/epoch | "
-                  "time vs full | peak RSS MB |", "|---|---|---|---|---|---|---|"]
+                  "time vs full | peak RSS MB |" + (" peak GPU MB |" if gpu else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
         for name, row in block["mechanisms"].items():
             lines.append(f"| {name} | {row['mean']:.4f} ± {row['std']:.4f} ({row['n']}) | "
                          f"{_difference(row.get('vs_full'))} | {_difference(row.get('vs_neural-clustering'))} | "
                          f"{row['seconds_per_epoch']:.1f} | "
-                         f"{_ratio(row.get('time_vs_full'))} | {row['peak_rss_mb']:.0f} |")
+                         f"{_ratio(row.get('time_vs_full'))} | {row['peak_rss_mb']:.0f} |"
+                         + (f" {row.get('peak_device_mb', math.nan):.0f} |" if gpu else ""))
         lines.append("")
     return "\n".join(lines)
 
@@ -400,11 +406,13 @@ def plot_comparison(summary: dict, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
     for ax, (task, block) in zip(axes[0], tasks, strict=True):
         rows = block["mechanisms"]
-        memory = [r["peak_rss_mb"] for r in rows.values() if r["peak_rss_mb"] == r["peak_rss_mb"]]
+        # marker size: the accelerator's peak for GPU grids, else the process's peak RSS
+        key = "peak_device_mb" if any("peak_device_mb" in r for r in rows.values()) else "peak_rss_mb"
+        memory = [r.get(key, math.nan) for r in rows.values() if r.get(key, math.nan) == r.get(key, math.nan)]
         scale = 300 / max(memory) if memory else 1.0
         for name, row in rows.items():
             x = row.get("time_vs_full", math.nan)
-            size = row["peak_rss_mb"] * scale if row["peak_rss_mb"] == row["peak_rss_mb"] else 30
+            size = row[key] * scale if row.get(key, math.nan) == row.get(key, math.nan) else 30
             ax.scatter([x], [row["mean"]], s=size, alpha=0.6)
             ax.errorbar([x], [row["mean"]], yerr=[row["std"]], fmt="none", ecolor="gray")
             ax.annotate(name, (x, row["mean"]), fontsize=8, xytext=(4, 4), textcoords="offset points")

@@ -606,6 +606,8 @@ def _finish(run: _Run) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(config),
         }
+        if device.type == "cuda":  # the accelerator's peak since this process began (RSS misses it)
+            result["peak_device_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         write_json(run.out / "metrics.json", result)
     if run.world > 1:
         torch.distributed.barrier()
