@@ -33,6 +33,7 @@ import os
 import pytest
 import torch
 
+from causal_configs import STRICT_CAUSAL, one_per_mechanism
 from clusterformer.attention import build, collect_aux_losses, names, record_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -212,14 +213,7 @@ def teardown_module(module):
                       indent=1)
 
 
-DECODING = [  # the strictly causal mechanisms, small chunks so that 70 tokens cross many chunk boundaries
-    ("full", {}),
-    ("neural-clustering", {"causal_chunk_size": 4, "causal_clusters": 3}),
-    ("lsh", {"causal_chunk_size": 4, "chunk_size": 7, "num_rounds": 2, "causal_clusters": 4}),
-    ("routing", {"causal_chunk_size": 4, "chunk_size": 9, "num_clusters": 3}),
-    ("kmeans", {"causal_chunk_size": 5, "chunk_size": 2, "num_clusters": 4, "num_rounds": 2}),
-    ("sliding-window", {"window": 8, "stride": 3}),
-]
+DECODING = one_per_mechanism(STRICT_CAUSAL)  # the strictly causal mechanisms, one configuration each
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -7,25 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from causal_configs import STRICT_CAUSAL
 from clusterformer.attention import build
 from clusterformer.models import EncoderConfig
 from clusterformer.models.lm import LanguageModel, sample_next
 from clusterformer.ops.decode import GroupRingCache
 
-# small chunks and windows, so that 60-token sequences cross many chunk and window boundaries
-STRICT = [
-    ("full", {}),
-    ("neural-clustering", {"causal_chunk_size": 4, "causal_clusters": 3}),
-    ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 5, "look_back": 2}),
-    ("neural-clustering", {"causal_chunk_size": 5, "grouping": "contiguous"}),
-    ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 4, "grouping": "random"}),
-    ("lsh", {"causal_chunk_size": 4, "chunk_size": 7, "num_rounds": 2, "causal_clusters": 4}),
-    ("lsh", {"causal_chunk_size": 3, "num_rounds": 3, "num_clusters": 6, "look_back": 2}),
-    ("routing", {"causal_chunk_size": 4, "chunk_size": 9, "num_clusters": 3}),
-    ("kmeans", {"causal_chunk_size": 5, "chunk_size": 2, "num_clusters": 4, "num_rounds": 2}),
-    ("sliding-window", {"window": 8, "stride": 3}),
-    ("sliding-window", {"window": 6, "stride": 6}),
-]
+STRICT = STRICT_CAUSAL  # small chunks and windows: 60-token sequences cross many chunk and window boundaries
 IDS = [f"{name}-{i}" for i, (name, _) in enumerate(STRICT)]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 

@@ -1,0 +1,30 @@
+"""The strictly causal mechanisms and options the decoding tests run, in one place.
+
+Small chunks, so that a few dozen tokens cross many chunk boundaries; shared by the CPU cache tests
+(tests/models/test_decoding.py: every entry) and the CUDA cache test (tests/attention/test_cuda.py: the first
+entry of each mechanism, to keep the GPU run short).
+"""
+
+from __future__ import annotations
+
+STRICT_CAUSAL: list[tuple[str, dict]] = [
+    ("full", {}),
+    ("neural-clustering", {"causal_chunk_size": 4, "causal_clusters": 3}),
+    ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 5, "look_back": 2}),
+    ("neural-clustering", {"causal_chunk_size": 5, "grouping": "contiguous"}),
+    ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 4, "grouping": "random"}),
+    ("lsh", {"causal_chunk_size": 4, "chunk_size": 7, "num_rounds": 2, "causal_clusters": 4}),
+    ("lsh", {"causal_chunk_size": 3, "num_rounds": 3, "num_clusters": 6, "look_back": 2}),
+    ("routing", {"causal_chunk_size": 4, "chunk_size": 9, "num_clusters": 3}),
+    ("kmeans", {"causal_chunk_size": 5, "chunk_size": 2, "num_clusters": 4, "num_rounds": 2}),
+    ("sliding-window", {"window": 8, "stride": 3}),
+    ("sliding-window", {"window": 6, "stride": 6}),
+]
+
+
+def one_per_mechanism(configs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """The first configuration of each mechanism, in order."""
+    seen: dict[str, dict] = {}
+    for name, options in configs:
+        seen.setdefault(name, options)
+    return list(seen.items())
