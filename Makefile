@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/clusterformer demo --out out/demo
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests docs/scripts
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

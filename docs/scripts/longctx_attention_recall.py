@@ -1,77 +1,120 @@
-"""Recall of dense attention mass by cluster retrieval's selected keys, per layer, for the question queries of one
-8k multi-key NIAH prompt (SmolLM2). Run from the checkout: python docs/scripts/longctx_attention_recall.py (about 3 min)."""
-import copy, torch, transformers, sys
+"""How much of dense attention's mass cluster retrieval's selected keys hold, per layer (docs/results.md, "Why 8k
+misses").
+
+One 8k multi-key NIAH prompt for SmolLM2: the context is prefilled densely into a cache, then the ~25 question
+tokens run through a registered attention function that computes dense attention and, beside it, the key set each
+selection rule would choose at 10 % and 20 % budgets: clusters ranked per key/value group (the default), per query
+head, and an oracle that keeps the keys of highest dense weight. Printed per (budget, rule): the dense mass on the
+chosen keys and the share of the answer's needle tokens' mass kept, averaged over layers, heads and question tokens.
+
+Run from the checkout (about 3 minutes on one thread): ``python docs/scripts/longctx_attention_recall.py``.
+"""
+import copy
+
+import torch
+import transformers
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
 from clusterformer import hf
 from clusterformer.apps.longctx import _chat_ids
 from clusterformer.data.ruler import INSTRUCTION, haystack_sentences, make_sample
-from clusterformer.ops.retrieval import RetrievalOptions, build_index
-torch.set_num_threads(1)
-model, tok = hf.load_pretrained("smollm2")
-sent = haystack_sentences("../shared/data/wikitext-2/wiki.valid.tokens")
-count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
-sample = make_sample("niah-multikey", 7900, sent, count, seed=1)
-ctx, qn = _chat_ids(tok, INSTRUCTION["niah-multikey"], sample.context, sample.question)
-print("tokens", len(ctx) + len(qn), "answer", sample.answers)
-needle_tok = set()
-# needle positions: tokens of the asked number in the context
-ans = tok(" " + sample.answers[0], add_special_tokens=False)["input_ids"]
-ids = ctx
-for i in range(len(ids) - len(ans) + 1):
-    if ids[i:i + len(ans)] == ans:
-        needle_tok.update(range(i, i + len(ans)))
-print("needle token positions", sorted(needle_tok)[:3], len(needle_tok))
-cache = transformers.DynamicCache(config=model.config)
-with torch.no_grad():
-    model(input_ids=torch.tensor([ctx]), past_key_values=cache)
-results = {}
-budgets = [0.1, 0.2]
-def diag(module, q, k, v, mask, dropout=0.0, scaling=None, **kw):
-    B, H, Lq, D = q.shape; Hkv, n = k.shape[1], k.shape[2]; rep = H // Hkv
-    allowed = torch.ones(Lq, n, dtype=torch.bool).tril(n - Lq)
-    s = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scaling
-    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)  # (1, H, Lq, n)
-    out = p @ v.repeat_interleave(rep, 1)
-    for budget in budgets:
-        opts = RetrievalOptions(budget=budget)
-        end = n - max(opts.window, Lq)
-        idx = build_index(k, v, None, end, opts)
-        C = idx.counts.shape[1]
-        allowed_n = opts.keys_allowed_count(n); R = max(0, allowed_n - opts.sink - (n - end))
-        for mode in ("group", "head", "oracle"):
-            sel = torch.zeros(1, H, Lq, n, dtype=torch.bool)
-            sel[..., :opts.sink] = True; sel[..., end:] = True
-            if mode == "oracle":  # the R keys of highest dense probability before the window
-                top = p[..., opts.sink:end].topk(R, -1).indices + opts.sink
-                sel.scatter_(-1, top, True)
-            else:
-                hs = (q * scaling).view(1, Hkv, rep, Lq, D) @ idx.centroids_t.view(1, Hkv, 1, D, C)
-                sc = hs.amax(2, keepdim=True).expand_as(hs) if mode == "group" else hs
-                perm = sc.sort(dim=-1, descending=True, stable=True).indices
-                sizes = idx.counts.view(1, Hkv, 1, 1, C).expand_as(perm).gather(-1, perm)
-                take = (sizes.cumsum(-1) - sizes) < R  # whole clusters while room (last partially: count whole)
-                chosen = torch.zeros_like(take).scatter_(-1, perm, take)  # (1,Hkv,rep,Lq,C)
-                members = idx.members  # (G, C, cap)
-                assign = torch.full((Hkv, n), -1)
-                for g in range(Hkv):
-                    for c in range(C):
-                        cnt = int(idx.counts[g, c]); assign[g, members[g, c, :cnt]] = c
-                a = assign.view(1, Hkv, 1, 1, n).expand(1, Hkv, rep, Lq, n)
-                inidx = (a >= 0) & chosen.gather(-1, a.clamp(min=0))
-                sel |= inidx.reshape(1, H, Lq, n)
-            mass = (p * sel).sum(-1).mean().item()
-            needle = p[..., sorted(needle_tok)].sum(-1)
-            needle_cap = (p[..., sorted(needle_tok)] * sel[..., sorted(needle_tok)]).sum(-1)
-            frac = (needle_cap.sum() / needle.sum().clamp(min=1e-12)).item()
-            results.setdefault((budget, mode), []).append((module.layer_idx, mass, frac, needle.mean().item()))
-    return out.transpose(1, 2).contiguous(), None
-AttentionInterface.register("diag", diag)
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-AttentionMaskInterface.register("diag", sdpa_mask)
-model.set_attn_implementation("diag")
-with torch.no_grad():
-    model(input_ids=torch.tensor([qn]), past_key_values=copy.deepcopy(cache))
-for key, rows in results.items():
-    m = sum(r[1] for r in rows) / len(rows); f = sum(r[2] for r in rows) / len(rows)
-    print(key, "mean recall of attention mass %.3f" % m, "needle mass captured %.3f" % f,
-          "worst layers", sorted(rows, key=lambda r: r[1])[:3])
+from clusterformer.ops.retrieval import KeyClusterIndex, RetrievalOptions, build_index
+
+BUDGETS = (0.1, 0.2)
+RULES = ("group", "head", "oracle")
+
+
+def cluster_of_each_key(index: KeyClusterIndex, n: int) -> torch.Tensor:
+    """(G, n) cluster id of every indexed key, -1 for keys outside the index (sink and window)."""
+    groups, _, cap = index.members.shape
+    filled = torch.arange(cap) < index.counts.unsqueeze(-1)  # (G, C, cap): which member slots hold a key
+    g, c, slot = filled.nonzero(as_tuple=True)
+    assign = torch.full((groups, n), -1, dtype=torch.long)
+    assign[g, index.members[g, c, slot]] = c
+    return assign
+
+
+def selected_keys(rule: str, q: torch.Tensor, probs: torch.Tensor, index: KeyClusterIndex, opts: RetrievalOptions,
+                  end: int, scaling: float) -> torch.Tensor:
+    """(1, H, Lq, n) keys each query sees under ``rule``: sink, window, and retrieved keys up to the budget."""
+    _, heads, lq, dim = q.shape
+    n = probs.shape[-1]
+    kv_groups, clusters = index.counts.shape
+    rep = heads // kv_groups
+    retrieved = max(0, opts.keys_allowed_count(n) - opts.sink - (n - end))
+    chosen = torch.zeros(1, heads, lq, n, dtype=torch.bool)
+    chosen[..., :opts.sink] = True
+    chosen[..., end:] = True
+    if rule == "oracle":  # the `retrieved` keys of highest dense probability between sink and window
+        top = probs[..., opts.sink:end].topk(retrieved, -1).indices + opts.sink
+        return chosen.scatter_(-1, top, True)
+    scores = (q * scaling).view(1, kv_groups, rep, lq, dim) @ index.centroids_t.view(1, kv_groups, 1, dim, clusters)
+    if rule == "group":  # one ranking per key/value group: the best score over its query heads
+        scores = scores.amax(2, keepdim=True).expand_as(scores)
+    order = scores.sort(dim=-1, descending=True, stable=True).indices
+    sizes = index.counts.view(1, kv_groups, 1, 1, clusters).expand_as(order).gather(-1, order)
+    take = (sizes.cumsum(-1) - sizes) < retrieved  # whole clusters while there is room (the last one counted whole)
+    cluster_taken = torch.zeros_like(take).scatter_(-1, order, take)  # (1, G, rep, Lq, C)
+    assign = cluster_of_each_key(index, n).view(1, kv_groups, 1, 1, n).expand(1, kv_groups, rep, lq, n)
+    in_taken = (assign >= 0) & cluster_taken.gather(-1, assign.clamp(min=0))
+    return chosen | in_taken.reshape(1, heads, lq, n)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    model, tok = hf.load_pretrained("smollm2")
+    sentences = haystack_sentences("../shared/data/wikitext-2/wiki.valid.tokens")
+
+    def count(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    sample = make_sample("niah-multikey", 7900, sentences, count, seed=1)
+    context, question = _chat_ids(tok, INSTRUCTION["niah-multikey"], sample.context, sample.question)
+    print("tokens", len(context) + len(question), "answer", sample.answers)
+    answer = tok(" " + sample.answers[0], add_special_tokens=False)["input_ids"]
+    needle = sorted({i + j for i in range(len(context) - len(answer) + 1) if context[i:i + len(answer)] == answer
+                     for j in range(len(answer))})
+    print("needle token positions", needle[:3], len(needle))
+
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([context]), past_key_values=cache)
+
+    results: dict[tuple[float, str], list[tuple[int, float, float]]] = {}
+
+    def diagnostic_attention(module, q, k, v, mask, dropout=0.0, scaling=None, **kwargs):
+        heads, lq = q.shape[1], q.shape[2]
+        kv_groups, n = k.shape[1], k.shape[2]
+        rep = heads // kv_groups
+        allowed = torch.ones(lq, n, dtype=torch.bool).tril(n - lq)
+        scores = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scaling
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)  # (1, H, Lq, n)
+        needle_mass = probs[..., needle].sum(-1)
+        for budget in BUDGETS:
+            opts = RetrievalOptions(budget=budget)
+            end = n - max(opts.window, lq)
+            index = build_index(k, v, None, end, opts)
+            for rule in RULES:
+                chosen = selected_keys(rule, q, probs, index, opts, end, scaling)
+                mass = (probs * chosen).sum(-1).mean().item()
+                kept = (probs[..., needle] * chosen[..., needle]).sum(-1)
+                share = (kept.sum() / needle_mass.sum().clamp(min=1e-12)).item()
+                results.setdefault((budget, rule), []).append((module.layer_idx, mass, share))
+        out = probs @ v.repeat_interleave(rep, 1)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("diag", diagnostic_attention)
+    AttentionMaskInterface.register("diag", sdpa_mask)
+    model.set_attn_implementation("diag")
+    with torch.no_grad():
+        model(input_ids=torch.tensor([question]), past_key_values=copy.deepcopy(cache))
+    for (budget, rule), rows in results.items():
+        mass = sum(r[1] for r in rows) / len(rows)
+        share = sum(r[2] for r in rows) / len(rows)
+        print(f"budget {budget:.0%} {rule}: mean recall of attention mass {mass:.3f}, needle mass captured "
+              f"{share:.3f}; worst layers {sorted(rows, key=lambda r: r[1])[:3]}")
+
+
+if __name__ == "__main__":
+    main()
