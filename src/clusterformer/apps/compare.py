@@ -19,6 +19,12 @@ checkpoint but no metrics is resumed (``--resume``); so an interrupted compariso
 the caller set it; one job keeps torch's own choice): small models train faster as two one-thread runs than as
 one two-thread run.
 
+Budgets. ``keys_per_query`` (``--keys-per-query B``) gives every entry the same budget: the options each mechanism's
+``for_budget`` returns for B keys per query at the runs' ``--max-len`` (and, for the causal tasks -- shakespeare-char
+and the recall tasks' causal form -- its strict causal chunk) are merged over the entry's own. Entries whose budget no
+option sets (full, clustered, improved-clustered: every query reads every key) run as they are, and the log says so.
+Every run records the keys each query can see (``keys_per_query`` in its ``metrics.json``), and the summary shows it.
+
 The summary (``OUT/summary.json`` and ``OUT/summary.md``) gives, per task and entry, the mean and sample standard
 deviation of the task's score over units, seconds per epoch, the largest peak resident memory of its runs, and for
 each entry its difference to ``full`` and to ``neural-clustering``, paired by unit, with the two-sided p-value of
@@ -82,6 +88,7 @@ class CompareConfig:
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> {attention, options, train_args}
     train_args: list[str] = field(default_factory=list)  # passed to every `clusterformer train`
     jobs: int = 1
+    keys_per_query: int | None = None  # one budget for every entry whose budget an option sets
     entries: list[Entry] = field(init=False)  # one per label of `attention`, resolved and validated
 
     def __post_init__(self) -> None:
@@ -107,7 +114,13 @@ class CompareConfig:
         if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
             raise ValueError(f"--jobs must be a positive int, got {self.jobs!r}")
         _check_train_args("train flags", self.train_args, RESERVED | {"--cluster-layers"})
+        if self.keys_per_query is not None and (isinstance(self.keys_per_query, bool) or
+                                                not isinstance(self.keys_per_query, int) or self.keys_per_query < 1):
+            raise ValueError(f"--keys-per-query must be a positive int, got {self.keys_per_query!r}")
         self.entries = [self._entry(label) for label in self.attention]
+        for task in self.tasks:  # budgets that cannot be met fail now, not hours into the grid
+            for entry in self.entries:
+                self.options_for(task, entry)
         directories = [e.directory for e in self.entries]
         if len(set(directories)) != len(directories):
             raise ValueError(f"--attention: labels that differ only in punctuation share a directory: "
@@ -145,6 +158,39 @@ class CompareConfig:
         return Entry(label, mechanism, options, tuple(train_args))
 
 
+    def options_for(self, task: str, entry: Entry) -> dict[str, Any]:
+        """The attention options of ``entry``'s runs on ``task``: its own, with the budget's merged over them."""
+        if self.keys_per_query is None:
+            return dict(entry.options)
+        from ..attention.registry import make_options
+
+        length, causal = run_shape(task, [*self.train_args, *entry.train_args])
+        try:
+            budget = make_options(entry.mechanism, entry.options).for_budget(self.keys_per_query, length, causal)
+        except ValueError as error:
+            if "no option that sets" in str(error):
+                return dict(entry.options)  # full, clustered: every query reads every key
+            raise ValueError(f"--keys-per-query {self.keys_per_query} for {entry.label!r} on {task}: {error}") from None
+        return {**entry.options, **budget}
+
+
+def run_shape(task: str, train_args: list[str]) -> tuple[int, bool]:
+    """The sequence length (``--max-len``, default 256) and whether the task's model is causal, from train flags."""
+    length, task_options = 256, {}
+    for i, arg in enumerate(train_args):
+        name, _, value = arg.partition("=")
+        if not value and i + 1 < len(train_args):
+            value = train_args[i + 1]
+        if name == "--max-len":
+            length = int(value)
+        elif name == "--task-options":
+            task_options = json.loads(value)
+    from ..data.recall import RECALL_TASKS
+
+    causal = task == "shakespeare-char" or (task in RECALL_TASKS and task_options.get("form", "causal") == "causal")
+    return length, causal
+
+
 def _check_train_args(what: str, args: list[str], reserved: set[str]) -> None:
     clash = sorted(reserved & {a.split("=")[0] for a in args})
     if clash:
@@ -175,6 +221,12 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
     """Run (or resume) the grid, ``config.jobs`` trainings at a time, then write and return the summary."""
     grid = [(task, entry, unit, flags) for task in config.tasks for entry in config.entries
             for unit, flags in _units(config, task)]
+    if config.keys_per_query is not None:
+        for task in config.tasks:
+            for entry in config.entries:
+                options = config.options_for(task, entry)
+                log(f"budget {config.keys_per_query} keys per query, {task} {entry.label}: "
+                    + (json.dumps(options) if options != entry.options else "no option sets it; runs as it is"))
     pending: list[_Run] = []
     for i, (task, entry, unit, flags) in enumerate(grid, start=1):
         run_dir = Path(config.out) / task / entry.directory / unit
@@ -183,7 +235,8 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
             continue
         resume = ["--resume"] if (run_dir / "checkpoint.pt").is_file() else []
         argv = [sys.executable, "-m", "clusterformer", "train", "--task", task, "--attention", entry.mechanism,
-                "--attention-options", json.dumps(entry.options), "--out", str(run_dir), "--no-progress", *flags,
+                "--attention-options", json.dumps(config.options_for(task, entry)), "--out", str(run_dir),
+                "--no-progress", *flags,
                 *config.train_args, *entry.train_args, *resume]
         pending.append(_Run(i, task, entry, unit, run_dir, argv))
     _run_all(pending, len(grid), config.jobs, log)
@@ -281,7 +334,12 @@ def summarise(config: CompareConfig) -> dict:
             seconds, _ = _mean_std([r["seconds_per_epoch"] for r in runs.values()])
             rows[name] = {"metric": metric, "mean": mean, "std": std, "n": len(scores), "scores": scores,
                           "seconds_per_epoch": seconds, "peak_rss_mb": max(r.get("peak_rss_mb", math.nan)
-                                                                             for r in runs.values())}
+                                                                             for r in runs.values()),
+                          "keys_per_query": max((r.get("keys_per_query") for r in runs.values()), key=_or_zero)}
+            recall = [r["metrics"]["key_recall"] for r in runs.values() if "key_recall" in r["metrics"]]
+            if recall:  # the recall tasks: key recall per layer, mean over units
+                rows[name]["key_recall"] = {layer: sum(u[layer]["key_recall"] for u in recall) / len(recall)
+                                            for layer in recall[0]}
             device_peaks = [r["peak_device_mb"] for r in runs.values() if "peak_device_mb" in r]
             if device_peaks:  # GPU runs: the accelerator's peak, the memory that limits them
                 rows[name]["peak_device_mb"] = max(device_peaks)
@@ -298,10 +356,14 @@ def summarise(config: CompareConfig) -> dict:
         tasks[task] = {"metric": metric, "better": better, "mechanisms": rows}
     return {"tasks": tasks, "runs_finished": finished, "wall_seconds": wall, "machines": sorted(machines),
             "units": "folds" if config.folds else "seeds", "seeds": config.seeds,
-            "folds": config.folds, "train_args": config.train_args,
+            "folds": config.folds, "train_args": config.train_args, "keys_per_query": config.keys_per_query,
             "entries": {e.label: {"attention": e.mechanism, "options": e.options, "train_args": list(e.train_args)}
                         for e in config.entries},
             "test": "exact two-sided sign-flip permutation test on paired differences"}
+
+
+def _or_zero(value: float | None) -> float:
+    return 0 if value is None else value
 
 
 def summary_markdown(summary: dict) -> str:
@@ -310,16 +372,20 @@ def summary_markdown(summary: dict) -> str:
              f"on {'; '.join(summary['machines']) or '-'}.", "", *_overview(summary)]
     for task, block in summary["tasks"].items():
         gpu = any("peak_device_mb" in row for row in block["mechanisms"].values())
+        recall = any("key_recall" in row for row in block["mechanisms"].values())
         lines += [f"## {task} ({block['metric']}, {block['better']} is better)", "",
-                  "| mechanism | score (mean ± std, n) | Δ vs full (p) | Δ vs neural-clustering (p) | s/epoch | "
-                  "time vs full | peak RSS MB |" + (" peak GPU MB |" if gpu else ""),
-                  "|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
+                  "| mechanism | keys/query | score (mean ± std, n) | Δ vs full (p) | Δ vs neural-clustering (p) | "
+                  "s/epoch | time vs full | peak RSS MB |" + (" peak GPU MB |" if gpu else "")
+                  + (" key recall per layer |" if recall else ""),
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + ("---|" if recall else "")]
         for name, row in block["mechanisms"].items():
-            lines.append(f"| {name} | {row['mean']:.4f} ± {row['std']:.4f} ({row['n']}) | "
+            lines.append(f"| {name} | {row.get('keys_per_query') or '?'} | {row['mean']:.4f} ± {row['std']:.4f} "
+                         f"({row['n']}) | "
                          f"{_difference(row.get('vs_full'))} | {_difference(row.get('vs_neural-clustering'))} | "
                          f"{row['seconds_per_epoch']:.1f} | "
                          f"{_ratio(row.get('time_vs_full'))} | {row['peak_rss_mb']:.0f} |"
-                         + (f" {row.get('peak_device_mb', math.nan):.0f} |" if gpu else ""))
+                         + (f" {row.get('peak_device_mb', math.nan):.0f} |" if gpu else "")
+                         + (f" {_recall_cell(row.get('key_recall'))} |" if recall else ""))
         lines.append("")
     return "\n".join(lines)
 
@@ -386,6 +452,11 @@ def grids_table(grids: list[tuple[str, dict]]) -> str:
 def _ratio(value: float | None) -> str:
     """A time ratio to full's, or "—" in a grid without full (not "nan")."""
     return "—" if value is None else f"{value:.2f}"
+
+
+def _recall_cell(recall: dict | None) -> str:
+    """Key recall per layer, in layer order: "0.12 / 0.98"."""
+    return "—" if not recall else " / ".join(f"{value:.2f}" for value in recall.values())
 
 
 def _difference(d: dict | None) -> str:

@@ -91,6 +91,22 @@ class AttentionOptions:
         the whole sequence) or ``"refused"`` (``causal=True`` raises)."""
         return "strict"
 
+    # budgets: how many keys a query can see (docs/ARCHITECTURE.md, "Budgets")
+    def keys_per_query(self, length: int, causal: bool = False) -> int:
+        """The budget: the most keys one query can attend to in a sequence of ``length`` tokens (under a causal
+        mask, a query late enough in the sequence to have that many earlier keys). Every key counts once,
+        whatever number of rounds or windows bring it. The default is every key (full attention; also the
+        mechanisms whose centroid queries read every key)."""
+        check_int("length", length, minimum=1)
+        return length
+
+    def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
+        """The options that change to give each query at most ``keys`` keys at ``length`` (as large as fits): a
+        dict to merge over this mechanism's options. ``ValueError`` for a mechanism whose budget no option sets
+        (full attention, and the clustered mechanisms, whose centroid queries read every key)."""
+        raise ValueError(f"{type(self).__name__} has no option that sets the keys per query: every query can "
+                         f"read all {length} keys")
+
 
 @dataclass(frozen=True)
 class SeededOptions(AttentionOptions):
@@ -137,6 +153,26 @@ class BucketOptions(SeededOptions):
     def chunk_for(self, causal: bool) -> int:
         """The chunk size of a forward: ``causal_chunk_size`` under ``causal=True``, else ``chunk_size``."""
         return self.causal_chunk_size if causal else self.chunk_size
+
+    #: hashing or clustering rounds whose chunks a query attends to (their union counts towards the budget)
+    budget_rounds: ClassVar[str | None] = None
+
+    def _rounds(self) -> int:
+        return 1 if self.budget_rounds is None else getattr(self, self.budget_rounds)
+
+    def keys_per_query(self, length: int, causal: bool = False) -> int:
+        """At most ``rounds * (look_back + 1) * chunk`` keys (the chunk under ``causal``: ``causal_chunk_size``)."""
+        check_int("length", length, minimum=1)
+        return min(length, self._rounds() * (self.look_back + 1) * self.chunk_for(causal))
+
+    def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
+        """The chunk (``causal_chunk_size`` under ``causal``) = keys // (rounds * (look_back + 1))."""
+        check_int("keys", keys, minimum=1)
+        chunk = keys // (self._rounds() * (self.look_back + 1))
+        if chunk < 1:
+            raise ValueError(f"keys={keys} is below one chunk of one key in each of {self._rounds()} round(s) "
+                             f"and {self.look_back + 1} chunk(s) per window")
+        return {"causal_chunk_size" if causal else "chunk_size": chunk}
 
 
 def option_fields(options: type) -> dict[str, Any]:

@@ -45,6 +45,7 @@ Randomness: K-means initialisation from the layer's generator (``seed``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,20 @@ from ..ops.sliding import sliding_window_attention
 from .aux import publish_groups
 from .base import AttentionOptions, InnerAttention, QKVProjection, SeededOptions
 from .registry import register
+
+
+def window_union(window: int, stride: int, length: int) -> int:
+    """Keys a row can see under windows of ``window`` every ``stride`` rows: the union of the windows that hold
+    it, ``window + stride * (ceil(window / stride) - 1)`` (192 for 128 / 64), at most ``length``."""
+    check_int("length", length, minimum=1)
+    return min(length, window + stride * (-(-window // stride) - 1))
+
+
+def window_for_budget(keys: int) -> dict[str, int]:
+    """The window (even) and stride (half of it) whose union of windows, 1.5 windows, is at most ``keys``."""
+    check_int("keys", keys, minimum=3)
+    window = 2 * keys // 3 // 2 * 2
+    return {"window": window, "stride": window // 2}
 
 
 def _check_window(window: int, stride: int) -> None:
@@ -81,6 +96,13 @@ class SlidingWindowOptions(AttentionOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_window(self.window, self.stride)
+
+    def keys_per_query(self, length: int, causal: bool = False) -> int:
+        """The union of the windows that hold a query (:func:`window_union`)."""
+        return window_union(self.window, self.stride, length)
+
+    def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
+        return window_for_budget(keys)
 
 
 @dataclass(frozen=True)
@@ -112,6 +134,13 @@ class ClusterFormerOptions(SeededOptions):
 
     def causal_semantics(self) -> str:
         return "paper"  # masking inside sorted windows whose membership depends on all tokens
+
+    def keys_per_query(self, length: int, causal: bool = False) -> int:
+        """The union of the sorted windows that hold a query (:func:`window_union`)."""
+        return window_union(self.window, self.stride, length)
+
+    def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
+        return window_for_budget(keys)
 
 
 @register("sliding-window", SlidingWindowOptions, "Cluster-Former's local layer: overlapping windows, averaged")

@@ -62,6 +62,8 @@ class LSHOptions(BucketOptions):
     ALIASES: ClassVar[dict[str, str]] = {"bucket_size": "chunk_size", "n_hashes": "num_rounds",
                                          "n_buckets": "num_clusters", "causal_buckets": "causal_clusters"}
 
+    budget_rounds: ClassVar[str | None] = "num_rounds"  # a query sees its chunks in every round
+
     num_rounds: int = 4
     num_clusters: int | str = "auto"
     causal_clusters: int = 16

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -170,6 +171,28 @@ class NeuralClusteringOptions(SeededOptions):
 
     def causal_semantics(self) -> str:
         return self.causal_mode
+
+    def keys_per_query(self, length: int, causal: bool = False) -> int:
+        """(look_back + 1) chunks of its cluster: chunks of ceil(N / k) (each chunk once, however few there are),
+        or of ``causal_chunk_size`` under a strict causal mask."""
+        check_int("length", length, minimum=1)
+        if causal and self.causal_mode == "strict":
+            return min(length, (self.look_back + 1) * self.causal_chunk_size)
+        chunk = math.ceil(length / self.clusters_for(length))
+        chunks = math.ceil(length / chunk)
+        return min(length, (min(self.look_back, chunks - 1) + 1) * chunk)
+
+    def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
+        """Strict causal: ``causal_chunk_size`` = keys // (look_back + 1). Otherwise an int ``num_clusters`` =
+        ceil(length / chunk) with chunk = keys // (look_back + 1), so that ceil(length / k) <= chunk."""
+        check_int("keys", keys, minimum=1)
+        check_int("length", length, minimum=1)
+        chunk = keys // (self.look_back + 1)
+        if chunk < 1:
+            raise ValueError(f"keys={keys} is below one key in each of the {self.look_back + 1} chunks a query sees")
+        if causal and self.causal_mode == "strict":
+            return {"causal_chunk_size": chunk}
+        return {"num_clusters": math.ceil(length / chunk)}
 
 
 @register(

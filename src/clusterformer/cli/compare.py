@@ -35,6 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=1,
                    help="trainings at once (default 1); with more than one, each gets cpu_count/jobs threads "
                         "unless OMP_NUM_THREADS is set")
+    p.add_argument("--keys-per-query", type=int, default=None,
+                   help="one budget for every entry: the options that let each query see at most this many keys "
+                        "at the runs' --max-len (full, clustered and improved-clustered read every key and run as "
+                        "they are); use a new --out per budget")
     p.add_argument("--out", required=True, help="comparison directory")
     p.add_argument("--plot", default=None, help="also draw the speed-accuracy picture here (PNG)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then flags for every train run")
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                            '{"nc-no-losses": {"attention": "neural-clustering", "train_args": [...]}}')
     config = CompareConfig(tasks=args.tasks, attention=args.attention, out=args.out, seeds=args.seeds,
                            folds=args.folds, options=options, variants=variants, train_args=train_args,
-                           jobs=args.jobs)
+                           jobs=args.jobs, keys_per_query=args.keys_per_query)
     summary = run_comparison(config, log=log)
     if args.plot:
         log(f"wrote {plot_comparison(summary, args.plot)}")

@@ -14,7 +14,11 @@ from ._args import json_object, log, mechanism
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train on a task (see docs/results.md); works under torchrun too")
     p.add_argument("--task", required=True, help="mr, cr, subj, mpqa, 20news, imdb, wikiqa, listops, shakespeare-char, "
-                   "multi30k (De->En translation), text-classification")
+                   "multi30k (De->En translation), text-classification, mqar, passkey (recall tasks)")
+    p.add_argument("--task-options", default=None,
+                   help="mqar, passkey: options as JSON -- form (causal|bidirectional), num_pairs, vocab_size, gap "
+                        "(uniform|power), power_a, digits, min_gap, test_sequences, far, recall_sequences "
+                        "(clusterformer.train.recall.RecallOptions); the length is --max-len")
     p.add_argument("--attention", type=mechanism, default="full")
     p.add_argument("--attention-options", default=None, help="options of that mechanism as JSON")
     p.add_argument("--data-dir", default=None, help="datasets (default: $CLUSTERFORMER_DATA, else the user cache)")
@@ -87,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
     options = json_object("--attention-options", args.attention_options, '{"num_clusters": 16}')
     decoder_options = json_object("--decoder-attention-options", args.decoder_attention_options,
                                   '{"causal_chunk_size": 16}')
+    task_options = json_object("--task-options", args.task_options, '{"num_pairs": 32, "form": "causal"}')
     values = {k: v for k, v in vars(args).items()
-              if k not in ("func", "command", "attention_options", "decoder_attention_options", "cv")}
-    config = TrainConfig(**values, attention_options=options, decoder_attention_options=decoder_options)
+              if k not in ("func", "command", "attention_options", "decoder_attention_options", "task_options", "cv")}
+    config = TrainConfig(**values, attention_options=options, decoder_attention_options=decoder_options,
+                         task_options=task_options)
     if not args.cv:
         result = run_training(config)
         if result:

@@ -1,6 +1,13 @@
 """Models built from the attention registry."""
 
-from .encoder import Encoder, EncoderConfig, SequenceClassifier, cluster_former_config, sinusoidal_positions
+from .encoder import (
+    Encoder,
+    EncoderConfig,
+    SequenceClassifier,
+    TokenClassifier,
+    cluster_former_config,
+    sinusoidal_positions,
+)
 from .reversible import ReversibleSequence, TiedConnection
 
 __all__ = [
@@ -9,6 +16,7 @@ __all__ = [
     "ReversibleSequence",
     "SequenceClassifier",
     "TiedConnection",
+    "TokenClassifier",
     "cluster_former_config",
     "sinusoidal_positions",
 ]

@@ -29,7 +29,7 @@ from ..attention.registry import make_options
 from ..ops.decode import DecodeCache
 from .reversible import ReversibleSequence
 
-__all__ = ["Encoder", "EncoderCache", "EncoderConfig", "SequenceClassifier", "cluster_former_config"]
+__all__ = ["Encoder", "EncoderCache", "EncoderConfig", "SequenceClassifier", "TokenClassifier", "cluster_former_config"]
 
 
 @dataclass
@@ -355,3 +355,19 @@ class SequenceClassifier(nn.Module):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The task loss L3 (cross-entropy)."""
         return F.cross_entropy(logits, labels)
+
+
+class TokenClassifier(nn.Module):
+    """Encoder + a linear head at every position -> logits (B, N, num_classes): the recall tasks' model
+    (:mod:`clusterformer.data.recall`). ``causal=True`` runs the encoder causally (the language-model form: the
+    label at position t may use tokens 0..t only); ``causal=False`` is the bidirectional form."""
+
+    def __init__(self, config: EncoderConfig, num_classes: int, causal: bool = False) -> None:
+        super().__init__()
+        check_int("num_classes", num_classes, minimum=2)
+        self.causal = check_bool("causal", causal)
+        self.encoder = Encoder(config)
+        self.head = nn.Linear(config.dim, num_classes)
+
+    def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.encoder(tokens, key_padding_mask, causal=self.causal))

@@ -53,10 +53,11 @@ import torch
 
 from .._checks import check_choice, check_float, check_int
 from .._io import write_json
-from ..attention import NeuralClusteringAttention, apply_pending_updates, collect_aux_losses, total_loss
+from ..attention import AttentionLayer, NeuralClusteringAttention, apply_pending_updates, collect_aux_losses, total_loss
 from ..attention.registry import can_decode, causal_semantics, make_options
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from .recall import RECALL_TASKS, recall_options
 from .tasks import TASKS, Task, prepare_task
 
 __all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "load_run", "parameter_groups", "run_training"]
@@ -74,6 +75,7 @@ class TrainConfig:
     out: str
     attention: str = "full"
     attention_options: dict[str, Any] = field(default_factory=dict)
+    task_options: dict[str, Any] = field(default_factory=dict)  # mqar, passkey: clusterformer.train.recall
     data_dir: str | None = None
     train_file: str | None = None
     test_file: str | None = None
@@ -125,11 +127,13 @@ class TrainConfig:
         check_choice("task", self.task, TASKS)
         if self.init is None:
             make_options(self.attention, self.attention_options)
-            if self.task == "shakespeare-char":
+            causal_task = self.task == "shakespeare-char" or (
+                self.task in RECALL_TASKS and recall_options(self.task_options).form == "causal")
+            if causal_task:
                 semantics = causal_semantics(self.attention, self.attention_options)
                 if semantics == "refused":
                     raise ValueError(f"attention {self.attention!r} cannot be causal, so it cannot train a "
-                                     "language model")
+                                     f"causal model (task {self.task!r})")
                 if semantics != "strict" and not self.allow_non_strict_causal:
                     raise ValueError(
                         f"attention {self.attention!r} with these options is not strictly causal (which past "
@@ -140,7 +144,7 @@ class TrainConfig:
 
             check_choice("init", self.init, PRETRAINED_ENCODERS)
             validate_patch_options(self.attention, self.attention_options)
-            if self.task in ("wikiqa", "listops", "shakespeare-char"):
+            if self.task in ("wikiqa", "listops", "shakespeare-char", *RECALL_TASKS):
                 raise ValueError(f"--init fine-tunes single-text classifiers; task {self.task!r} is not one")
             if self.tokenizer != "auto":
                 raise ValueError("--init uses the pretrained model's own tokenizer; leave --tokenizer at auto")
@@ -149,6 +153,10 @@ class TrainConfig:
                                  "reversible)")
             if self.max_len > 512:
                 raise ValueError(f"max_len must be <= 512 (the pretrained model's positions), got {self.max_len}")
+        if self.task in RECALL_TASKS:
+            recall_options(self.task_options)
+        elif self.task_options:
+            raise ValueError(f"task_options are for the recall tasks ({', '.join(RECALL_TASKS)}), not {self.task!r}")
         if self.task == "multi30k":
             if self.reversible or self.cluster_layers is not None:
                 raise ValueError("task multi30k builds an encoder-decoder; --reversible and --cluster-layers are not "
@@ -489,9 +497,9 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
 def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     state = load_checkpoint(out / CHECKPOINT)
     saved = state["config"]
-    changed = {k for k in ("task", "attention", "attention_options", "dim", "depth", "heads", "max_len", "seed",
-                           "batch_size", "cluster_layers", "decoder_attention", "decoder_attention_options",
-                           "centroid_flow", "centroid_lr_scale")
+    changed = {k for k in ("task", "task_options", "attention", "attention_options", "dim", "depth", "heads",
+                           "max_len", "seed", "batch_size", "cluster_layers", "decoder_attention",
+                           "decoder_attention_options", "centroid_flow", "centroid_lr_scale")
                if saved.get(k, getattr(config, k)) != getattr(config, k)}
     if changed:
         raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
@@ -505,7 +513,8 @@ def _prepare(config: TrainConfig, tokenizer_state: str | None) -> Task:
                         tokenizer=_tokenizer_kind(config), vocab_size=config.vocab_size, seed=config.seed,
                         fold=config.fold, folds=config.folds, limit=config.limit, train_file=config.train_file,
                         test_file=config.test_file, tokenizer_state=tokenizer_state,
-                        translation=_translation_options(config) if config.task == "multi30k" else None)
+                        translation=_translation_options(config) if config.task == "multi30k" else None,
+                        task_options=config.task_options)
 
 
 def _translation_options(config: TrainConfig) -> dict[str, Any]:
@@ -605,6 +614,7 @@ def _finish(run: _Run) -> dict:
             + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(config),
+            "keys_per_query": keys_per_query(model, config.max_len, getattr(run.task, "causal", run.task.kind == "lm")),
         }
         if device.type == "cuda":  # the accelerator's peak since this process began (RSS misses it)
             result["peak_device_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -612,6 +622,13 @@ def _finish(run: _Run) -> dict:
     if run.world > 1:
         torch.distributed.barrier()
     return result
+
+
+def keys_per_query(model: torch.nn.Module, length: int, causal: bool) -> int | None:
+    """The most keys a query of ``model`` can see in a sequence of ``length`` tokens: the largest budget
+    (:meth:`clusterformer.attention.AttentionOptions.keys_per_query`) over its attention layers, None without one."""
+    budgets = [m.options.keys_per_query(length, causal) for m in model.modules() if isinstance(m, AttentionLayer)]
+    return max(budgets) if budgets else None
 
 
 def load_run(path: str | Path) -> tuple[dict[str, Any], TrainConfig]:

@@ -14,6 +14,7 @@ more implementation).
 | listops | generated (``data.listops``, LRA rules), lengths max_len/4..max_len | fixed seeded train / test | accuracy |
 | shakespeare-char | one text file | first 90% / last 10% | bits per character |
 | multi30k | De->En sentence pairs (:mod:`clusterformer.train.translation`) | train / test_2016_flickr | BLEU |
+| mqar, passkey | generated (:mod:`clusterformer.train.recall`) | seeded train stream / test | query accuracy |
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,35 +34,16 @@ from ..data.paths import resolve_data_dir
 from ..data.tokenize import PretrainedTokenizer
 from ..models import EncoderConfig, SequenceClassifier
 from ..models.lm import LanguageModel
+from .batch import Batch, Predict
+from .recall import RECALL_TASKS, prepare_recall
 
 __all__ = ["TASKS", "Batch", "ClassificationTask", "Examples", "LanguageModelTask", "Task", "prepare_task",
            "ranking_metrics"]
 
 TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "listops", "shakespeare-char", "multi30k",
-         "text-classification")
+         "text-classification", *RECALL_TASKS)
 
 LISTOPS_TRAIN = 20_000  # training expressions by default (LRA uses 96,000: --limit 96000); the test set has 2,000
-
-
-class Batch(NamedTuple):
-    """One rank's slice of a training step: token ids (B, L), key padding mask (B, L) or None, targets, and for
-    an encoder-decoder the decoder's teacher-forced input (the model is then called as ``model(ids, pad,
-    decoder_ids)``)."""
-
-    ids: torch.Tensor
-    pad: torch.Tensor | None
-    targets: torch.Tensor
-    decoder_ids: torch.Tensor | None = None
-
-
-class Predict(Protocol):
-    """What a task's ``evaluate`` gets: ``predict(ids, pad) -> logits`` on CPU (eval mode, no gradient), and the
-    model itself (``predict.model``, on ``predict.device``) for tasks that decode with it (translation)."""
-
-    model: nn.Module
-    device: torch.device
-
-    def __call__(self, ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class Task(Protocol):
@@ -241,15 +223,21 @@ def prepare_task(
     name: str, *, data_dir: str | Path | None, max_len: int, tokenizer: str = "auto", vocab_size: int = 20000,
     seed: int = 0, fold: int | None = None, folds: int = 10, limit: int | None = None,
     train_file: str | None = None, test_file: str | None = None, tokenizer_state: str | None = None,
-    translation: dict[str, Any] | None = None,
+    translation: dict[str, Any] | None = None, task_options: dict[str, Any] | None = None,
 ) -> Task:
     """Load, split and tokenise task ``name``. ``limit`` keeps a small slice (examples, or documents per class
     for 20news/imdb, or pairs for wikiqa, or characters for shakespeare-char) for tests and quick runs.
     ``tokenizer_state`` reuses a saved tokenizer (evaluation of a checkpoint). ``translation``: the keyword
     arguments of :func:`clusterformer.train.translation.prepare_multi30k` (decoder attention, label smoothing,
-    beam, shared vocabulary)."""
+    beam, shared vocabulary). ``task_options``: the recall tasks' options
+    (:class:`clusterformer.train.recall.RecallOptions`); other tasks take none."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
+    if name in RECALL_TASKS:
+        return prepare_recall(name, max_len, limit, task_options or {})
+    if task_options:
+        raise ValueError(f"task {name!r} takes no task options (they are for {', '.join(RECALL_TASKS)}); got "
+                         f"{sorted(task_options)}")
     if tokenizer == "auto":
         tokenizer = "bytes" if name == "imdb" else "word"
     if name == "shakespeare-char":

@@ -18,6 +18,7 @@ from torch import nn
 from ..data.translation import BPETokenizer, load_multi30k, pad_batch
 from ..models import EncoderConfig
 from ..models.seq2seq import Seq2Seq, Seq2SeqConfig, beam_search, greedy_decode, label_smoothed_loss
+from .batch import Batch
 
 __all__ = ["TranslationTask", "Translator", "prepare_multi30k", "tokenizers_from_state", "translation_model_config"]
 
@@ -107,8 +108,6 @@ class TranslationTask:
 
     def batch(self, step: int, per_epoch: int, batch_size: int, rank: int, world: int, seed: int):
         """As the classification tasks: epoch e visits the permutation drawn from ``seed + e``."""
-        from .tasks import Batch
-
         B = batch_size
         epoch, within = divmod(step, per_epoch)
         order = torch.randperm(len(self.train_src), generator=torch.Generator().manual_seed(seed + epoch))

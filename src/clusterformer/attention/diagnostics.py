@@ -1,0 +1,159 @@
+"""Which keys a query can see: the key-recall diagnostic of the recall tasks, for every registered mechanism.
+
+The question, for a query at position i that needs the token at position s (an MQAR query and its value): is s
+inside the set of keys i attends to, in each layer and head -- and with what weight?
+
+One probe answers it for every mechanism without knowing how the mechanism groups tokens. The layer's input x is
+run through the mechanism with a projection (:class:`_ValueProbe`) that computes queries and keys as usual, from
+x *detached*, but passes x itself as the values (v = x, split into heads). Then the output at (i, head h, channel
+c) is sum_j p^h_ij x_j[h, c], and its gradient with respect to x_s[h, c] is exactly p^h_is, the attention weight of
+query i on key s in head h: zero when s is outside i's attended set (a masked or absent key contributes nothing),
+positive inside it. Groupings (argmax, hashes, sorts) have no gradient, and queries and keys are detached, so
+nothing else reaches x. One backward gives the weights of up to ``head_dim`` queries per sequence at once (query m
+reads channel m mod head_dim); more queries take more passes.
+
+Mechanisms whose queries are cluster centroids (``clustered``, ``improved-clustered``) attend to every key through
+the centroid: the probe reports that as it is (a positive weight on s). The probe runs in float64 so that a weight
+that float32 would round to zero counts as seen.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .._checks import check_tensor
+from .base import AttentionLayer
+
+__all__ = ["attention_rows", "attention_to_sources", "key_recall"]
+
+
+class _ValueProbe:
+    """A :class:`~clusterformer.attention.base.QKVProjection`: the layer's own queries and keys from x detached,
+    and x itself as the values."""
+
+    def __init__(self, layer: AttentionLayer) -> None:
+        self.layer = layer
+        self.heads = layer.heads
+        self.head_dim = layer.head_dim
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, _ = self.layer.qkv(x.detach())
+        B, N, _ = x.shape
+        return q, k, x.view(B, N, self.heads, self.head_dim).transpose(1, 2)
+
+    def project_rows(self, rows: torch.Tensor, which: str) -> torch.Tensor:
+        return rows if which == "v" else self.layer.project_rows(rows.detach(), which)
+
+
+def attention_rows(
+    layer: AttentionLayer, x: torch.Tensor, queries: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False, flow: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention weights of the queries at positions ``queries`` (B, Q) over every key: (B, Q, H, N), float64.
+
+    Args:
+        layer: an attention layer (any registered mechanism), in the mode to probe (eval for a diagnostic).
+        x: (B, N, dim) the layer's input.
+        queries: (B, Q) long positions.
+        key_padding_mask, causal, flow: as the layer is called.
+
+    Row (b, m, h) is query ``queries[b, m]``'s weights in head h; a key outside its attended set has weight 0
+    (a mechanism that averages several windows, as sliding-window, gives the average weight). The layer is
+    copied and run in float64; the layer itself is left as it was (its generator state included)."""
+    check_tensor("x", x, ndim=3, floating=True)
+    B, N, _ = x.shape
+    _check_positions("queries", queries, B, N)
+    probe_layer = copy.deepcopy(layer).double()
+    probe = _ValueProbe(probe_layer)
+    H, D = layer.heads, layer.head_dim
+    Q = queries.shape[1]
+    weights = torch.zeros(B, Q, H, N, dtype=torch.float64)
+    rows = torch.arange(B).unsqueeze(1)
+    for start in range(0, Q, D):  # passes of head_dim queries: ceil(Q / head_dim), not a loop over tokens
+        m = torch.arange(start, min(Q, start + D))
+        xd = x.detach().double().clone().requires_grad_(True)
+        channel = m - start
+        pick = channel.view(1, -1, 1, 1).expand(B, -1, H, 1)  # query m reads channel m - start
+        with torch.enable_grad():  # also inside an evaluation's no_grad
+            out, _ = probe_layer.inner.attend_hidden(
+                xd, probe, key_padding_mask, causal, None if flow is None else flow.detach().double())  # (B, N, H, D)
+            score = out[rows, queries[:, m]].gather(3, pick).sum()  # sum over b, h, m of out[b, q_m, h, c_m]
+            (grad,) = torch.autograd.grad(score, xd)
+        # grad[b, j, h, c_m] = weight of query m on key j in head h
+        weights[:, m] = grad.view(B, N, H, D)[..., channel].permute(0, 3, 2, 1)
+    return weights
+
+
+def attention_to_sources(
+    layer: AttentionLayer, x: torch.Tensor, queries: torch.Tensor, sources: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None, causal: bool = False, flow: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention weight of each query on the key it needs, per head: (B, Q, H), float64, in [0, 1].
+
+    ``queries``, ``sources``: (B, Q) long positions: query ``queries[b, m]`` needs key ``sources[b, m]``; the
+    rest as :func:`attention_rows`. Zero means the key is outside the query's attended set in that head."""
+    B, N = x.shape[0], x.shape[1] if x.dim() == 3 else 0
+    _check_positions("sources", sources, B, N)
+    if queries.shape != sources.shape:
+        raise ValueError(f"queries and sources must have the same shape, got {tuple(queries.shape)} and "
+                         f"{tuple(sources.shape)}")
+    rows = attention_rows(layer, x, queries, key_padding_mask, causal, flow)  # (B, Q, H, N)
+    return rows.gather(3, sources.view(B, -1, 1, 1).expand(-1, -1, rows.shape[2], 1)).squeeze(-1)
+
+
+def _check_positions(name: str, t: torch.Tensor, B: int, N: int) -> None:
+    check_tensor(name, t, ndim=2)
+    if t.shape[0] != B or t.dtype != torch.long:
+        raise ValueError(f"{name} must be a (B={B}, Q) long tensor, got {tuple(t.shape)} {t.dtype}")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= N):
+        raise ValueError(f"{name} must hold positions in [0, {N}), got values in [{int(t.min())}, {int(t.max())}]")
+
+
+def key_recall(
+    model: nn.Module, tokens: torch.Tensor, queries: torch.Tensor, sources: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Run ``model(tokens, key_padding_mask)`` once, and for every attention layer in it the weight each query puts
+    on the key it needs: {layer name: (B, Q, H) float64} (see :func:`attention_to_sources`). The model is put in
+    eval mode for the call and returned to its mode after."""
+    captured: dict[str, tuple] = {}
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, AttentionLayer)}
+    if not layers:
+        raise ValueError("model has no attention layer (clusterformer.attention.AttentionLayer) to probe")
+
+    def capture(name: str):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["x"]
+            pad = args[1] if len(args) > 1 else kwargs.get("key_padding_mask")
+            causal = args[2] if len(args) > 2 else kwargs.get("causal", False)
+            if pad is not None:
+                x = x.masked_fill(pad.unsqueeze(-1), 0.0)  # as the layer zeroes padded rows on entry
+            captured[name] = (x.detach(), pad, causal, kwargs.get("flow"))
+        return hook
+
+    handles = [layer.register_forward_pre_hook(capture(name), with_kwargs=True) for name, layer in layers.items()]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(tokens, key_padding_mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    result = {}
+    for name, layer in layers.items():
+        if name not in captured:
+            continue
+        x, pad, causal, flow = captured[name]
+        was = layer.training
+        layer.eval()
+        try:
+            result[name] = attention_to_sources(layer, x, queries.to(x.device), sources.to(x.device), pad, causal,
+                                                flow).cpu()
+        finally:
+            layer.train(was)
+    return result

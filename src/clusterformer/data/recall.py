@@ -1,0 +1,233 @@
+"""Recall tasks: a query must read one distant token chosen by its *content*, so no fixed window shorter than the
+distance can answer it. Both are token-level tasks: a label at each query position, ``-100`` (ignored) elsewhere.
+
+* **MQAR**, multi-query associative recall (Arora, Eyuboglu et al. 2023, "Zoology: Measuring and improving recall
+  in efficient language models", §3 and its ``multiquery_ar`` generator). A context of ``num_pairs`` key-value
+  pairs ``k_1 v_1 k_2 v_2 ...`` (distinct keys, distinct values), then a query region of noise in which every key
+  appears once more, at an even offset; the label at a key's second occurrence is its value::
+
+      position  0   1   2   3   4  ...  q        ...
+      token     k1  v1  k2  v2  n  ...  k2   n   ...       label at q: v2
+
+  Query slots are drawn without replacement from the query region's even offsets, uniformly (``gap="uniform"``)
+  or with Zoology's power law ``p(s) ∝ a s^(a - 1)`` over slots s = 1, 2, ... (``gap="power"``, ``power_a``), which
+  puts most queries near the context. ``min_gap`` leaves that many noise tokens between the last pair and the
+  query region, so every query is at least ``min_gap + 1`` tokens from its value.
+  One deviation from Zoology: noise tokens come from a range of their own (Zoology draws them from the whole
+  vocabulary, so a noise token can repeat a key). Here the answer is unique by construction and an independent
+  reader can re-derive it (the tests do): the value that follows the query token's first occurrence.
+* **Passkey retrieval** (Mohtashami & Jaggi 2023, "Landmark Attention: Random-Access Infinite Context Length for
+  Transformers", §4.2; RULER's passkey, Hsieh et al. 2024), trained from scratch. Noise, with a needle ``PASS d_1
+  ... d_m`` (a marker and ``m`` random digits) at a uniformly drawn depth, and at the end the question ``ASK S_1
+  ... S_m``: the label at slot token ``S_j`` is digit ``d_j``.
+
+Forms. The same sequences serve a **causal** model (the paper's language-model form: the label sits at the query
+token, and nothing after it is needed) and a **bidirectional** encoder that predicts the label at each query
+position. Accuracy counts query positions only.
+
+Seeds. Sequence ``i`` of a split is generated from its own seed, ``numpy.random.SeedSequence((seed, split, i))``,
+so any sequence of a test set can be regenerated alone, and the training stream does not depend on the batch size.
+
+Vocabulary (token 0 is padding and never appears): MQAR keys ``[1, 1 + K)``, values ``[1 + K, 1 + 2K)``, noise
+``[1 + 2K, vocab_size)`` with ``K = (vocab_size - 1 - noise) // 2`` and ``noise = vocab_size // 4``. Passkey:
+digits ``1..10``, marker ``11``, question ``12``, slots ``13..12+m``, noise the rest.
+
+Each generated batch also gives, for every query, the position of the token that holds its answer (``sources``:
+MQAR's value, the passkey's digit), which :mod:`clusterformer.train.recall` uses for its key-recall diagnostic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .._checks import check_choice, check_float, check_int
+
+__all__ = ["GAPS", "RECALL_TASKS", "SPLITS", "MQARSpec", "PasskeySpec", "RecallBatch", "generate_recall",
+           "read_mqar", "read_passkey"]
+
+GAPS = ("uniform", "power")
+SPLITS = {"train": 0, "test": 1}
+RECALL_TASKS = ("mqar", "passkey")
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class MQARSpec:
+    """The shape of an MQAR sequence.
+
+    Attributes:
+        length: tokens per sequence N (even).
+        num_pairs: key-value pairs D (and queries), with 4 D <= N - min_gap as in Zoology.
+        vocab_size: tokens including padding 0; a quarter is noise, the rest keys and values (>= D each).
+        gap: where queries go in the query region: "uniform" or "power" (Zoology's power law).
+        power_a: the power law's a (Zoology's default 0.01); used with gap="power".
+        min_gap: noise tokens between the last pair and the first query slot.
+    """
+
+    length: int = 1024
+    num_pairs: int = 32
+    vocab_size: int = 1024
+    gap: str = "uniform"
+    power_a: float = 0.01
+    min_gap: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("length", self.length, minimum=4)
+        if self.length % 2:
+            raise ValueError(f"length must be even for MQAR (queries sit at even offsets), got {self.length}")
+        check_int("num_pairs", self.num_pairs, minimum=1)
+        check_int("min_gap", self.min_gap, minimum=0)
+        check_choice("gap", self.gap, GAPS)
+        check_float("power_a", self.power_a, minimum=0.0, exclusive_minimum=True, maximum=1.0)
+        if self.slots < self.num_pairs:
+            raise ValueError(f"num_pairs={self.num_pairs} queries do not fit: length={self.length} leaves "
+                             f"{self.slots} query slots after {2 * self.num_pairs} context tokens and "
+                             f"min_gap={self.min_gap}")
+        check_int("vocab_size", self.vocab_size, minimum=2)
+        if self.num_keys < self.num_pairs or self.noise_vocab < 1:
+            raise ValueError(f"vocab_size={self.vocab_size} is too small for num_pairs={self.num_pairs}: it needs "
+                             f"at least {self.num_pairs} keys, as many values and a noise quarter; use "
+                             f">= {4 * self.num_pairs + 2}")
+
+    @property
+    def noise_vocab(self) -> int:
+        return self.vocab_size // 4
+
+    @property
+    def num_keys(self) -> int:
+        return (self.vocab_size - 1 - self.noise_vocab) // 2
+
+    @property
+    def query_start(self) -> int:
+        return 2 * self.num_pairs + self.min_gap
+
+    @property
+    def slots(self) -> int:
+        return (self.length - self.query_start) // 2
+
+
+@dataclass(frozen=True)
+class PasskeySpec:
+    """The shape of a passkey sequence.
+
+    Attributes:
+        length: tokens per sequence N.
+        digits: digits of the passkey m.
+        vocab_size: tokens including padding 0 (digits, marker, question and slots take 12 + m; the rest is noise).
+        min_gap: the needle ends at least this many tokens before the question.
+    """
+
+    length: int = 1024
+    digits: int = 5
+    vocab_size: int = 64
+    min_gap: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("digits", self.digits, minimum=1)
+        check_int("min_gap", self.min_gap, minimum=0)
+        check_int("vocab_size", self.vocab_size, minimum=self.first_noise + 1)
+        check_int("length", self.length, minimum=2 * (self.digits + 1) + self.min_gap)
+
+    @property
+    def first_noise(self) -> int:
+        return 13 + self.digits
+
+    MARKER = 11
+    QUESTION = 12
+
+
+@dataclass
+class RecallBatch:
+    """Sequences of a recall task.
+
+    Attributes:
+        ids: (n, N) long tokens.
+        targets: (n, N) long, the answer at each query position and -100 elsewhere.
+        queries: (n, Q) long, the query positions.
+        sources: (n, Q) long, for each query the position of the token that holds its answer.
+    """
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    queries: torch.Tensor
+    sources: torch.Tensor
+
+
+def _rng(seed: int, split: str, index: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence((seed, SPLITS[split], index)))
+
+
+def _mqar_one(spec: MQARSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    D, K = spec.num_pairs, spec.num_keys
+    keys = 1 + rng.choice(K, size=D, replace=False)
+    values = 1 + K + rng.choice(K, size=D, replace=False)
+    tokens = 1 + 2 * K + rng.integers(0, spec.noise_vocab, size=spec.length)
+    tokens[0 : 2 * D : 2], tokens[1 : 2 * D : 2] = keys, values
+    if spec.gap == "power":  # Zoology: p(s) ∝ a s^(a-1) over slots s = 1..S
+        p = spec.power_a * np.arange(1, spec.slots + 1) ** (spec.power_a - 1)
+        slot = rng.choice(spec.slots, size=D, replace=False, p=p / p.sum())
+    else:
+        slot = rng.choice(spec.slots, size=D, replace=False)
+    queries = spec.query_start + 2 * slot  # query of pair i
+    tokens[queries] = keys
+    return tokens, queries, values, 2 * np.arange(D) + 1
+
+
+def _passkey_one(spec: PasskeySpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    m, N = spec.digits, spec.length
+    tokens = spec.first_noise + rng.integers(0, spec.vocab_size - spec.first_noise, size=N)
+    question = N - m - 1
+    depth = int(rng.integers(0, question - spec.min_gap - m))  # needle at depth..depth + m, before the gap
+    digits = 1 + rng.integers(0, 10, size=m)
+    tokens[depth] = PasskeySpec.MARKER
+    tokens[depth + 1 : depth + 1 + m] = digits
+    tokens[question] = PasskeySpec.QUESTION
+    queries = question + 1 + np.arange(m)
+    tokens[queries] = 13 + np.arange(m)
+    return tokens, queries, digits, depth + 1 + np.arange(m)
+
+
+def generate_recall(spec: MQARSpec | PasskeySpec, seed: int, split: str, start: int, count: int) -> RecallBatch:
+    """Sequences ``start .. start + count - 1`` of ``split`` ("train" or "test"), each from its own seed."""
+    check_choice("split", split, tuple(SPLITS))
+    check_int("start", start, minimum=0)
+    check_int("count", count, minimum=0)
+    one = _mqar_one if isinstance(spec, MQARSpec) else _passkey_one
+    # One generator per sequence: data generation, a loop over the examples of a batch, not a hot path.
+    rows = [one(spec, _rng(seed, split, start + i)) for i in range(count)]
+    width = spec.num_pairs if isinstance(spec, MQARSpec) else spec.digits
+    if not rows:
+        empty = torch.zeros(0, width, dtype=torch.long)
+        return RecallBatch(torch.zeros(0, spec.length, dtype=torch.long),
+                           torch.zeros(0, spec.length, dtype=torch.long), empty, empty)
+    ids = torch.from_numpy(np.stack([r[0] for r in rows])).long()
+    queries = torch.from_numpy(np.stack([r[1] for r in rows])).long()
+    answers = torch.from_numpy(np.stack([r[2] for r in rows])).long()
+    sources = torch.from_numpy(np.stack([r[3] for r in rows])).long()
+    targets = torch.full_like(ids, IGNORE).scatter_(1, queries, answers)
+    return RecallBatch(ids, targets, queries, sources)
+
+
+def read_mqar(tokens: list[int], spec: MQARSpec) -> dict[int, int]:
+    """An independent reader: {query position: answer} from the tokens alone. A query is a key token (< 1 + K)
+    seen for the second time; its answer is the token after the key's first occurrence."""
+    first: dict[int, int] = {}
+    answers = {}
+    for position, token in enumerate(tokens):
+        if 1 <= token < 1 + spec.num_keys:
+            if token in first:
+                answers[position] = tokens[first[token] + 1]
+            else:
+                first[token] = position
+    return answers
+
+
+def read_passkey(tokens: list[int], spec: PasskeySpec) -> dict[int, int]:
+    """An independent reader: {slot position: digit} -- the j-th slot token after the question asks for the j-th
+    token after the marker."""
+    marker = tokens.index(PasskeySpec.MARKER)
+    return {position: tokens[marker + 1 + (token - 13)] for position, token in enumerate(tokens)
+            if 13 <= token < 13 + spec.digits}

@@ -1,0 +1,35 @@
+"""What a training task hands the loop (:class:`Batch`) and what its evaluation receives (:class:`Predict`).
+
+A module of its own so that every task module (:mod:`.tasks`, :mod:`.translation`, :mod:`.recall`) imports it
+without importing the others: the imports of ``train`` flow one way."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Batch", "Predict"]
+
+
+class Batch(NamedTuple):
+    """One rank's slice of a training step: token ids (B, L), key padding mask (B, L) or None, targets, and for
+    an encoder-decoder the decoder's teacher-forced input (the model is then called as ``model(ids, pad,
+    decoder_ids)``)."""
+
+    ids: torch.Tensor
+    pad: torch.Tensor | None
+    targets: torch.Tensor
+    decoder_ids: torch.Tensor | None = None
+
+
+class Predict(Protocol):
+    """What a task's ``evaluate`` gets: ``predict(ids, pad) -> logits`` on CPU (eval mode, no gradient), and the
+    model itself (``predict.model``, on ``predict.device``) for tasks that decode with it (translation) or
+    inspect its layers (the recall tasks' key-recall diagnostic)."""
+
+    model: nn.Module
+    device: torch.device
+
+    def __call__(self, ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor: ...

@@ -1,0 +1,202 @@
+"""The recall tasks of ``clusterformer train``: ``--task mqar``, ``--task passkey`` (:mod:`clusterformer.data.recall`).
+
+A token-level task: the model (:class:`clusterformer.models.TokenClassifier`, causal or bidirectional by ``form``)
+gives logits over the vocabulary at every position; the loss and the accuracy count query positions only.
+
+Data. Training sequence i is sequence i of the "train" split of the data seed (:data:`DATA_SEED`, fixed, as
+ListOps's data, so seeds compare models on one data set); an epoch is ``limit`` sequences (default
+:data:`TRAIN_SEQUENCES`) in the order of a permutation drawn from ``seed + epoch``, generated as the batches need
+them. The test set is the first ``test_sequences`` of the "test" split.
+
+Evaluation reports, beside accuracy over all queries, the accuracy of queries nearer and farther than
+``far`` tokens from the token that answers them (what a window of that size could and could not see), and the
+**key recall** of :func:`clusterformer.attention.diagnostics.key_recall` on the first ``recall_sequences`` test
+sequences: per layer, the fraction of (query, head) pairs whose needed token is inside the attended set
+(``key_recall``), the fraction of queries for which some head sees it (``key_recall_any_head``) and the mean
+attention weight on it (``key_weight``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import check_choice, check_int
+from ..attention.diagnostics import key_recall
+from ..data.recall import IGNORE, RECALL_TASKS, MQARSpec, PasskeySpec, RecallBatch, generate_recall
+from ..models import EncoderConfig, TokenClassifier
+from .batch import Batch, Predict
+
+__all__ = ["DATA_SEED", "FORMS", "TRAIN_SEQUENCES", "RecallOptions", "RecallTask", "prepare_recall"]
+
+DATA_SEED = 0
+TRAIN_SEQUENCES = 20_000
+FORMS = ("causal", "bidirectional")
+
+
+@dataclass(frozen=True)
+class RecallOptions:
+    """The options of ``--task mqar`` and ``--task passkey`` (``train --task-options`` or the flags that fill it).
+
+    Attributes:
+        form: "causal" (the language-model form: a causal model) or "bidirectional" (an encoder).
+        num_pairs, vocab_size, gap, power_a: MQAR's shape (:class:`clusterformer.data.recall.MQARSpec`);
+            ``vocab_size`` is the passkey's vocabulary too (None: 1,024 for MQAR, 64 for the passkey).
+        digits: the passkey's digits.
+        min_gap: tokens between a needed token and the first query (MQAR: between the last pair and the query
+            region; passkey: between the needle and the question).
+        test_sequences: sequences of the test split evaluated.
+        far: the distance that splits ``accuracy_near`` (<= far) from ``accuracy_far``.
+        recall_sequences: test sequences on which the key recall is measured (0: not measured).
+    """
+
+    form: str = "causal"
+    num_pairs: int = 32
+    vocab_size: int | None = None
+    gap: str = "uniform"
+    power_a: float = 0.01
+    digits: int = 5
+    min_gap: int = 0
+    test_sequences: int = 1000
+    far: int = 256
+    recall_sequences: int = 64
+
+    def __post_init__(self) -> None:
+        check_choice("form", self.form, FORMS)
+        check_int("test_sequences", self.test_sequences, minimum=1)
+        check_int("far", self.far, minimum=0)
+        check_int("recall_sequences", self.recall_sequences, minimum=0)
+
+    def spec(self, task: str, length: int) -> MQARSpec | PasskeySpec:
+        if task == "mqar":
+            return MQARSpec(length=length, num_pairs=self.num_pairs, vocab_size=self.vocab_size or 1024, gap=self.gap,
+                            power_a=self.power_a, min_gap=self.min_gap)
+        return PasskeySpec(length=length, digits=self.digits, vocab_size=self.vocab_size or 64, min_gap=self.min_gap)
+
+
+def recall_options(options: dict[str, Any]) -> RecallOptions:
+    """Validate a task-options dict (unknown names are refused, naming the valid ones)."""
+    valid = {f.name for f in dataclasses.fields(RecallOptions)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ValueError(f"unknown task option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                         f"valid: {', '.join(sorted(valid))}")
+    return RecallOptions(**options)
+
+
+@dataclass
+class RecallTask:
+    """A :class:`clusterformer.train.tasks.Task` for MQAR and the passkey."""
+
+    name: str
+    spec: MQARSpec | PasskeySpec
+    options: RecallOptions
+    train_sequences: int
+    test: RecallBatch = field(repr=False)
+    metric: str = "accuracy"
+    info: dict[str, Any] = field(default_factory=dict)
+    kind: str = "recall"
+    tokenizer: str = "recall"
+
+    @property
+    def causal(self) -> bool:
+        """The model is causal (the language-model form)."""
+        return self.options.form == "causal"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def num_classes(self) -> int:
+        return self.spec.vocab_size
+
+    def build_model(self, encoder: EncoderConfig) -> nn.Module:
+        return TokenClassifier(encoder, self.num_classes, causal=self.causal)
+
+    def model_max_len(self, max_len: int) -> int:
+        return max_len
+
+    def steps_per_epoch(self, batch_size: int, world: int) -> int:
+        steps = self.train_sequences // (batch_size * world)
+        if steps == 0:
+            raise ValueError(f"--limit {self.train_sequences} training sequences are fewer than batch_size * "
+                             f"world_size = {batch_size * world}")
+        return steps
+
+    def batch(self, step: int, per_epoch: int, batch_size: int, rank: int, world: int, seed: int) -> Batch:
+        """Epoch e visits the permutation of the training sequences drawn from ``seed + e``; rank r generates
+        the r-th slice of ``batch_size`` of the step's run."""
+        B = batch_size
+        epoch, within = divmod(step, per_epoch)
+        order = torch.randperm(self.train_sequences, generator=torch.Generator().manual_seed(seed + epoch))
+        index = order[within * world * B:(within + 1) * world * B][rank * B:(rank + 1) * B].tolist()
+        rows = [generate_recall(self.spec, DATA_SEED, "train", i, 1) for i in index]  # each from its own seed
+        return Batch(torch.cat([r.ids for r in rows]), None, torch.cat([r.targets for r in rows]))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+
+    def evaluate(self, predict: Predict, batch_size: int) -> dict[str, float]:
+        test = self.test
+        correct = []
+        for start in range(0, len(test.ids), batch_size):  # batches of sequences, not a hot path
+            ids, queries = test.ids[start:start + batch_size], test.queries[start:start + batch_size]
+            logits = predict(ids, None)
+            rows = torch.arange(len(ids)).unsqueeze(1)
+            correct.append(logits[rows, queries].argmax(-1) == test.targets[rows, queries])
+        hit = torch.cat(correct)  # (n, Q)
+        far = (test.queries - test.sources) > self.options.far
+        result = {"accuracy": hit.float().mean().item(), "test_sequences": len(test.ids),
+                  "test_queries": hit.numel(), "far": self.options.far, "far_fraction": far.float().mean().item(),
+                  "accuracy_far": _mean(hit[far]), "accuracy_near": _mean(hit[~far])}
+        if self.options.recall_sequences:
+            result["key_recall"] = self.key_recall(predict.model, predict.device)
+        return result
+
+    def key_recall(self, model: nn.Module, device: torch.device) -> dict[str, dict[str, float]]:
+        """Per attention layer: the share of (query, head) pairs whose needed token is in the attended set, the
+        share of queries for which some head has it, and the mean weight on it (first ``recall_sequences``)."""
+        n = min(self.options.recall_sequences, len(self.test.ids))
+        report = {}
+        for start in range(0, n, 16):  # a few sequences per probe: the probe keeps each layer's graph
+            end = min(n, start + 16)
+            weights = key_recall(model, self.test.ids[start:end].to(device), self.test.queries[start:end],
+                                 self.test.sources[start:end])
+            for name, w in weights.items():
+                report.setdefault(name, []).append(w)
+        summary = {}
+        for name, parts in report.items():
+            w = torch.cat(parts)  # (n, Q, H)
+            summary[name] = {"key_recall": (w > 0).double().mean().item(),
+                             "key_recall_any_head": (w > 0).any(-1).double().mean().item(),
+                             "key_weight": w.mean().item()}
+        return summary
+
+
+def _mean(t: torch.Tensor) -> float | None:
+    return t.float().mean().item() if t.numel() else None
+
+
+def prepare_recall(name: str, max_len: int, limit: int | None, options: dict[str, Any]) -> RecallTask:
+    """The recall task ``name`` ("mqar" or "passkey") at sequence length ``max_len``; ``limit`` training sequences
+    per epoch (default :data:`TRAIN_SEQUENCES`)."""
+    check_choice("task", name, RECALL_TASKS)
+    opts = recall_options(options)
+    spec = opts.spec(name, max_len)
+    n_train = TRAIN_SEQUENCES if limit is None else check_int("limit", limit, minimum=1)
+    test = generate_recall(spec, DATA_SEED, "test", 0, opts.test_sequences)
+    distance = (test.queries - test.sources).float()
+    shape = {k: v for k, v in dataclasses.asdict(spec).items()}
+    info = {"protocol": f"generated: {n_train} train sequences per epoch / {opts.test_sequences} test sequences "
+                        f"(data seed {DATA_SEED}, one seed per sequence)",
+            "form": opts.form, "spec": shape, "options": dataclasses.asdict(opts),
+            "query_distance": {"mean": distance.mean().item(), "min": distance.min().item(),
+                               "max": distance.max().item(),
+                               f"share_over_{opts.far}": (distance > opts.far).float().mean().item()}}
+    return RecallTask(name, spec, opts, n_train, test, info=info)

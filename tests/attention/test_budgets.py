@@ -1,0 +1,154 @@
+"""Budgets and the key-recall probe: the keys each query can see (``keys_per_query``), counted against the
+attention weights of every mechanism; ``for_budget`` meeting a budget; the probe against explicit weights and a
+hand-built case; ``compare --keys-per-query``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from clusterformer.attention import build, names
+from clusterformer.attention.diagnostics import attention_rows, attention_to_sources, key_recall
+from clusterformer.attention.registry import causal_semantics, make_options
+from clusterformer.cli import main
+from clusterformer.models import EncoderConfig, TokenClassifier
+from seeds import fixed_seed
+
+CASES = [(name, causal) for name in names() for causal in (False, True)
+         if not causal or causal_semantics(name, {}) != "refused"]
+# a query somewhere sees exactly its budget (strict causal neural-clustering: only once a cluster has filled its
+# blocks, which random clusters of ~6 tokens at N = 90 do not)
+TIGHT = {("full", False), ("full", True), ("sliding-window", False), ("neural-clustering", False)}
+
+
+def _seen(layer, x, causal: bool) -> torch.Tensor:
+    """(B, H, N): how many keys each query attends to with a non-zero weight, counted by the probe."""
+    B, N, _ = x.shape
+    weights = attention_rows(layer, x, torch.arange(N).expand(B, N), causal=causal)  # (B, N, H, N)
+    return (weights > 0).sum(-1)
+
+
+@pytest.mark.parametrize(("name", "causal"), CASES)
+def test_queries_see_at_most_their_budget(name, causal):
+    """Count every query's keys with non-zero weight at N = 90 with the options ``for_budget(20)`` gives (when the
+    mechanism has one): never above ``keys_per_query``, which is <= 20; and exactly it somewhere where the
+    windows are fixed."""
+    torch.manual_seed(fixed_seed())
+    N = 90
+    defaults = make_options(name, {})
+    try:
+        options = defaults.for_budget(20, N, causal)
+    except ValueError as error:
+        assert "no option that sets" in str(error) and defaults.keys_per_query(N, causal) == N
+        options = {}
+    budget = make_options(name, options).keys_per_query(N, causal)
+    assert budget <= 20 or not options
+    layer = build(name, dim=16, heads=2, **options).eval()
+    seen = _seen(layer, torch.randn(2, N, 16), causal)
+    assert int(seen.max()) <= budget
+    if (name, causal) in TIGHT:
+        assert int(seen.max()) == budget
+    if options:
+        assert budget >= 20 // 2, "the budget's options use most of the budget"
+
+
+@pytest.mark.parametrize(("name", "options", "length", "expected"), [
+    ("full", {}, 1024, 1024),
+    ("sliding-window", {"window": 128, "stride": 64}, 1024, 192),  # the two windows holding a query: 1.5 windows
+    ("neural-clustering", {}, 1024, 64),  # k = 32, chunks of 32, the own and one look-back chunk
+    ("neural-clustering", {}, 100, 20),
+    ("lsh", {}, 1024, 512),  # 4 rounds x 2 chunks of 64
+    ("routing", {}, 1024, 128),
+    ("kmeans", {}, 1024, 128),
+    ("clustered", {}, 1024, 1024),  # centroid queries read every key
+])
+def test_default_budgets(name, options, length, expected):
+    assert make_options(name, options).keys_per_query(length) == expected
+
+
+def test_for_budget_errors():
+    with pytest.raises(ValueError, match="no option that sets"):
+        make_options("full", {}).for_budget(64, 1024)
+    with pytest.raises(ValueError, match="below one chunk"):
+        make_options("lsh", {}).for_budget(4, 1024)  # 4 rounds x 2 chunks need >= 8 keys
+    with pytest.raises(ValueError, match="keys"):
+        make_options("neural-clustering", {}).for_budget(0, 1024)
+
+
+def test_probe_equals_the_explicit_attention_weights():
+    """Full attention in float64: the probe's weights are softmax(q k^T / sqrt(d)) at the asked positions."""
+    torch.manual_seed(fixed_seed())
+    layer = build("full", dim=24, heads=3).double().eval()
+    x = torch.randn(2, 37, 24, dtype=torch.float64)
+    queries, sources = torch.randint(0, 37, (2, 19)), torch.randint(0, 37, (2, 19))  # 19 > head_dim: 3 passes
+    for causal in (False, True):
+        q, k, _ = layer.qkv(x)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+        if causal:
+            scores = scores.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), -math.inf)
+        p = scores.softmax(-1)  # (B, H, N, N)
+        expected = p[torch.arange(2).unsqueeze(1), :, queries, sources]  # (B, Q, H)
+        got = attention_to_sources(layer, x, queries, sources, causal=causal)
+        assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+
+
+def test_probe_on_a_hand_built_window():
+    """Sliding windows of 4 every 2 over 16 tokens: query 9 lies in windows [6, 10) and [8, 12), so it sees keys
+    6..11 and nothing else; neural-clustering with contiguous groups and 4 clusters: chunks of 4, query 9 in chunk 2
+    sees chunks 1 and 2 (keys 4..11)."""
+    torch.manual_seed(fixed_seed())
+    x = torch.randn(1, 16, 8)
+    window = build("sliding-window", dim=8, heads=2, window=4, stride=2).eval()
+    nc = build("neural-clustering", dim=8, heads=2, num_clusters=4, grouping="contiguous").eval()
+    for layer, seen in ((window, set(range(6, 12))), (nc, set(range(4, 12)))):
+        weights = attention_to_sources(layer, x, torch.full((1, 16), 9), torch.arange(16).unsqueeze(0))  # (1, 16, H)
+        assert {j for j in range(16) if bool((weights[0, j] > 0).all())} == seen
+        assert not bool((weights[0, [j for j in range(16) if j not in seen]] > 0).any())
+
+
+def test_key_recall_walks_every_layer_and_keeps_the_model_unchanged():
+    torch.manual_seed(fixed_seed())
+    model = TokenClassifier(EncoderConfig(vocab_size=20, dim=16, heads=2, depth=2, dropout=0.0,
+                                          attention="sliding-window", attention_options={"window": 4, "stride": 2}),
+                            num_classes=20)
+    tokens = torch.randint(1, 20, (3, 16))
+    state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    queries = torch.full((3, 2), 9)
+    sources = torch.tensor([[7, 2]] * 3)  # 7 is in query 9's windows, 2 is not
+    result = key_recall(model, tokens, queries, sources)
+    assert set(result) == {"encoder.blocks.0.attn", "encoder.blocks.1.attn"} and model.training
+    for weights in result.values():
+        assert bool((weights[:, 0] > 0).all()) and not bool((weights[:, 1] > 0).any())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    with pytest.raises(ValueError, match="sources must hold positions"):
+        key_recall(model, tokens, queries, torch.full((3, 2), 16))
+    with pytest.raises(ValueError, match="no attention layer"):
+        key_recall(torch.nn.Linear(2, 2), tokens, queries, sources)
+
+
+def test_compare_sets_one_budget_for_every_entry(tmp_path, capsys):
+    lines = [f"{i % 2} {'good fine great' if i % 2 else 'bad poor awful'} film number {i}" for i in range(32)]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "test.txt").write_text("\n".join(lines[:8]) + "\n")
+    out = tmp_path / "cmp"
+    assert main(["compare", "--tasks", "text-classification", "--attention",
+                 "full,neural-clustering,sliding-window,lsh", "--seeds", "0", "--keys-per-query", "8", "--out",
+                 str(out), "--", "--train-file", str(tmp_path / "train.txt"), "--test-file",
+                 str(tmp_path / "test.txt"), "--max-steps", "1", "--batch-size", "8", "--dim", "16", "--heads", "2",
+                 "--depth", "1", "--max-len", "16"]) == 0
+    task = out / "text-classification"
+    config = lambda label: json.loads((task / label / "seed0" / "metrics.json").read_text())  # noqa: E731
+    assert config("neural-clustering")["config"]["attention_options"] == {"num_clusters": 4}  # 2 chunks of 4
+    assert config("sliding-window")["config"]["attention_options"] == {"window": 4, "stride": 2}
+    assert config("lsh")["config"]["attention_options"] == {"chunk_size": 1}  # 4 rounds x 2 chunks
+    summary = json.loads((out / "summary.json").read_text())
+    keys = {label: row["keys_per_query"] for label, row in summary["tasks"]["text-classification"]["mechanisms"]
+            .items()}
+    assert keys == {"full": 16, "neural-clustering": 8, "sliding-window": 6, "lsh": 8}
+    assert "full: no option sets it" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compare", "--tasks", "mr", "--attention", "lsh", "--keys-per-query", "4", "--out", str(out)])
+    assert "--keys-per-query 4 for 'lsh'" in capsys.readouterr().err

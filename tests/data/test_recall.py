@@ -1,0 +1,117 @@
+"""The recall tasks' generators (MQAR, passkey): answers re-derived by independent readers, per-sequence seeds,
+gap distributions, bad options; and ``train --task mqar|passkey`` through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clusterformer.cli import main
+from clusterformer.data.recall import MQARSpec, PasskeySpec, generate_recall, read_mqar, read_passkey
+
+
+@pytest.mark.parametrize("spec", [MQARSpec(length=64, num_pairs=4, vocab_size=64),
+                                  MQARSpec(length=130, num_pairs=7, vocab_size=40, gap="power", min_gap=9),
+                                  MQARSpec(length=1024, num_pairs=32)])
+def test_mqar_answers_match_an_independent_reader(spec):
+    batch = generate_recall(spec, seed=5, split="test", start=0, count=20)
+    assert batch.ids.shape == batch.targets.shape == (20, spec.length)
+    assert int(batch.ids.min()) >= 1 and int(batch.ids.max()) < spec.vocab_size  # 0 is padding: never a token
+    for b in range(20):
+        tokens = batch.ids[b].tolist()
+        labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
+        assert read_mqar(tokens, spec) == labelled  # every query found, nothing else labelled
+        assert len(labelled) == spec.num_pairs
+        for q, s in zip(batch.queries[b].tolist(), batch.sources[b].tolist(), strict=True):
+            assert tokens[s] == labelled[q] and tokens[s - 1] == tokens[q]  # the source is the value of q's key
+            assert q - s > spec.min_gap  # at least min_gap noise tokens between the pair and the query
+
+
+@pytest.mark.parametrize("spec", [PasskeySpec(length=40, digits=3, vocab_size=32),
+                                  PasskeySpec(length=700, digits=5, min_gap=300)])
+def test_passkey_answers_match_an_independent_reader(spec):
+    batch = generate_recall(spec, seed=1, split="train", start=3, count=20)
+    for b in range(20):
+        tokens = batch.ids[b].tolist()
+        labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
+        assert read_passkey(tokens, spec) == labelled and len(labelled) == spec.digits
+        assert tokens.count(PasskeySpec.MARKER) == 1 and tokens.count(PasskeySpec.QUESTION) == 1
+        assert all(tokens[s] == labelled[q] for q, s in zip(batch.queries[b].tolist(), batch.sources[b].tolist(),
+                                                              strict=True))
+        assert min(batch.queries[b]) - max(batch.sources[b]) > spec.min_gap
+
+
+def test_each_sequence_has_its_own_seed():
+    spec = MQARSpec(length=64, num_pairs=4, vocab_size=64)
+    whole = generate_recall(spec, seed=0, split="test", start=0, count=10)
+    alone = generate_recall(spec, seed=0, split="test", start=7, count=1)  # sequence 7, regenerated on its own
+    assert torch.equal(whole.ids[7], alone.ids[0]) and torch.equal(whole.targets[7], alone.targets[0])
+    assert not torch.equal(whole.ids[0], whole.ids[1])
+    other_split = generate_recall(spec, seed=0, split="train", start=0, count=10)
+    other_seed = generate_recall(spec, seed=1, split="test", start=0, count=10)
+    assert not torch.equal(whole.ids, other_split.ids) and not torch.equal(whole.ids, other_seed.ids)
+
+
+def test_gap_distributions():
+    """Uniform slots put most queries far from their pair at N = 1,024; Zoology's power law puts them near."""
+    uniform = generate_recall(MQARSpec(length=1024, num_pairs=32), seed=0, split="test", start=0, count=64)
+    power = generate_recall(MQARSpec(length=1024, num_pairs=32, gap="power"), seed=0, split="test", start=0, count=64)
+    far = generate_recall(MQARSpec(length=1024, num_pairs=32, min_gap=256), seed=0, split="test", start=0, count=8)
+    distance = lambda b: (b.queries - b.sources).float()  # noqa: E731
+    assert (distance(uniform) > 256).float().mean() > 0.7
+    assert distance(power).median() < distance(uniform).median() / 2
+    assert distance(far).min() > 256
+
+
+@pytest.mark.parametrize(("kind", "options", "match"), [
+    (MQARSpec, {"length": 63}, "even"),
+    (MQARSpec, {"length": 64, "num_pairs": 20}, "do not fit"),
+    (MQARSpec, {"length": 256, "num_pairs": 20, "vocab_size": 50}, "vocab_size"),
+    (MQARSpec, {"gap": "zipf"}, "gap"),
+    (MQARSpec, {"power_a": 0}, "power_a"),
+    (PasskeySpec, {"length": 10, "digits": 5}, "length"),
+    (PasskeySpec, {"vocab_size": 18, "digits": 5}, "vocab_size"),
+])
+def test_bad_specs_name_the_option(kind, options, match):
+    with pytest.raises(ValueError, match=match):
+        kind(**options)
+
+
+@pytest.mark.parametrize("form", ["causal", "bidirectional"])
+def test_train_mqar_through_the_cli(tmp_path, form):
+    out = tmp_path / "run"
+    options = {"form": form, "num_pairs": 4, "vocab_size": 64, "test_sequences": 8, "recall_sequences": 4}
+    assert main(["train", "--task", "mqar", "--attention", "neural-clustering", "--max-len", "64", "--task-options",
+                 json.dumps(options), "--limit", "32", "--max-steps", "3", "--batch-size", "8", "--dim", "32",
+                 "--out", str(out), "--no-progress"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    m = metrics["metrics"]
+    assert m["test_queries"] == 8 * 4 and 0 <= m["accuracy"] <= 1
+    assert set(m["key_recall"]) == {"encoder.blocks.0.attn", "encoder.blocks.1.attn"}
+    assert all(0 <= v["key_recall"] <= v["key_recall_any_head"] <= 1 for v in m["key_recall"].values())
+    # the budget: strict causal: (look_back + 1) * causal_chunk_size = 32; else k = 8, chunks of 8, two of them
+    assert metrics["keys_per_query"] == (32 if form == "causal" else 16)
+    assert main(["eval", "--checkpoint", str(out)]) == 0
+
+
+def test_train_passkey_and_bad_task_options(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--task", "passkey", "--attention", "sliding-window", "--max-len", "48", "--task-options",
+                 '{"digits": 2, "test_sequences": 4, "recall_sequences": 0}', "--limit", "16", "--max-steps", "2",
+                 "--batch-size", "8", "--dim", "32", "--out", str(out), "--no-progress"]) == 0
+    assert "key_recall" not in json.loads((out / "metrics.json").read_text())["metrics"]
+    for options, match in [('{"pairs": 4}', "unknown task option 'pairs'"), ('{"form": "left"}', "form"),
+                           ("[1]", "JSON object")]:
+        with pytest.raises(SystemExit):
+            main(["train", "--task", "mqar", "--task-options", options, "--max-steps", "1",
+                  "--out", str(tmp_path / "bad")])
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--task", "listops", "--task-options", '{"form": "causal"}', "--max-steps", "1",
+              "--out", str(tmp_path / "bad")])
+    assert "task_options are for the recall tasks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the causal form needs a causal mechanism
+        main(["train", "--task", "mqar", "--attention", "clustered", "--max-steps", "1", "--out", str(tmp_path / "bad")])
+    assert "cannot be causal" in capsys.readouterr().err
