@@ -115,3 +115,31 @@ def test_train_passkey_and_bad_task_options(tmp_path, capsys):
     with pytest.raises(SystemExit):  # the causal form needs a causal mechanism
         main(["train", "--task", "mqar", "--attention", "clustered", "--max-steps", "1", "--out", str(tmp_path / "bad")])
     assert "cannot be causal" in capsys.readouterr().err
+
+
+class _Oracle:
+    """A predict that answers every query right (from the test set's own targets), or always wrong."""
+
+    def __init__(self, task, right: bool) -> None:
+        self.task, self.right, self.model, self.device = task, right, None, torch.device("cpu")
+
+    def __call__(self, ids, pad):
+        index = next(i for i in range(len(self.task.test.ids)) if torch.equal(self.task.test.ids[i], ids[0]))
+        targets = self.task.test.targets[index:index + len(ids)].clamp(min=0)
+        if not self.right:
+            targets = (targets + 1) % self.task.vocab_size
+        return torch.nn.functional.one_hot(targets, self.task.vocab_size).float()
+
+
+def test_evaluation_scores_query_positions_across_batches():
+    """An oracle scores 1 and an always-wrong predictor 0 whatever the evaluation batch size (the test set spans
+    several batches); the near / far split adds up."""
+    from clusterformer.train.recall import prepare_recall
+
+    task = prepare_recall("mqar", 64, 16, {"num_pairs": 4, "vocab_size": 64, "test_sequences": 10,
+                                           "recall_sequences": 0, "far": 20})
+    for batch_size in (3, 10):
+        right = task.evaluate(_Oracle(task, True), batch_size)
+        assert right["accuracy"] == right["accuracy_far"] == right["accuracy_near"] == 1.0
+        assert right["test_queries"] == 40 and 0 < right["far_fraction"] < 1
+        assert task.evaluate(_Oracle(task, False), batch_size)["accuracy"] == 0.0

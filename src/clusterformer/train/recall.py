@@ -146,10 +146,11 @@ class RecallTask:
         test = self.test
         correct = []
         for start in range(0, len(test.ids), batch_size):  # batches of sequences, not a hot path
-            ids, queries = test.ids[start:start + batch_size], test.queries[start:start + batch_size]
+            part = slice(start, start + batch_size)
+            ids, queries, targets = test.ids[part], test.queries[part], test.targets[part]
             logits = predict(ids, None)
             rows = torch.arange(len(ids)).unsqueeze(1)
-            correct.append(logits[rows, queries].argmax(-1) == test.targets[rows, queries])
+            correct.append(logits[rows, queries].argmax(-1) == targets[rows, queries])
         hit = torch.cat(correct)  # (n, Q)
         far = (test.queries - test.sources) > self.options.far
         result = {"accuracy": hit.float().mean().item(), "test_sequences": len(test.ids),
