@@ -16,7 +16,11 @@ from clusterformer.models import reversible as reversible_module
 from reference import run_recorded
 from seeds import fixed_seed
 
-ALL = names()
+# Labels: every registered name, and variants of one with options that change what a query sees (each keeps
+# every guarantee): label -> (mechanism, options at the small test sizes, options beside the defaults).
+VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_clusters": 3, "local_window": 4},
+                                               {"local_window": 32})}
+ALL = [*names(), *VARIANTS]
 NON_CAUSAL = {"clustered", "improved-clustered"}  # refuse causal=True with a ValueError
 NOT_STRICT = {"cluster-former"}  # causal mask inside sorted windows (paper); documented as not strict
 STRICT_CAUSAL = [n for n in ALL if n not in NON_CAUSAL | NOT_STRICT]
@@ -30,15 +34,26 @@ SMALL = {  # options that make the sparse structure bite at test sizes
 }
 
 
+def _mechanism(label):
+    """The registered name behind a label."""
+    return VARIANTS[label][0] if label in VARIANTS else label
+
+
 def _small(name, **extra):
     torch.manual_seed(fixed_seed())
-    return build(name, dim=16, heads=2, **{**SMALL[name], **extra}).double()
+    options = VARIANTS[name][1] if name in VARIANTS else SMALL[name]
+    return build(_mechanism(name), dim=16, heads=2, **{**options, **extra}).double()
+
+
+def _default(name, dim, heads):
+    """The mechanism with its defaults (a variant: with its own options on top)."""
+    return build(_mechanism(name), dim=dim, heads=heads, **(VARIANTS[name][2] if name in VARIANTS else {}))
 
 
 def test_every_mechanism_is_registered_and_documented():
     assert {"full", "neural-clustering", "clustered", "improved-clustered", "cluster-former", "sliding-window",
             "lsh", "routing", "kmeans"} <= set(ALL)
-    for name in ALL:
+    for name in names():
         info = describe(name)
         assert info["summary"] and isinstance(info["options"], dict)
         layer = build(name, dim=64, heads=4)
@@ -49,7 +64,7 @@ def test_every_mechanism_is_registered_and_documented():
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("N", [1, 7, 40])
 def test_defaults_build_and_calling_convention(name, N):
-    layer = build(name, dim=64, heads=4)
+    layer = _default(name, dim=64, heads=4)
     x = torch.randn(2, N, 64)
     pad = torch.zeros(2, N, dtype=torch.bool)
     pad[1, N // 2 + 1:] = True
@@ -86,7 +101,7 @@ def test_outputs_do_not_depend_on_the_batch(name, causal, trained):
     if causal and name in NON_CAUSAL:
         pytest.skip("refuses causal=True")
     torch.manual_seed(fixed_seed())
-    layer = build(name, dim=32, heads=2).double()
+    layer = _default(name, dim=32, heads=2).double()
     g = torch.Generator().manual_seed(fixed_seed())
     if trained:
         layer(torch.randn(3, 200, 32, dtype=torch.float64, generator=g))
@@ -152,7 +167,7 @@ def test_strict_causal_prefix_gives_the_same_outputs_alone(name, trained):
     outputs as inside a 300-token sequence, for t on and around the chunk, bucket and window boundaries of
     the defaults (16, 64, 128) -- nothing about the chunking may follow the length."""
     torch.manual_seed(fixed_seed())
-    layer = build(name, dim=32, heads=2).double()
+    layer = _default(name, dim=32, heads=2).double()
     g = torch.Generator().manual_seed(fixed_seed())
     if trained:
         layer(torch.randn(3, 200, 32, dtype=torch.float64, generator=g), causal=True)
@@ -185,7 +200,7 @@ def test_paper_causal_modes_are_declared_and_really_not_strict(name, options):
 
 def test_declared_causal_semantics_match_the_test_lists():
     for name in ALL:
-        assert causal_semantics(name, {}) == (
+        assert causal_semantics(_mechanism(name), {}) == (
             "refused" if name in NON_CAUSAL else "paper" if name in NOT_STRICT else "strict"), name
 
 
@@ -205,7 +220,7 @@ def test_bad_options_give_clear_errors(name, options, match):
 
 @pytest.mark.parametrize("name", ALL)
 def test_bad_inputs_give_clear_errors(name):
-    layer = build(name, dim=16, heads=2)
+    layer = _default(name, dim=16, heads=2)
     with pytest.raises(ValueError, match="x must have shape"):
         layer(torch.randn(1, 5, 8))
     with pytest.raises(ValueError, match="key_padding_mask"):
@@ -230,10 +245,10 @@ def test_cluster_former_stack_builder():
 
 
 def _reversible_pair(name, tied, dropout=0.1):
-    options = {k: v for k, v in SMALL[name].items()}
-    if describe(name)["attention_dropout"]:
+    options = dict(VARIANTS[name][1] if name in VARIANTS else SMALL[name])
+    if describe(_mechanism(name))["attention_dropout"]:
         options["dropout"] = dropout
-    config = EncoderConfig(vocab_size=40, dim=16, depth=3, heads=2, dropout=dropout, attention=name,
+    config = EncoderConfig(vocab_size=40, dim=16, depth=3, heads=2, dropout=dropout, attention=_mechanism(name),
                            attention_options=options, reversible=True, tied=tied)
     torch.manual_seed(fixed_seed())
     model = Encoder(config).double()

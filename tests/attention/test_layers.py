@@ -93,6 +93,44 @@ def test_neural_clustering_matches_paper_equations(N, num_clusters, look_back, m
     torch.testing.assert_close(aux["centroid_sorting"], torch.stack(L2s).mean())
 
 
+def _local_allowed(N, block, causal, pad):
+    """Keys in the query's position block of ``block`` or the one before (not after it under a causal mask)."""
+    allowed = torch.zeros(N, N, dtype=torch.bool)
+    for i in range(N):
+        for j in range(N):
+            allowed[i, j] = 0 <= i // block - j // block <= 1 and not bool(pad[j]) and not (causal and j > i)
+    return allowed
+
+
+@pytest.mark.parametrize(("N", "num_clusters", "local_window"), [(13, 3, 4), (20, 4, 6), (9, "sqrt", 2), (5, 2, 8)])
+@pytest.mark.parametrize("mode", ["none", "paper", "strict"])
+def test_neural_clustering_local_window_is_the_union_of_clusters_and_local_blocks(N, num_clusters, local_window, mode):
+    """With ``local_window`` a query attends, in one softmax, to the union of its cluster chunks (eqs. 8-9) and
+    its local blocks, each key once: the dense reference's allowed mask is the OR of the two masks."""
+    layer = _layer("neural-clustering", num_clusters=num_clusters, causal_mode="strict" if mode == "strict" else "paper",
+                   causal_clusters=3, causal_chunk_size=2, local_window=local_window)
+    B = 3
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, -2:] = True
+    causal = mode != "none"
+    y, _, _ = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
+    overlap = 0
+    for b in range(B):
+        real = ~pad[b]
+        ids, _, _, chunk = _reference_clustering(layer, x[b] * real[:, None], real, strict=mode == "strict")
+        if mode == "strict":
+            clusters = cluster_causal_allowed(ids, chunk, 1, pad[b])
+        else:
+            clusters = sorted_chunk_allowed(ids, chunk, 1, causal, pad[b])
+        local = _local_allowed(N, local_window // 2, causal, pad[b])
+        overlap += int((clusters & local)[real].sum())
+        ref = _reference_output(layer, x[b] * real[:, None], clusters | local)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
+        assert (y[b][~real] == 0).all()
+    assert overlap > 0, "the case has keys in both sets: counting them twice would change the output"
+
+
 @pytest.mark.parametrize(("N", "causal"), [(7, False), (7, True), (1, True), (16, False)])
 def test_full_attention_matches_dense_reference(N, causal):
     layer = _layer("full")

@@ -69,10 +69,10 @@ from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import nearest_centroid, neural_clustering
-from ..ops.decode import GroupRingCache, attend_allowed
+from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
 from ..ops.layouts import cluster_causal_layout, sorted_layout
 from ..ops.masks import real_lengths
-from ..ops.windows import windowed_attention
+from ..ops.windows import windowed_attention, windowed_attention_lse
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, QKVProjection, SeededOptions
 from .registry import register
@@ -117,6 +117,10 @@ class NeuralClusteringOptions(SeededOptions):
             cluster, drawn afresh for every training forward (:func:`random_groups`: a hash of the token's position
             and one number drawn from the layer's generator, so the groups of a sequence do not depend on its batch,
             and evaluation, re-seeded, is deterministic).
+        local_window: beyond the paper (issue #31): 0 (off), or an even number of local keys every query also sees:
+            positions are cut into blocks of ``local_window / 2`` and a query sees its block and the one before (up
+            to itself under a causal mask), as well as its cluster's chunks. The two sets are joined, each key once,
+            in one softmax (BigBird / NSA's window beside selected blocks; the Routing Transformer's local heads).
     """
 
     num_clusters: int | str = "sqrt"
@@ -129,6 +133,7 @@ class NeuralClusteringOptions(SeededOptions):
     similarity_scale: float = 10.0
     own_centroids: bool = True
     grouping: str = "learned"
+    local_window: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -145,6 +150,9 @@ class NeuralClusteringOptions(SeededOptions):
         check_float("similarity_scale", self.similarity_scale, minimum=0.0, exclusive_minimum=True)
         check_bool("own_centroids", self.own_centroids)
         check_choice("grouping", self.grouping, GROUPINGS)
+        check_int("local_window", self.local_window, minimum=0)
+        if self.local_window % 2:
+            raise ValueError(f"local_window must be even (two blocks of local_window / 2), got {self.local_window}")
 
     @property
     def n_centroids(self) -> int:
@@ -177,19 +185,21 @@ class NeuralClusteringOptions(SeededOptions):
         or of ``causal_chunk_size`` under a strict causal mask."""
         check_int("length", length, minimum=1)
         if causal and self.causal_mode == "strict":
-            return min(length, (self.look_back + 1) * self.causal_chunk_size)
+            return min(length, (self.look_back + 1) * self.causal_chunk_size + self.local_window)
         chunk = math.ceil(length / self.clusters_for(length))
         chunks = math.ceil(length / chunk)
-        return min(length, (min(self.look_back, chunks - 1) + 1) * chunk)
+        return min(length, (min(self.look_back, chunks - 1) + 1) * chunk + self.local_window)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
-        """Strict causal: ``causal_chunk_size`` = keys // (look_back + 1). Otherwise an int ``num_clusters`` =
-        ceil(length / chunk) with chunk = keys // (look_back + 1), so that ceil(length / k) <= chunk."""
+        """The keys beyond ``local_window`` go to the clusters: strict causal, ``causal_chunk_size`` = (keys -
+        local_window) // (look_back + 1); otherwise an int ``num_clusters`` = ceil(length / chunk) with chunk = (keys -
+        local_window) // (look_back + 1), so that ceil(length / k) <= chunk."""
         check_int("keys", keys, minimum=1)
         check_int("length", length, minimum=1)
-        chunk = keys // (self.look_back + 1)
+        chunk = (keys - self.local_window) // (self.look_back + 1)
         if chunk < 1:
-            raise ValueError(f"keys={keys} is below one key in each of the {self.look_back + 1} chunks a query sees")
+            raise ValueError(f"keys={keys} leaves less than one key in each of the {self.look_back + 1} cluster chunks "
+                             f"a query sees beside its local_window={self.local_window}")
         if causal and self.causal_mode == "strict":
             return {"causal_chunk_size": chunk}
         return {"num_clusters": math.ceil(length / chunk)}
@@ -269,8 +279,26 @@ class NeuralClusteringAttention(InnerAttention):
         else:
             chunk = (lengths + per_sequence - 1) // per_sequence  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
             layout = sorted_layout(ids, chunk, self.options.look_back, key_padding_mask=key_padding_mask)
-        out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
+        if self.options.local_window:
+            out = self._with_local_window(x, projection, layout, causal, strict, key_padding_mask)
+        else:
+            out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
         return out.view(B, N, self.heads, self.head_dim)
+
+    def _with_local_window(self, x, projection, layout, causal, strict, key_padding_mask):
+        """The cluster chunks joined with the local blocks (``local_window``), each key once, in one softmax:
+        the cluster part leaves out the keys of the query's local blocks, the local part has only them, and the
+        two are merged by their log-sum-exps. (B * N, H, head_dim)."""
+        block = self.options.local_window // 2
+        B, N, _ = x.shape
+        position = torch.zeros(B, N, dtype=torch.long, device=x.device)  # one group: blocks of the original order
+        if strict:
+            local = cluster_causal_layout(position, block, 1, 1)
+        else:
+            local = sorted_layout(position, block, 1, key_padding_mask=key_padding_mask)
+        out_c, lse_c = self._chunk_attention(x, projection, layout, causal, key_padding_mask, local=(block, False))
+        out_l, lse_l = self._chunk_attention(x, projection, local, causal, key_padding_mask, local=(block, True))
+        return merge_attention(out_c, lse_c, out_l, lse_l)
 
     def _assign(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, flow: torch.Tensor | None,
                 n_clusters: int, per_sequence: torch.Tensor | None, strict: bool
@@ -311,12 +339,18 @@ class NeuralClusteringAttention(InnerAttention):
         v = projection.project_rows(rows, "v").view(B, 1, N, self.heads, self.head_dim)
         cache = GroupRingCache.from_prompt(ids.unsqueeze(1), k, v, key_padding_mask, n_clusters,
                                            self.options.causal_chunk_size, self.options.look_back)
+        if self.options.local_window:
+            local = LocalBlockCache.from_prompt(k[:, 0], v[:, 0], ids, key_padding_mask, self.options.local_window // 2)
+            return out, JoinedCache(cache.lengths.clone(), cache, local)
         return out, cache
 
-    def step_hidden(self, x_t: torch.Tensor, projection: QKVProjection, cache: GroupRingCache
-                    ) -> tuple[torch.Tensor, GroupRingCache]:
+    def step_hidden(self, x_t: torch.Tensor, projection: QKVProjection, cache: GroupRingCache | JoinedCache
+                    ) -> tuple[torch.Tensor, GroupRingCache | JoinedCache]:
         self.check_decoding()
         B = x_t.shape[0]
+        joined = cache if isinstance(cache, JoinedCache) else None
+        if joined is not None:
+            cache = joined.groups
         if self.options.grouping == "contiguous":
             ids = torch.zeros(B, 1, dtype=torch.long, device=x_t.device)
         elif self.options.grouping == "random":  # the hash of the token's position (eval: the seeded draw)
@@ -327,10 +361,17 @@ class NeuralClusteringAttention(InnerAttention):
             centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)
             ids = nearest_centroid(self.to_cluster(x_t), centroids, self.options.similarity).unsqueeze(1)
         q, k, v = projection.qkv(x_t.unsqueeze(1))  # (B, H, 1, D)
+        rank = cache.counts[torch.arange(B, device=ids.device), 0, ids[:, 0]]  # earlier members of its cluster
         keys, values, allowed, _ = cache.append(ids, k.transpose(1, 2), v.transpose(1, 2))  # (B, 1, S, H, D)
-        out, _ = attend_allowed(q[:, :, 0], keys[:, 0].transpose(1, 2), values[:, 0].transpose(1, 2),
-                                allowed.expand(B, self.heads, -1), self.head_dim ** -0.5)
-        return out, cache
+        out, lse = attend_allowed(q[:, :, 0], keys[:, 0].transpose(1, 2), values[:, 0].transpose(1, 2),
+                                  allowed.expand(B, self.heads, -1), self.head_dim ** -0.5)
+        if joined is None:
+            return out, cache
+        w = self.options.causal_chunk_size
+        first = (torch.div(rank, w, rounding_mode="floor") - self.options.look_back) * w  # its cluster window
+        out_l, lse_l = joined.local.append_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], ids[:, 0], rank, first)
+        joined.lengths = cache.lengths
+        return merge_attention(out, lse, out_l, lse_l), joined
 
     def _centroids(self, flow: torch.Tensor | None, n_clusters: int, B: int, strict: bool) -> torch.Tensor:
         if flow is None:
@@ -352,15 +393,20 @@ class NeuralClusteringAttention(InnerAttention):
             )
         return flow
 
-    def _chunk_attention(self, x, projection, layout, causal, key_padding_mask):
-        """x (B, N, dim) -> (B * N, H, head_dim). Sorting x once and projecting in sorted order moves
-        one (N, dim) tensor instead of three (H, N, head_dim) ones, and the key windows are views."""
+    def _chunk_attention(self, x, projection, layout, causal, key_padding_mask, local=None):
+        """x (B, N, dim) -> (B * N, H, head_dim), or with ``local`` (block, keep) also each query's log-sum-exp
+        (B * N, H) over the keys allowed by :func:`clusterformer.ops.masks.local_blocks` (``keep``) or by its
+        negation. Sorting x once and projecting in sorted order moves one (N, dim) tensor instead of three
+        (H, N, head_dim) ones, and the key windows are views."""
         H, D = self.heads, self.head_dim
         x_rows = x.reshape(-1, self.dim).index_select(0, layout.rows)  # (R, dim) in buffer order
         q = projection.project_rows(layout.query_rows(x_rows), "q")
         q = q.view(layout.num_windows, layout.chunk_size, H, D).transpose(1, 2)
         k = projection.project_rows(x_rows, "k").view(-1, H, D)
         v = projection.project_rows(x_rows, "v").view(-1, H, D)
+        if local is not None:
+            return windowed_attention_lse(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
+                                          dropout_p=self.dropout_p, local=local)
         return windowed_attention(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
                                   dropout_p=self.dropout_p)
 

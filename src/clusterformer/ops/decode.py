@@ -13,6 +13,8 @@ the earlier tokens left behind. Three caches cover the family:
   O((look_back + 1) w) per token, head and round -- independent of t -- and so does the cache's memory.
 * :class:`WindowCache` -- the last ``window`` keys and values (sliding windows of ``window`` every
   ``stride``; a token is in at most ceil(window / stride) windows, its output the mean over them).
+* :class:`LocalBlockCache` -- the last two blocks of keys and values with each token's group and rank: the local
+  part of neural clustering's ``local_window``, joined with a :class:`GroupRingCache` by :class:`JoinedCache`.
 
 Every cache holds tensors with the batch first and ``lengths`` (B,), the tokens each sequence has cached;
 :meth:`select` reorders or repeats sequences (beam search). Caches are updated in place by the steps that
@@ -32,7 +34,8 @@ import torch
 from .layouts import group_ranks
 from .masks import real_lengths
 
-__all__ = ["DecodeCache", "GroupRingCache", "KVCache", "WindowCache", "attend_allowed", "check_right_padded"]
+__all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBlockCache", "WindowCache",
+           "attend_allowed", "check_right_padded", "merge_attention"]
 
 
 def check_right_padded(key_padding_mask: torch.Tensor | None) -> None:
@@ -54,6 +57,16 @@ def attend_allowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, al
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse.unsqueeze(-1))
     return (weights.unsqueeze(-2) @ values).squeeze(-2), lse
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+                    ) -> torch.Tensor:
+    """One softmax over two disjoint key sets from each set's output (..., D) and log-sum-exp (...): the outputs
+    weighted by exp(lse) and renormalised. A set without keys has lse = -inf and weight 0."""
+    top = torch.maximum(lse_a, lse_b)
+    top = top.masked_fill(torch.isinf(top), 0.0)  # no key in either set: both weights zero, output zero
+    w_a, w_b = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
+    return (out_a * w_a + out_b * w_b) / (w_a + w_b).clamp(min=torch.finfo(out_a.dtype).tiny)
 
 
 @dataclass
@@ -262,3 +275,79 @@ class WindowCache(DecodeCache):
                                 allowed.unsqueeze(1), D ** -0.5)  # (B, H, most, D)
         weight = used.to(out.dtype)[:, None, :, None]
         return (out * weight).sum(2) / weight.sum(2)
+
+
+# ------------------------------------------------------------------------------------- local blocks (joined)
+@dataclass
+class LocalBlockCache(DecodeCache):
+    """The last ``2 * block`` tokens: keys/values (B, 2 block, H, D), position p in slot p % (2 block), with each
+    token's position, group and rank in its group ((B, 2 block) long, -1 for an empty slot).
+
+    A query at position t sees the keys of its position block (t // block) and the one before, up to itself: at
+    most 2 block positions, all in the ring. Beside a group ring, the keys its group window already holds are left
+    out here (same group, rank >= the window's first rank), so that the two parts hold each key once."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    groups: torch.Tensor
+    ranks: torch.Tensor
+    block: int
+
+    @classmethod
+    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                    block: int) -> LocalBlockCache:
+        """k, v (B, N, H, D) and the groups ids (B, N) of a right-padded prompt batch."""
+        B, N = ids.shape
+        span = 2 * block
+        lengths = real_lengths(key_padding_mask, B, N, ids.device)
+        top = int(ids.max()) + 1 if ids.numel() else 1
+        groups = ids if key_padding_mask is None else ids.masked_fill(key_padding_mask, top)  # padding: a group
+        rank, _ = group_ranks(groups, top + 1)
+        s = torch.arange(span, device=ids.device)
+        last = lengths.unsqueeze(1) - 1
+        position = last - (last - s) % span  # (B, span): the latest position p < L_b with p = s (mod span)
+        valid = position >= 0
+        index = position.clamp(min=0, max=max(N - 1, 0))
+        if N == 0:
+            empty = k.new_zeros(B, span, *k.shape[2:])
+            return cls(lengths, empty, empty.clone(), position.masked_fill(~valid, -1),
+                       torch.full_like(position, -1), torch.full_like(position, -1), block)
+        gather = index[:, :, None, None].expand(B, span, *k.shape[2:])
+        keep = valid[:, :, None, None]
+        return cls(lengths, k.gather(1, gather) * keep, v.gather(1, gather) * keep, position.masked_fill(~valid, -1),
+                   ids.gather(1, index).masked_fill(~valid, -1), rank.gather(1, index).masked_fill(~valid, -1), block)
+
+    def append_and_attend(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, group_t: torch.Tensor,
+                          rank_t: torch.Tensor, first_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_t, k_t, v_t (B, H, D) at position t = lengths[b], its group and rank (B,), and the first rank of its
+        group window (B,) -> (out (B, H, D), log-sum-exp (B, H)) over its local keys outside the group window."""
+        B, H, D = q_t.shape
+        t = self.lengths
+        batch = torch.arange(B, device=q_t.device)
+        slot = t % (2 * self.block)
+        self.keys[batch, slot], self.values[batch, slot] = k_t, v_t
+        self.positions[batch, slot], self.groups[batch, slot], self.ranks[batch, slot] = t, group_t, rank_t
+        self.lengths = t + 1
+        start = (torch.div(t, self.block, rounding_mode="floor") - 1) * self.block
+        in_blocks = (self.positions >= start.unsqueeze(1)) & (self.positions >= 0)  # (B, span), all <= t
+        in_group_window = (self.groups == group_t.unsqueeze(1)) & (self.ranks >= first_t.unsqueeze(1))
+        allowed = in_blocks & ~in_group_window
+        out, lse = attend_allowed(q_t, self.keys.transpose(1, 2), self.values.transpose(1, 2),
+                                  allowed.unsqueeze(1).expand(B, H, -1), D ** -0.5)
+        no_key = ~allowed.any(-1, keepdim=True)  # every local key is in the group window (the token itself is)
+        return out.masked_fill(no_key.unsqueeze(-1), 0.0), lse.masked_fill(no_key, float("-inf"))
+
+
+@dataclass
+class JoinedCache(DecodeCache):
+    """A group ring and the local blocks beside it (neural clustering with ``local_window``)."""
+
+    groups: GroupRingCache
+    local: LocalBlockCache
+
+    def select(self, index: torch.Tensor) -> JoinedCache:
+        return JoinedCache(self.lengths.index_select(0, index), self.groups.select(index), self.local.select(index))
+
+    def memory_bytes(self) -> int:
+        return self.groups.memory_bytes() + self.local.memory_bytes()

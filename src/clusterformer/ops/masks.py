@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["MaskPredicate", "allow_empty_rows", "and_masks", "causal_order", "dense_allowed", "key_is_real",
-           "masked_sdpa", "real_lengths", "real_tokens", "same_group", "self_only_when_alone"]
+           "local_blocks", "masked_sdpa", "not_mask", "real_lengths", "real_tokens", "same_group",
+           "self_only_when_alone"]
 
 MaskPredicate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -73,6 +74,24 @@ def causal_order(positions: torch.Tensor) -> MaskPredicate:
 def same_group(groups: torch.Tensor) -> MaskPredicate:
     """Query and key are in the same group: ``groups`` (rows,) each row's group."""
     return lambda q_index, k_index: groups[q_index] == groups[k_index]
+
+
+def local_blocks(positions: torch.Tensor, block: int) -> MaskPredicate:
+    """The key is in the query's local blocks: positions cut into blocks of ``block``, the key's block is the
+    query's or the one before (``positions`` (rows,) each row's position in its sequence). The local part of
+    neural-clustering's ``local_window``."""
+    blocks = torch.div(positions, block, rounding_mode="floor")
+
+    def local(q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        behind = blocks[q_index] - blocks[k_index]
+        return (behind >= 0) & (behind <= 1)
+
+    return local
+
+
+def not_mask(predicate: MaskPredicate) -> MaskPredicate:
+    """The predicate allowing a pair when ``predicate`` does not."""
+    return lambda q_index, k_index: ~predicate(q_index, k_index)
 
 
 def self_only_when_alone(allowed: torch.Tensor, is_self: torch.Tensor) -> torch.Tensor:

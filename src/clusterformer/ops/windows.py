@@ -18,7 +18,16 @@ import torch.nn.functional as F
 
 from .._checks import check_choice
 from .layouts import ChunkLayout
-from .masks import allow_empty_rows, and_masks, causal_order, key_is_real, same_group, self_only_when_alone
+from .masks import (
+    allow_empty_rows,
+    and_masks,
+    causal_order,
+    key_is_real,
+    local_blocks,
+    not_mask,
+    same_group,
+    self_only_when_alone,
+)
 
 __all__ = ["KERNELS", "use_fused_kernel", "windowed_attention", "windowed_attention_lse"]
 
@@ -153,13 +162,16 @@ def _row_meta(
     return key_ok, positions
 
 
-def _needs_mask(layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None) -> bool:
+def _needs_mask(layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None,
+                local: tuple[int, bool] | None = None) -> bool:
     """Whether any key of any window can be disallowed (besides a shared-QK query's own key)."""
-    return bool(causal or key_padding_mask is not None or layout.row_group is not None or layout.has_empty_slots)
+    return bool(causal or key_padding_mask is not None or layout.row_group is not None or layout.has_empty_slots
+                or local is not None)
 
 
 def _window_mask(
-    layout: ChunkLayout, w: int, causal: bool, key_padding_mask: torch.Tensor | None, exclude_self: bool
+    layout: ChunkLayout, w: int, causal: bool, key_padding_mask: torch.Tensor | None, exclude_self: bool,
+    local: tuple[int, bool] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The SDPA mask of every window, (W, 1, w, hops w) bool (True = attend), and the queries with no
     allowed key, (W, 1, w, 1); (None, None) when every key of every window is allowed.
@@ -178,6 +190,10 @@ def _window_mask(
         predicates.append(causal_order(positions))
     if layout.row_group is not None:
         predicates.append(same_group(layout.row_group))
+    if local is not None:  # (block, keep): only the keys in the query's local blocks, or all but them
+        block, keep = local
+        in_blocks = local_blocks(layout.rows % max(layout.length, 1), block)
+        predicates.append(in_blocks if keep else not_mask(in_blocks))
     allowed = and_masks(*predicates)(q_index, k_index).expand(layout.num_windows, w, layout.hops * w)
     if exclude_self:
         tokens = torch.where(layout.row_valid, layout.rows, -1)
@@ -197,6 +213,7 @@ def windowed_attention_lse(
     dropout_p: float = 0.0,
     scale: float | None = None,
     kernel: str = "auto",
+    local: tuple[int, bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`windowed_attention` with explicit scores, also returning each query's log-sum-exp.
 
@@ -205,13 +222,20 @@ def windowed_attention_lse(
 
     ``scale``: None applies 1/sqrt(D) to the scores; pass the scale you already folded into ``q`` (it is then
     not applied again; only documentation of what the caller did). ``kernel``: as in
-    :func:`windowed_attention`.
+    :func:`windowed_attention`. ``local``: (block, keep) -- with positions cut into blocks of ``block``, allow only
+    the keys in the query's block or the one before (``keep=True``), or only the others (``keep=False``)
+    (:func:`clusterformer.ops.masks.local_blocks`; the two halves of neural-clustering's ``local_window``). The fused
+    kernel has no such predicate: ``local`` runs the explicit-score path (``kernel="fused"`` is refused).
 
     Returns:
         out (blocks * N, H, D) and lse (blocks * N, H); lse is -inf for a query with no allowed key
         (its output is zero).
     """
     W, H, w, D = q.shape
+    if local is not None:
+        if kernel == "fused":
+            raise ValueError("kernel='fused' has no local-block predicate; use kernel='auto' or 'sdpa' with local")
+        kernel = "sdpa"
     if use_fused_kernel(q, dropout_p, kernel):
         out, lse = _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, exclude_self,
                                    1.0 / math.sqrt(D) if scale is None else 1.0)
@@ -221,14 +245,14 @@ def windowed_attention_lse(
     scores = q @ k.transpose(-1, -2)  # (W, H, w, hops w)
     if scale is None:
         scores = scores * (1.0 / math.sqrt(D))
-    if exclude_self and not _needs_mask(layout, causal, key_padding_mask) and layout.hops * w > 1:
+    if exclude_self and not _needs_mask(layout, causal, key_padding_mask, local) and layout.hops * w > 1:
         # Every slot holds a token and each chunk appears once per window, so a query's own key sits at
         # column (hops - 1) w + i of its row i: mask that diagonal in place (autograd-tracked; the product's
         # backward does not need its output) instead of building a (W, w, hops w) mask.
         scores.diagonal(offset=(layout.hops - 1) * w, dim1=-2, dim2=-1).fill_(float("-inf"))
         attn_mask = no_key = None
     else:
-        attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self)
+        attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self, local)
     weights, lse = _SoftmaxLSE.apply(scores, attn_mask)
     if dropout_p:
         weights = F.dropout(weights, p=dropout_p)
