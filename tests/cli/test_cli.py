@@ -101,8 +101,11 @@ def test_demo_runs_end_to_end_on_a_tiny_budget(tmp_path):
     summary = run_demo(tmp_path, DemoConfig(length=32, train_steps=2, batch=4, eval_examples=8, dim=16,
                                             bench_lengths=(32,)), log=lines.append)
     assert {r["attention"] for r in summary["training"]} == {"full", "neural-clustering"}
+    assert [r["keys_per_query"] for r in summary["training"]] == [32, 12]  # k = 6: two chunks of 6
     assert (tmp_path / "demo.json").exists() and (tmp_path / "bench.png").exists()
     assert any("speed-up" in line for line in lines)
+    below = summary["training"][1]["accuracy"] < summary["training"][0]["accuracy"] - 0.02
+    assert below == any("Why neural-clustering is below full here" in line for line in lines)
 
 
 def test_every_command_has_its_own_module_and_help():

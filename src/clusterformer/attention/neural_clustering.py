@@ -14,7 +14,10 @@ Per layer, for x (B, N, dim):
 4. The layer's output projection.
 
 Cost: O(N k d) for the clustering plus O(N (look_back + 1) w d) for attention; with k = sqrt(N),
-O(N sqrt(N) d) (paper section 3.3).
+O(N sqrt(N) d) (paper section 3.3) -- while sqrt(N) <= ``max_clusters`` (128 by default: N <= 16,384). Beyond, k stays
+at ``max_clusters`` and the chunk grows as N / max_clusters (2,048 keys per query at 131,072 tokens with the default):
+O(N^2 / max_clusters d). Raise ``max_clusters`` (to 362 for N = 131,072) to keep N sqrt(N); the layer then owns that
+many centroids. ``local_window`` adds O(N local_window d).
 
 Causal modes (``causal=True`` in the call):
 
@@ -208,7 +211,8 @@ class NeuralClusteringOptions(SeededOptions):
 @register(
     "neural-clustering",
     NeuralClusteringOptions,
-    "ClusterFormer: learned centroids, sort by cluster, attention in equal chunks + look-back; O(N sqrt(N))",
+    "ClusterFormer: learned centroids, sort by cluster, attention in equal chunks + look-back; O(N sqrt(N)) up to "
+    "N = max_clusters^2 (16k tokens by default), O(N^2 / max_clusters) beyond",
 )
 class NeuralClusteringAttention(InnerAttention):
     """Clusters the hidden states (W^C x), so it implements :meth:`attend_hidden` (and, for cached decoding in
