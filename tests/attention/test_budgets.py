@@ -93,6 +93,9 @@ def test_probe_equals_the_explicit_attention_weights():
         expected = p[torch.arange(2).unsqueeze(1), :, queries, sources]  # (B, Q, H)
         got = attention_to_sources(layer, x, queries, sources, causal=causal)
         assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+        other = (sources + 1) % 37  # two acceptable keys: the weight on the pair is the sum
+        pair = attention_to_sources(layer, x, queries, torch.stack([sources, other], -1), causal=causal)
+        assert torch.allclose(pair, expected + p[torch.arange(2).unsqueeze(1), :, queries, other], atol=1e-12, rtol=0)
 
 
 def test_probe_on_a_hand_built_window():

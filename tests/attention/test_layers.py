@@ -107,8 +107,8 @@ def _local_allowed(N, block, causal, pad):
 def test_neural_clustering_local_window_is_the_union_of_clusters_and_local_blocks(N, num_clusters, local_window, mode):
     """With ``local_window`` a query attends, in one softmax, to the union of its cluster chunks (eqs. 8-9) and
     its local blocks, each key once: the dense reference's allowed mask is the OR of the two masks."""
-    layer = _layer("neural-clustering", num_clusters=num_clusters, causal_mode="strict" if mode == "strict" else "paper",
-                   causal_clusters=3, causal_chunk_size=2, local_window=local_window)
+    layer = _layer("neural-clustering", num_clusters=num_clusters, causal_clusters=3, causal_chunk_size=2,
+                   causal_mode="strict" if mode == "strict" else "paper", local_window=local_window)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)

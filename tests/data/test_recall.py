@@ -113,7 +113,8 @@ def test_train_passkey_and_bad_task_options(tmp_path, capsys):
               "--out", str(tmp_path / "bad")])
     assert "task_options are for the recall tasks" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # the causal form needs a causal mechanism
-        main(["train", "--task", "mqar", "--attention", "clustered", "--max-steps", "1", "--out", str(tmp_path / "bad")])
+        main(["train", "--task", "mqar", "--attention", "clustered", "--max-steps", "1",
+              "--out", str(tmp_path / "bad")])
     assert "cannot be causal" in capsys.readouterr().err
 
 

@@ -93,15 +93,17 @@ def attention_to_sources(
 ) -> torch.Tensor:
     """The attention weight of each query on the key it needs, per head: (B, Q, H), float64, in [0, 1].
 
-    ``queries``, ``sources``: (B, Q) long positions: query ``queries[b, m]`` needs key ``sources[b, m]``; the
-    rest as :func:`attention_rows`. Zero means the key is outside the query's attended set in that head."""
+    ``queries``: (B, Q) long positions; ``sources``: (B, Q) long, query ``queries[b, m]`` needs key
+    ``sources[b, m]``, or (B, Q, S) with S distinct positions any of which would do (the weight is then their sum);
+    the rest as :func:`attention_rows`. Zero means no needed key is in the query's attended set in that head."""
     B, N = x.shape[0], x.shape[1] if x.dim() == 3 else 0
-    _check_positions("sources", sources, B, N)
-    if queries.shape != sources.shape:
-        raise ValueError(f"queries and sources must have the same shape, got {tuple(queries.shape)} and "
+    _check_positions("sources", sources.reshape(B, -1) if sources.dim() == 3 else sources, B, N)
+    if sources.shape[:2] != queries.shape:
+        raise ValueError(f"sources must be (B, Q) or (B, Q, S) for queries of shape {tuple(queries.shape)}, got "
                          f"{tuple(sources.shape)}")
     rows = attention_rows(layer, x, queries, key_padding_mask, causal, flow)  # (B, Q, H, N)
-    return rows.gather(3, sources.view(B, -1, 1, 1).expand(-1, -1, rows.shape[2], 1)).squeeze(-1)
+    index = sources.view(B, queries.shape[1], 1, -1).expand(-1, -1, rows.shape[2], -1)  # (B, Q, H, S)
+    return rows.gather(3, index).sum(-1)
 
 
 def _check_positions(name: str, t: torch.Tensor, B: int, N: int) -> None:

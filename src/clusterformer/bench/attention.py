@@ -58,6 +58,7 @@ class BenchConfig:
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-mechanism build options
     seed: int = 0
     padding: float = 0.0  # right padding, a fraction of N: sequence b padded by padding * N * b / (batch - 1)
+    causal: bool = False  # call the layers with causal=True (strict causal chunking: causal_chunk_size, ...)
 
     def __post_init__(self) -> None:
         check_float("padding", self.padding, minimum=0.0, maximum=1.0, exclusive_maximum=True)
@@ -199,13 +200,13 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
     def fwd() -> None:
         layer.eval()
         with torch.no_grad():
-            layer(x, key_padding_mask=pad)
+            layer(x, key_padding_mask=pad, causal=job["causal"])
 
     def fwd_bwd(with_aux: bool) -> Callable[[], None]:
         def run() -> None:
             layer.train()
             with collect_aux_losses() as aux:
-                loss = layer(x, key_padding_mask=pad).sum()
+                loss = layer(x, key_padding_mask=pad, causal=job["causal"]).sum()
             if with_aux:
                 for value in aux.values():
                     loss = loss + value
@@ -246,6 +247,8 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         "length": job["length"],
         "batch": job["batch"],
         "padding": job["padding"],
+        "causal": job["causal"],
+        "keys_per_query": layer.options.keys_per_query(job["length"], job["causal"]),
         "heads": job["heads"],
         "head_dim": job["head_dim"],
         "device": str(device),

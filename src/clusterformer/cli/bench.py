@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--causal", action="store_true",
+                   help="call the layers with causal=True (strict causal mechanisms use their causal chunking)")
     p.add_argument("--padding", type=float, default=0.0,
                    help="right padding, a fraction of N in [0, 1): sequence b of the batch is padded by "
                         "padding * N * b / (batch - 1) tokens (the only sequence, with --batch 1); 0 = no mask")
@@ -102,6 +104,7 @@ def run_attention(args: argparse.Namespace) -> int:
         names=args.names, lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), warmup=args.warmup,
         repeats=args.repeats, threads=args.threads, options=options, padding=args.padding,
+        causal=args.causal,
     )
     records = run_attention_benchmark(config, progress=log)
     emit_json(records, args.json, log=log)

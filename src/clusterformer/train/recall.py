@@ -11,7 +11,8 @@ them. The test set is the first ``test_sequences`` of the "test" split.
 Evaluation reports, beside accuracy over all queries, the accuracy of queries nearer and farther than
 ``far`` tokens from the token that answers them (what a window of that size could and could not see), and the
 **key recall** of :func:`clusterformer.attention.diagnostics.key_recall` on the first ``recall_sequences`` test
-sequences: per layer, the fraction of (query, head) pairs whose needed token is inside the attended set
+sequences: per layer, the fraction of (query, head) pairs whose needed token (:meth:`RecallTask.needed`: the answer's
+token; in bidirectional MQAR, the answer or the key before it) is inside the attended set
 (``key_recall``), the fraction of queries for which some head sees it (``key_recall_any_head``) and the mean
 attention weight on it (``key_weight``).
 """
@@ -160,6 +161,13 @@ class RecallTask:
             result["key_recall"] = self.key_recall(predict.model, predict.device)
         return result
 
+    def needed(self, sources: torch.Tensor) -> torch.Tensor:
+        """The positions a query may read its answer from, (n, Q, S): the answer's token, and in the bidirectional
+        form of MQAR also the key before it (which sees its value in an encoder) -- any of them will do."""
+        if self.name == "mqar" and not self.causal:
+            return torch.stack([sources - 1, sources], dim=-1)
+        return sources.unsqueeze(-1)
+
     def key_recall(self, model: nn.Module, device: torch.device) -> dict[str, dict[str, float]]:
         """Per attention layer: the share of (query, head) pairs whose needed token is in the attended set, the
         share of queries for which some head has it, and the mean weight on it (first ``recall_sequences``)."""
@@ -168,7 +176,7 @@ class RecallTask:
         for start in range(0, n, 16):  # a few sequences per probe: the probe keeps each layer's graph
             end = min(n, start + 16)
             weights = key_recall(model, self.test.ids[start:end].to(device), self.test.queries[start:end],
-                                 self.test.sources[start:end])
+                                 self.needed(self.test.sources[start:end]))
             for name, w in weights.items():
                 report.setdefault(name, []).append(w)
         summary = {}
