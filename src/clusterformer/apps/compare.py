@@ -379,7 +379,7 @@ def summary_markdown(summary: dict) -> str:
                   + (" key recall per layer |" if recall else ""),
                   "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + ("---|" if recall else "")]
         for name, row in block["mechanisms"].items():
-            lines.append(f"| {name} | {row.get('keys_per_query') or '?'} | {row['mean']:.4f} ± {row['std']:.4f} "
+            lines.append(f"| {name} | {row.get('keys_per_query') or '—'} | {row['mean']:.4f} ± {row['std']:.4f} "
                          f"({row['n']}) | "
                          f"{_difference(row.get('vs_full'))} | {_difference(row.get('vs_neural-clustering'))} | "
                          f"{row['seconds_per_epoch']:.1f} | "
