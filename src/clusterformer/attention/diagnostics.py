@@ -96,7 +96,8 @@ def attention_to_sources(
     ``queries``: (B, Q) long positions; ``sources``: (B, Q) long, query ``queries[b, m]`` needs key
     ``sources[b, m]``, or (B, Q, S) with S distinct positions any of which would do (the weight is then their sum);
     the rest as :func:`attention_rows`. Zero means no needed key is in the query's attended set in that head."""
-    B, N = x.shape[0], x.shape[1] if x.dim() == 3 else 0
+    check_tensor("x", x, ndim=3, floating=True)
+    B, N = x.shape[0], x.shape[1]
     _check_positions("sources", sources.reshape(B, -1) if sources.dim() == 3 else sources, B, N)
     if sources.shape[:2] != queries.shape:
         raise ValueError(f"sources must be (B, Q) or (B, Q, S) for queries of shape {tuple(queries.shape)}, got "

@@ -201,10 +201,9 @@ def prepare_recall(name: str, max_len: int, limit: int | None, options: dict[str
     n_train = TRAIN_SEQUENCES if limit is None else check_int("limit", limit, minimum=1)
     test = generate_recall(spec, DATA_SEED, "test", 0, opts.test_sequences)
     distance = (test.queries - test.sources).float()
-    shape = {k: v for k, v in dataclasses.asdict(spec).items()}
     info = {"protocol": f"generated: {n_train} train sequences per epoch / {opts.test_sequences} test sequences "
                         f"(data seed {DATA_SEED}, one seed per sequence)",
-            "form": opts.form, "spec": shape, "options": dataclasses.asdict(opts),
+            "form": opts.form, "spec": dataclasses.asdict(spec), "options": dataclasses.asdict(opts),
             "query_distance": {"mean": distance.mean().item(), "min": distance.min().item(),
                                "max": distance.max().item(),
                                f"share_over_{opts.far}": (distance > opts.far).float().mean().item()}}
