@@ -310,12 +310,9 @@ class NeuralClusteringAttention(InnerAttention):
         """Cluster ids (B, N) (padding: n_clusters) and C_hat (or None); publishes the clustering losses."""
         B, N, _ = x.shape
         if self.options.grouping != "learned":  # the ablations: one group (original order), or random groups
-            if self.options.grouping == "contiguous":
-                ids = torch.zeros(B, N, dtype=torch.long, device=x.device)
-            else:
-                k = torch.full((B,), n_clusters, dtype=torch.long) if per_sequence is None else per_sequence.cpu()
-                draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
-                ids = random_groups(N, k, draw, torch.device("cpu")).to(x.device)
+            k = torch.full((B,), n_clusters, dtype=torch.long) if per_sequence is None else per_sequence.cpu()
+            positions = torch.arange(N, dtype=torch.long).unsqueeze(0)
+            ids = self._ablation_groups(positions, k).to(x.device)
             if key_padding_mask is not None:
                 ids = ids.masked_fill(key_padding_mask, n_clusters)  # padding as the clustering marks it
             return ids, None
@@ -355,12 +352,9 @@ class NeuralClusteringAttention(InnerAttention):
         joined = cache if isinstance(cache, JoinedCache) else None
         if joined is not None:
             cache = joined.groups
-        if self.options.grouping == "contiguous":
-            ids = torch.zeros(B, 1, dtype=torch.long, device=x_t.device)
-        elif self.options.grouping == "random":  # the hash of the token's position (eval: the seeded draw)
+        if self.options.grouping != "learned":  # as the forward groups the token at this position
             k = torch.full((B,), self.options.strict_causal_clusters(), dtype=torch.long, device=x_t.device)
-            draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
-            ids = _hash_groups(cache.lengths.unsqueeze(1), k, draw)
+            ids = self._ablation_groups(cache.lengths.unsqueeze(1), k)
         else:  # the token's nearest centroid, as the strict forward assigns it
             centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)
             ids = nearest_centroid(self.to_cluster(x_t), centroids, self.options.similarity).unsqueeze(1)
@@ -376,6 +370,16 @@ class NeuralClusteringAttention(InnerAttention):
         out_l, lse_l = joined.local.append_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], ids[:, 0], rank, first)
         joined.lengths = cache.lengths
         return merge_attention(out, lse, out_l, lse_l), joined
+
+    def _ablation_groups(self, positions: torch.Tensor, num_clusters: torch.Tensor) -> torch.Tensor:
+        """The ids of the ``grouping`` ablations for tokens at ``positions`` (1 or B, N) long, with k_b =
+        ``num_clusters`` (B,): "contiguous", every token in group 0; "random", the hash of the position and one
+        number drawn from the layer's generator (:func:`random_groups`). (B, N) long, on ``positions``' device."""
+        B, N = num_clusters.shape[0], positions.shape[1]
+        if self.options.grouping == "contiguous":
+            return torch.zeros(B, N, dtype=torch.long, device=positions.device)
+        draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
+        return _hash_groups(positions, num_clusters.to(positions.device), draw)
 
     def _centroids(self, flow: torch.Tensor | None, n_clusters: int, B: int, strict: bool) -> torch.Tensor:
         if flow is None:
