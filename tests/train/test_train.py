@@ -486,3 +486,45 @@ def test_centroid_flow_flag_builds_the_papers_flow_and_resume_refuses_a_change(t
         main(_argv(train, test, out, "--attention", "neural-clustering", "--max-steps", "3", "--batch-size", "16",
                    "--resume"))
     assert exc.value.code == 2 and "different centroid_flow" in capsys.readouterr().err
+
+
+def test_layer_attention_builds_a_layer_wise_hybrid_and_resume_refuses_a_change(tmp_path, capsys):
+    """--layer-attention puts a named mechanism in the given layers (negative from the last), the others keep
+    --attention; bad specs name the flag, a causal task refuses a layer that is not strictly causal, the run
+    records the largest budget of its layers, and --resume refuses a different layer_attention."""
+    from clusterformer.train.loop import build_model
+    from clusterformer.train.tasks import prepare_task
+
+    train, test = _write_task(tmp_path)
+    config = TrainConfig(task="text-classification", out=str(tmp_path / "o"), train_file=str(train),
+                         test_file=str(test), max_steps=1, dim=16, depth=3, heads=2, attention="routing",
+                         layer_attention={"-3": ["sliding-window", {"window": 4, "stride": 2}]})
+    assert config.layer_attention == {0: ["sliding-window", {"window": 4, "stride": 2}]}
+    task = prepare_task("text-classification", data_dir=None, max_len=16, train_file=str(train), test_file=str(test))
+    inner = [block.attn.inner for block in build_model(config, task).encoder.blocks]
+    assert [type(a).__name__ for a in inner] == ["SlidingWindowAttention", "RoutingAttention", "RoutingAttention"]
+    assert inner[0].options.window == 4
+    for bad, message in (({"layer_attention": {"3": ["full", {}]}}, "outside depth=3"),
+                         ({"layer_attention": {"x": ["full", {}]}}, "not a layer index"),
+                         ({"layer_attention": {"0": "full"}}, r"must be \[name, options\]"),
+                         ({"layer_attention": {"0": ["full", {}], "-3": ["full", {}]}}, "twice"),
+                         ({"layer_attention": {"0": ["sliding-window", {"window": 0}]}}, r"layer_attention\[0\]"),
+                         ({"layer_attention": {"0": ["nope", {}]}}, r"layer_attention\[0\]"),
+                         ({"layer_attention": {"0": ["full", {}]}, "centroid_flow": True,
+                           "attention": "neural-clustering"}, "cannot be combined")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**{**config.__dict__, **bad})
+    with pytest.raises(ValueError, match=r"layer_attention\[1\].*not strictly causal"):
+        TrainConfig(task="mqar", out=str(tmp_path / "c"), max_steps=1, attention="full",
+                    layer_attention={"1": ["neural-clustering", {"causal_mode": "paper"}]})
+    out = tmp_path / "run"
+    spec = json.dumps({"0": ["sliding-window", {"window": 4, "stride": 2}]})
+    assert main(_argv(train, test, out, "--attention", "full", "--max-steps", "2", "--batch-size", "16",
+                      "--layer-attention", spec, "--checkpoint-every", "1")) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["keys_per_query"] == 16  # the full layer's, the largest
+    assert main(_argv(train, test, out, "--attention", "full", "--max-steps", "3", "--batch-size", "16",
+                      "--layer-attention", spec, "--resume")) == 0  # the same spec resumes
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(train, test, out, "--attention", "full", "--max-steps", "4", "--batch-size", "16", "--resume"))
+    assert exc.value.code == 2 and "different layer_attention" in capsys.readouterr().err

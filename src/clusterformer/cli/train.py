@@ -48,6 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster-layers", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=None,
                    help="with --attention cluster-former: the paper's stack -- Cluster-Former layers at these depths "
                         "(0-based; -1 = the last), sliding-window layers (same window and stride) elsewhere")
+    p.add_argument("--layer-attention", default=None,
+                   help='per-layer mechanisms as JSON {layer: [name, options]}, e.g. \'{"0": ["sliding-window", '
+                        '{"window": 64}]}\' (negative layers count from the last); other layers use --attention. '
+                        'A layer-wise hybrid: a window where local evidence is needed, clustering elsewhere')
     p.add_argument("--centroid-flow", action="store_true",
                    help="neural-clustering: the paper's centroid flow -- layer 1 owns the centroids and layer l + 1 "
                         "starts from layer l's updated centroids (default: every layer its own)")
@@ -92,10 +96,12 @@ def run(args: argparse.Namespace) -> int:
     decoder_options = json_object("--decoder-attention-options", args.decoder_attention_options,
                                   '{"causal_chunk_size": 16}')
     task_options = json_object("--task-options", args.task_options, '{"num_pairs": 32, "form": "causal"}')
+    layer_attention = json_object("--layer-attention", args.layer_attention, '{"0": ["sliding-window", {}]}')
     values = {k: v for k, v in vars(args).items()
-              if k not in ("func", "command", "attention_options", "decoder_attention_options", "task_options", "cv")}
+              if k not in ("func", "command", "attention_options", "decoder_attention_options", "task_options", "cv",
+                           "layer_attention")}
     config = TrainConfig(**values, attention_options=options, decoder_attention_options=decoder_options,
-                         task_options=task_options)
+                         task_options=task_options, layer_attention=layer_attention)
     if not args.cv:
         result = run_training(config)
         if result:

@@ -114,6 +114,8 @@ class TrainConfig:
     init: str | None = None  # a pretrained model of clusterformer.hf (e.g. "minilm") to fine-tune
     allow_non_strict_causal: bool = False  # LM with a mechanism whose causal mode is not strict (optimistic bpc)
     cluster_layers: list[int] | None = None  # cluster-former: the paper's stack, Cluster-Former layers only here
+    # per-layer mechanisms, {layer: [name, options]} (negative counts from the last); other layers use `attention`
+    layer_attention: dict[int, list[Any]] = field(default_factory=dict)
     centroid_flow: bool = False  # neural-clustering: layer l + 1 starts from layer l's updated centroids (paper)
     centroid_lr_scale: float = 1.0  # neural-clustering: learning-rate multiplier of the centroids and W^C
     # translation (task multi30k)
@@ -182,6 +184,17 @@ class TrainConfig:
                 if not -self.depth <= layer < self.depth:
                     raise ValueError(f"cluster_layers entry {layer} is outside depth={self.depth} (negative counts "
                                      "from the last layer)")
+        self.layer_attention = normal_layer_attention(self.layer_attention, self.depth)
+        if self.layer_attention:
+            if self.init or self.cluster_layers is not None or self.centroid_flow or self.task == "multi30k":
+                raise ValueError("layer_attention builds a new encoder of mixed layers: it cannot be combined with "
+                                 "init, cluster_layers, centroid_flow or task multi30k")
+            if self.task == "shakespeare-char" or (
+                    self.task in RECALL_TASKS and recall_options(self.task_options).form == "causal"):
+                for layer, (name, options) in self.layer_attention.items():
+                    if causal_semantics(name, options) != "strict" and not self.allow_non_strict_causal:
+                        raise ValueError(f"layer_attention[{layer}]: {name!r} with these options is not strictly "
+                                         f"causal, so it cannot train the causal task {self.task!r}")
         check_float("centroid_lr_scale", self.centroid_lr_scale, minimum=0.0, exclusive_minimum=True)
         if self.centroid_flow or self.centroid_lr_scale != 1.0:
             flag = "centroid_flow" if self.centroid_flow else "centroid_lr_scale"
@@ -241,6 +254,35 @@ def _tokenizer_kind(config: TrainConfig) -> str:
     return f"pretrained:{config.init}" if config.init else config.tokenizer
 
 
+def normal_layer_attention(spec: Any, depth: int) -> dict[int, list[Any]]:
+    """``layer_attention`` as {layer in [0, depth): [name, options]}: keys may be ints or their strings (JSON) and
+    negative (from the last layer); every name and its options are validated by the registry. ``ValueError``
+    naming ``layer_attention`` otherwise."""
+    example = '{"0": ["sliding-window", {"window": 64}]}'
+    if not isinstance(spec, dict):
+        raise ValueError(f"layer_attention must be a dict {{layer: [name, options]}}, e.g. {example}; got {spec!r}")
+    out: dict[int, list[Any]] = {}
+    for key, value in spec.items():
+        try:
+            layer = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"layer_attention: {key!r} is not a layer index, e.g. {example}") from None
+        if not -depth <= layer < depth:
+            raise ValueError(f"layer_attention names layer {layer}, outside depth={depth} (negative counts from the "
+                             "last layer)")
+        if not (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str)
+                and isinstance(value[1], dict)):
+            raise ValueError(f"layer_attention[{key}] must be [name, options], e.g. {example}; got {value!r}")
+        if layer % depth in out:
+            raise ValueError(f"layer_attention names layer {layer % depth} twice")
+        try:
+            make_options(value[0], dict(value[1]))
+        except ValueError as error:
+            raise ValueError(f"layer_attention[{key}]: {error}") from None
+        out[layer % depth] = [value[0], dict(value[1])]
+    return dict(sorted(out.items()))
+
+
 def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
     """The task's model: a pretrained encoder to fine-tune (``init``), or the task's head on a new encoder."""
     if config.init:
@@ -259,7 +301,9 @@ def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
             cluster_layers=layers, window=options.window, stride=options.stride, num_clusters=options.num_clusters,
             cluster_options=rest, **size))
     enc = EncoderConfig(attention=config.attention, attention_options=dict(config.attention_options),
-                        centroid_flow=config.centroid_flow, **size)
+                        centroid_flow=config.centroid_flow,
+                        layer_attention={layer: (name, dict(options))
+                                         for layer, (name, options) in config.layer_attention.items()}, **size)
     return task.build_model(enc)
 
 
@@ -499,13 +543,19 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     saved = state["config"]
     changed = {k for k in ("task", "task_options", "attention", "attention_options", "dim", "depth", "heads",
                            "max_len", "seed", "batch_size", "cluster_layers", "decoder_attention",
-                           "decoder_attention_options", "centroid_flow", "centroid_lr_scale")
-               if saved.get(k, getattr(config, k)) != getattr(config, k)}
+                           "decoder_attention_options", "centroid_flow", "centroid_lr_scale", "layer_attention")
+               if _comparable(saved.get(k, getattr(config, k))) != _comparable(getattr(config, k))}
     if changed:
         raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
     if state["world_size"] != world:
         raise ValueError(f"the checkpoint was written with {state['world_size']} processes, not {world}")
     return state
+
+
+def _comparable(value: Any) -> Any:
+    """A config value as JSON writes it (int keys become strings, tuples lists), so that a value read back from
+    a checkpoint compares equal to the one given."""
+    return json.loads(json.dumps(value))
 
 
 def _prepare(config: TrainConfig, tokenizer_state: str | None) -> Task:
