@@ -14,6 +14,8 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
     ("neural-clustering", {"causal_chunk_size": 5, "grouping": "contiguous"}),
     ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 4, "grouping": "random"}),
     ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 3, "local_window": 6}),
+    ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 3, "cluster_on": "shared-qk"}),
+    ("neural-clustering", {"causal_chunk_size": 3, "causal_clusters": 3, "cluster_on": "shared-qk", "local_window": 2}),
     ("lsh", {"causal_chunk_size": 4, "chunk_size": 7, "num_rounds": 2, "causal_clusters": 4}),
     ("lsh", {"causal_chunk_size": 3, "num_rounds": 3, "num_clusters": 6, "look_back": 2}),
     ("routing", {"causal_chunk_size": 4, "chunk_size": 9, "num_clusters": 3}),

@@ -19,7 +19,12 @@ from seeds import fixed_seed
 # Labels: every registered name, and variants of one with options that change what a query sees (each keeps
 # every guarantee): label -> (mechanism, options at the small test sizes, options beside the defaults).
 VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_clusters": 3, "local_window": 4},
-                                               {"local_window": 32})}
+                                               {"local_window": 32}),
+            "neural-clustering+shared-qk": ("neural-clustering", {"num_clusters": 3, "cluster_on": "shared-qk"},
+                                            {"cluster_on": "shared-qk"}),
+            "neural-clustering+shared-qk+local_window": (
+                "neural-clustering", {"num_clusters": 3, "cluster_on": "shared-qk", "local_window": 2},
+                {"cluster_on": "shared-qk", "local_window": 32})}
 ALL = [*names(), *VARIANTS]
 NON_CAUSAL = {"clustered", "improved-clustered"}  # refuse causal=True with a ValueError
 NOT_STRICT = {"cluster-former"}  # causal mask inside sorted windows (paper); documented as not strict

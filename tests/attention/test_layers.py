@@ -34,6 +34,21 @@ def _reference_output(layer, x, allowed):
     return merged @ layer.to_out.weight.T + layer.to_out.bias
 
 
+def _shared_qk_output(layer, x, allowed):
+    """The shared-QK form of :func:`_reference_output`: one projection for queries and keys, keys scaled to unit
+    length per head, and a query's own key allowed only when no other key is."""
+    w_qk, w_v = layer.to_qkv.weight.split(layer.dim)
+    b_qk, b_v = layer.to_qkv.bias.split(layer.dim)
+    split = lambda t: t.view(-1, layer.heads, layer.head_dim).transpose(0, 1)  # noqa: E731
+    qk, v = split(x @ w_qk.T + b_qk), split(x @ w_v.T + b_v)
+    keys = qk / qk.norm(dim=-1, keepdim=True)
+    N = x.shape[0]
+    others = allowed & ~torch.eye(N, dtype=torch.bool)
+    allowed = torch.where(others.any(1, keepdim=True), others, allowed)
+    heads = torch.stack([masked_softmax_attention(qk[h], keys[h], v[h], allowed) for h in range(layer.heads)])
+    return heads.transpose(0, 1).reshape(N, layer.dim) @ layer.to_out.weight.T + layer.to_out.bias
+
+
 def _reference_clustering(layer, x, real, strict):
     """Eqs. 2-4, 6, 11 with cosine phi, for one sequence x (N, dim) whose real tokens are ``real``."""
     scale = layer.options.similarity_scale
@@ -44,7 +59,10 @@ def _reference_clustering(layer, x, real, strict):
     k = (o.num_clusters if o.num_clusters != "sqrt" else min(o.causal_clusters, o.max_clusters)) if strict else (
         o.clusters_for(L))
     C = layer.inner.centroids[:k]
-    P = x @ layer.inner.to_cluster.weight.T  # X W^C
+    if o.cluster_on == "shared-qk":  # the shared query/key projection, heads side by side
+        P = x @ layer.to_qkv.weight[:layer.dim].T + layer.to_qkv.bias[:layer.dim]
+    else:
+        P = x @ layer.inner.to_cluster.weight.T  # X W^C
     phi = torch.zeros(k, N, dtype=x.dtype)
     for i in range(k):
         for j in range(N):
@@ -113,6 +131,7 @@ def test_neural_clustering_local_window_is_the_union_of_clusters_and_local_block
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)
     pad[1, -2:] = True
+    pad[2, 1:3] = True  # padding inside a sequence must not shift its position blocks
     causal = mode != "none"
     y, _, _ = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
     overlap = 0
@@ -129,6 +148,71 @@ def test_neural_clustering_local_window_is_the_union_of_clusters_and_local_block
         torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
         assert (y[b][~real] == 0).all()
     assert overlap > 0, "the case has keys in both sets: counting them twice would change the output"
+
+
+@pytest.mark.parametrize(("N", "num_clusters", "local_window"), [
+    (13, 3, 0), (12, 2, 0), (13, 3, 4), (20, 4, 2), (9, "sqrt", 6), (9, 3, 6), (13, 3, 6), (9, "sqrt", 2), (1, 2, 2)])
+@pytest.mark.parametrize("mode", ["none", "paper", "strict"])
+def test_neural_clustering_on_shared_qk_matches_dense_reference(N, num_clusters, local_window, mode):
+    """``cluster_on="shared-qk"``: the tokens are clustered by the layer's shared query/key projection (eqs. 2-4
+    with P = x W^QK), attention reads unit keys, and a query's own key counts only when it has no other key in
+    the union of its cluster chunks and local blocks. Padding in the middle and at the end, so that some
+    queries' local blocks hold no other real key."""
+    layer = _layer("neural-clustering", num_clusters=num_clusters, causal_clusters=3, causal_chunk_size=2,
+                   causal_mode="strict" if mode == "strict" else "paper", local_window=local_window,
+                   cluster_on="shared-qk")
+    assert layer.to_qkv.weight.shape[0] == 2 * layer.dim and layer.inner.to_cluster is None
+    B = 3
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if N > 4:
+        pad[1, -2:] = True
+        pad[2, 1:3] = True
+    causal = mode != "none"
+    y, aux, _ = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
+    L1s = []
+    for b in range(B):
+        real = ~pad[b]
+        ids, L1, _, chunk = _reference_clustering(layer, x[b] * real[:, None], real, strict=mode == "strict")
+        L1s.append(L1)
+        if mode == "strict":
+            allowed = cluster_causal_allowed(ids, chunk, 1, pad[b])
+        else:
+            allowed = sorted_chunk_allowed(ids, chunk, 1, causal, pad[b])
+        if local_window:
+            allowed = allowed | _local_allowed(N, local_window // 2, causal, pad[b])
+        ref = _shared_qk_output(layer, x[b] * real[:, None], allowed)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
+        assert (y[b][~real] == 0).all()
+    counts = (~pad).sum(1).double()  # eq. 6 on P = x W^QK, the mean over the batch's real tokens
+    torch.testing.assert_close(aux["clustering"], (torch.stack(L1s) * counts).sum() / counts.sum())
+    # the clustering losses now train the shared projection: their gradient reaches W^QK
+    layer.zero_grad()
+    collect = run_recorded(layer, x, key_padding_mask=pad, causal=causal)[1]
+    collect["clustering"].backward()
+    assert layer.to_qkv.weight.grad[:layer.dim].abs().sum() > 0
+
+
+def test_shared_qk_clustering_needs_the_layers_own_projection():
+    """A pretrained model's separate query and key layers cannot give a shared QK: a clear error, not a silent
+    clustering by the keys alone."""
+    from clusterformer.attention.base import QKVProjection  # noqa: F401 (the protocol the fake follows)
+
+    layer = _layer("neural-clustering", num_clusters=2, cluster_on="shared-qk")
+
+    class Separate:
+        heads, head_dim, shared_qk = layer.heads, layer.head_dim, False
+
+        def qkv(self, x):
+            return layer.qkv(x)
+
+        def project_rows(self, rows, which):
+            return layer.project_rows(rows, which)
+
+    with pytest.raises(ValueError, match="cluster_on='shared-qk' needs a layer whose queries and keys are one"):
+        layer.inner.attend_hidden(torch.randn(1, 5, layer.dim, dtype=torch.float64), Separate(), None, False)
+    with pytest.raises(ValueError, match="cluster_on"):
+        _layer("neural-clustering", cluster_on="keys")
 
 
 @pytest.mark.parametrize(("N", "causal"), [(7, False), (7, True), (1, True), (16, False)])

@@ -50,6 +50,15 @@ Number of clusters. ``num_clusters`` is an int, or ``"sqrt"``: k_b = round(sqrt(
 real length L_b (not the padded length of the batch), clamped to [1, max_clusters]; the layer then owns
 ``max_clusters`` centroids and sequence b uses the first k_b. k >= N is allowed (chunks of one token).
 
+What the tokens are clustered by (``cluster_on``). The paper clusters P = x W^C, a projection that only the
+clustering losses train: the argmax assignment passes no gradient from the task, so nothing moves a query and the
+key it needs into one cluster (issue #31 measured key recall 0.00 on causal MQAR). ``cluster_on="shared-qk"``
+clusters P = x W^QK instead, the projection attention itself uses for both queries and keys (the Reformer's and
+the Routing Transformer's choice): a large q_i . k_j is a small angle between them, so the task's gradient on the
+attention logits pulls a query and its key towards one centroid. Keys are then unit vectors per head and a token
+attends to itself only when it has no other key in its cluster chunks and local blocks together (the shared-QK
+rule of ``"lsh"``, ``"routing"``, ``"kmeans"``). The clustering losses train W^QK too.
+
 Padding and batch invariance. Padded tokens are excluded from U, C_hat and the losses, get cluster id
 max_b k_b (sorted after every real token), take no part in the chunks and are never attended to. k_b and
 the chunk size w_b = ceil(L_b / k_b) come from the sequence's own length, and the first chunk looks back to
@@ -68,6 +77,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
@@ -81,6 +91,7 @@ from .base import InnerAttention, QKVProjection, SeededOptions
 from .registry import register
 
 GROUPINGS = ("learned", "contiguous", "random")
+CLUSTER_INPUTS = ("hidden", "shared-qk")
 
 
 def random_groups(length: int, num_clusters: torch.Tensor, draw: int, device: torch.device) -> torch.Tensor:
@@ -94,6 +105,18 @@ def _hash_groups(positions: torch.Tensor, num_clusters: torch.Tensor, draw: int)
     """positions (1 or B, N) long -> ids (B, N) in [0, num_clusters[b]): the hash of :func:`random_groups`."""
     hashed = ((positions + draw) * 2654435761) % (1 << 32)  # < 2^63 for positions + draw < 2^31
     return (hashed * num_clusters.unsqueeze(1)) >> 32
+
+
+def _local_has_other(B: int, N: int, block: int, causal: bool, key_padding_mask: torch.Tensor | None,
+                     device: torch.device) -> torch.Tensor:
+    """(B * N,) bool: whether query t's local blocks (positions [(t // block - 1) block, (t // block + 1) block),
+    up to t under ``causal``) hold a real token other than t, counted with a prefix sum of the real tokens."""
+    real = torch.ones(B, N, dtype=torch.long, device=device) if key_padding_mask is None else (~key_padding_mask).long()
+    before = F.pad(real.cumsum(1), (1, 0))  # before[:, j] = real tokens at positions < j
+    t = torch.arange(N, device=device)
+    start = (torch.div(t, block, rounding_mode="floor") - 1).clamp(min=0) * block
+    end = t + 1 if causal else ((torch.div(t, block, rounding_mode="floor") + 1) * block).clamp(max=N)
+    return ((before[:, end] - before[:, start]) > 1).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -120,6 +143,13 @@ class NeuralClusteringOptions(SeededOptions):
             cluster, drawn afresh for every training forward (:func:`random_groups`: a hash of the token's position
             and one number drawn from the layer's generator, so the groups of a sequence do not depend on its batch,
             and evaluation, re-seeded, is deterministic).
+        cluster_on: what the tokens are clustered by. "hidden" (the paper): P = x W^C, a projection of its own that
+            only the clustering losses train (the argmax passes no gradient from the task). "shared-qk" (beyond the
+            paper, issue #31; the Reformer's and the Routing Transformer's choice): queries and keys are one
+            projection, P = x W^QK, and the tokens are clustered by the vectors attention itself is trained to
+            match, so a query and the key it needs are pulled into one cluster by the task's own gradient. As in
+            the other shared-QK mechanisms, keys are unit vectors and a token attends to itself only when it has no
+            other key. Needs the layer's own projections (``AttentionLayer``; not ``hf.patch``).
         local_window: beyond the paper (issue #31): 0 (off), or an even number of local keys every query also sees:
             positions are cut into blocks of ``local_window / 2`` and a query sees its block and the one before (up
             to itself under a causal mask), as well as its cluster's chunks. The two sets are joined, each key once,
@@ -136,6 +166,7 @@ class NeuralClusteringOptions(SeededOptions):
     similarity_scale: float = 10.0
     own_centroids: bool = True
     grouping: str = "learned"
+    cluster_on: str = "hidden"
     local_window: int = 0
 
     def __post_init__(self) -> None:
@@ -153,6 +184,7 @@ class NeuralClusteringOptions(SeededOptions):
         check_float("similarity_scale", self.similarity_scale, minimum=0.0, exclusive_minimum=True)
         check_bool("own_centroids", self.own_centroids)
         check_choice("grouping", self.grouping, GROUPINGS)
+        check_choice("cluster_on", self.cluster_on, CLUSTER_INPUTS)
         check_int("local_window", self.local_window, minimum=0)
         if self.local_window % 2:
             raise ValueError(f"local_window must be even (two blocks of local_window / 2), got {self.local_window}")
@@ -223,7 +255,10 @@ class NeuralClusteringAttention(InnerAttention):
 
     def __init__(self, dim: int, heads: int, options: NeuralClusteringOptions) -> None:
         super().__init__(dim, heads, options)
-        self.to_cluster = nn.Linear(dim, dim, bias=False)  # W^C
+        # cluster_on="shared-qk": the layer builds one projection for queries and keys, which is also what the
+        # tokens are clustered by; there is no W^C
+        self.shared_qk = options.cluster_on == "shared-qk"
+        self.to_cluster = None if self.shared_qk else nn.Linear(dim, dim, bias=False)  # W^C
         if options.own_centroids:
             self.centroids = nn.Parameter(torch.randn(options.n_centroids, dim))  # C, random init as in the paper
         else:
@@ -232,12 +267,14 @@ class NeuralClusteringAttention(InnerAttention):
     def clustering_parameters(self) -> list[nn.Parameter]:
         """The parameters that only the clustering uses: W^C and, when this layer owns them, the centroids C
         (``train --centroid-lr-scale`` gives them their own learning rate)."""
-        return [self.to_cluster.weight, *([self.centroids] if self.centroids is not None else [])]
+        return [*([self.to_cluster.weight] if self.to_cluster is not None else []),
+                *([self.centroids] if self.centroids is not None else [])]
 
     def init_for_pretrained(self) -> None:
         """W^C = identity, so the clustering starts on the pretrained model's own hidden states; C ~ N(0, 1/dim)."""
         with torch.no_grad():
-            self.to_cluster.weight.copy_(torch.eye(self.dim))
+            if self.to_cluster is not None:
+                self.to_cluster.weight.copy_(torch.eye(self.dim))
             if self.centroids is not None:
                 self.centroids.normal_(0.0, self.dim ** -0.5)
 
@@ -266,7 +303,7 @@ class NeuralClusteringAttention(InnerAttention):
             lengths = real_lengths(key_padding_mask, B, N, x.device)
             per_sequence = self.options.clusters_for_lengths(lengths)
             n_clusters = int(per_sequence.max()) if B else 1
-        ids, updated = self._assign(x, key_padding_mask, flow, n_clusters, per_sequence, strict)
+        ids, updated = self._assign(x, projection, key_padding_mask, flow, n_clusters, per_sequence, strict)
         publish_groups(self, ids)
         return self._attend(x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence), updated
 
@@ -296,15 +333,20 @@ class NeuralClusteringAttention(InnerAttention):
         block = self.options.local_window // 2
         B, N, _ = x.shape
         position = torch.zeros(B, N, dtype=torch.long, device=x.device)  # one group: blocks of the original order
-        if strict:
-            local = cluster_causal_layout(position, block, 1, 1)
-        else:
-            local = sorted_layout(position, block, 1, key_padding_mask=key_padding_mask)
+        # blocks of positions; without a strict mask padding is included (and masked as keys), so that padding
+        # inside a sequence does not shift them
+        local = cluster_causal_layout(position, block, 1, 1) if strict else sorted_layout(position, block, 1)
         out_c, lse_c = self._chunk_attention(x, projection, layout, causal, key_padding_mask, local=(block, False))
         out_l, lse_l = self._chunk_attention(x, projection, local, causal, key_padding_mask, local=(block, True))
+        if self.shared_qk:
+            # The shared-QK rule over the union: the token's own key is in its local part (which keeps it only
+            # where it has no other local key); drop it there too when the cluster part has keys.
+            alone = ~_local_has_other(B, N, block, causal, key_padding_mask, x.device)
+            lse_l = lse_l.masked_fill(alone.unsqueeze(1) & torch.isfinite(lse_c), float("-inf"))
         return merge_attention(out_c, lse_c, out_l, lse_l)
 
-    def _assign(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, flow: torch.Tensor | None,
+    def _assign(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None,
+                flow: torch.Tensor | None,
                 n_clusters: int, per_sequence: torch.Tensor | None, strict: bool
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cluster ids (B, N) (padding: n_clusters) and C_hat (or None); publishes the clustering losses."""
@@ -317,7 +359,8 @@ class NeuralClusteringAttention(InnerAttention):
                 ids = ids.masked_fill(key_padding_mask, n_clusters)  # padding as the clustering marks it
             return ids, None
         clustering = neural_clustering(
-            self.to_cluster(x), self._centroids(flow, n_clusters, B, strict), key_padding_mask=key_padding_mask,
+            self._cluster_input(x, projection), self._centroids(flow, n_clusters, B, strict),
+            key_padding_mask=key_padding_mask,
             similarity=self.options.similarity, scale=self.options.similarity_scale,
             assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
         )
@@ -332,11 +375,11 @@ class NeuralClusteringAttention(InnerAttention):
         self.check_decoding()
         B, N, _ = x.shape
         n_clusters = self.options.strict_causal_clusters()
-        ids, _ = self._assign(x, key_padding_mask, None, n_clusters, None, True)
+        ids, _ = self._assign(x, projection, key_padding_mask, None, n_clusters, None, True)
         publish_groups(self, ids)
         out = self._attend(x, projection, key_padding_mask, True, ids, n_clusters, None, None)
         rows = x.reshape(B * N, self.dim)
-        k = projection.project_rows(rows, "k").view(B, 1, N, self.heads, self.head_dim)
+        k = self._keys(projection.project_rows(rows, "k")).view(B, 1, N, self.heads, self.head_dim)
         v = projection.project_rows(rows, "v").view(B, 1, N, self.heads, self.head_dim)
         cache = GroupRingCache.from_prompt(ids.unsqueeze(1), k, v, key_padding_mask, n_clusters,
                                            self.options.causal_chunk_size, self.options.look_back)
@@ -357,19 +400,48 @@ class NeuralClusteringAttention(InnerAttention):
             ids = self._ablation_groups(cache.lengths.unsqueeze(1), k)
         else:  # the token's nearest centroid, as the strict forward assigns it
             centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)
-            ids = nearest_centroid(self.to_cluster(x_t), centroids, self.options.similarity).unsqueeze(1)
+            ids = nearest_centroid(self._cluster_input(x_t, projection), centroids,
+                                   self.options.similarity).unsqueeze(1)
         q, k, v = projection.qkv(x_t.unsqueeze(1))  # (B, H, 1, D)
+        k = self._keys(k)
         rank = cache.counts[torch.arange(B, device=ids.device), 0, ids[:, 0]]  # earlier members of its cluster
-        keys, values, allowed, _ = cache.append(ids, k.transpose(1, 2), v.transpose(1, 2))  # (B, 1, S, H, D)
+        keys, values, allowed, own = cache.append(ids, k.transpose(1, 2), v.transpose(1, 2))  # (B, 1, S, H, D)
+        if joined is not None:  # the local blocks, less the keys its cluster window holds (the token itself too)
+            w = self.options.causal_chunk_size
+            first = (torch.div(rank, w, rounding_mode="floor") - self.options.look_back) * w  # its cluster window
+            out_l, lse_l = joined.local.append_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], ids[:, 0], rank, first)
+        if self.shared_qk:  # its own key only when it has no other, in either part
+            others = allowed & (torch.arange(cache.slots, device=own.device) != own.unsqueeze(-1))
+            alone = ~others.any(-1, keepdim=True)
+            if joined is not None:
+                alone = alone & ~torch.isfinite(lse_l[:, :1]).unsqueeze(-1)
+            allowed = torch.where(alone, allowed, others)
         out, lse = attend_allowed(q[:, :, 0], keys[:, 0].transpose(1, 2), values[:, 0].transpose(1, 2),
                                   allowed.expand(B, self.heads, -1), self.head_dim ** -0.5)
         if joined is None:
             return out, cache
-        w = self.options.causal_chunk_size
-        first = (torch.div(rank, w, rounding_mode="floor") - self.options.look_back) * w  # its cluster window
-        out_l, lse_l = joined.local.append_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], ids[:, 0], rank, first)
         joined.lengths = cache.lengths
         return merge_attention(out, lse, out_l, lse_l), joined
+
+    def _keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys as attention uses them: with shared QK unit vectors per head (Reformer section 2), so that a token's
+        own key does not win by its length; (..., H * D) or (..., D) as given."""
+        if not self.shared_qk:
+            return k
+        if k.shape[-1] == self.dim:
+            return F.normalize(k.unflatten(-1, (self.heads, self.head_dim)), dim=-1).flatten(-2)
+        return F.normalize(k, dim=-1)
+
+    def _cluster_input(self, x: torch.Tensor, projection: QKVProjection) -> torch.Tensor:
+        """P (..., dim): x W^C, or with ``cluster_on="shared-qk"`` the layer's shared query/key projection x W^QK
+        (the heads side by side: one cluster id per token, shared by the heads)."""
+        if not self.shared_qk:
+            return self.to_cluster(x)
+        if not getattr(projection, "shared_qk", False):
+            raise ValueError("neural-clustering with cluster_on='shared-qk' needs a layer whose queries and keys are "
+                             "one projection (AttentionLayer); this projection has separate query and key weights "
+                             "(hf.patch of a pretrained model): use cluster_on='hidden'")
+        return projection.project_rows(x.reshape(-1, self.dim), "k").view(*x.shape[:-1], self.dim)
 
     def _ablation_groups(self, positions: torch.Tensor, num_clusters: torch.Tensor) -> torch.Tensor:
         """The ids of the ``grouping`` ablations for tokens at ``positions`` (1 or B, N) long, with k_b =
@@ -410,11 +482,12 @@ class NeuralClusteringAttention(InnerAttention):
         x_rows = x.reshape(-1, self.dim).index_select(0, layout.rows)  # (R, dim) in buffer order
         q = projection.project_rows(layout.query_rows(x_rows), "q")
         q = q.view(layout.num_windows, layout.chunk_size, H, D).transpose(1, 2)
-        k = projection.project_rows(x_rows, "k").view(-1, H, D)
+        k = self._keys(projection.project_rows(x_rows, "k").view(-1, H, D))
         v = projection.project_rows(x_rows, "v").view(-1, H, D)
-        if local is not None:
-            return windowed_attention_lse(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
-                                          dropout_p=self.dropout_p, local=local)
+        if local is not None or self.shared_qk:  # explicit scores: the local predicate, the shared-QK self rule
+            out, lse = windowed_attention_lse(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
+                                              dropout_p=self.dropout_p, local=local, exclude_self=self.shared_qk)
+            return (out, lse) if local is not None else out
         return windowed_attention(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
                                   dropout_p=self.dropout_p)
 
