@@ -112,6 +112,25 @@ def test_probe_on_a_hand_built_window():
         assert not bool((weights[0, [j for j in range(16) if j not in seen]] > 0).any())
 
 
+@pytest.mark.parametrize("name", ["neural-clustering", "routing"])
+def test_probe_on_shared_qk_clustering_equals_its_dense_weights(name):
+    """A mechanism that clusters its shared QK (routing, neural-clustering ``cluster_on="shared-qk"``) gets the
+    probe's queries and keys from the same projection: with one cluster and a chunk holding every key, its weights
+    are the shared-QK dense ones (unit keys, a query's own key excluded)."""
+    torch.manual_seed(fixed_seed())
+    N = 12
+    options = ({"num_clusters": 1, "cluster_on": "shared-qk"} if name == "neural-clustering"
+               else {"num_clusters": 1, "chunk_size": N, "look_back": 0})
+    layer = build(name, dim=8, heads=2, **options).double().eval()
+    x = torch.randn(1, N, 8, dtype=torch.float64)
+    qk, _, _ = layer.qkv(x)
+    scores = qk @ torch.nn.functional.normalize(qk, dim=-1).transpose(-1, -2) / math.sqrt(4)
+    p = scores.masked_fill(torch.eye(N, dtype=torch.bool), -math.inf).softmax(-1)  # (1, H, N, N)
+    got = attention_to_sources(layer, x, torch.arange(N).repeat_interleave(N).unsqueeze(0),
+                               torch.arange(N).repeat(N).unsqueeze(0))  # (1, N * N, H)
+    assert torch.allclose(got[0].view(N, N, 2).permute(2, 0, 1), p[0], atol=1e-12, rtol=0)
+
+
 def test_key_recall_walks_every_layer_and_keeps_the_model_unchanged():
     torch.manual_seed(fixed_seed())
     model = TokenClassifier(EncoderConfig(vocab_size=20, dim=16, heads=2, depth=2, dropout=0.0,

@@ -38,6 +38,7 @@ class _ValueProbe:
         self.layer = layer
         self.heads = layer.heads
         self.head_dim = layer.head_dim
+        self.shared_qk = layer.shared_qk  # a mechanism that clusters its shared QK asks for it
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, _ = self.layer.qkv(x.detach())
