@@ -24,7 +24,8 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
                                             {"cluster_on": "shared-qk"}),
             "neural-clustering+shared-qk+local_window": (
                 "neural-clustering", {"num_clusters": 3, "cluster_on": "shared-qk", "local_window": 2},
-                {"cluster_on": "shared-qk", "local_window": 32})}
+                {"cluster_on": "shared-qk", "local_window": 32}),
+            "neural-clustering+explore": ("neural-clustering", {"num_clusters": 3, "explore": 0.5}, {"explore": 0.5})}
 ALL = [*names(), *VARIANTS]
 NON_CAUSAL = {"clustered", "improved-clustered"}  # refuse causal=True with a ValueError
 NOT_STRICT = {"cluster-former"}  # causal mask inside sorted windows (paper); documented as not strict

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from clusterformer.attention import build, collect_aux_losses, describe, names
-from reference import cluster_causal_allowed, masked_softmax_attention, run_recorded, sorted_chunk_allowed
+from reference import cluster_causal_allowed, groups_of, masked_softmax_attention, run_recorded, sorted_chunk_allowed
 from seeds import fixed_seed
 
 
@@ -514,3 +514,39 @@ def test_random_grouping_is_the_chunked_attention_of_random_clusters(mode):
     torch.testing.assert_close(alone[0], ids[1][:N - 4])
     assert random_groups(5, torch.tensor([4]), 7, torch.device("cpu")).tolist() == \
         random_groups(9, torch.tensor([4]), 7, torch.device("cpu"))[:, :5].tolist()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_explore_attends_within_random_groups_in_some_training_forwards_only(causal):
+    """``explore``: with probability p a training forward uses random groups of the same size (a function of the
+    position and one draw, not of x) while the clustering losses are still published; evaluation always uses the
+    learned groups, so it equals the same layer without ``explore``."""
+    import copy
+
+    layer = _layer("neural-clustering", num_clusters=3, causal_clusters=3, causal_chunk_size=2, explore=1.0)
+    plain = copy.deepcopy(layer)
+    plain.inner.options = type(layer.inner.options)(**{**layer.inner.options.__dict__, "explore": 0.0})
+    x = torch.randn(2, 14, layer.dim, dtype=torch.float64)
+    other = torch.randn(2, 14, layer.dim, dtype=torch.float64)
+    layer.eval()
+    plain.eval()
+    torch.testing.assert_close(layer(x, causal=causal), plain(x, causal=causal), rtol=0, atol=0)
+    layer.train()
+    plain.train()
+    state = layer.inner.generator.get_state()
+    _, aux, groups = run_recorded(layer, x, causal=causal)
+    layer.inner.generator.set_state(state)
+    _, _, groups_other = run_recorded(layer, other, causal=causal)
+    learned = run_recorded(plain, x, causal=causal)[2][plain.inner]
+    learned_other = run_recorded(plain, other, causal=causal)[2][plain.inner]
+    assert set(aux) == {"clustering", "centroid_sorting"}
+    assert torch.equal(groups[layer.inner], groups_other[layer.inner])  # not a function of x: random groups
+    assert not torch.equal(learned, learned_other)  # (which the learned ones are, for these inputs)
+    assert int(groups[layer.inner].max()) < 3
+    half = _layer("neural-clustering", num_clusters=3, explore=0.5).train()
+    learned_runs = [torch.equal(groups_of(half, x)[1], groups_of(copy.deepcopy(half).eval(), x)[1]) for _ in range(12)]
+    assert any(learned_runs) and not all(learned_runs)
+    with pytest.raises(ValueError, match="explore"):
+        _layer("neural-clustering", explore=0.5, grouping="random")
+    with pytest.raises(ValueError, match="explore"):
+        _layer("neural-clustering", explore=1.5)

@@ -153,6 +153,11 @@ class NeuralClusteringOptions(SeededOptions):
             match, so a query and the key it needs are pulled into one cluster by the task's own gradient. As in
             the other shared-QK mechanisms, keys are unit vectors and a token attends to itself only when it has no
             other key. Needs the layer's own projections (``AttentionLayer``; not ``hf.patch``).
+        explore: beyond the paper (issue #31): the probability that a training forward attends within random groups
+            of the same size instead of the learned ones (drawn from the layer's generator; the clustering and its
+            losses run as usual; evaluation and decoding always use the learned groups). A learned grouping that
+            keeps a query apart from the key it needs gives the task no gradient to bring them together; random
+            groups let them meet. 0 (default) is the paper.
         local_window: beyond the paper (issue #31): 0 (off), or an even number of local keys every query also sees:
             positions are cut into blocks of ``local_window / 2`` and a query sees its block and the one before (up
             to itself under a causal mask), as well as its cluster's chunks. The two sets are joined, each key once,
@@ -171,6 +176,7 @@ class NeuralClusteringOptions(SeededOptions):
     grouping: str = "learned"
     cluster_on: str = "hidden"
     local_window: int = 0
+    explore: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -188,6 +194,10 @@ class NeuralClusteringOptions(SeededOptions):
         check_bool("own_centroids", self.own_centroids)
         check_choice("grouping", self.grouping, GROUPINGS)
         check_choice("cluster_on", self.cluster_on, CLUSTER_INPUTS)
+        check_float("explore", self.explore, minimum=0.0, maximum=1.0)
+        if self.explore and self.grouping != "learned":
+            raise ValueError(f"explore replaces learned groups by random ones in some training forwards; it needs "
+                             f"grouping='learned', got grouping={self.grouping!r}")
         check_int("local_window", self.local_window, minimum=0)
         if self.local_window % 2:
             raise ValueError(f"local_window must be even (two blocks of local_window / 2), got {self.local_window}")
@@ -354,13 +364,14 @@ class NeuralClusteringAttention(InnerAttention):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cluster ids (B, N) (padding: n_clusters) and C_hat (or None); publishes the clustering losses."""
         B, N, _ = x.shape
-        if self.options.grouping != "learned":  # the ablations: one group (original order), or random groups
+
+        def fixed_groups(grouping: str) -> torch.Tensor:  # the ablations' ids, padding marked as the clustering does
             k = torch.full((B,), n_clusters, dtype=torch.long) if per_sequence is None else per_sequence.cpu()
-            positions = torch.arange(N, dtype=torch.long).unsqueeze(0)
-            ids = self._ablation_groups(positions, k).to(x.device)
-            if key_padding_mask is not None:
-                ids = ids.masked_fill(key_padding_mask, n_clusters)  # padding as the clustering marks it
-            return ids, None
+            ids = self._ablation_groups(torch.arange(N, dtype=torch.long).unsqueeze(0), k, grouping).to(x.device)
+            return ids if key_padding_mask is None else ids.masked_fill(key_padding_mask, n_clusters)
+
+        if self.options.grouping != "learned":  # the ablations: one group (original order), or random groups
+            return fixed_groups(self.options.grouping), None
         points = self._cluster_input(x, projection)
         if self.shared_qk:  # the losses move the centroids, not the attention's keys (see the module docstring)
             points = points.detach()
@@ -371,6 +382,11 @@ class NeuralClusteringAttention(InnerAttention):
             assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
         )
         publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
+        if self.options.explore and self.training and bool(
+                torch.rand((), generator=self.draw_generator()) < self.options.explore):
+            # exploration: this forward attends within random groups of the same size (the clustering and its
+            # losses as usual), so queries meet keys the learned clusters keep apart and the task trains q . k there
+            return fixed_groups("random"), clustering.updated_centroids
         return clustering.assignments, clustering.updated_centroids
 
     # cached decoding (strict causal mode): per cluster, a ring of its last (look_back + 1) * causal_chunk_size
@@ -403,7 +419,7 @@ class NeuralClusteringAttention(InnerAttention):
             cache = joined.groups
         if self.options.grouping != "learned":  # as the forward groups the token at this position
             k = torch.full((B,), self.options.strict_causal_clusters(), dtype=torch.long, device=x_t.device)
-            ids = self._ablation_groups(cache.lengths.unsqueeze(1), k)
+            ids = self._ablation_groups(cache.lengths.unsqueeze(1), k, self.options.grouping)
         else:  # the token's nearest centroid, as the strict forward assigns it
             centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)
             ids = nearest_centroid(self._cluster_input(x_t, projection), centroids,
@@ -449,12 +465,12 @@ class NeuralClusteringAttention(InnerAttention):
                              "(hf.patch of a pretrained model): use cluster_on='hidden'")
         return projection.project_rows(x.reshape(-1, self.dim), "k").view(*x.shape[:-1], self.dim)
 
-    def _ablation_groups(self, positions: torch.Tensor, num_clusters: torch.Tensor) -> torch.Tensor:
-        """The ids of the ``grouping`` ablations for tokens at ``positions`` (1 or B, N) long, with k_b =
+    def _ablation_groups(self, positions: torch.Tensor, num_clusters: torch.Tensor, grouping: str) -> torch.Tensor:
+        """The ids of the ablation ``grouping`` for tokens at ``positions`` (1 or B, N) long, with k_b =
         ``num_clusters`` (B,): "contiguous", every token in group 0; "random", the hash of the position and one
         number drawn from the layer's generator (:func:`random_groups`). (B, N) long, on ``positions``' device."""
         B, N = num_clusters.shape[0], positions.shape[1]
-        if self.options.grouping == "contiguous":
+        if grouping == "contiguous":
             return torch.zeros(B, N, dtype=torch.long, device=positions.device)
         draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
         return _hash_groups(positions, num_clusters.to(positions.device), draw)
