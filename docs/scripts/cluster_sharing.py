@@ -1,0 +1,55 @@
+"""Where a trained recall model's clusters put an MQAR query, per layer (issue #31, §3).
+
+For each query of the first test sequences of a trained ``train --task mqar`` run, and each attention layer that
+publishes its groups (neural-clustering, routing: head 0, ...): whether the query shares its cluster with the value
+it needs (position s) and with the first occurrence of its own key (position s - 1, the same token), the number of
+clusters in use, and the largest cluster's share of the tokens. With the key-recall column of the run's
+``metrics.json`` this separates "the clustering keeps query and value apart" from "they share a cluster, but the
+value is outside the keys the query sees in it" (strict-causal windows hold a cluster's most recent members).
+
+    python docs/scripts/cluster_sharing.py RUN_DIR [RUN_DIR ...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from clusterformer.attention import record_groups
+from clusterformer.train.loop import _prepare, build_model, load_run
+
+SEQUENCES = 64
+
+
+def cluster_sharing(run: str) -> list[str]:
+    """One line per grouping layer of the run in directory ``run``."""
+    state, config = load_run(run)
+    task = _prepare(config, state.get("tokenizer"))
+    model = build_model(config, task)
+    model.load_state_dict(state["model"])
+    model.eval()
+    test = task.test
+    ids, queries, sources = test.ids[:SEQUENCES], test.queries[:SEQUENCES], test.sources[:SEQUENCES]
+    with torch.no_grad(), record_groups() as groups:
+        model(ids)
+    rows = torch.arange(ids.shape[0]).unsqueeze(1)
+    lines = []
+    for layer, (module, g) in enumerate(groups.items()):
+        g = g if g.dim() == 2 else g[:, 0]  # (B, N); per-head groups: head 0
+        at_query = g[rows, queries]
+        largest = torch.bincount(g.reshape(-1)).max() / g.numel()
+        lines.append(f"layer {layer} ({type(module).__name__}): query with its value "
+                     f"{float((at_query == g[rows, sources]).float().mean()):.2f}, with its key's first occurrence "
+                     f"{float((at_query == g[rows, sources - 1]).float().mean()):.2f}; clusters in use "
+                     f"{int(g.unique().numel())}, the largest holds {float(largest):.2f} of the tokens")
+    return lines
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    for path in sys.argv[1:]:
+        print(path)
+        for line in cluster_sharing(path):
+            print("  " + line)
