@@ -8,6 +8,7 @@ clusters in use, and the largest cluster's share of the tokens. With the key-rec
 value is outside the keys the query sees in it" (strict-causal windows hold a cluster's most recent members).
 
     python docs/scripts/cluster_sharing.py RUN_DIR [RUN_DIR ...]
+    python docs/scripts/cluster_sharing.py --init SEED RUN_DIR   # the run's model untrained (torch seed SEED)
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from clusterformer.train.loop import _prepare, build_model, load_run
 SEQUENCES = 64
 
 
-def cluster_sharing(run: str) -> list[str]:
-    """One line per grouping layer of the run in directory ``run``."""
+def cluster_sharing(run: str, init_seed: int | None = None) -> list[str]:
+    """One line per grouping layer of the run in directory ``run`` (with ``init_seed``: its model untrained)."""
     state, config = load_run(run)
     task = _prepare(config, state.get("tokenizer"))
+    if init_seed is not None:
+        torch.manual_seed(init_seed)
     model = build_model(config, task)
-    model.load_state_dict(state["model"])
+    if init_seed is None:
+        model.load_state_dict(state["model"])
     model.eval()
     test = task.test
     ids, queries, sources = test.ids[:SEQUENCES], test.queries[:SEQUENCES], test.sources[:SEQUENCES]
@@ -47,9 +51,15 @@ def cluster_sharing(run: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    seed = None
+    if args[:1] == ["--init"]:
+        if len(args) < 3:
+            sys.exit(__doc__)
+        seed, args = int(args[1]), args[2:]
+    if not args:
         sys.exit(__doc__)
-    for path in sys.argv[1:]:
-        print(path)
-        for line in cluster_sharing(path):
+    for path in args:
+        print(path if seed is None else f"{path} (untrained, seed {seed})")
+        for line in cluster_sharing(path, seed):
             print("  " + line)
