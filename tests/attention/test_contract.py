@@ -25,6 +25,9 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
             "neural-clustering+shared-qk+local_window": (
                 "neural-clustering", {"num_clusters": 3, "cluster_on": "shared-qk", "local_window": 2},
                 {"cluster_on": "shared-qk", "local_window": 32}),
+            "neural-clustering+prefix-assign": ("neural-clustering", {"num_clusters": 3, "causal_assign": "prefix",
+                                                                      "local_window": 2},
+                                                {"causal_assign": "prefix", "local_window": 32}),
             "neural-clustering+explore": ("neural-clustering", {"num_clusters": 3, "explore": 0.5}, {"explore": 0.5})}
 ALL = [*names(), *VARIANTS]
 NON_CAUSAL = {"clustered", "improved-clustered"}  # refuse causal=True with a ValueError

@@ -71,6 +71,10 @@ def _reference_clustering(layer, x, real, strict):
     U = torch.softmax(logits, dim=1)  # eq. 2: normalised over positions
     C_hat = U @ P  # eq. 3
     ids = (phi if strict else U).argmax(0)  # eq. 4 (strict: nearest centroid)
+    if strict and o.causal_assign == "prefix":  # eq. 4 with U normalised over the real positions up to j
+        for j in range(N):
+            earlier = torch.logsumexp(logits[:, : j + 1], dim=1)  # (k,); padding is -inf
+            ids[j] = (scale * phi[:, j] - earlier).argmax()
     ids = torch.where(real, ids, torch.full_like(ids, k))
     reals = [j for j in range(N) if real[j]]
     L1 = -sum(F.cosine_similarity(P[j], C_hat[ids[j]], dim=0) for j in reals) / len(reals)  # eq. 6
@@ -193,6 +197,81 @@ def test_neural_clustering_on_shared_qk_matches_dense_reference(N, num_clusters,
     assert layer.to_qkv.weight.grad is None or not layer.to_qkv.weight.grad.any()
     if N > 1:  # (one token is its own C_hat whatever C is)
         assert layer.inner.centroids.grad is not None and layer.inner.centroids.grad.any()
+
+
+@pytest.mark.parametrize(("N", "cluster_on", "local_window"), [
+    (13, "hidden", 0), (20, "hidden", 4), (9, "shared-qk", 0), (16, "shared-qk", 2), (1, "hidden", 0)])
+def test_neural_clustering_prefix_assignment_matches_dense_reference(N, cluster_on, local_window):
+    """``causal_assign="prefix"`` (strict causal mode): token j goes to argmax_i (s_ij - log sum_{j' <= j} exp
+    s_ij'), eq. 4 with U normalised over the real positions so far, written here as a loop over positions. Padding
+    in the middle must not enter the log-sum-exps. The centroids share one dominant direction with the points, so
+    that the nearest centroid puts (almost) every token in one cluster and the two rules disagree."""
+    layer = _layer("neural-clustering", causal_clusters=4, causal_chunk_size=2, causal_assign="prefix",
+                   local_window=local_window, cluster_on=cluster_on)
+    B = 3
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    with torch.no_grad():  # a shared direction: what issue #31 measured in deep layers
+        common = torch.randn(layer.dim, dtype=torch.float64)
+        x += 3 * common
+        layer.inner.centroids[:4] += 0.3 * (layer.to_qkv.weight[: layer.dim] @ common if cluster_on == "shared-qk"
+                                            else layer.inner.to_cluster.weight @ common)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if N > 4:
+        pad[1, -2:] = True
+        pad[2, 1:3] = True
+    y, groups = groups_of(layer, x, key_padding_mask=pad, causal=True)
+    differs = 0
+    for b in range(B):
+        real = ~pad[b]
+        ids, _, _, chunk = _reference_clustering(layer, x[b] * real[:, None], real, strict=True)
+        assert torch.equal(groups[b][real], ids[real])
+        nearest = _reference_clustering_nearest(layer, x[b] * real[:, None])
+        differs += int((nearest != ids)[real].sum())
+        allowed = cluster_causal_allowed(ids, chunk, 1, pad[b])
+        if local_window:
+            allowed = allowed | _local_allowed(N, local_window // 2, True, pad[b])
+        output = _shared_qk_output if cluster_on == "shared-qk" else _reference_output
+        ref = output(layer, x[b] * real[:, None], allowed)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
+    assert N == 1 or differs > 0, "the case must tell the prefix rule from the nearest centroid"
+
+
+def _reference_clustering_nearest(layer, x):
+    """The nearest-centroid ids of the same layer (strict causal default), for the test's sanity check."""
+    o = layer.options
+    P = (x @ layer.to_qkv.weight[:layer.dim].T + layer.to_qkv.bias[:layer.dim] if o.cluster_on == "shared-qk"
+         else x @ layer.inner.to_cluster.weight.T)
+    C = layer.inner.centroids[: o.causal_clusters]
+    return (F.normalize(P, dim=-1) @ F.normalize(C, dim=-1).T).argmax(-1)
+
+
+@pytest.mark.parametrize(("mode", "cluster_on", "local_window"), [
+    ("strict", "hidden", 0), ("strict", "shared-qk", 4), ("paper", "hidden", 2), ("none", "shared-qk", 0)])
+def test_neural_clustering_dense_training_attends_to_every_key(mode, cluster_on, local_window):
+    """``dense_training`` (``train --dense-warmup-steps``): a training forward attends to every real key (under a
+    causal mask: every earlier one; shared QK: its own key only when alone), while the clustering runs and publishes
+    its losses; evaluation is clustered as before."""
+    layer = _layer("neural-clustering", num_clusters=3, causal_clusters=3, causal_chunk_size=2,
+                   causal_mode="strict" if mode == "strict" else "paper", local_window=local_window,
+                   cluster_on=cluster_on)
+    B, N = 3, 11
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, -3:] = True
+    pad[2, 2:4] = True
+    causal = mode != "none"
+    clustered = layer.eval()(x, key_padding_mask=pad, causal=causal)
+    layer.inner.dense_training = True
+    assert torch.equal(layer(x, key_padding_mask=pad, causal=causal), clustered)  # eval: the clusters
+    y, aux, _ = run_recorded(layer.train(), x, key_padding_mask=pad, causal=causal)
+    assert set(aux) == {"clustering", "centroid_sorting"}
+    output = _shared_qk_output if cluster_on == "shared-qk" else _reference_output
+    for b in range(B):
+        real = ~pad[b]
+        allowed = real.expand(N, N) & (torch.ones(N, N, dtype=torch.bool).tril() if causal else True)
+        ref = output(layer, x[b] * real[:, None], allowed)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
+    assert (y - clustered)[~pad].abs().max() > 1e-3, "the case must tell every key from the clusters"
 
 
 def test_shared_qk_clustering_needs_the_layers_own_projection():

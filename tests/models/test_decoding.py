@@ -11,7 +11,7 @@ from causal_configs import STRICT_CAUSAL
 from clusterformer.attention import build
 from clusterformer.models import EncoderConfig
 from clusterformer.models.lm import LanguageModel, sample_next
-from clusterformer.ops.decode import GroupRingCache
+from clusterformer.ops.decode import GroupRingCache, attend_allowed, merge_attention
 
 STRICT = STRICT_CAUSAL  # small chunks and windows: 60-token sequences cross many chunk and window boundaries
 IDS = [f"{name}-{i}" for i, (name, _) in enumerate(STRICT)]
@@ -178,3 +178,21 @@ def test_decoding_refuses_training_mode_left_padding_and_foreign_caches():
         layer.step(torch.randn(3, 16), cache)
     with pytest.raises(ValueError, match="cache"):
         layer.step(torch.randn(2, 16), None)
+
+
+def test_one_softmax_over_two_key_sets_with_an_empty_row():
+    """attend_allowed + merge_attention equal one masked softmax over the union of two disjoint key sets, also
+    for a row whose first set is empty (a shared-QK token alone in its cluster, with local keys beside it: that
+    row was NaN before issue #31's third session)."""
+    torch.manual_seed(7)
+    q, keys, values = (torch.randn(3, 6, 4, dtype=torch.float64) for _ in range(3))
+    q = q[:, 0]
+    first = torch.tensor([[1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0]], dtype=torch.bool)
+    second = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    out_a, lse_a = attend_allowed(q, keys, values, first, 0.5)
+    out_b, lse_b = attend_allowed(q, keys, values, second, 0.5)
+    assert torch.equal(out_a[1], torch.zeros(4, dtype=torch.float64)) and lse_a[1] == float("-inf")
+    merged = merge_attention(out_a, lse_a, out_b, lse_b)
+    scores = (keys @ q.unsqueeze(-1)).squeeze(-1) * 0.5
+    weights = torch.softmax(scores.masked_fill(~(first | second), float("-inf")), dim=-1)
+    torch.testing.assert_close(merged, (weights.unsqueeze(1) @ values).squeeze(1), rtol=1e-12, atol=1e-12)

@@ -528,3 +528,36 @@ def test_layer_attention_builds_a_layer_wise_hybrid_and_resume_refuses_a_change(
     with pytest.raises(SystemExit) as exc:
         main(_argv(train, test, out, "--attention", "full", "--max-steps", "4", "--batch-size", "16", "--resume"))
     assert exc.value.code == 2 and "different layer_attention" in capsys.readouterr().err
+
+
+def test_dense_warmup_steps_attend_densely_in_the_first_training_steps_only(tmp_path, monkeypatch, capsys):
+    """--dense-warmup-steps N: the first N training forwards of every neural-clustering layer attend to every key,
+    the later ones and every evaluation to the clusters; a model without neural-clustering refuses the flag, and
+    --resume refuses a different N."""
+    from clusterformer.attention import NeuralClusteringAttention
+
+    seen = []  # (training, dense) of each neural-clustering forward
+    attend = NeuralClusteringAttention._attend
+
+    def spy(self, *args):
+        seen.append((self.training, args[-1]))
+        return attend(self, *args)
+
+    monkeypatch.setattr(NeuralClusteringAttention, "_attend", spy)
+    train, test = _write_task(tmp_path)
+    out = tmp_path / "run"
+    assert main(_argv(train, test, out, "--attention", "neural-clustering", "--max-steps", "5", "--batch-size", "16",
+                      "--dense-warmup-steps", "3", "--eval-every", "2", "--checkpoint-every", "1")) == 0
+    trained = [dense for training, dense in seen if training]
+    assert trained == [True] * 6 + [False] * 4  # two layers: steps 1-3 dense, 4-5 clustered
+    assert not any(dense for training, dense in seen if not training)
+    with pytest.raises(ValueError, match="dense_warmup_steps"):
+        TrainConfig(task="mr", out="x", max_steps=1, dense_warmup_steps=-1)
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(train, test, tmp_path / "full", "--attention", "full", "--max-steps", "1",
+                   "--dense-warmup-steps", "1"))
+    assert exc.value.code == 2 and "dense_warmup_steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(train, test, out, "--attention", "neural-clustering", "--max-steps", "6", "--batch-size", "16",
+                   "--dense-warmup-steps", "4", "--resume"))
+    assert exc.value.code == 2 and "different dense_warmup_steps" in capsys.readouterr().err

@@ -84,7 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
-from ..clustering.neural import nearest_centroid, neural_clustering
+from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
 from ..ops.layouts import cluster_causal_layout, sorted_layout
 from ..ops.masks import real_lengths
@@ -95,6 +95,7 @@ from .registry import register
 
 GROUPINGS = ("learned", "contiguous", "random")
 CLUSTER_INPUTS = ("hidden", "shared-qk")
+CAUSAL_ASSIGNMENTS = ("nearest", "prefix")
 
 
 def random_groups(length: int, num_clusters: torch.Tensor, draw: int, device: torch.device) -> torch.Tensor:
@@ -158,6 +159,14 @@ class NeuralClusteringOptions(SeededOptions):
             losses run as usual; evaluation and decoding always use the learned groups). A learned grouping that
             keeps a query apart from the key it needs gives the task no gradient to bring them together; random
             groups let them meet. 0 (default) is the paper.
+        causal_assign: how strict causal mode assigns a token (beyond the paper, issue #31). "nearest" (default):
+            its nearest centroid, argmax_i phi(C_i, x_t W^C). "prefix": the paper's eq. 4 with eq. 2's normalisation
+            over the positions so far, argmax_i (s_it - log sum_{j <= t} exp s_ij) with s = similarity_scale * phi:
+            a token goes to the centroid it scores high on *relative to the earlier tokens*. In deep layers every
+            token's P shares one dominant direction (issue #31 measured its mean 24x longer than a token's deviation
+            from it), the nearest centroid is then the same for every token and a causal cluster's window becomes a
+            recency window; the prefix normalisation removes what all tokens share, as eq. 2 does without a mask.
+            Still strict causal and prefix invariant; cached decoding keeps k log-sum-exps per sequence.
         local_window: beyond the paper (issue #31): 0 (off), or an even number of local keys every query also sees:
             positions are cut into blocks of ``local_window / 2`` and a query sees its block and the one before (up
             to itself under a causal mask), as well as its cluster's chunks. The two sets are joined, each key once,
@@ -175,6 +184,7 @@ class NeuralClusteringOptions(SeededOptions):
     own_centroids: bool = True
     grouping: str = "learned"
     cluster_on: str = "hidden"
+    causal_assign: str = "nearest"
     local_window: int = 0
     explore: float = 0.0
 
@@ -194,6 +204,7 @@ class NeuralClusteringOptions(SeededOptions):
         check_bool("own_centroids", self.own_centroids)
         check_choice("grouping", self.grouping, GROUPINGS)
         check_choice("cluster_on", self.cluster_on, CLUSTER_INPUTS)
+        check_choice("causal_assign", self.causal_assign, CAUSAL_ASSIGNMENTS)
         check_float("explore", self.explore, minimum=0.0, maximum=1.0)
         if self.explore and self.grouping != "learned":
             raise ValueError(f"explore replaces learned groups by random ones in some training forwards; it needs "
@@ -265,6 +276,9 @@ class NeuralClusteringAttention(InnerAttention):
 
     aux_losses = ("clustering", "centroid_sorting")
     decodes = True
+    # train --dense-warmup-steps: while True, training forwards attend to every key (the clustering and its losses
+    # run as usual); evaluation and decoding always use the clusters. Set by the training loop from the step.
+    dense_training = False
 
     def __init__(self, dim: int, heads: int, options: NeuralClusteringOptions) -> None:
         super().__init__(dim, heads, options)
@@ -318,15 +332,24 @@ class NeuralClusteringAttention(InnerAttention):
             n_clusters = int(per_sequence.max()) if B else 1
         ids, updated = self._assign(x, projection, key_padding_mask, flow, n_clusters, per_sequence, strict)
         publish_groups(self, ids)
-        return self._attend(x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence), updated
+        dense = self.dense_training and self.training
+        return self._attend(x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence,
+                            dense), updated
 
-    def _attend(self, x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence):
-        """Chunked attention given the cluster ids: heads output (B, N, H, D)."""
+    def _attend(self, x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence, dense=False):
+        """Chunked attention given the cluster ids: heads output (B, N, H, D). ``dense``: one chunk of every token
+        instead (``train --dense-warmup-steps``), through the same code (causal mask, shared-QK rule, local part)."""
         B, N, _ = x.shape
         strict = causal and self.options.causal_mode == "strict"
         if B == 0 or N == 0:
             return projection.qkv(x)[0].transpose(1, 2)  # empty, with a graph
-        if strict:
+        if dense:  # one group holding the real tokens (padding in group 1), in one chunk of N
+            one = torch.zeros(B, N, dtype=torch.long, device=x.device)
+            if key_padding_mask is not None:
+                one = key_padding_mask.long()
+            layout = (cluster_causal_layout(one, N, 2, 0) if strict
+                      else sorted_layout(one, N, 0, key_padding_mask=key_padding_mask))
+        elif strict:
             layout = cluster_causal_layout(ids, self.options.causal_chunk_size, n_clusters + 1, self.options.look_back)
         elif lengths is None:
             layout = sorted_layout(ids, math.ceil(N / n_clusters), self.options.look_back)
@@ -379,7 +402,7 @@ class NeuralClusteringAttention(InnerAttention):
             points, self._centroids(flow, n_clusters, B, strict),
             key_padding_mask=key_padding_mask,
             similarity=self.options.similarity, scale=self.options.similarity_scale,
-            assign="nearest" if strict else "subordinate", num_clusters=per_sequence,
+            assign=self.options.causal_assign if strict else "subordinate", num_clusters=per_sequence,
         )
         publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
         if self.options.explore and self.training and bool(
@@ -405,10 +428,17 @@ class NeuralClusteringAttention(InnerAttention):
         v = projection.project_rows(rows, "v").view(B, 1, N, self.heads, self.head_dim)
         cache = GroupRingCache.from_prompt(ids.unsqueeze(1), k, v, key_padding_mask, n_clusters,
                                            self.options.causal_chunk_size, self.options.look_back)
+        local = assign_lse = None
         if self.options.local_window:
             local = LocalBlockCache.from_prompt(k[:, 0], v[:, 0], ids, key_padding_mask, self.options.local_window // 2)
-            return out, JoinedCache(cache.lengths.clone(), cache, local)
-        return out, cache
+        if self._prefix_assign:  # each centroid's log-sum-exp over the prompt's real tokens, (B, k)
+            scores = self._assignment_scores(x, projection)
+            if key_padding_mask is not None:
+                scores = scores.masked_fill(key_padding_mask.unsqueeze(-1), float("-inf"))
+            assign_lse = torch.logsumexp(scores, dim=1)
+        if local is None and assign_lse is None:
+            return out, cache
+        return out, JoinedCache(cache.lengths.clone(), cache, local, assign_lse)
 
     def step_hidden(self, x_t: torch.Tensor, projection: QKVProjection, cache: GroupRingCache | JoinedCache
                     ) -> tuple[torch.Tensor, GroupRingCache | JoinedCache]:
@@ -420,6 +450,9 @@ class NeuralClusteringAttention(InnerAttention):
         if self.options.grouping != "learned":  # as the forward groups the token at this position
             k = torch.full((B,), self.options.strict_causal_clusters(), dtype=torch.long, device=x_t.device)
             ids = self._ablation_groups(cache.lengths.unsqueeze(1), k, self.options.grouping)
+        elif self._prefix_assign:  # ranked against the log-sum-exps of the earlier tokens, as the forward does
+            ids, joined.assign_lse = prefix_assignment_step(self._assignment_scores(x_t, projection), joined.assign_lse)
+            ids = ids.unsqueeze(1)
         else:  # the token's nearest centroid, as the strict forward assigns it
             centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)
             ids = nearest_centroid(self._cluster_input(x_t, projection), centroids,
@@ -428,14 +461,15 @@ class NeuralClusteringAttention(InnerAttention):
         k = self._keys(k)
         rank = cache.counts[torch.arange(B, device=ids.device), 0, ids[:, 0]]  # earlier members of its cluster
         keys, values, allowed, own = cache.append(ids, k.transpose(1, 2), v.transpose(1, 2))  # (B, 1, S, H, D)
-        if joined is not None:  # the local blocks, less the keys its cluster window holds (the token itself too)
+        local = joined.local if joined is not None else None
+        if local is not None:  # the local blocks, less the keys its cluster window holds (the token itself too)
             w = self.options.causal_chunk_size
             first = (torch.div(rank, w, rounding_mode="floor") - self.options.look_back) * w  # its cluster window
-            out_l, lse_l = joined.local.append_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], ids[:, 0], rank, first)
+            out_l, lse_l = local.append_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], ids[:, 0], rank, first)
         if self.shared_qk:  # its own key only when it has no other, in either part
             others = allowed & (torch.arange(cache.slots, device=own.device) != own.unsqueeze(-1))
             alone = ~others.any(-1, keepdim=True)
-            if joined is not None:
+            if local is not None:
                 alone = alone & ~torch.isfinite(lse_l[:, :1]).unsqueeze(-1)
             allowed = torch.where(alone, allowed, others)
         out, lse = attend_allowed(q[:, :, 0], keys[:, 0].transpose(1, 2), values[:, 0].transpose(1, 2),
@@ -443,7 +477,18 @@ class NeuralClusteringAttention(InnerAttention):
         if joined is None:
             return out, cache
         joined.lengths = cache.lengths
-        return merge_attention(out, lse, out_l, lse_l), joined
+        return (out if local is None else merge_attention(out, lse, out_l, lse_l)), joined
+
+    @property
+    def _prefix_assign(self) -> bool:
+        """Whether strict causal mode assigns by ``causal_assign="prefix"`` (learned groups only)."""
+        return self.options.causal_assign == "prefix" and self.options.grouping == "learned"
+
+    def _assignment_scores(self, x: torch.Tensor, projection: QKVProjection) -> torch.Tensor:
+        """s = similarity_scale * phi(C_i, P): (..., k) for x (..., dim), as the strict forward scores the tokens."""
+        centroids = self._centroids(None, self.options.strict_causal_clusters(), x.shape[0], True)
+        return assignment_scores(self._cluster_input(x, projection), centroids, self.options.similarity,
+                                 self.options.similarity_scale)
 
     def _keys(self, k: torch.Tensor) -> torch.Tensor:
         """Keys as attention uses them: with shared QK unit vectors per head (Reformer section 2), so that a token's

@@ -57,6 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "starts from layer l's updated centroids (default: every layer its own)")
     p.add_argument("--centroid-lr-scale", type=float, default=1.0,
                    help="neural-clustering: multiply the learning rate of the centroids and W^C by this")
+    p.add_argument("--dense-warmup-steps", type=int, default=0,
+                   help="neural-clustering: the first N training steps attend to every key (a causal mask kept), "
+                        "while the clustering and its losses train as usual; evaluation and decoding always use the "
+                        "clusters. Lets the task train the attention's own query/key vectors (cluster_on=shared-qk) "
+                        "before they decide the clusters")
     p.add_argument("--decoder-attention", type=mechanism, default=None,
                    help="multi30k: the decoder's causal self-attention, one with cached decoding (default: --attention "
                         "where it has one, else full); cross-attention is full")

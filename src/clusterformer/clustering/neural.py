@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NeuralClusteringOutput", "nearest_centroid", "neural_clustering"]
+from .._checks import check_choice
+
+__all__ = ["NeuralClusteringOutput", "assignment_scores", "nearest_centroid", "neural_clustering",
+           "prefix_assignment_step"]
 
 
 @dataclass
@@ -71,8 +74,13 @@ def neural_clustering(
         similarity: "cosine" (default, bounded) or "dot" (the paper's literal inner product).
         scale: multiplies phi inside the softmax of eq. 2.
         assign: "subordinate" -- I_j = argmax_i U_ij, the paper's eq. 4 (U normalised over positions, so the
-            assignment of one token depends on the whole sequence); or "nearest" -- I_j = argmax_i
-            phi(C_i, X_j W^C), which depends on token j alone (used by the strictly causal mode).
+            assignment of one token depends on the whole sequence); "nearest" -- I_j = argmax_i
+            phi(C_i, X_j W^C), which depends on token j alone (the strictly causal mode's default); or "prefix" --
+            eq. 4 with eq. 2's normalisation restricted to positions j' <= j: I_j = argmax_i (s_ij - log sum_{j'
+            <= j} exp s_ij'), s = scale * phi, which depends on tokens 0..j only (the strictly causal mode's
+            ``causal_assign="prefix"``; beyond the paper, issue #31). Like eq. 4 it ranks a token against what the
+            centroid has scored so far, so a direction shared by every token does not send them all to one
+            centroid. (The losses and C_hat are the same for every ``assign``.)
         num_clusters: optional (B,) ints: sequence b uses only the first ``num_clusters[b]`` centroids (its own
             k, e.g. round(sqrt(L_b)) from its real length); the others get U = 0, C_hat = 0 and no tokens, and
             the ring of eq. 11 closes at its own k. Default: all k centroids.
@@ -80,6 +88,8 @@ def neural_clustering(
     Returns:
         :class:`NeuralClusteringOutput`.
     """
+    check_choice("assign", assign, ("subordinate", "nearest", "prefix"))
+    check_choice("similarity", similarity, ("cosine", "dot"))
     shared = points.dim() == 2
     if shared:
         if centroids.dim() != 3:
@@ -133,6 +143,11 @@ def neural_clustering(
                 if unused is not None:  # -inf - -inf is NaN: take unused centroids out of the argmax again
                     relative = relative.masked_fill(unused, float("-inf"))
                 ids = relative.argmax(dim=-1)
+            elif assign == "prefix":  # log-sum-exps over positions 0..j (padding and unused centroids: -inf)
+                relative = scores - torch.logcumsumexp(scores, dim=1)
+                if unused is not None:
+                    relative = relative.masked_fill(unused, float("-inf"))
+                ids = relative.argmax(dim=-1)
             else:  # a token's positive norm and the scale do not change its argmax: the same as nearest_centroid
                 ids = (raw if unused is None else raw.masked_fill(unused, float("-inf"))).argmax(dim=-1)
             if key_padding_mask is not None:
@@ -175,6 +190,26 @@ def _weighted_sums(weights: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
         return weights.transpose(1, 2) @ points
     B, N, r = weights.shape
     return (weights.transpose(0, 1).reshape(N, B * r).T @ points).view(B, r, -1)
+
+
+def assignment_scores(points: torch.Tensor, centroids: torch.Tensor, similarity: str = "cosine",
+                      scale: float = 10.0) -> torch.Tensor:
+    """s = scale * phi(C_i, p): (..., k) for points (..., d) and centroids (k, d), in at least float32, computed as
+    :func:`neural_clustering` computes them -- what one step of cached decoding with ``assign="prefix"`` needs."""
+    dtype = torch.promote_types(torch.promote_types(points.dtype, centroids.dtype), torch.float32)
+    with torch.autocast(device_type=points.device.type, enabled=False):
+        points = points.to(dtype)
+        scores = points @ _unit(centroids.to(dtype), similarity).T
+        if similarity == "cosine":
+            scores = scores * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
+        return scale * scores
+
+
+def prefix_assignment_step(scores_t: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of ``assign="prefix"``: scores_t (B, k) of the new token and ``lse`` (B, k), each centroid's
+    log-sum-exp over the earlier tokens (-inf: none) -> (its cluster (B,), the log-sum-exps with it)."""
+    lse = torch.logaddexp(lse, scores_t)
+    return (scores_t - lse).argmax(dim=-1), lse
 
 
 def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, similarity: str = "cosine") -> torch.Tensor:

@@ -50,12 +50,13 @@ def check_right_padded(key_padding_mask: torch.Tensor | None) -> None:
 
 def attend_allowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per row against its own keys. q (..., D), keys/values (..., S, D), allowed (..., S) bool with at
-    least one True per row. Returns (out (..., D), log-sum-exp of the scaled scores (...,))."""
+    """One query per row against its own keys. q (..., D), keys/values (..., S, D), allowed (..., S) bool. Returns
+    (out (..., D), log-sum-exp of the scaled scores (...,)); a row with no allowed key gets out 0 and lse -inf (what
+    :func:`merge_attention` reads as an empty set)."""
     scores = (keys @ (q * scale).unsqueeze(-1)).squeeze(-1)  # (..., S)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.unsqueeze(-1))
+    weights = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # empty row: exp(-inf) = 0
     return (weights.unsqueeze(-2) @ values).squeeze(-2), lse
 
 
@@ -341,13 +342,19 @@ class LocalBlockCache(DecodeCache):
 
 @dataclass
 class JoinedCache(DecodeCache):
-    """A group ring and the local blocks beside it (neural clustering with ``local_window``)."""
+    """A group ring and what neural clustering keeps beside it: the local blocks (``local_window``), and/or the
+    state of the prefix assignment (``causal_assign="prefix"``): ``assign_lse`` (B, k), each centroid's log-sum-exp
+    of its scores over the cached real tokens."""
 
     groups: GroupRingCache
-    local: LocalBlockCache
+    local: LocalBlockCache | None = None
+    assign_lse: torch.Tensor | None = None
 
     def select(self, index: torch.Tensor) -> JoinedCache:
-        return JoinedCache(self.lengths.index_select(0, index), self.groups.select(index), self.local.select(index))
+        return JoinedCache(self.lengths.index_select(0, index), self.groups.select(index),
+                           None if self.local is None else self.local.select(index),
+                           None if self.assign_lse is None else self.assign_lse.index_select(0, index))
 
     def memory_bytes(self) -> int:
-        return self.groups.memory_bytes() + self.local.memory_bytes()
+        return (self.groups.memory_bytes() + (0 if self.local is None else self.local.memory_bytes())
+                + (0 if self.assign_lse is None else self.assign_lse.numel() * self.assign_lse.element_size()))

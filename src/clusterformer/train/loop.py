@@ -118,6 +118,8 @@ class TrainConfig:
     layer_attention: dict[int, list[Any]] = field(default_factory=dict)
     centroid_flow: bool = False  # neural-clustering: layer l + 1 starts from layer l's updated centroids (paper)
     centroid_lr_scale: float = 1.0  # neural-clustering: learning-rate multiplier of the centroids and W^C
+    # neural-clustering: training forwards of the first steps attend to every key (the clustering trains beside)
+    dense_warmup_steps: int = 0
     # translation (task multi30k)
     decoder_attention: str | None = None  # None: the encoder's mechanism if it can decode, else full
     decoder_attention_options: dict[str, Any] = field(default_factory=dict)
@@ -196,6 +198,7 @@ class TrainConfig:
                         raise ValueError(f"layer_attention[{layer}]: {name!r} with these options is not strictly "
                                          f"causal, so it cannot train the causal task {self.task!r}")
         check_float("centroid_lr_scale", self.centroid_lr_scale, minimum=0.0, exclusive_minimum=True)
+        check_int("dense_warmup_steps", self.dense_warmup_steps, minimum=0)
         if self.centroid_flow or self.centroid_lr_scale != 1.0:
             flag = "centroid_flow" if self.centroid_flow else "centroid_lr_scale"
             if self.attention != "neural-clustering" or self.init or self.task == "multi30k":
@@ -520,6 +523,9 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
         task = _prepare(config, tokenizer_state=state["tokenizer"] if state else None)
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     model = build_model(config, task).to(device)
+    if config.dense_warmup_steps and not _dense_layers(model):
+        raise ValueError("dense_warmup_steps trains neural-clustering layers densely at first; this model has none "
+                         f"(attention={config.attention!r})")
     per_epoch = task.steps_per_epoch(config.batch_size, world)
     total = min(x for x in (config.max_steps, config.epochs and config.epochs * per_epoch) if x)
     optimizer = torch.optim.AdamW(parameter_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
@@ -543,7 +549,8 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     saved = state["config"]
     changed = {k for k in ("task", "task_options", "attention", "attention_options", "dim", "depth", "heads",
                            "max_len", "seed", "batch_size", "cluster_layers", "decoder_attention",
-                           "decoder_attention_options", "centroid_flow", "centroid_lr_scale", "layer_attention")
+                           "decoder_attention_options", "centroid_flow", "centroid_lr_scale", "layer_attention",
+                           "dense_warmup_steps")
                if _comparable(saved.get(k, getattr(config, k))) != _comparable(getattr(config, k))}
     if changed:
         raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
@@ -595,6 +602,16 @@ def _progress(run: _Run):
                 dynamic_ncols=True, file=sys.stderr)
 
 
+def _dense_layers(model: torch.nn.Module) -> list[NeuralClusteringAttention]:
+    """The attention modules that can attend densely in training (``dense_warmup_steps``)."""
+    return [m for m in model.modules() if isinstance(m, NeuralClusteringAttention)]
+
+
+def _set_dense_training(model: torch.nn.Module, dense: bool) -> None:
+    for module in _dense_layers(model):
+        module.dense_training = dense
+
+
 def _step(run: _Run) -> dict:
     """One optimiser step on this rank's slice of the global batch; returns the step's log row."""
     config, device = run.config, run.device
@@ -603,6 +620,8 @@ def _step(run: _Run) -> dict:
                                                     config.seed)
     ids, targets = ids.to(device), targets.to(device)
     pad = pad.to(device) if pad is not None else None
+    if config.dense_warmup_steps:
+        _set_dense_training(run.model, run.step < config.dense_warmup_steps)
     decoder_ids = decoder_ids.to(device) if decoder_ids is not None else None
     with _autocast(config, device):
         logits, weighted_aux, logged_aux = run.trained(ids, pad, decoder_ids)
