@@ -337,19 +337,15 @@ class NeuralClusteringAttention(InnerAttention):
                             dense), updated
 
     def _attend(self, x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence, dense=False):
-        """Chunked attention given the cluster ids: heads output (B, N, H, D). ``dense``: one chunk of every token
-        instead (``train --dense-warmup-steps``), through the same code (causal mask, shared-QK rule, local part)."""
+        """Chunked attention given the cluster ids: heads output (B, N, H, D). ``dense``: every key instead
+        (``train --dense-warmup-steps``)."""
         B, N, _ = x.shape
         strict = causal and self.options.causal_mode == "strict"
         if B == 0 or N == 0:
             return projection.qkv(x)[0].transpose(1, 2)  # empty, with a graph
-        if dense:  # one group holding the real tokens (padding in group 1), in one chunk of N
-            one = torch.zeros(B, N, dtype=torch.long, device=x.device)
-            if key_padding_mask is not None:
-                one = key_padding_mask.long()
-            layout = (cluster_causal_layout(one, N, 2, 0) if strict
-                      else sorted_layout(one, N, 0, key_padding_mask=key_padding_mask))
-        elif strict:
+        if dense:
+            return self._dense_attention(x, projection, key_padding_mask, causal)
+        if strict:
             layout = cluster_causal_layout(ids, self.options.causal_chunk_size, n_clusters + 1, self.options.look_back)
         elif lengths is None:
             layout = sorted_layout(ids, math.ceil(N / n_clusters), self.options.look_back)
@@ -361,6 +357,25 @@ class NeuralClusteringAttention(InnerAttention):
         else:
             out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
         return out.view(B, N, self.heads, self.head_dim)
+
+    def _dense_attention(self, x, projection, key_padding_mask, causal):
+        """Every real key (every earlier one under ``causal``; with shared QK unit keys and the token's own key only
+        when it has no other), one SDPA call with a boolean mask: (B, N, H, D). A query without keys gets 0."""
+        B, N, _ = x.shape
+        q, k, v = projection.qkv(x)  # (B, H, N, D)
+        k = self._keys(k)
+        allowed = torch.ones(B, 1, N, N, dtype=torch.bool, device=x.device)
+        if key_padding_mask is not None:
+            allowed = allowed & ~key_padding_mask[:, None, None, :]
+        if causal:
+            allowed = allowed & torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
+        if self.shared_qk:
+            others = allowed & ~torch.eye(N, dtype=torch.bool, device=x.device)
+            allowed = torch.where(others.any(-1, keepdim=True), others, allowed)
+        empty = ~allowed.any(-1, keepdim=True)  # (B, 1, N, 1): padded queries under left padding and a causal mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty,
+                                             dropout_p=self.dropout_p)
+        return out.masked_fill(empty, 0.0).transpose(1, 2)
 
     def _with_local_window(self, x, projection, layout, causal, strict, key_padding_mask):
         """The cluster chunks joined with the local blocks (``local_window``), each key once, in one softmax:
