@@ -23,6 +23,8 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
     ("lsh", {"causal_chunk_size": 3, "num_rounds": 3, "num_clusters": 6, "look_back": 2}),
     ("routing", {"causal_chunk_size": 4, "chunk_size": 9, "num_clusters": 3}),
     ("kmeans", {"causal_chunk_size": 5, "chunk_size": 2, "num_clusters": 4, "num_rounds": 2}),
+    ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 4}),
+    ("cluster-select", {"num_clusters": 4, "select": 1, "cluster_keys": 2, "window": 6}),
     ("sliding-window", {"window": 8, "stride": 3}),
     ("sliding-window", {"window": 6, "stride": 6}),
 ]

@@ -40,6 +40,7 @@ SMALL = {  # options that make the sparse structure bite at test sizes
     "sliding-window": {"window": 6, "stride": 3},
     "cluster-former": {"window": 6, "stride": 3, "num_clusters": 3}, "clustered": {"num_clusters": 4},
     "improved-clustered": {"num_clusters": 4, "topk": 3}, "neural-clustering": {"num_clusters": 3}, "full": {},
+    "cluster-select": {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4},
 }
 
 

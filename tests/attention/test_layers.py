@@ -274,6 +274,73 @@ def test_neural_clustering_dense_training_attends_to_every_key(mode, cluster_on,
     assert (y - clustered)[~pad].abs().max() > 1e-3, "the case must tell every key from the clusters"
 
 
+def _cluster_select_allowed(layer, q, k, real, causal):
+    """Per head, the (N, N) keys each query reads under ``"cluster-select"``, from its definition: key clusters by
+    the nearest unit centroid, each query's ``select`` clusters by the largest q . mu, its window, and from each
+    selected cluster the members nearest to it outside the window (causal: the most recent at positions <= t -
+    window; otherwise cluster_keys // 2 before the window and the rest after it)."""
+    o = layer.options
+    H, N, _ = q.shape
+    masks = []
+    for h in range(H):
+        mu = layer.inner.centroids[h]
+        ids = (F.normalize(k[h], dim=-1) @ mu.T).argmax(-1)
+        allowed = torch.zeros(N, N, dtype=torch.bool)
+        for t in range(N):
+            window = range(t - o.window + 1, t + 1) if causal else range(t - o.window // 2, t + o.window // 2)
+            for j in window:
+                if 0 <= j < N and real[j]:
+                    allowed[t, j] = True
+            for c in (q[h, t] @ mu.T).topk(o.select).indices.tolist():
+                members = [j for j in range(N) if real[j] and ids[j] == c]
+                if causal:
+                    chosen = [j for j in members if j <= t - o.window][-o.cluster_keys:]
+                else:
+                    before = [j for j in members if j < t - o.window // 2]
+                    after = [j for j in members if j >= t + o.window // 2]
+                    first = o.cluster_keys // 2
+                    chosen = (before[-first:] if first else []) + after[: o.cluster_keys - first]
+                for j in chosen:
+                    assert not allowed[t, j], "the window and the clusters must be disjoint"
+                    allowed[t, j] = True
+        masks.append(allowed)
+    return masks
+
+
+@pytest.mark.parametrize(("N", "options"), [
+    (23, {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 4}),
+    (17, {"num_clusters": 4, "select": 1, "cluster_keys": 5, "window": 2}),
+    (30, {"num_clusters": 5, "select": 3, "cluster_keys": 2, "window": 6}),
+    (9, {"num_clusters": 2, "select": 2, "cluster_keys": 1, "window": 2}),
+    (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cluster_select_matches_dense_reference(N, options, causal):
+    """``"cluster-select"`` against the masked softmax over the keys its definition names, padding at the end and
+    in the middle of a sequence (never read, never counted in a cluster)."""
+    layer = _layer("cluster-select", **options)
+    B = 3
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if N > 6:
+        pad[1, -3:] = True
+        pad[2, 2:4] = True
+    y, aux, groups = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
+    read = 0
+    for b in range(B):
+        real = ~pad[b]
+        q, k, v = _heads(layer, x[b] * real[:, None])
+        masks = _cluster_select_allowed(layer, q, k, real, causal)
+        for h in range(layer.heads):  # the published groups are the key clusters
+            nearest = (F.normalize(k[h], dim=-1) @ layer.inner.centroids[h].T).argmax(-1)
+            assert torch.equal(groups[layer.inner][b, h][real], nearest[real])
+        heads = torch.stack([masked_softmax_attention(q[h], k[h], v[h], masks[h]) for h in range(layer.heads)])
+        ref = heads.transpose(0, 1).reshape(N, layer.dim) @ layer.to_out.weight.T + layer.to_out.bias
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
+        read += sum(int(m.sum()) for m in masks)
+    assert N == 1 or read < B * layer.heads * N * N * 0.9, "the case must leave keys out"
+    assert "commitment" in aux
+
+
 def test_shared_qk_clustering_needs_the_layers_own_projection():
     """A pretrained model's separate query and key layers cannot give a shared QK: a clear error, not a silent
     clustering by the keys alone."""

@@ -12,6 +12,7 @@ A layer (:class:`AttentionLayer`) owns the projections and composes an inner att
 
 from . import (  # noqa: F401  (registration side effect)
     cluster_former,
+    cluster_select,
     clustered,
     full,
     kmeans,
@@ -32,6 +33,7 @@ from .base import (
     replaying,
 )
 from .cluster_former import ClusterFormerAttention, ClusterFormerOptions, SlidingWindowAttention, SlidingWindowOptions
+from .cluster_select import ClusterSelectAttention, ClusterSelectOptions
 from .clustered import ClusteredAttention, ClusteredOptions, ImprovedClusteredAttention, ImprovedClusteredOptions
 from .full import FullAttention, FullOptions
 from .kmeans import KMeansAttention, KMeansOptions
@@ -47,6 +49,8 @@ __all__ = [
     "BucketOptions",
     "ClusterFormerAttention",
     "ClusterFormerOptions",
+    "ClusterSelectAttention",
+    "ClusterSelectOptions",
     "ClusteredAttention",
     "ClusteredOptions",
     "FullAttention",

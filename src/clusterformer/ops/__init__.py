@@ -4,6 +4,7 @@ from .bucketed import bucketed_attention, merge_rounds
 from .chunked import cluster_causal_attention, sorted_chunk_attention
 from .clustered import clustered_attention
 from .layouts import ChunkLayout, cluster_causal_layout, sorted_layout
+from .selected import selected_cluster_attention
 from .sliding import sliding_window_attention, window_count
 from .windows import use_fused_kernel, windowed_attention, windowed_attention_lse
 
@@ -14,6 +15,7 @@ __all__ = [
     "cluster_causal_layout",
     "clustered_attention",
     "merge_rounds",
+    "selected_cluster_attention",
     "sliding_window_attention",
     "sorted_chunk_attention",
     "sorted_layout",

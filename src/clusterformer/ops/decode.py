@@ -358,3 +358,83 @@ class JoinedCache(DecodeCache):
     def memory_bytes(self) -> int:
         return (self.groups.memory_bytes() + (0 if self.local is None else self.local.memory_bytes())
                 + (0 if self.assign_lse is None else self.assign_lse.numel() * self.assign_lse.element_size()))
+
+
+# ------------------------------------------------------------------------------------------ cluster selection
+@dataclass
+class SelectionCache(DecodeCache):
+    """``"cluster-select"``: per (sequence, head) the last ``window`` keys/values with their clusters, and per
+    cluster the last ``cluster_keys`` members that have left the window -- all that a query at the next position
+    can read (:mod:`clusterformer.ops.selected`). Position p sits in window slot p % window; a cluster's member of
+    rank r in slot r % cluster_keys.
+
+    Attributes:
+        window_keys, window_values: (B, H, window, D); window_ids: (B, H, window) long cluster ids, -1 for none.
+        ring_keys, ring_values: (B, H, C, cluster_keys, D); counts: (B, H, C) long, members that left the window.
+    """
+
+    window_keys: torch.Tensor
+    window_values: torch.Tensor
+    window_ids: torch.Tensor
+    ring_keys: torch.Tensor
+    ring_values: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                    num_clusters: int, cluster_keys: int, window: int) -> SelectionCache:
+        """ids (B, H, N) key clusters; k, v (B, H, N, D) of a right-padded prompt batch."""
+        B, H, N, D = k.shape
+        device = k.device
+        lengths = real_lengths(key_padding_mask, B, N, device)
+        position = torch.arange(N, device=device)
+        real = position < lengths.unsqueeze(1)  # (B, N)
+        in_window = (real & (position >= (lengths - window).unsqueeze(1)))[:, None, :].expand(B, H, N)
+        gone = (real & ~in_window[:, 0])[:, None, :].expand(B, H, N)  # positions < L - window
+        window_keys, window_values = k.new_zeros(B, H, window, D), v.new_zeros(B, H, window, D)
+        window_ids = torch.full((B, H, window), -1, dtype=torch.long, device=device)
+        b, h, n = in_window.nonzero(as_tuple=True)
+        window_keys[b, h, n % window], window_values[b, h, n % window] = k[b, h, n], v[b, h, n]
+        window_ids[b, h, n % window] = ids[b, h, n]
+        grouped = ids.masked_fill(~gone, num_clusters)  # the window and padding: an extra group, dropped
+        rank, counts = group_ranks(grouped.reshape(B * H, N), num_clusters + 1)
+        rank, counts = rank.view(B, H, N), counts.view(B, H, num_clusters + 1)[..., :num_clusters]
+        kept = gone & (rank >= counts.gather(2, grouped.clamp(max=num_clusters - 1)) - cluster_keys)
+        b, h, n = kept.nonzero(as_tuple=True)
+        c, slot = grouped[b, h, n], rank[b, h, n] % cluster_keys
+        ring_keys, ring_values = k.new_zeros(B, H, num_clusters, cluster_keys, D), v.new_zeros(
+            B, H, num_clusters, cluster_keys, D)
+        ring_keys[b, h, c, slot], ring_values[b, h, c, slot] = k[b, h, n], v[b, h, n]
+        return cls(lengths, window_keys, window_values, window_ids, ring_keys, ring_values, counts)
+
+    def append_and_attend(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, id_t: torch.Tensor,
+                          selected: torch.Tensor) -> torch.Tensor:
+        """The token at position ``lengths``: the key leaving the window moves to its cluster's ring, the new one
+        enters the window; then q_t (B, H, D) reads its window and the rings of ``selected`` (B, H, S) clusters.
+        id_t: (B, H) the new key's cluster. Returns (B, H, D)."""
+        B, H, W, D = self.window_keys.shape
+        w = self.ring_keys.shape[3]
+        b = torch.arange(B, device=q_t.device)[:, None]
+        h = torch.arange(H, device=q_t.device)[None, :]
+        out_slot = (self.lengths % W)[:, None].expand(B, H)  # the slot of position t - W, which t takes over
+        leaving = self.window_ids[b, h, out_slot]  # (B, H), -1 while the window is not full
+        moves = leaving >= 0
+        c = leaving.clamp(min=0)
+        rank = self.counts[b, h, c]
+        ring_slot = rank % w
+        keep_k, keep_v = self.ring_keys[b, h, c, ring_slot], self.ring_values[b, h, c, ring_slot]
+        self.ring_keys[b, h, c, ring_slot] = torch.where(moves[..., None], self.window_keys[b, h, out_slot], keep_k)
+        self.ring_values[b, h, c, ring_slot] = torch.where(moves[..., None], self.window_values[b, h, out_slot],
+                                                           keep_v)
+        self.counts[b, h, c] = rank + moves.long()
+        self.window_keys[b, h, out_slot], self.window_values[b, h, out_slot] = k_t, v_t
+        self.window_ids[b, h, out_slot] = id_t
+        self.lengths = self.lengths + 1
+        S = selected.shape[-1]
+        keys = torch.cat([self.ring_keys[b[..., None], h[..., None], selected].reshape(B, H, S * w, D),
+                          self.window_keys], dim=2)
+        values = torch.cat([self.ring_values[b[..., None], h[..., None], selected].reshape(B, H, S * w, D),
+                            self.window_values], dim=2)
+        filled = torch.arange(w, device=q_t.device) < self.counts[b[..., None], h[..., None], selected].unsqueeze(-1)
+        allowed = torch.cat([filled.reshape(B, H, S * w), self.window_ids >= 0], dim=2)
+        return attend_allowed(q_t, keys, values, allowed, D ** -0.5)[0]

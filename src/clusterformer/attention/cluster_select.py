@@ -1,0 +1,161 @@
+"""``"cluster-select"``: each query reads the keys of the clusters *it selects*, beside a local window
+(beyond the papers; issue #31).
+
+Neural clustering, routing, lsh and kmeans confine a query to its own cluster: query and key must land in one
+group. Issue #31 measured what that costs on recall under a strict causal mask: nothing makes the query and the
+distant key it needs share a cluster, and a sparse forward gives no gradient to pairs it keeps apart. Decoder-side
+cluster retrieval (ClusterKV, and Quest's pages) turns it around: the *keys* are clustered, and a query scores the
+clusters and reads the best ones. With the trained full MQAR model of issue #31 that selection (16 clusters, 32
+selected keys + a 32-key window) kept 0.995 of the answers where a 64-key window keeps none. This mechanism
+trains with it from the start, strictly causal:
+
+1. q, k, v = x W^Q, x W^K, x W^V per head (separate projections: the selection is asymmetric).
+2. Per head, ``num_clusters`` unit centroids mu (a buffer): key j's cluster is argmax_c k_j/|k_j| . mu_c -- it
+   depends on key j alone, so later tokens cannot change it (strict causality, prefix invariance).
+3. Query t selects the ``select`` clusters with the largest q_t . mu_c.
+4. It reads, in one softmax (:func:`clusterformer.ops.selected_cluster_attention`), its window of ``window``
+   positions (causal: (t - window, t]) and from each selected cluster the ``cluster_keys`` members nearest to it
+   outside the window (causal: the most recent ones at positions <= t - window). Every key counts once.
+5. The centroids follow the unit keys by an exponential moving average (mini-batch spherical k-means, as routing's
+   do; applied at the next training forward or by :func:`clusterformer.attention.apply_pending_updates`, summed
+   over DDP ranks); a commitment loss, published as ``"commitment"``, pulls the keys towards their centroids.
+
+The selection is an argmax: its gradient reaches the selected keys only, as top-k attention's does. It differs from
+the own-cluster rule in that a query meets the keys that *score* highest against it at the cluster level, which is
+what a trained attention wants to read.
+
+Keys per query: window + select * cluster_keys (any length). Cost: O(N C D) for the assignment and selection,
+O(N (window + select * cluster_keys) D) for the attention (gathered keys, explicit scores), plus one sort of the
+keys per head. Groups published: the key clusters, (B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``):
+the last ``window`` keys and each cluster's last ``cluster_keys`` members outside the window, per head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_float, check_int
+from ..clustering.kmeans import ema_centroid_update
+from ..distributed import all_reduce_sum
+from ..ops.decode import SelectionCache
+from ..ops.masks import real_tokens
+from ..ops.selected import selected_cluster_attention
+from .aux import publish_groups, publish_losses
+from .base import InnerAttention, SeededOptions
+from .registry import register
+
+
+@dataclass(frozen=True)
+class ClusterSelectOptions(SeededOptions):
+    """Options of ``"cluster-select"`` (besides ``dropout``, ``bias``, ``seed`` -- which seeds the centroids).
+
+    Attributes:
+        num_clusters: key clusters per head (centroids).
+        select: clusters each query reads (at most ``num_clusters``).
+        cluster_keys: keys each query reads from each selected cluster.
+        window: local keys each query reads (even: non-causal queries see window / 2 positions on each side).
+        decay: EMA decay of the centroids (0 = replace by the batch means; closer to 1 = slower).
+    """
+
+    num_clusters: int = 16
+    select: int = 2
+    cluster_keys: int = 32
+    window: int = 64
+    decay: float = 0.99
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("num_clusters", self.num_clusters, minimum=1)
+        check_int("select", self.select, minimum=1)
+        if self.select > self.num_clusters:
+            raise ValueError(f"select must be at most num_clusters={self.num_clusters}; got {self.select}")
+        check_int("cluster_keys", self.cluster_keys, minimum=1)
+        check_int("window", self.window, minimum=2)
+        if self.window % 2:
+            raise ValueError(f"window must be even (window / 2 positions on each side without a causal mask); "
+                             f"got {self.window}")
+        check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+
+    def keys_per_query(self, length: int, causal: bool = False) -> int:
+        check_int("length", length, minimum=1)
+        return min(length, self.window + self.select * self.cluster_keys)
+
+    def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
+        """Half the keys (rounded down to even) to the window, the rest shared by the ``select`` clusters."""
+        check_int("keys", keys, minimum=1)
+        window = max(2, keys // 4 * 2)
+        cluster_keys = (keys - window) // self.select
+        if cluster_keys < 1:
+            raise ValueError(f"keys={keys} leaves no key for each of the select={self.select} clusters beside a "
+                             f"window of {window}")
+        return {"window": window, "cluster_keys": cluster_keys}
+
+
+@register("cluster-select", ClusterSelectOptions,
+          "keys clustered (EMA k-means); each query reads its top clusters' nearest keys plus a window; "
+          "O(N C + N (window + select * cluster_keys))")
+class ClusterSelectAttention(InnerAttention):
+    aux_losses = ("commitment",)
+    decodes = True
+
+    def __init__(self, dim: int, heads: int, options: ClusterSelectOptions) -> None:
+        super().__init__(dim, heads, options)
+        init = torch.randn(heads, options.num_clusters, self.head_dim, generator=self.generator)
+        self.register_buffer("centroids", F.normalize(init, dim=-1))  # (H, C, D) unit vectors
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        if self.updates_state():
+            self.apply_pending_updates()
+        o = self.options
+        B, H, N, D = q.shape
+        unit = F.normalize(k, dim=-1)
+        mu = self.centroids.to(q.dtype)
+        ids = self._assign(k)  # (B, H, N) key clusters
+        real = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N)
+        publish_groups(self, ids)
+        weight = real.to(q.dtype)
+        gap = (unit - mu[torch.arange(H, device=q.device)[None, :, None], ids]).pow(2).sum(-1)
+        publish_losses({"commitment": (gap * weight).sum() / weight.sum().clamp(min=1)})
+        if self.updates_state():
+            self.pending["centroids"] = ema_centroid_update(
+                self.centroids, unit.detach().transpose(0, 1).reshape(H, B * N, D),
+                ids.transpose(0, 1).reshape(H, B * N), decay=o.decay,
+                valid=real.transpose(0, 1).reshape(H, B * N), reduce=all_reduce_sum,
+            )
+        selected = self._select(q)  # (B, H, N, S)
+        key_ids = ids.masked_fill(~real, o.num_clusters)
+        return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
+                                          cluster_keys=o.cluster_keys, window=o.window, causal=causal,
+                                          key_padding_mask=key_padding_mask, dropout_p=self.dropout_p)
+
+    def _assign(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid of the unit key."""
+        unit = F.normalize(k, dim=-1).detach()
+        return torch.einsum("bh...d,hcd->bh...c", unit, self.centroids.to(k.dtype)).argmax(-1)
+
+    def _select(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries (B, H, ..., D) -> the ``select`` clusters of largest q . mu, (B, H, ..., S)."""
+        scores = torch.einsum("bh...d,hcd->bh...c", q.detach(), self.centroids.to(q.dtype))
+        return scores.topk(self.options.select, dim=-1).indices
+
+    # cached decoding: the last `window` keys and, per cluster, its last `cluster_keys` members outside the window
+    # (clusterformer.ops.decode.SelectionCache); a step costs O((window + select * cluster_keys) D + C D) per head.
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_padding_mask: torch.Tensor | None) -> SelectionCache:
+        o = self.options
+        return SelectionCache.from_prompt(self._assign(k), k, v, key_padding_mask, o.num_clusters, o.cluster_keys,
+                                          o.window)
+
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache
+             ) -> tuple[torch.Tensor, SelectionCache]:
+        return cache.append_and_attend(q_t, k_t, v_t, self._assign(k_t), self._select(q_t)), cache
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (f"num_clusters={o.num_clusters}, select={o.select}, cluster_keys={o.cluster_keys}, "
+                f"window={o.window}")
