@@ -314,10 +314,11 @@ def _cluster_select_allowed(layer, q, k, real, causal):
     (9, {"num_clusters": 2, "select": 2, "cluster_keys": 1, "window": 2}),
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize("causal", [True, False])
-def test_cluster_select_matches_dense_reference(N, options, causal):
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask"])
+def test_cluster_select_matches_dense_reference(N, options, causal, kernel):
     """``"cluster-select"`` against the masked softmax over the keys its definition names, padding at the end and
-    in the middle of a sequence (never read, never counted in a cluster)."""
-    layer = _layer("cluster-select", **options)
+    in the middle of a sequence (never read, never counted in a cluster); both kernels."""
+    layer = _layer("cluster-select", **options, kernel=kernel)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)

@@ -38,12 +38,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_float, check_int
+from .._checks import check_choice, check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
 from ..ops.decode import SelectionCache
 from ..ops.masks import real_tokens
-from ..ops.selected import selected_cluster_attention
+from ..ops.selected import KERNELS, selected_cluster_attention
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, SeededOptions
 from .registry import register
@@ -59,6 +59,9 @@ class ClusterSelectOptions(SeededOptions):
         cluster_keys: keys each query reads from each selected cluster.
         window: local keys each query reads (even: non-causal queries see window / 2 positions on each side).
         decay: EMA decay of the centroids (0 = replace by the batch means; closer to 1 = slower).
+        kernel: "auto" (default), "gather" or "dense-mask": how the same keys are attended
+            (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 4 M,
+            M = window + select * cluster_keys.
     """
 
     num_clusters: int = 16
@@ -66,6 +69,7 @@ class ClusterSelectOptions(SeededOptions):
     cluster_keys: int = 32
     window: int = 64
     decay: float = 0.99
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +83,7 @@ class ClusterSelectOptions(SeededOptions):
             raise ValueError(f"window must be even (window / 2 positions on each side without a causal mask); "
                              f"got {self.window}")
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        check_choice("kernel", self.kernel, KERNELS)
 
     def keys_per_query(self, length: int, causal: bool = False) -> int:
         check_int("length", length, minimum=1)
@@ -131,7 +136,8 @@ class ClusterSelectAttention(InnerAttention):
         key_ids = ids.masked_fill(~real, o.num_clusters)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
-                                          key_padding_mask=key_padding_mask, dropout_p=self.dropout_p)
+                                          key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
+                                          kernel=o.kernel)
 
     def _assign(self, k: torch.Tensor) -> torch.Tensor:
         """Keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid of the unit key."""

@@ -75,19 +75,31 @@ def selected_positions(
     return positions, allowed
 
 
+KERNELS = ("auto", "gather", "dense-mask")
+
+
 def selected_cluster_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, selected: torch.Tensor, *,
     num_clusters: int, cluster_keys: int, window: int, causal: bool, key_padding_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, kernel: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention of each query over its window and its selected clusters' keys (module docstring).
 
     q, k, v: (B, H, N, D); key_ids (B, H, N) in [0, num_clusters] (num_clusters: padding); selected (B, H, N, S)
-    distinct cluster ids. Returns (B, H, N, D); a query without any key gets 0."""
+    distinct cluster ids. ``kernel``: "gather" (the keys each query reads, O(N M D)), "dense-mask" (the same set as
+    an (N, N) boolean mask for one SDPA call: O(N^2 D) but matmul-shaped, faster while N is a few times M), or
+    "auto" (dense-mask for N <= 4 M). Returns (B, H, N, D); a query without any key gets 0."""
     B, H, N, D = q.shape
     positions, allowed = selected_positions(key_ids, selected, num_clusters=num_clusters, cluster_keys=cluster_keys,
                                             window=window, causal=causal, key_padding_mask=key_padding_mask)
     M = positions.shape[-1]
+    if kernel == "dense-mask" or (kernel == "auto" and N <= 4 * M):
+        # scatter True at every allowed position; the entries that are not allowed go to an extra column, dropped
+        index = torch.where(allowed, positions, N)
+        mask = torch.zeros(B, H, N, N + 1, dtype=torch.bool, device=q.device).scatter_(-1, index, True)[..., :N]
+        empty = ~mask.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, dropout_p=dropout_p)
+        return out.masked_fill(empty, 0.0)
     index = positions.reshape(B, H, N * M, 1).expand(B, H, N * M, D)
     keys = k.gather(2, index).view(B, H, N, M, D)
     values = v.gather(2, index).view(B, H, N, M, D)
