@@ -342,6 +342,25 @@ def test_cluster_select_matches_dense_reference(N, options, causal, kernel):
     assert "commitment" in aux
 
 
+def test_cluster_select_random_selection_is_the_same_size_and_not_the_scores():
+    """``selection="random"``: ``select`` distinct clusters per query, the same for every sequence of a batch, drawn
+    afresh in each training forward and fixed in evaluation; not the clusters the scores pick."""
+    layer = _layer("cluster-select", num_clusters=6, select=3, cluster_keys=2, window=4, selection="random")
+    inner = layer.inner
+    picks = inner._random_selection(2, 2, 40, torch.device("cpu"))
+    assert picks.shape == (2, 2, 40, 3) and torch.equal(picks[0], picks[1])
+    assert ((picks >= 0) & (picks < 6)).all()
+    assert (picks.sort(-1).values.diff(dim=-1) > 0).all(), "distinct clusters"
+    assert not torch.equal(picks, inner._random_selection(2, 2, 40, torch.device("cpu")))  # a new draw
+    q = torch.randn(2, 2, 40, layer.head_dim, dtype=torch.float64)
+    assert (picks.sort(-1).values != inner._select(q).sort(-1).values).any()
+    x = torch.randn(2, 40, layer.dim, dtype=torch.float64)
+    layer.eval()
+    assert torch.equal(layer(x, causal=True), layer(x, causal=True))
+    with pytest.raises(ValueError, match="selection"):
+        _layer("cluster-select", selection="nearest")
+
+
 def test_shared_qk_clustering_needs_the_layers_own_projection():
     """A pretrained model's separate query and key layers cannot give a shared QK: a clear error, not a silent
     clustering by the keys alone."""

@@ -59,6 +59,10 @@ class ClusterSelectOptions(SeededOptions):
         cluster_keys: keys each query reads from each selected cluster.
         window: local keys each query reads (even: non-causal queries see window / 2 positions on each side).
         decay: EMA decay of the centroids (0 = replace by the batch means; closer to 1 = slower).
+        selection: "scores" (default): a query reads the clusters of largest q . mu; "random": the ablation with the
+            same sizes -- ``select`` distinct clusters drawn per query from a hash of its position, head and one
+            number drawn per forward from the layer's generator (so they do not depend on the batch or on later
+            tokens; evaluation, re-seeded, is deterministic).
         kernel: "auto" (default), "gather" or "dense-mask": how the same keys are attended
             (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 4 M,
             M = window + select * cluster_keys.
@@ -69,6 +73,7 @@ class ClusterSelectOptions(SeededOptions):
     cluster_keys: int = 32
     window: int = 64
     decay: float = 0.99
+    selection: str = "scores"
     kernel: str = "auto"
 
     def __post_init__(self) -> None:
@@ -83,6 +88,7 @@ class ClusterSelectOptions(SeededOptions):
             raise ValueError(f"window must be even (window / 2 positions on each side without a causal mask); "
                              f"got {self.window}")
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        check_choice("selection", self.selection, ("scores", "random"))
         check_choice("kernel", self.kernel, KERNELS)
 
     def keys_per_query(self, length: int, causal: bool = False) -> int:
@@ -132,7 +138,7 @@ class ClusterSelectAttention(InnerAttention):
                 ids.transpose(0, 1).reshape(H, B * N), decay=o.decay,
                 valid=real.transpose(0, 1).reshape(H, B * N), reduce=all_reduce_sum,
             )
-        selected = self._select(q)  # (B, H, N, S)
+        selected = self._select(q) if o.selection == "scores" else self._random_selection(B, H, N, q.device)
         key_ids = ids.masked_fill(~real, o.num_clusters)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
@@ -149,6 +155,17 @@ class ClusterSelectAttention(InnerAttention):
         scores = torch.einsum("bh...d,hcd->bh...c", q.detach(), self.centroids.to(q.dtype))
         return scores.topk(self.options.select, dim=-1).indices
 
+    def _random_selection(self, B: int, H: int, N: int, device: torch.device, start: int = 0) -> torch.Tensor:
+        """``select`` distinct clusters per (position, head): the top of hashed scores (Knuth's multiplicative hash of
+        position, head, cluster and one draw), (B, H, N, S) for positions start..start + N - 1."""
+        C = self.options.num_clusters
+        draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
+        position = torch.arange(start, start + N, device=device)[:, None, None]
+        head = torch.arange(H, device=device)[None, :, None]
+        cluster = torch.arange(C, device=device)[None, None, :]
+        hashed = (((position * H + head) * C + cluster + draw) * 2654435761) % (1 << 32)  # (N, H, C)
+        return hashed.topk(self.options.select, dim=-1).indices.permute(1, 0, 2).unsqueeze(0).expand(B, H, N, -1)
+
     # cached decoding: the last `window` keys and, per cluster, its last `cluster_keys` members outside the window
     # (clusterformer.ops.decode.SelectionCache); a step costs O((window + select * cluster_keys) D + C D) per head.
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -159,6 +176,9 @@ class ClusterSelectAttention(InnerAttention):
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache
              ) -> tuple[torch.Tensor, SelectionCache]:
+        if self.options.selection == "random":
+            raise ValueError("cluster-select with selection='random' is a training ablation: it has no cached "
+                             "decoding (its random clusters depend on the position); use selection='scores'")
         return cache.append_and_attend(q_t, k_t, v_t, self._assign(k_t), self._select(q_t)), cache
 
     def extra_repr(self) -> str:
