@@ -9,6 +9,8 @@ value is outside the keys the query sees in it" (strict-causal windows hold a cl
 
     python docs/scripts/cluster_sharing.py RUN_DIR [RUN_DIR ...]
     python docs/scripts/cluster_sharing.py --init SEED RUN_DIR   # the run's model untrained (torch seed SEED)
+    python docs/scripts/cluster_sharing.py --assignments RUN_DIR  # neural-clustering layers: P's shared direction, and
+                                                                  # the clusters under both strict-causal assignments
 """
 
 from __future__ import annotations
@@ -50,8 +52,58 @@ def cluster_sharing(run: str, init_seed: int | None = None) -> list[str]:
     return lines
 
 
+def assignments(run: str) -> list[str]:
+    """For each neural-clustering layer of a trained run: the length of the mean of its clustering input P against
+    a token's mean deviation from it, and the clusters the layer's own P and centroids give under
+    ``causal_assign="nearest"`` and ``"prefix"`` (the same statistics as :func:`cluster_sharing`)."""
+    import torch.nn.functional as F
+
+    from clusterformer.attention import NeuralClusteringAttention
+
+    state, config = load_run(run)
+    task = _prepare(config, state.get("tokenizer"))
+    model = build_model(config, task)
+    model.load_state_dict(state["model"])
+    model.eval()
+    test = task.test
+    ids, queries, sources = test.ids[:SEQUENCES], test.queries[:SEQUENCES], test.sources[:SEQUENCES]
+    caught = []
+    for module in model.modules():
+        if isinstance(module, NeuralClusteringAttention):
+            def keep(x, projection, module=module, original=module._cluster_input):
+                points = original(x, projection)
+                caught.append((module, points.detach()))
+                return points
+            module._cluster_input = keep
+    with torch.no_grad():
+        model(ids)
+    rows = torch.arange(ids.shape[0]).unsqueeze(1)
+    lines = []
+    for layer, (module, points) in enumerate(caught):
+        mean = points.mean((0, 1))
+        deviation = (points - mean).norm(dim=-1).mean()
+        o = module.options
+        scores = o.similarity_scale * (F.normalize(points, dim=-1)
+                                       @ F.normalize(module.centroids[: o.strict_causal_clusters()], dim=-1).T)
+        lines.append(f"layer {layer}: |mean of P| {float(mean.norm()):.1f}, mean |P - mean| {float(deviation):.1f}")
+        for name, g in (("nearest", scores.argmax(-1)), ("prefix", (scores - scores.logcumsumexp(1)).argmax(-1))):
+            at_query = g[rows, queries]
+            largest = torch.bincount(g.reshape(-1)).max() / g.numel()
+            value, first = ((at_query == g[rows, where]).float().mean() for where in (sources, sources - 1))
+            lines.append(f"  {name}: query with its value {float(value):.2f}, with its key's first occurrence "
+                         f"{float(first):.2f}; clusters in use {int(g.unique().numel())}, the largest holds "
+                         f"{float(largest):.2f}")
+    return lines
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args[:1] == ["--assignments"]:
+        for path in args[1:] or sys.exit(__doc__):
+            print(path)
+            for line in assignments(path):
+                print("  " + line)
+        sys.exit(0)
     seed = None
     if args[:1] == ["--init"]:
         if len(args) < 3:
