@@ -342,6 +342,30 @@ def test_cluster_select_matches_dense_reference(N, options, causal, kernel):
     assert "commitment" in aux
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_cluster_select_dense_training_attends_to_every_key_and_moves_the_centroids(causal):
+    """``dense_training`` (``train --dense-warmup-steps``): a training forward of cluster-select is full attention
+    over the real keys, while the centroids still follow the keys; evaluation reads the selected clusters."""
+    layer = _layer("cluster-select", num_clusters=3, select=1, cluster_keys=2, window=2)
+    B, N = 2, 15
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, -4:] = True
+    selected = layer.eval()(x, key_padding_mask=pad, causal=causal)
+    layer.inner.dense_training = True
+    assert torch.equal(layer(x, key_padding_mask=pad, causal=causal), selected)
+    before = layer.inner.centroids.clone()
+    y = layer.train()(x, key_padding_mask=pad, causal=causal)
+    for b in range(B):
+        real = ~pad[b]
+        allowed = real.expand(N, N) & (torch.ones(N, N, dtype=torch.bool).tril() if causal else True)
+        ref = _reference_output(layer, x[b] * real[:, None], allowed)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
+    assert (y - selected)[~pad].abs().max() > 1e-3
+    layer.inner.apply_pending_updates()
+    assert not torch.equal(layer.inner.centroids, before), "the centroids keep training"
+
+
 def test_cluster_select_random_selection_is_the_same_size_and_not_the_scores():
     """``selection="random"``: ``select`` distinct clusters per query, the same for every sequence of a batch, drawn
     afresh in each training forward and fixed in evaluation; not the clusters the scores pick."""

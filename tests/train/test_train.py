@@ -561,3 +561,11 @@ def test_dense_warmup_steps_attend_densely_in_the_first_training_steps_only(tmp_
         main(_argv(train, test, out, "--attention", "neural-clustering", "--max-steps", "6", "--batch-size", "16",
                    "--dense-warmup-steps", "4", "--resume"))
     assert exc.value.code == 2 and "different dense_warmup_steps" in capsys.readouterr().err
+    from clusterformer.attention import ClusterSelectAttention  # the other mechanism with a dense warm-up
+
+    seen.clear()
+    monkeypatch.setattr(ClusterSelectAttention, "forward", lambda self, *a, **k: seen.append(
+        (self.training, self.dense_training)) or a[0])
+    assert main(_argv(train, test, tmp_path / "select", "--attention", "cluster-select", "--max-steps", "3",
+                      "--batch-size", "16", "--dense-warmup-steps", "2")) == 0
+    assert [dense for training, dense in seen if training] == [True, True, True, True, False, False]

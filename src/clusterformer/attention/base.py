@@ -279,6 +279,10 @@ class InnerAttention(SeededModule):
 
     shared_qk: ClassVar[bool] = False
     aux_losses: ClassVar[tuple[str, ...]] = ()  # names of the losses the mechanism publishes
+    # train --dense-warmup-steps: a mechanism that sets dense_warmup attends to every key in training forwards while
+    # the training loop holds ``dense_training`` True (its grouping state still trains); never in evaluation
+    dense_warmup: ClassVar[bool] = False
+    dense_training: bool = False
     decodes: ClassVar[bool] = False  # implements cached decoding (cache_from + step, or the *_hidden pair)
 
     def __init__(self, dim: int, heads: int, options: AttentionOptions) -> None:

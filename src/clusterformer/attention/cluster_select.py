@@ -42,7 +42,7 @@ from .._checks import check_choice, check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
 from ..ops.decode import SelectionCache
-from ..ops.masks import real_tokens
+from ..ops.masks import dense_allowed, masked_sdpa, real_tokens
 from ..ops.selected import KERNELS, selected_cluster_attention
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, SeededOptions
@@ -112,6 +112,7 @@ class ClusterSelectOptions(SeededOptions):
 class ClusterSelectAttention(InnerAttention):
     aux_losses = ("commitment",)
     decodes = True
+    dense_warmup = True  # dense_training: every key in training forwards, the centroids following the keys as usual
 
     def __init__(self, dim: int, heads: int, options: ClusterSelectOptions) -> None:
         super().__init__(dim, heads, options)
@@ -138,6 +139,8 @@ class ClusterSelectAttention(InnerAttention):
                 ids.transpose(0, 1).reshape(H, B * N), decay=o.decay,
                 valid=real.transpose(0, 1).reshape(H, B * N), reduce=all_reduce_sum,
             )
+        if self.dense_training and self.training:  # train --dense-warmup-steps
+            return masked_sdpa(q, k, v, dense_allowed(real[:, 0].logical_not(), causal), dropout_p=self.dropout_p)
         selected = self._select(q) if o.selection == "scores" else self._random_selection(B, H, N, q.device)
         key_ids = ids.masked_fill(~real, o.num_clusters)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,

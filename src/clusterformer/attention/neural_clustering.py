@@ -276,9 +276,7 @@ class NeuralClusteringAttention(InnerAttention):
 
     aux_losses = ("clustering", "centroid_sorting")
     decodes = True
-    # train --dense-warmup-steps: while True, training forwards attend to every key (the clustering and its losses
-    # run as usual); evaluation and decoding always use the clusters. Set by the training loop from the step.
-    dense_training = False
+    dense_warmup = True  # dense_training: every key in training forwards, the clustering and its losses as usual
 
     def __init__(self, dim: int, heads: int, options: NeuralClusteringOptions) -> None:
         super().__init__(dim, heads, options)

@@ -53,7 +53,14 @@ import torch
 
 from .._checks import check_choice, check_float, check_int
 from .._io import write_json
-from ..attention import AttentionLayer, NeuralClusteringAttention, apply_pending_updates, collect_aux_losses, total_loss
+from ..attention import (
+    AttentionLayer,
+    InnerAttention,
+    NeuralClusteringAttention,
+    apply_pending_updates,
+    collect_aux_losses,
+    total_loss,
+)
 from ..attention.registry import can_decode, causal_semantics, make_options
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
@@ -118,7 +125,7 @@ class TrainConfig:
     layer_attention: dict[int, list[Any]] = field(default_factory=dict)
     centroid_flow: bool = False  # neural-clustering: layer l + 1 starts from layer l's updated centroids (paper)
     centroid_lr_scale: float = 1.0  # neural-clustering: learning-rate multiplier of the centroids and W^C
-    # neural-clustering: training forwards of the first steps attend to every key (the clustering trains beside)
+    # neural-clustering, cluster-select: the first training forwards attend to every key (the grouping trains beside)
     dense_warmup_steps: int = 0
     # translation (task multi30k)
     decoder_attention: str | None = None  # None: the encoder's mechanism if it can decode, else full
@@ -524,8 +531,8 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     model = build_model(config, task).to(device)
     if config.dense_warmup_steps and not _dense_layers(model):
-        raise ValueError("dense_warmup_steps trains neural-clustering layers densely at first; this model has none "
-                         f"(attention={config.attention!r})")
+        raise ValueError("dense_warmup_steps trains neural-clustering or cluster-select layers densely at first; this "
+                         f"model has none (attention={config.attention!r})")
     per_epoch = task.steps_per_epoch(config.batch_size, world)
     total = min(x for x in (config.max_steps, config.epochs and config.epochs * per_epoch) if x)
     optimizer = torch.optim.AdamW(parameter_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
@@ -602,9 +609,9 @@ def _progress(run: _Run):
                 dynamic_ncols=True, file=sys.stderr)
 
 
-def _dense_layers(model: torch.nn.Module) -> list[NeuralClusteringAttention]:
+def _dense_layers(model: torch.nn.Module) -> list[InnerAttention]:
     """The attention modules that can attend densely in training (``dense_warmup_steps``)."""
-    return [m for m in model.modules() if isinstance(m, NeuralClusteringAttention)]
+    return [m for m in model.modules() if isinstance(m, InnerAttention) and m.dense_warmup]
 
 
 def _set_dense_training(model: torch.nn.Module, dense: bool) -> None:
