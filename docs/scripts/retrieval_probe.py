@@ -10,6 +10,7 @@ attention *finds* the distant key through cluster selection; the K-means here se
 this is a decoding-time selection (as ClusterKV's), not a strictly causal training-time one.
 
     python docs/scripts/retrieval_probe.py RUN_DIR [BUDGET [CLUSTERS [WINDOW]]]   # defaults 32 16 32
+    python docs/scripts/retrieval_probe.py --random RUN_DIR ...   # control: clusters ranked at random, not by q . c
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _kmeans(x: torch.Tensor, k: int, iters: int = 10) -> tuple[torch.Tensor, tor
     return assign, centroids
 
 
-def probe(run: str, budget: int, clusters: int, window: int) -> str:
+def probe(run: str, budget: int, clusters: int, window: int, random_order: bool = False) -> str:
     torch.manual_seed(0)
     state, config = load_run(run)
     task = _prepare(config, state.get("tokenizer"))
@@ -53,7 +54,10 @@ def probe(run: str, budget: int, clusters: int, window: int) -> str:
         local = earlier & (t[:, None] - t[None, :] < window)
         assign, centroids = _kmeans(k, clusters)
         member = F.one_hot(assign, clusters).to(q.dtype)  # (B, H, N keys, C)
-        order = (q @ centroids.transpose(-1, -2)).argsort(-1, descending=True)  # (B, H, N queries, C)
+        scores = q @ centroids.transpose(-1, -2)  # (B, H, N queries, C)
+        if random_order:
+            scores = torch.rand_like(scores)
+        order = scores.argsort(-1, descending=True)
         eligible = torch.einsum("qn,bhnc->bhqc", (earlier & ~local).to(q.dtype), member).gather(-1, order)
         taken_sorted = (eligible.cumsum(-1) - eligible) < budget  # a cluster is taken while the budget is not spent
         taken = torch.zeros_like(taken_sorted).scatter(-1, order, taken_sorted)
@@ -69,12 +73,16 @@ def probe(run: str, budget: int, clusters: int, window: int) -> str:
     accuracy = (predictions == test.targets[: len(ids)].gather(1, queries)).float().mean()
     rows = torch.arange(len(ids))[:, None]
     recalls = [float(a[rows, :, queries, sources].float().mean()) for a in allowed_by_layer]
-    return (f"window {window} + clusters up to {budget} keys of {clusters}: accuracy {float(accuracy):.3f}, key recall "
+    return (f"window {window} + clusters up to {budget} keys of {clusters}{' (random order)' if random_order else ''}: "
+            f"accuracy {float(accuracy):.3f}, key recall "
             + " / ".join(f"{r:.2f}" for r in recalls))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    random_order = args[:1] == ["--random"]
+    args = args[1:] if random_order else args
+    if not args:
         sys.exit(__doc__)
-    numbers = [int(a) for a in sys.argv[2:]] + [32, 16, 32][len(sys.argv) - 2:]
-    print(probe(sys.argv[1], *numbers[:3]))
+    numbers = [int(a) for a in args[1:]] + [32, 16, 32][len(args) - 1:]
+    print(probe(args[0], *numbers[:3], random_order=random_order))
