@@ -1,0 +1,61 @@
+"""What a trained ``cluster-select`` MQAR model's layers do with a query's value (issue #31, §3).
+
+For each cluster-select layer of a trained ``train --task mqar --attention cluster-select`` run, on the first test
+sequences: the share of the keys in each head's largest clusters, and how often the query *selects* the cluster that
+holds the value it needs (the key recall of the run's ``metrics.json`` adds whether the value is also among the
+cluster's keys the query reads). A random choice of ``select`` clusters of C gives select / C.
+
+    python docs/scripts/selection_probe.py RUN_DIR [RUN_DIR ...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from clusterformer.attention import ClusterSelectAttention, record_groups
+from clusterformer.train.loop import _prepare, build_model, load_run
+
+SEQUENCES = 64
+
+
+def selection_probe(run: str) -> list[str]:
+    state, config = load_run(run)
+    task = _prepare(config, state.get("tokenizer"))
+    model = build_model(config, task)
+    model.load_state_dict(state["model"])
+    model.eval()
+    test = task.test
+    ids, queries, sources = test.ids[:SEQUENCES], test.queries[:SEQUENCES], test.sources[:SEQUENCES]
+    selections = {}
+    for module in model.modules():
+        if isinstance(module, ClusterSelectAttention):
+            def keep(q, module=module, original=module._select):
+                selections[module] = original(q)
+                return selections[module]
+            module._select = keep
+    with torch.no_grad(), record_groups() as groups:
+        model(ids)
+    rows = torch.arange(ids.shape[0]).unsqueeze(1)
+    lines = []
+    for layer, (module, g) in enumerate(groups.items()):  # g: (B, H, N) key clusters
+        C, S = module.options.num_clusters, module.options.select
+        shares = [torch.bincount(g[:, h].reshape(-1), minlength=C).sort(descending=True).values[:3] / g[:, h].numel()
+                  for h in range(g.shape[1])]
+        value_cluster = g.permute(0, 2, 1)[rows, sources]  # (B, Q, H)
+        chosen = selections[module].permute(0, 2, 1, 3)[rows, queries]  # (B, Q, H, S)
+        hit = (chosen == value_cluster.unsqueeze(-1)).any(-1).float().mean()
+        lines.append(f"layer {layer}: largest key clusters per head "
+                     + ", ".join("/".join(f"{float(x):.2f}" for x in s) for s in shares)
+                     + f"; the query selects its value's cluster {float(hit):.2f} (random: {S / C:.2f})")
+    return lines
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    for path in sys.argv[1:]:
+        print(path)
+        for line in selection_probe(path):
+            print("  " + line)
