@@ -20,6 +20,7 @@ import sys
 import torch
 
 from clusterformer.attention import record_groups
+from clusterformer.train import load_trained
 from clusterformer.train.loop import _prepare, build_model, load_run
 
 SEQUENCES = 64
@@ -60,11 +61,7 @@ def assignments(run: str) -> list[str]:
 
     from clusterformer.attention import NeuralClusteringAttention
 
-    state, config = load_run(run)
-    task = _prepare(config, state.get("tokenizer"))
-    model = build_model(config, task)
-    model.load_state_dict(state["model"])
-    model.eval()
+    model, task, _, _ = load_trained(run)
     test = task.test
     ids, queries, sources = test.ids[:SEQUENCES], test.queries[:SEQUENCES], test.sources[:SEQUENCES]
     caught = []

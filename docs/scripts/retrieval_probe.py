@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from clusterformer.attention.full import FullAttention
-from clusterformer.train.loop import _prepare, build_model, load_run
+from clusterformer.train import load_trained
 
 SEQUENCES = 128
 
@@ -38,11 +38,7 @@ def _kmeans(x: torch.Tensor, k: int, iters: int = 10) -> tuple[torch.Tensor, tor
 
 def probe(run: str, budget: int, clusters: int, window: int, random_order: bool = False) -> str:
     torch.manual_seed(0)
-    state, config = load_run(run)
-    task = _prepare(config, state.get("tokenizer"))
-    model = build_model(config, task)
-    model.load_state_dict(state["model"])
-    model.eval()
+    model, task, _, _ = load_trained(run)
     test = task.test
     ids, queries, sources = test.ids[:SEQUENCES], test.queries[:SEQUENCES], test.sources[:SEQUENCES]
     allowed_by_layer = []

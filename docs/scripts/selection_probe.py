@@ -15,17 +15,13 @@ import sys
 import torch
 
 from clusterformer.attention import ClusterSelectAttention, record_groups
-from clusterformer.train.loop import _prepare, build_model, load_run
+from clusterformer.train import load_trained
 
 SEQUENCES = 64
 
 
 def selection_probe(run: str) -> list[str]:
-    state, config = load_run(run)
-    task = _prepare(config, state.get("tokenizer"))
-    model = build_model(config, task)
-    model.load_state_dict(state["model"])
-    model.eval()
+    model, task, _, _ = load_trained(run)
     test = task.test
     ids, queries, sources = test.ids[:SEQUENCES], test.queries[:SEQUENCES], test.sources[:SEQUENCES]
     selections = {}

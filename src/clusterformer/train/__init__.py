@@ -1,7 +1,7 @@
 """Training on the papers' tasks: ``clusterformer train`` / ``clusterformer eval``."""
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .loop import TrainConfig, evaluate_checkpoint, run_training
+from .loop import TrainConfig, evaluate_checkpoint, load_trained, run_training
 from .tasks import TASKS, Batch, ClassificationTask, Examples, LanguageModelTask, Task, prepare_task, ranking_metrics
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "TrainConfig",
     "evaluate_checkpoint",
     "load_checkpoint",
+    "load_trained",
     "prepare_task",
     "ranking_metrics",
     "run_training",

@@ -714,14 +714,22 @@ def load_run(path: str | Path) -> tuple[dict[str, Any], TrainConfig]:
     return state, TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
 
 
-def evaluate_checkpoint(path: str | Path, data_dir: str | None = None, device: str = "auto") -> dict:
-    """Rebuild the model of a checkpoint (directory or file) and evaluate it on its task's test split."""
+def load_trained(path: str | Path, data_dir: str | None = None, device: str = "cpu"
+                 ) -> tuple[torch.nn.Module, Task, TrainConfig, int]:
+    """The model of a checkpoint (run directory or file) with its trained weights, in evaluation mode on ``device``
+    ("auto": CUDA when there is one), its prepared task, its config and its step."""
     state, config = load_run(path)
     if data_dir is not None:
         config.data_dir = data_dir
-    task = _prepare(config, tokenizer_state=state["tokenizer"])
-    dev = _device(device, 0)
-    model = build_model(config, task).to(dev)
+    task = _prepare(config, tokenizer_state=state.get("tokenizer"))
+    model = build_model(config, task).to(_device(device, 0))
     model.load_state_dict(state["model"])
-    return {"task": task.name, "attention": config.attention, "step": state["step"],
+    return model.eval(), task, config, state["step"]
+
+
+def evaluate_checkpoint(path: str | Path, data_dir: str | None = None, device: str = "auto") -> dict:
+    """Rebuild the model of a checkpoint (directory or file) and evaluate it on its task's test split."""
+    model, task, config, step = load_trained(path, data_dir, device)
+    dev = next(model.parameters()).device
+    return {"task": task.name, "attention": config.attention, "step": step,
             "metrics": evaluate(model, task, config, dev)}
