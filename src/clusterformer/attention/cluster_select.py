@@ -64,7 +64,7 @@ class ClusterSelectOptions(SeededOptions):
             number drawn per forward from the layer's generator (so they do not depend on the batch or on later
             tokens; evaluation, re-seeded, is deterministic).
         kernel: "auto" (default), "gather" or "dense-mask": how the same keys are attended
-            (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 4 M,
+            (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 16 M,
             M = window + select * cluster_keys.
     """
 
