@@ -39,14 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_int
-from ..clustering.kmeans import ema_centroid_update
-from ..distributed import all_reduce_sum
 from ..ops.decode import SelectionCache
 from ..ops.masks import dense_allowed, masked_sdpa, real_tokens
 from ..ops.selected import KERNELS, selected_cluster_attention
-from .aux import publish_groups, publish_losses
+from .aux import publish_groups
 from .base import InnerAttention, SeededOptions
 from .registry import register
+from .routing import follow_tokens
 
 
 @dataclass(frozen=True)
@@ -124,23 +123,15 @@ class ClusterSelectAttention(InnerAttention):
         if self.updates_state():
             self.apply_pending_updates()
         o = self.options
-        B, H, N, D = q.shape
+        B, H, N, _ = q.shape
         unit = F.normalize(k, dim=-1)
-        mu = self.centroids.to(q.dtype)
-        ids = self._assign(k)  # (B, H, N) key clusters
+        ids = self._nearest(unit)  # (B, H, N) key clusters
         real = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N)
         publish_groups(self, ids)
-        weight = real.to(q.dtype)
-        gap = (unit - mu[torch.arange(H, device=q.device)[None, :, None], ids]).pow(2).sum(-1)
-        publish_losses({"commitment": (gap * weight).sum() / weight.sum().clamp(min=1)})
-        if self.updates_state():
-            self.pending["centroids"] = ema_centroid_update(
-                self.centroids, unit.detach().transpose(0, 1).reshape(H, B * N, D),
-                ids.transpose(0, 1).reshape(H, B * N), decay=o.decay,
-                valid=real.transpose(0, 1).reshape(H, B * N), reduce=all_reduce_sum,
-            )
+        follow_tokens(self, unit, ids, real, o.decay)  # the commitment loss and the EMA centroids, as routing's
         if self.dense_training and self.training:  # train --dense-warmup-steps
-            return masked_sdpa(q, k, v, dense_allowed(real[:, 0].logical_not(), causal), dropout_p=self.dropout_p)
+            padding = key_padding_mask if key_padding_mask is not None else ~real[:, 0]
+            return masked_sdpa(q, k, v, dense_allowed(padding, causal), dropout_p=self.dropout_p)
         selected = self._select(q) if o.selection == "scores" else self._random_selection(B, H, N, q.device)
         key_ids = ids.masked_fill(~real, o.num_clusters)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
@@ -148,10 +139,13 @@ class ClusterSelectAttention(InnerAttention):
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
                                           kernel=o.kernel)
 
+    def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
+        """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid."""
+        return torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
+
     def _assign(self, k: torch.Tensor) -> torch.Tensor:
-        """Keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid of the unit key."""
-        unit = F.normalize(k, dim=-1).detach()
-        return torch.einsum("bh...d,hcd->bh...c", unit, self.centroids.to(k.dtype)).argmax(-1)
+        """Keys (B, H, ..., D) -> their clusters (B, H, ...)."""
+        return self._nearest(F.normalize(k, dim=-1))
 
     def _select(self, q: torch.Tensor) -> torch.Tensor:
         """Queries (B, H, ..., D) -> the ``select`` clusters of largest q . mu, (B, H, ..., S)."""

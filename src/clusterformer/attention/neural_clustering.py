@@ -87,7 +87,7 @@ from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
 from ..ops.layouts import cluster_causal_layout, sorted_layout
-from ..ops.masks import real_lengths
+from ..ops.masks import dense_allowed, masked_sdpa, real_lengths, self_only_when_alone
 from ..ops.windows import windowed_attention, windowed_attention_lse
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, QKVProjection, SeededOptions
@@ -361,19 +361,12 @@ class NeuralClusteringAttention(InnerAttention):
         when it has no other), one SDPA call with a boolean mask: (B, N, H, D). A query without keys gets 0."""
         B, N, _ = x.shape
         q, k, v = projection.qkv(x)  # (B, H, N, D)
-        k = self._keys(k)
-        allowed = torch.ones(B, 1, N, N, dtype=torch.bool, device=x.device)
-        if key_padding_mask is not None:
-            allowed = allowed & ~key_padding_mask[:, None, None, :]
-        if causal:
-            allowed = allowed & torch.ones(N, N, dtype=torch.bool, device=x.device).tril()
+        padding = key_padding_mask if key_padding_mask is not None else torch.zeros(B, N, dtype=torch.bool,
+                                                                                     device=x.device)
+        allowed = dense_allowed(padding, causal)
         if self.shared_qk:
-            others = allowed & ~torch.eye(N, dtype=torch.bool, device=x.device)
-            allowed = torch.where(others.any(-1, keepdim=True), others, allowed)
-        empty = ~allowed.any(-1, keepdim=True)  # (B, 1, N, 1): padded queries under left padding and a causal mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty,
-                                             dropout_p=self.dropout_p)
-        return out.masked_fill(empty, 0.0).transpose(1, 2)
+            allowed = self_only_when_alone(allowed.expand(B, 1, N, N), torch.eye(N, dtype=torch.bool, device=x.device))
+        return masked_sdpa(q, self._keys(k), v, allowed, dropout_p=self.dropout_p).transpose(1, 2)
 
     def _with_local_window(self, x, projection, layout, causal, strict, key_padding_mask):
         """The cluster chunks joined with the local blocks (``local_window``), each key once, in one softmax:

@@ -71,6 +71,25 @@ class RoutingOptions(BucketOptions):
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
 
 
+def follow_tokens(module: InnerAttention, unit: torch.Tensor, ids: torch.Tensor, real: torch.Tensor,
+                  decay: float) -> None:
+    """Steps 4-5 of the module docstring, shared with ``"cluster-select"``: publish the commitment loss (the mean
+    over real tokens and heads of ||u - mu_id||^2) and, in a training forward, keep the EMA update of
+    ``module.centroids`` (H, k, D) pending, summed over DDP ranks. unit (B, H, N, D) unit vectors, ids (B, H, N),
+    real (B, H, N) bool."""
+    B, H, N, D = unit.shape
+    mu = module.centroids.to(unit.dtype)
+    weight = real.to(unit.dtype)
+    gap = (unit - mu[torch.arange(H, device=unit.device)[None, :, None], ids]).pow(2).sum(-1)
+    publish_losses({"commitment": (gap * weight).sum() / weight.sum().clamp(min=1)})
+    if module.updates_state():
+        module.pending["centroids"] = ema_centroid_update(
+            module.centroids, unit.detach().transpose(0, 1).reshape(H, B * N, D),
+            ids.transpose(0, 1).reshape(H, B * N), decay=decay, valid=real.transpose(0, 1).reshape(H, B * N),
+            reduce=all_reduce_sum,
+        )
+
+
 @register("routing", RoutingOptions, "Routing Transformer: EMA k-means on shared QK, sorted chunks; O(N k + N w)")
 class RoutingAttention(InnerAttention):
     shared_qk = True
@@ -86,20 +105,12 @@ class RoutingAttention(InnerAttention):
                 key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         if self.updates_state():
             self.apply_pending_updates()
-        B, H, N, D = q.shape  # q is k (shared QK)
+        B, H, N, _ = q.shape  # q is k (shared QK)
         unit = F.normalize(q, dim=-1)
-        mu = self.centroids.to(q.dtype)
         ids = self._route(unit)  # (B, H, N)
         publish_groups(self, ids)
-        weight = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].to(q.dtype).expand(B, H, N)
-        gap = (unit - mu[torch.arange(H, device=q.device)[None, :, None], ids]).pow(2).sum(-1)
-        publish_losses({"commitment": (gap * weight).sum() / weight.sum().clamp(min=1)})
-        if self.updates_state():
-            points = unit.detach().transpose(0, 1).reshape(H, B * N, D)
-            self.pending["centroids"] = ema_centroid_update(
-                self.centroids, points, ids.transpose(0, 1).reshape(H, B * N), decay=self.options.decay,
-                valid=weight.transpose(0, 1).reshape(H, B * N) > 0, reduce=all_reduce_sum,
-            )
+        follow_tokens(self, unit, ids, real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N),
+                      self.options.decay)
         return bucketed_attention(
             q, v, ids.unsqueeze(2), min(self.options.chunk_for(causal), max(N, 1)),
             num_buckets=self.options.num_clusters, look_back=self.options.look_back, causal=causal,

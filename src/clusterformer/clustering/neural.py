@@ -138,14 +138,11 @@ def neural_clustering(
         # Eq. 4: I_j = argmax_i U_ij = argmax_i (score_ij - logsumexp_j' score_ij'). No gradient: the
         # assignment is a hard argmax in the paper too, and the temporaries are freed at once.
         with torch.no_grad():
-            if assign == "subordinate":
-                relative = scores - torch.logsumexp(scores, dim=1, keepdim=True)
+            if assign in ("subordinate", "prefix"):  # normalised over every position, or over positions 0..j
+                normaliser = (torch.logsumexp(scores, dim=1, keepdim=True) if assign == "subordinate"
+                              else torch.logcumsumexp(scores, dim=1))  # padding and unused centroids: -inf
+                relative = scores - normaliser
                 if unused is not None:  # -inf - -inf is NaN: take unused centroids out of the argmax again
-                    relative = relative.masked_fill(unused, float("-inf"))
-                ids = relative.argmax(dim=-1)
-            elif assign == "prefix":  # log-sum-exps over positions 0..j (padding and unused centroids: -inf)
-                relative = scores - torch.logcumsumexp(scores, dim=1)
-                if unused is not None:
                     relative = relative.masked_fill(unused, float("-inf"))
                 ids = relative.argmax(dim=-1)
             else:  # a token's positive norm and the scale do not change its argmax: the same as nearest_centroid
