@@ -253,6 +253,8 @@ def _run_ddp(argv: list[str]) -> None:
     # stateful: EMA centroids (all-reduced statistics), commitment loss on
     ("routing", '{"window_size": 4, "num_clusters": 3, "decay": 0.5}', []),
     ("kmeans", '{"bucket_size": 4, "num_clusters": 3, "decay": 0.5}', []),
+    ("cluster-select", '{"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "decay": 0.5}',
+     ["--dense-warmup-steps", "3"]),  # EMA key centroids; dense, then selected steps
     # stateful: memory bank gathered from both ranks, centroids recomputed every 3 steps
     ("cluster-former", '{"window": 4, "stride": 2, "num_clusters": 3, "update_every": 3}', []),
     # reversible blocks (nested recompute in the backward) with a stateful mechanism
