@@ -25,6 +25,9 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
     ("kmeans", {"causal_chunk_size": 5, "chunk_size": 2, "num_clusters": 4, "num_rounds": 2}),
     ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 4}),
     ("cluster-select", {"num_clusters": 4, "select": 1, "cluster_keys": 2, "window": 6}),
+    ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4, "summaries": True}),
+    ("cluster-select", {"num_clusters": 3, "select": 1, "cluster_keys": 3, "window": 2, "summaries": True,
+                        "selection": "summaries"}),
     ("sliding-window", {"window": 8, "stride": 3}),
     ("sliding-window", {"window": 6, "stride": 6}),
 ]

@@ -342,6 +342,100 @@ def test_cluster_select_matches_dense_reference(N, options, causal, kernel):
     assert "commitment" in aux
 
 
+def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
+    """Per head, (N, D) outputs of ``"cluster-select"`` with ``summaries=True``, one query at a time from the
+    definition: the window, the selected clusters' nearest members outside it, and one summary per cluster of its
+    other members outside the window (mean key, mean value, logit q . mean / sqrt(D) + log n), in one softmax.
+    ``selection="summaries"`` ranks the clusters by that logit over all their members outside the window."""
+    o = layer.options
+    H, N, D = q.shape
+    outputs = []
+    for h in range(H):
+        mu = layer.inner.centroids[h]
+        ids = (F.normalize(k[h], dim=-1) @ mu.T).argmax(-1)
+        out = torch.zeros(N, D, dtype=q.dtype)
+        for t in range(N):
+            window = [j for j in (range(t - o.window + 1, t + 1) if causal else
+                                  range(t - o.window // 2, t + o.window // 2)) if 0 <= j < N and real[j]]
+            outside = [j for j in range(N) if real[j] and j not in window and (not causal or j <= t - o.window)]
+            members = {c: [j for j in outside if ids[j] == c] for c in range(o.num_clusters)}
+
+            def logit(js):
+                return float(q[h, t] @ k[h, js].mean(0)) / math.sqrt(D) + math.log(len(js))
+
+            if o.selection == "summaries":
+                ranking = torch.tensor([logit(members[c]) if members[c] else -math.inf for c in members])
+            else:
+                ranking = q[h, t] @ mu.T
+            read = list(window)
+            for c in ranking.topk(o.select).indices.tolist():
+                if causal:
+                    chosen = members[c][-o.cluster_keys:]
+                else:
+                    first = o.cluster_keys // 2
+                    before = [j for j in members[c] if j < t]
+                    chosen = (before[-first:] if first else []) + [j for j in members[c] if j > t][
+                        : o.cluster_keys - first]
+                read += chosen
+                members[c] = [j for j in members[c] if j not in chosen]
+            logits = [float(q[h, t] @ k[h, j]) / math.sqrt(D) for j in read]
+            values = [v[h, j] for j in read]
+            for js in members.values():
+                if js:
+                    logits.append(logit(js))
+                    values.append(v[h, js].mean(0))
+            if read or any(members.values()):
+                out[t] = torch.softmax(torch.tensor(logits, dtype=q.dtype), 0) @ torch.stack(values)
+        outputs.append(out)
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize(("N", "options"), [
+    (23, {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 4}),
+    (30, {"num_clusters": 5, "select": 2, "cluster_keys": 2, "window": 6}),
+    (17, {"num_clusters": 4, "select": 1, "cluster_keys": 5, "window": 2}),
+    (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
+@pytest.mark.parametrize("selection", ["scores", "summaries"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask"])
+def test_cluster_select_summaries_match_dense_reference(N, options, selection, causal, kernel):
+    """``summaries=True`` (and ``selection="summaries"``) against the softmax its definition names, one query at a
+    time: every key outside the window counts once, alone or in its cluster's summary; padding in no summary."""
+    layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection)
+    B = 3
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if N > 6:
+        pad[1, -3:] = True
+        pad[2, 2:4] = True
+    plain = _layer("cluster-select", **options, kernel=kernel)
+    plain.load_state_dict(layer.state_dict())
+    y = layer(x, key_padding_mask=pad, causal=causal)
+    for b in range(B):
+        real = ~pad[b]
+        with torch.no_grad():
+            q, k, v = _heads(layer, x[b] * real[:, None])
+            heads = _cluster_select_summaries_reference(layer, q, k, v, real, causal)
+        ref = heads.transpose(0, 1).reshape(N, layer.dim) @ layer.to_out.weight.T + layer.to_out.bias
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
+    if N > 6:
+        assert (y - plain(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "summaries must count"
+
+
+def test_cluster_select_summaries_options():
+    """Budget: the summaries are num_clusters more keys per query; ``selection="summaries"`` needs them."""
+    from clusterformer.attention.cluster_select import ClusterSelectOptions
+    options = ClusterSelectOptions(num_clusters=16, select=2, cluster_keys=8, window=16, summaries=True)
+    assert options.keys_per_query(1024) == 16 + 2 * 8 + 16
+    budget = options.for_budget(64, 1024)
+    assert ClusterSelectOptions(**{**vars(options), **budget}).keys_per_query(1024) <= 64
+    assert budget == {"window": 24, "cluster_keys": 12}
+    with pytest.raises(ValueError, match="summaries"):
+        ClusterSelectOptions(selection="summaries")
+    with pytest.raises(ValueError, match="summaries"):
+        ClusterSelectOptions(num_clusters=16, summaries=True).for_budget(18, 1024)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_cluster_select_dense_training_attends_to_every_key_and_moves_the_centroids(causal):
     """``dense_training`` (``train --dense-warmup-steps``): a training forward of cluster-select is full attention

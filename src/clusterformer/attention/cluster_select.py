@@ -20,14 +20,21 @@ trains with it from the start, strictly causal:
    do; applied at the next training forward or by :func:`clusterformer.attention.apply_pending_updates`, summed
    over DDP ranks); a commitment loss, published as ``"commitment"``, pulls the keys towards their centroids.
 
+Option ``summaries`` (NSA's compressed branch, Yuan et al. 2025, with key clusters for blocks): the query also
+reads, in the same softmax, one summary per cluster of the members outside its window that it does not read alone
+-- mean key, mean value, logit q . mean / sqrt(D) + log n -- so every cluster gets the task's gradient, selected or
+not, and ``selection="summaries"`` ranks the clusters by those logits (the clusters that would draw most weight).
+Every key outside the window then counts once, alone or inside its summary; num_clusters more keys per query.
+
 The selection is an argmax: its gradient reaches the selected keys only, as top-k attention's does. It differs from
 the own-cluster rule in that a query meets the keys that *score* highest against it at the cluster level, which is
 what a trained attention wants to read.
 
-Keys per query: window + select * cluster_keys (any length). Cost: O(N C D) for the assignment and selection,
-O(N (window + select * cluster_keys) D) for the attention (gathered keys, explicit scores), plus one sort of the
-keys per head. Groups published: the key clusters, (B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``):
-the last ``window`` keys and each cluster's last ``cluster_keys`` members outside the window, per head.
+Keys per query: window + select * cluster_keys (+ num_clusters summaries) at any length. Cost: O(N C D) for the
+assignment and selection (and the summaries: differences of one prefix sum in sorted order), O(N (window + select *
+cluster_keys) D) for the attention (gathered keys, explicit scores), plus one sort of the keys per head. Groups
+published: the key clusters, (B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``): the last ``window``
+keys, each cluster's last ``cluster_keys`` members outside the window and the sums of all its members there, per head.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import torch.nn.functional as F
 from .._checks import check_choice, check_float, check_int
 from ..ops.decode import SelectionCache
 from ..ops.masks import dense_allowed, masked_sdpa, real_tokens
-from ..ops.selected import KERNELS, selected_cluster_attention
+from ..ops.selected import KERNELS, cluster_layout, selected_cluster_attention, summary_selection
 from .aux import publish_groups
 from .base import InnerAttention, SeededOptions
 from .registry import register
@@ -62,9 +69,14 @@ class ClusterSelectOptions(SeededOptions):
             same sizes -- ``select`` distinct clusters drawn per query from a hash of its position, head and one
             number drawn per forward from the layer's generator (so they do not depend on the batch or on later
             tokens; evaluation, re-seeded, is deterministic).
+            "summaries": the clusters whose summary (below) of every member outside the window has the largest
+            logit q . mean / sqrt(D) + log n -- the clusters that would draw most weight; needs ``summaries``.
         kernel: "auto" (default), "gather" or "dense-mask": how the same keys are attended
             (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 16 M,
             M = window + select * cluster_keys.
+        summaries: also read one summary per cluster (its members outside the window that are not read alone: mean
+            key, mean value, logit + log n) in the same softmax -- NSA's compressed branch with clusters for blocks:
+            every cluster gets the task's gradient, not only the selected ones. Adds num_clusters keys per query.
     """
 
     num_clusters: int = 16
@@ -74,6 +86,7 @@ class ClusterSelectOptions(SeededOptions):
     decay: float = 0.99
     selection: str = "scores"
     kernel: str = "auto"
+    summaries: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,21 +100,29 @@ class ClusterSelectOptions(SeededOptions):
             raise ValueError(f"window must be even (window / 2 positions on each side without a causal mask); "
                              f"got {self.window}")
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        check_choice("selection", self.selection, ("scores", "random"))
+        check_choice("selection", self.selection, ("scores", "random", "summaries"))
         check_choice("kernel", self.kernel, KERNELS)
+        if not isinstance(self.summaries, bool):
+            raise ValueError(f"summaries must be a bool; got {self.summaries!r}")
+        if self.selection == "summaries" and not self.summaries:
+            raise ValueError("selection='summaries' ranks clusters by the summaries' logits: set summaries=True")
 
     def keys_per_query(self, length: int, causal: bool = False) -> int:
         check_int("length", length, minimum=1)
-        return min(length, self.window + self.select * self.cluster_keys)
+        summaries = self.num_clusters if self.summaries else 0  # each summary is one more key in the softmax
+        return min(length, self.window + self.select * self.cluster_keys + summaries)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
-        """Half the keys (rounded down to even) to the window, the rest shared by the ``select`` clusters."""
+        """The summaries' num_clusters keys first; of the rest, half (rounded down to even) to the window and the
+        others shared by the ``select`` clusters."""
         check_int("keys", keys, minimum=1)
+        if self.summaries:
+            keys -= self.num_clusters
         window = max(2, keys // 4 * 2)
         cluster_keys = (keys - window) // self.select
         if cluster_keys < 1:
             raise ValueError(f"keys={keys} leaves no key for each of the select={self.select} clusters beside a "
-                             f"window of {window}")
+                             f"window of {window}" + (f" and {self.num_clusters} summaries" if self.summaries else ""))
         return {"window": window, "cluster_keys": cluster_keys}
 
 
@@ -132,12 +153,18 @@ class ClusterSelectAttention(InnerAttention):
         if self.dense_training and self.training:  # train --dense-warmup-steps
             padding = key_padding_mask if key_padding_mask is not None else ~real[:, 0]
             return masked_sdpa(q, k, v, dense_allowed(padding, causal), dropout_p=self.dropout_p)
-        selected = self._select(q) if o.selection == "scores" else self._random_selection(B, H, N, q.device)
         key_ids = ids.masked_fill(~real, o.num_clusters)
+        layout = cluster_layout(key_ids, num_clusters=o.num_clusters, window=o.window, causal=causal)
+        if o.selection == "scores":
+            selected = self._select(q)
+        elif o.selection == "summaries":
+            selected = summary_selection(q, k, layout, o.select)
+        else:
+            selected = self._random_selection(B, H, N, q.device)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
-                                          kernel=o.kernel)
+                                          kernel=o.kernel, summaries=o.summaries, layout=layout)
 
     def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
         """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid."""
@@ -176,7 +203,10 @@ class ClusterSelectAttention(InnerAttention):
         if self.options.selection == "random":
             raise ValueError("cluster-select with selection='random' is a training ablation: it has no cached "
                              "decoding (its random clusters depend on the position); use selection='scores'")
-        return cache.append_and_attend(q_t, k_t, v_t, self._assign(k_t), self._select(q_t)), cache
+        o = self.options
+        cache.append(k_t, v_t, self._assign(k_t))
+        selected = self._select(q_t) if o.selection == "scores" else cache.summary_selection(q_t, o.select)
+        return cache.attend(q_t, selected, o.summaries), cache
 
     def extra_repr(self) -> str:
         o = self.options

@@ -30,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .layouts import group_ranks
 from .masks import real_lengths
@@ -49,11 +50,13 @@ def check_right_padded(key_padding_mask: torch.Tensor | None) -> None:
 
 
 def attend_allowed(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per row against its own keys. q (..., D), keys/values (..., S, D), allowed (..., S) bool. Returns
-    (out (..., D), log-sum-exp of the scaled scores (...,)); a row with no allowed key gets out 0 and lse -inf (what
-    :func:`merge_attention` reads as an empty set)."""
+                   scale: float, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per row against its own keys. q (..., D), keys/values (..., S, D), allowed (..., S) bool, bias
+    (..., S) added to the scaled scores. Returns (out (..., D), log-sum-exp of the scores (...,)); a row with no
+    allowed key gets out 0 and lse -inf (what :func:`merge_attention` reads as an empty set)."""
     scores = (keys @ (q * scale).unsqueeze(-1)).squeeze(-1)  # (..., S)
+    if bias is not None:
+        scores = scores + bias.masked_fill(~allowed, 0.0)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # empty row: exp(-inf) = 0
@@ -366,11 +369,13 @@ class SelectionCache(DecodeCache):
     """``"cluster-select"``: per (sequence, head) the last ``window`` keys/values with their clusters, and per
     cluster the last ``cluster_keys`` members that have left the window -- all that a query at the next position
     can read (:mod:`clusterformer.ops.selected`). Position p sits in window slot p % window; a cluster's member of
-    rank r in slot r % cluster_keys.
+    rank r in slot r % cluster_keys. The sums of every member that left the window give the cluster summaries
+    (``summaries=True``): the ring's members taken out for a selected cluster.
 
     Attributes:
         window_keys, window_values: (B, H, window, D); window_ids: (B, H, window) long cluster ids, -1 for none.
         ring_keys, ring_values: (B, H, C, cluster_keys, D); counts: (B, H, C) long, members that left the window.
+        key_sums, value_sums: (B, H, C, D), sums over the members that left the window.
     """
 
     window_keys: torch.Tensor
@@ -379,6 +384,8 @@ class SelectionCache(DecodeCache):
     ring_keys: torch.Tensor
     ring_values: torch.Tensor
     counts: torch.Tensor
+    key_sums: torch.Tensor
+    value_sums: torch.Tensor
 
     @classmethod
     def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
@@ -405,17 +412,18 @@ class SelectionCache(DecodeCache):
         ring_keys, ring_values = k.new_zeros(B, H, num_clusters, cluster_keys, D), v.new_zeros(
             B, H, num_clusters, cluster_keys, D)
         ring_keys[b, h, c, slot], ring_values[b, h, c, slot] = k[b, h, n], v[b, h, n]
-        return cls(lengths, window_keys, window_values, window_ids, ring_keys, ring_values, counts)
+        members = F.one_hot(grouped, num_clusters + 1)[..., :num_clusters].to(k.dtype)  # (B, H, N, C), gone only
+        key_sums, value_sums = members.transpose(2, 3) @ k, members.transpose(2, 3) @ v
+        return cls(lengths, window_keys, window_values, window_ids, ring_keys, ring_values, counts, key_sums,
+                   value_sums)
 
-    def append_and_attend(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, id_t: torch.Tensor,
-                          selected: torch.Tensor) -> torch.Tensor:
-        """The token at position ``lengths``: the key leaving the window moves to its cluster's ring, the new one
-        enters the window; then q_t (B, H, D) reads its window and the rings of ``selected`` (B, H, S) clusters.
-        id_t: (B, H) the new key's cluster. Returns (B, H, D)."""
-        B, H, W, D = self.window_keys.shape
+    def append(self, k_t: torch.Tensor, v_t: torch.Tensor, id_t: torch.Tensor) -> None:
+        """The token at position ``lengths``: the key leaving the window moves to its cluster's ring (and sums), the
+        new one, k_t, v_t (B, H, D) of cluster id_t (B, H), enters the window."""
+        B, H, W = self.window_keys.shape[:3]
         w = self.ring_keys.shape[3]
-        b = torch.arange(B, device=q_t.device)[:, None]
-        h = torch.arange(H, device=q_t.device)[None, :]
+        b = torch.arange(B, device=k_t.device)[:, None]
+        h = torch.arange(H, device=k_t.device)[None, :]
         out_slot = (self.lengths % W)[:, None].expand(B, H)  # the slot of position t - W, which t takes over
         leaving = self.window_ids[b, h, out_slot]  # (B, H), -1 while the window is not full
         moves = leaving >= 0
@@ -427,9 +435,42 @@ class SelectionCache(DecodeCache):
         self.ring_values[b, h, c, ring_slot] = torch.where(moves[..., None], self.window_values[b, h, out_slot],
                                                            keep_v)
         self.counts[b, h, c] = rank + moves.long()
+        gone = moves[..., None].to(k_t.dtype)
+        self.key_sums[b, h, c] += gone * self.window_keys[b, h, out_slot]
+        self.value_sums[b, h, c] += gone * self.window_values[b, h, out_slot]
         self.window_keys[b, h, out_slot], self.window_values[b, h, out_slot] = k_t, v_t
         self.window_ids[b, h, out_slot] = id_t
         self.lengths = self.lengths + 1
+
+    def summaries(self, selected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per cluster, the mean key and value (B, H, C, D) of the members that left the window, less the ring of
+        each ``selected`` (B, H, S) cluster (read alone; ``None``: nothing taken out), and log n (B, H, C), -inf
+        where n = 0 (:func:`clusterformer.ops.selected.cluster_summaries`, one position)."""
+        key_sums, value_sums, count = self.key_sums, self.value_sums, self.counts
+        if selected is not None:
+            w = self.ring_keys.shape[3]
+            taken = torch.zeros_like(count).scatter(-1, selected, 1).bool()  # (B, H, C)
+            key_sums = key_sums - self.ring_keys.sum(3) * taken[..., None]  # unfilled ring slots hold zeros
+            value_sums = value_sums - self.ring_values.sum(3) * taken[..., None]
+            count = count - count.clamp(max=w) * taken
+        n = count.clamp(min=1).unsqueeze(-1).to(key_sums.dtype)
+        log_n = torch.where(count > 0, count.clamp(min=1).to(key_sums.dtype).log(), float("-inf"))
+        return key_sums / n, value_sums / n, log_n
+
+    def summary_selection(self, q_t: torch.Tensor, select: int) -> torch.Tensor:
+        """The ``select`` clusters (B, H, S) whose summary of every member outside the window has the largest logit
+        for q_t (B, H, D) (:func:`clusterformer.ops.selected.summary_selection`)."""
+        keys, _, log_n = self.summaries(None)
+        logits = (keys @ (q_t * q_t.shape[-1] ** -0.5).unsqueeze(-1)).squeeze(-1) + log_n
+        return logits.topk(select, dim=-1).indices
+
+    def attend(self, q_t: torch.Tensor, selected: torch.Tensor, summaries: bool = False) -> torch.Tensor:
+        """q_t (B, H, D) reads its window and the rings of ``selected`` (B, H, S) clusters (and, with
+        ``summaries``, every cluster's summary of the rest). Returns (B, H, D)."""
+        B, H, _, D = self.window_keys.shape
+        w = self.ring_keys.shape[3]
+        b = torch.arange(B, device=q_t.device)[:, None]
+        h = torch.arange(H, device=q_t.device)[None, :]
         S = selected.shape[-1]
         keys = torch.cat([self.ring_keys[b[..., None], h[..., None], selected].reshape(B, H, S * w, D),
                           self.window_keys], dim=2)
@@ -437,4 +478,10 @@ class SelectionCache(DecodeCache):
                             self.window_values], dim=2)
         filled = torch.arange(w, device=q_t.device) < self.counts[b[..., None], h[..., None], selected].unsqueeze(-1)
         allowed = torch.cat([filled.reshape(B, H, S * w), self.window_ids >= 0], dim=2)
-        return attend_allowed(q_t, keys, values, allowed, D ** -0.5)[0]
+        out, lse = attend_allowed(q_t, keys, values, allowed, D ** -0.5)
+        if not summaries:
+            return out
+        summary_keys, summary_values, log_n = self.summaries(selected)
+        out_s, lse_s = attend_allowed(q_t, summary_keys, summary_values, log_n > float("-inf"), D ** -0.5,
+                                      bias=log_n)
+        return merge_attention(out, lse, out_s, lse_s)
