@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from .._checks import check_choice, check_float, check_int
 from ..ops.decode import SelectionCache
 from ..ops.masks import dense_allowed, masked_sdpa, real_tokens
-from ..ops.selected import KERNELS, cluster_layout, selected_cluster_attention, summary_selection
+from ..ops.selected import KERNELS, cluster_layout, selected_cluster_attention, summary_selection, use_dense_mask
 from .aux import publish_groups
 from .base import InnerAttention, SeededOptions
 from .registry import register
@@ -158,7 +158,9 @@ class ClusterSelectAttention(InnerAttention):
         if o.selection == "scores":
             selected = self._select(q)
         elif o.selection == "summaries":
-            selected = summary_selection(q, k, layout, o.select)
+            dense = use_dense_mask(o.kernel, N, o.window + o.select * o.cluster_keys)
+            selected = summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
+                                         dense=dense)
         else:
             selected = self._random_selection(B, H, N, q.device)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,

@@ -33,7 +33,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cluster_summaries", "selected_cluster_attention", "selected_positions", "summary_selection"]
+__all__ = ["cluster_layout", "cluster_summaries", "selected_cluster_attention", "selected_positions",
+           "summary_selection", "use_dense_mask"]
 
 
 class ClusterLayout(NamedTuple):
@@ -143,19 +144,48 @@ def cluster_summaries(
         upto_lower, first, last, from_upper = prefix.gather(2, index).view(B, H, 4, N, C, D).unbind(2)
         return (upto_lower - first) + (last - from_upper)
 
-    n = count.clamp(min=1).unsqueeze(-1).to(k.dtype)
-    log_n = torch.where(count > 0, count.clamp(min=1).to(k.dtype).log(), float("-inf"))
-    return range_sums(k) / n, range_sums(v) / n, log_n
+    n = count.to(k.dtype)
+    return range_sums(k) / n.clamp(min=1).unsqueeze(-1), range_sums(v) / n.clamp(min=1).unsqueeze(-1), _log_count(n)
 
 
-def summary_selection(q: torch.Tensor, k: torch.Tensor, layout: ClusterLayout, select: int) -> torch.Tensor:
+def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
+                      select: int, window: int, causal: bool, dense: bool) -> torch.Tensor:
     """The ``select`` clusters (B, H, N, S) whose summary of every member outside the window scores highest for
     each query: q . mean / sqrt(D) + log n, the logit the summary would have in the softmax. No gradient (an
-    argmax), so only the keys enter; clusters without such members rank last."""
+    argmax); clusters without such members rank last. ``dense``: from the (N, N) scores by two matmuls (the
+    dense-mask kernel's way, :func:`use_dense_mask`), otherwise from :func:`cluster_summaries`."""
     with torch.no_grad():
-        keys, _, log_n = cluster_summaries(k.detach(), k.detach(), layout, None, cluster_keys=0, causal=True)
-        logits = torch.einsum("bhnd,bhncd->bhnc", q.detach() * q.shape[-1] ** -0.5, keys) + log_n
+        q, k = q.detach() * q.shape[-1] ** -0.5, k.detach()
+        if dense:
+            C = layout.total.shape[-1]
+            members = F.one_hot(key_ids, C + 1)[..., :C].to(q.dtype)  # (B, H, N, C); padding in none
+            outside = _outside_window(key_ids.shape[-1], window, causal, q.device).to(q.dtype)
+            n = outside @ members
+            logits = ((q @ k.transpose(-1, -2)) * outside) @ members / n.clamp(min=1) + _log_count(n)
+        else:
+            keys, _, log_n = cluster_summaries(k, k, layout, None, cluster_keys=0, causal=causal)
+            logits = torch.einsum("bhnd,bhncd->bhnc", q, keys) + log_n
     return logits.topk(select, dim=-1).indices
+
+
+def _outside_window(N: int, window: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """(N, N) bool: key j lies outside query t's window (causal: j <= t - window; otherwise j < t - window / 2 or
+    j >= t + window / 2)."""
+    offset = torch.arange(N, device=device) - torch.arange(N, device=device)[:, None]  # j - t
+    if causal:
+        return offset <= -window
+    return (offset < -(window // 2)) | (offset >= window - window // 2)
+
+
+def _log_count(n: torch.Tensor) -> torch.Tensor:
+    """log n where n > 0, -inf where n = 0 (an empty summary is not read)."""
+    return torch.where(n > 0, n.clamp(min=1).log(), float("-inf"))
+
+
+def use_dense_mask(kernel: str, length: int, keys_per_query: int) -> bool:
+    """Whether ``kernel`` attends through an (N, N) mask: "dense-mask", or "auto" while N <= 16 M (M: keys per query
+    read alone) -- on the CPU the mask was 7x faster than the gather at N = 4,096, M = 256 (docs/benchmarks.md)."""
+    return kernel == "dense-mask" or (kernel == "auto" and length <= 16 * keys_per_query)
 
 
 def _weights(scores: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -190,18 +220,12 @@ def selected_cluster_attention(
                                             layout=layout)
     M = positions.shape[-1]
     scale = D ** -0.5
-    if summaries:
-        summary_keys, summary_values, log_n = cluster_summaries(k, v, layout, selected, cluster_keys=cluster_keys,
-                                                                causal=causal)
-        summary_scores = torch.einsum("bhnd,bhncd->bhnc", q * scale, summary_keys) + log_n
-    if kernel == "dense-mask" or (kernel == "auto" and N <= 16 * M):  # docs/benchmarks.md, "cluster-select"
+    if use_dense_mask(kernel, N, M):
         # scatter True at every allowed position; the entries that are not allowed go to an extra column, dropped
         index = torch.where(allowed, positions, N)
         mask = torch.zeros(B, H, N, N + 1, dtype=torch.bool, device=q.device).scatter_(-1, index, True)[..., :N]
-        if summaries:  # explicit scores: the summaries join the same softmax
-            scores = (q * scale @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
-            weights = _weights(torch.cat([scores, summary_scores], dim=-1), dropout_p)
-            return weights[..., :N] @ v + torch.einsum("bhnc,bhncd->bhnd", weights[..., N:], summary_values)
+        if summaries:
+            return _dense_with_summaries(q * scale, k, v, key_ids, mask, num_clusters, window, causal, dropout_p)
         empty = ~mask.any(-1, keepdim=True)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, dropout_p=dropout_p)
         return out.masked_fill(empty, 0.0)
@@ -210,6 +234,26 @@ def selected_cluster_attention(
     values = v.gather(2, index).view(B, H, N, M, D)
     scores = torch.einsum("bhnd,bhnmd->bhnm", q * scale, keys).masked_fill(~allowed, float("-inf"))
     if summaries:
+        summary_keys, summary_values, log_n = cluster_summaries(k, v, layout, selected, cluster_keys=cluster_keys,
+                                                                causal=causal)
+        summary_scores = torch.einsum("bhnd,bhncd->bhnc", q * scale, summary_keys) + log_n
         scores = torch.cat([scores, summary_scores], dim=-1)
         values = torch.cat([values, summary_values], dim=3)
     return torch.einsum("bhnm,bhnmd->bhnd", _weights(scores, dropout_p), values)
+
+
+def _dense_with_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, mask: torch.Tensor,
+                          num_clusters: int, window: int, causal: bool, dropout_p: float) -> torch.Tensor:
+    """The dense-mask kernel with cluster summaries, by matmuls: ``rest`` (B, H, N, N) marks the keys each summary
+    holds (outside the window, real, not read alone); with the one-hot clusters O (B, H, N, C), n = rest O and
+    q . sum = (scores * rest) O. A summary's weight w spreads over its members as w / n, so the output is one
+    (N, N) x (N, D) product. q is already scaled."""
+    N = q.shape[2]
+    members = F.one_hot(key_ids, num_clusters + 1)[..., :num_clusters].to(q.dtype)  # padding: in no cluster
+    rest = (_outside_window(N, window, causal, q.device) & ~mask & (key_ids < num_clusters).unsqueeze(2)).to(q.dtype)
+    scores = q @ k.transpose(-1, -2)
+    n = rest @ members  # (B, H, N, C)
+    summary_scores = (scores * rest) @ members / n.clamp(min=1) + _log_count(n)
+    weights = _weights(torch.cat([scores.masked_fill(~mask, float("-inf")), summary_scores], dim=-1), dropout_p)
+    spread = (weights[..., N:] / n.clamp(min=1)) @ members.transpose(-1, -2) * rest  # each member's share
+    return (weights[..., :N] + spread) @ v
