@@ -346,13 +346,15 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     """Per head, (N, D) outputs of ``"cluster-select"`` with ``summaries=True``, one query at a time from the
     definition: the window, the selected clusters' nearest members outside it, and one summary per cluster of its
     other members outside the window (mean key, mean value, logit q . mean / sqrt(D) + log n), in one softmax.
-    ``selection="summaries"`` ranks the clusters by that logit over all their members outside the window."""
+    ``selection="summaries"`` ranks the clusters by that logit over all their members outside the window;
+    ``grouping="position"`` puts position j in group (j // cluster_keys) mod num_clusters."""
     o = layer.options
     H, N, D = q.shape
     outputs = []
     for h in range(H):
         mu = layer.inner.centroids[h]
-        ids = (F.normalize(k[h], dim=-1) @ mu.T).argmax(-1)
+        ids = ((F.normalize(k[h], dim=-1) @ mu.T).argmax(-1) if o.grouping == "kmeans" else
+               torch.arange(N) // o.cluster_keys % o.num_clusters)  # grouping="position": pages
         out = torch.zeros(N, D, dtype=q.dtype)
         for t in range(N):
             window = [j for j in (range(t - o.window + 1, t + 1) if causal else
@@ -395,20 +397,24 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     (30, {"num_clusters": 5, "select": 2, "cluster_keys": 2, "window": 6}),
     (17, {"num_clusters": 4, "select": 1, "cluster_keys": 5, "window": 2}),
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
-@pytest.mark.parametrize("selection", ["scores", "summaries"])
+@pytest.mark.parametrize(("selection", "grouping"), [("scores", "kmeans"), ("summaries", "kmeans"),
+                                                    ("summaries", "position")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask"])
-def test_cluster_select_summaries_match_dense_reference(N, options, selection, causal, kernel):
-    """``summaries=True`` (and ``selection="summaries"``) against the softmax its definition names, one query at a
-    time: every key outside the window counts once, alone or in its cluster's summary; padding in no summary."""
-    layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection)
+def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel):
+    """``summaries=True`` (and ``selection="summaries"``, ``grouping="position"``) against the softmax its
+    definition names, one query at a time: every key outside the window counts once, alone or in its cluster's
+    summary; padding in no summary."""
+    layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
+                   grouping=grouping)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)
     if N > 6:
         pad[1, -3:] = True
         pad[2, 2:4] = True
-    plain = _layer("cluster-select", **options, kernel=kernel)
+    plain = _layer("cluster-select", **options, kernel=kernel, grouping=grouping,
+                   selection="random" if grouping == "position" else "scores")
     plain.load_state_dict(layer.state_dict())
     y = layer(x, key_padding_mask=pad, causal=causal)
     for b in range(B):
@@ -432,6 +438,10 @@ def test_cluster_select_summaries_options():
     assert budget == {"window": 24, "cluster_keys": 12}
     with pytest.raises(ValueError, match="summaries"):
         ClusterSelectOptions(selection="summaries")
+    with pytest.raises(ValueError, match="grouping"):
+        ClusterSelectOptions(grouping="position")  # selection="scores" needs trained centroids
+    with pytest.raises(ValueError, match="grouping"):
+        ClusterSelectOptions(grouping="pages", summaries=True, selection="summaries")
     with pytest.raises(ValueError, match="summaries"):
         ClusterSelectOptions(num_clusters=16, summaries=True).for_budget(18, 1024)
 

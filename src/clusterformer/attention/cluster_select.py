@@ -49,7 +49,7 @@ from .._checks import check_choice, check_float, check_int
 from ..ops.decode import SelectionCache
 from ..ops.masks import dense_allowed, masked_sdpa, real_tokens
 from ..ops.selected import KERNELS, cluster_layout, selected_cluster_attention, summary_selection, use_dense_mask
-from .aux import publish_groups
+from .aux import publish_groups, publish_losses
 from .base import InnerAttention, SeededOptions
 from .registry import register
 from .routing import follow_tokens
@@ -74,6 +74,10 @@ class ClusterSelectOptions(SeededOptions):
         kernel: "auto" (default), "gather" or "dense-mask": how the same keys are attended
             (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 16 M,
             M = window + select * cluster_keys.
+        grouping: "kmeans" (default): a key's cluster is its nearest centroid; "position": the ablation with
+            contiguous groups -- position j is in group (j // cluster_keys) mod num_clusters, pages of cluster_keys
+            positions (Quest's pages), so a selected group's most recent members are mostly one whole page. Its
+            centroids do not train (no commitment loss) and it selects by "summaries" or "random".
         summaries: also read one summary per cluster (its members outside the window that are not read alone: mean
             key, mean value, logit + log n) in the same softmax -- NSA's compressed branch with clusters for blocks:
             every cluster gets the task's gradient, not only the selected ones. Adds num_clusters keys per query.
@@ -87,6 +91,7 @@ class ClusterSelectOptions(SeededOptions):
     selection: str = "scores"
     kernel: str = "auto"
     summaries: bool = False
+    grouping: str = "kmeans"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,6 +109,10 @@ class ClusterSelectOptions(SeededOptions):
         check_choice("kernel", self.kernel, KERNELS)
         if not isinstance(self.summaries, bool):
             raise ValueError(f"summaries must be a bool; got {self.summaries!r}")
+        check_choice("grouping", self.grouping, ("kmeans", "position"))
+        if self.grouping == "position" and self.selection == "scores":
+            raise ValueError("grouping='position' has no trained centroids to score: use selection='summaries' (with "
+                             "summaries=True) or 'random'")
         if self.selection == "summaries" and not self.summaries:
             raise ValueError("selection='summaries' ranks clusters by the summaries' logits: set summaries=True")
 
@@ -145,11 +154,15 @@ class ClusterSelectAttention(InnerAttention):
             self.apply_pending_updates()
         o = self.options
         B, H, N, _ = q.shape
-        unit = F.normalize(k, dim=-1)
-        ids = self._nearest(unit)  # (B, H, N) key clusters
         real = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N)
+        if o.grouping == "position":
+            ids = self._pages(torch.arange(N, device=q.device)).expand(B, H, N)
+            publish_losses({"commitment": q.new_zeros(())})
+        else:
+            unit = F.normalize(k, dim=-1)
+            ids = self._nearest(unit)  # (B, H, N) key clusters
+            follow_tokens(self, unit, ids, real, o.decay)  # the commitment loss and the EMA centroids, as routing's
         publish_groups(self, ids)
-        follow_tokens(self, unit, ids, real, o.decay)  # the commitment loss and the EMA centroids, as routing's
         if self.dense_training and self.training:  # train --dense-warmup-steps
             padding = key_padding_mask if key_padding_mask is not None else ~real[:, 0]
             return masked_sdpa(q, k, v, dense_allowed(padding, causal), dropout_p=self.dropout_p)
@@ -171,6 +184,10 @@ class ClusterSelectAttention(InnerAttention):
     def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
         """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid."""
         return torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
+
+    def _pages(self, positions: torch.Tensor) -> torch.Tensor:
+        """grouping="position": the group of each position, (position // cluster_keys) mod num_clusters."""
+        return torch.div(positions, self.options.cluster_keys, rounding_mode="floor") % self.options.num_clusters
 
     def _assign(self, k: torch.Tensor) -> torch.Tensor:
         """Keys (B, H, ..., D) -> their clusters (B, H, ...)."""
@@ -197,8 +214,10 @@ class ClusterSelectAttention(InnerAttention):
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_padding_mask: torch.Tensor | None) -> SelectionCache:
         o = self.options
-        return SelectionCache.from_prompt(self._assign(k), k, v, key_padding_mask, o.num_clusters, o.cluster_keys,
-                                          o.window)
+        B, H, N, _ = k.shape
+        ids = self._pages(torch.arange(N, device=k.device)).expand(B, H, N) if o.grouping == "position" else (
+            self._assign(k))
+        return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.num_clusters, o.cluster_keys, o.window)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache
              ) -> tuple[torch.Tensor, SelectionCache]:
@@ -206,7 +225,9 @@ class ClusterSelectAttention(InnerAttention):
             raise ValueError("cluster-select with selection='random' is a training ablation: it has no cached "
                              "decoding (its random clusters depend on the position); use selection='scores'")
         o = self.options
-        cache.append(k_t, v_t, self._assign(k_t))
+        ids = self._pages(cache.lengths)[:, None].expand(k_t.shape[:2]) if o.grouping == "position" else self._assign(
+            k_t)
+        cache.append(k_t, v_t, ids)
         selected = self._select(q_t) if o.selection == "scores" else cache.summary_selection(q_t, o.select)
         return cache.attend(q_t, selected, o.summaries), cache
 
