@@ -27,10 +27,10 @@ def selection_probe(run: str) -> list[str]:
     selections = {}
     for module in model.modules():
         if isinstance(module, ClusterSelectAttention):
-            def keep(q, module=module, original=module._select):
-                selections[module] = original(q)
+            def keep(*args, module=module, original=module._choose):
+                selections[module] = original(*args)
                 return selections[module]
-            module._select = keep
+            module._choose = keep
     with torch.no_grad(), record_groups() as groups:
         model(ids)
     rows = torch.arange(ids.shape[0]).unsqueeze(1)

@@ -48,7 +48,14 @@ import torch.nn.functional as F
 from .._checks import check_choice, check_float, check_int
 from ..ops.decode import SelectionCache
 from ..ops.masks import dense_allowed, masked_sdpa, real_tokens
-from ..ops.selected import KERNELS, cluster_layout, selected_cluster_attention, summary_selection, use_dense_mask
+from ..ops.selected import (
+    KERNELS,
+    ClusterLayout,
+    cluster_layout,
+    selected_cluster_attention,
+    summary_selection,
+    use_dense_mask,
+)
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, SeededOptions
 from .registry import register
@@ -168,14 +175,7 @@ class ClusterSelectAttention(InnerAttention):
             return masked_sdpa(q, k, v, dense_allowed(padding, causal), dropout_p=self.dropout_p)
         key_ids = ids.masked_fill(~real, o.num_clusters)
         layout = cluster_layout(key_ids, num_clusters=o.num_clusters, window=o.window, causal=causal)
-        if o.selection == "scores":
-            selected = self._select(q)
-        elif o.selection == "summaries":
-            dense = use_dense_mask(o.kernel, N, o.window + o.select * o.cluster_keys)
-            selected = summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
-                                         dense=dense)
-        else:
-            selected = self._random_selection(B, H, N, q.device)
+        selected = self._choose(q, k, key_ids, layout, causal)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
@@ -184,6 +184,19 @@ class ClusterSelectAttention(InnerAttention):
     def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
         """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid."""
         return torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
+
+    def _choose(self, q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout,
+                causal: bool) -> torch.Tensor:
+        """The ``select`` clusters each query reads, (B, H, N, S), by the option ``selection``."""
+        o = self.options
+        B, H, N, _ = q.shape
+        if o.selection == "scores":
+            return self._select(q)
+        if o.selection == "summaries":
+            dense = use_dense_mask(o.kernel, N, o.window + o.select * o.cluster_keys)
+            return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
+                                     dense=dense)
+        return self._random_selection(B, H, N, q.device)
 
     def _pages(self, positions: torch.Tensor) -> torch.Tensor:
         """grouping="position": the group of each position, (position // cluster_keys) mod num_clusters."""
