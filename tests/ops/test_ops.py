@@ -268,3 +268,25 @@ def test_chunk_size_larger_than_the_sequence_is_clamped(causal_layout):
         a = sorted_chunk_attention(q, k, v, ids, 2048, causal=True)
         b = sorted_chunk_attention(q, k, v, ids, 4, causal=True)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_selected_cluster_attention_with_summaries_gradcheck(kernel, causal):
+    """The summaries' prefix-sum differences (gather) and matmuls (dense-mask) have the gradients of their values:
+    gradcheck in float64 with padding, on q, k and v."""
+    from clusterformer.ops import selected_cluster_attention
+    torch.manual_seed(fixed_seed())
+    B, H, N, D, C = 1, 2, 9, 3, 3
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    key_ids = torch.randint(0, C, (B, H, N))
+    key_ids[..., -1] = C  # padding
+    pad = key_ids[:, 0] == C
+    selected = torch.stack([torch.randperm(C)[:2] for _ in range(B * H * N)]).view(B, H, N, 2)
+
+    def fn(q, k, v):
+        out = selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=C, cluster_keys=1, window=2,
+                                         causal=causal, key_padding_mask=pad, kernel=kernel, summaries=True)
+        return out[:, :, :-1]
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
