@@ -354,7 +354,7 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     for h in range(H):
         mu = layer.inner.centroids[h]
         ids = ((F.normalize(k[h], dim=-1) @ mu.T).argmax(-1) if o.grouping == "kmeans" else
-               torch.arange(N) // o.cluster_keys % o.num_clusters)  # grouping="position": pages
+               torch.arange(N) // (o.page_size or o.cluster_keys) % o.num_clusters)  # grouping="position": pages
         out = torch.zeros(N, D, dtype=q.dtype)
         for t in range(N):
             window = [j for j in (range(t - o.window + 1, t + 1) if causal else
@@ -398,22 +398,24 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     (17, {"num_clusters": 4, "select": 1, "cluster_keys": 5, "window": 2}),
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize(("selection", "grouping"), [("scores", "kmeans"), ("summaries", "kmeans"),
-                                                    ("summaries", "position")])
+                                                    ("summaries", "position"), ("summaries", "position-5")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel):
     """``summaries=True`` (and ``selection="summaries"``, ``grouping="position"``) against the softmax its
     definition names, one query at a time: every key outside the window counts once, alone or in its cluster's
     summary; padding in no summary."""
+    pages = {"page_size": 5} if grouping == "position-5" else {}  # pages longer than cluster_keys
+    grouping = grouping.removesuffix("-5")
     layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
-                   grouping=grouping)
+                   grouping=grouping, **pages)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)
     if N > 6:
         pad[1, -3:] = True
         pad[2, 2:4] = True
-    plain = _layer("cluster-select", **options, kernel=kernel, grouping=grouping,
+    plain = _layer("cluster-select", **options, kernel=kernel, grouping=grouping, **pages,
                    selection="random" if grouping == "position" else "scores")
     plain.load_state_dict(layer.state_dict())
     y = layer(x, key_padding_mask=pad, causal=causal)
@@ -442,6 +444,8 @@ def test_cluster_select_summaries_options():
         ClusterSelectOptions(grouping="position")  # selection="scores" needs trained centroids
     with pytest.raises(ValueError, match="grouping"):
         ClusterSelectOptions(grouping="pages", summaries=True, selection="summaries")
+    with pytest.raises(ValueError, match="page_size"):
+        ClusterSelectOptions(page_size=8)
     with pytest.raises(ValueError, match="summaries"):
         ClusterSelectOptions(num_clusters=16, summaries=True).for_budget(18, 1024)
 

@@ -82,9 +82,12 @@ class ClusterSelectOptions(SeededOptions):
             (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 16 M,
             M = window + select * cluster_keys.
         grouping: "kmeans" (default): a key's cluster is its nearest centroid; "position": the ablation with
-            contiguous groups -- position j is in group (j // cluster_keys) mod num_clusters, pages of cluster_keys
-            positions (Quest's pages), so a selected group's most recent members are mostly one whole page. Its
-            centroids do not train (no commitment loss) and it selects by "summaries" or "random".
+            contiguous groups -- position j is in group (j // page) mod num_clusters, pages of ``page_size``
+            positions (Quest's pages). Its centroids do not train (no commitment loss) and it selects by
+            "summaries" or "random".
+        page_size: grouping="position": positions per page; 0 (default) = cluster_keys, so that a selected group's
+            most recent members are mostly one whole page. Pages wrap around after num_clusters of them: with
+            num_clusters * page_size >= N every group is one page.
         summaries: also read one summary per cluster (its members outside the window that are not read alone: mean
             key, mean value, logit + log n) in the same softmax -- NSA's compressed branch with clusters for blocks:
             every cluster gets the task's gradient, not only the selected ones. Adds num_clusters keys per query.
@@ -99,6 +102,7 @@ class ClusterSelectOptions(SeededOptions):
     kernel: str = "auto"
     summaries: bool = False
     grouping: str = "kmeans"
+    page_size: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -117,6 +121,9 @@ class ClusterSelectOptions(SeededOptions):
         if not isinstance(self.summaries, bool):
             raise ValueError(f"summaries must be a bool; got {self.summaries!r}")
         check_choice("grouping", self.grouping, ("kmeans", "position"))
+        check_int("page_size", self.page_size, minimum=0)
+        if self.page_size and self.grouping != "position":
+            raise ValueError(f"page_size={self.page_size} needs grouping='position'")
         if self.grouping == "position" and self.selection == "scores":
             raise ValueError("grouping='position' has no trained centroids to score: use selection='summaries' (with "
                              "summaries=True) or 'random'")
@@ -199,8 +206,9 @@ class ClusterSelectAttention(InnerAttention):
         return self._random_selection(B, H, N, q.device)
 
     def _pages(self, positions: torch.Tensor) -> torch.Tensor:
-        """grouping="position": the group of each position, (position // cluster_keys) mod num_clusters."""
-        return torch.div(positions, self.options.cluster_keys, rounding_mode="floor") % self.options.num_clusters
+        """grouping="position": the group of each position, (position // page) mod num_clusters."""
+        o = self.options
+        return torch.div(positions, o.page_size or o.cluster_keys, rounding_mode="floor") % o.num_clusters
 
     def _assign(self, k: torch.Tensor) -> torch.Tensor:
         """Keys (B, H, ..., D) -> their clusters (B, H, ...)."""
