@@ -92,10 +92,18 @@ def test_probe_equals_the_explicit_attention_weights():
         p = scores.softmax(-1)  # (B, H, N, N)
         expected = p[torch.arange(2).unsqueeze(1), :, queries, sources]  # (B, Q, H)
         got = attention_to_sources(layer, x, queries, sources, causal=causal)
-        assert torch.allclose(got, expected, atol=1e-12, rtol=0)
+        assert torch.allclose(got.weight, expected, atol=1e-12, rtol=0)
+        rows = p[torch.arange(2).unsqueeze(1), :, queries]  # (B, Q, H, N)
+        assert torch.equal(got.top, rows.argmax(-1) == sources.unsqueeze(-1))  # the row's largest, from softmax
         other = (sources + 1) % 37  # two acceptable keys: the weight on the pair is the sum
         pair = attention_to_sources(layer, x, queries, torch.stack([sources, other], -1), causal=causal)
-        assert torch.allclose(pair, expected + p[torch.arange(2).unsqueeze(1), :, queries, other], atol=1e-12, rtol=0)
+        either = p[torch.arange(2).unsqueeze(1), :, queries, other]
+        assert torch.allclose(pair.weight, expected + either, atol=1e-12, rtol=0)
+        argmax = rows.argmax(-1)
+        assert torch.equal(pair.top, (argmax == sources.unsqueeze(-1)) | (argmax == other.unsqueeze(-1)))
+        assert not bool(got.top.all())  # random sources: mostly not the largest ...
+        best = rows[:, :, 0].argmax(-1)  # ... and each row's largest in head 0 always is
+        assert bool(attention_to_sources(layer, x, queries, best, causal=causal).top[:, :, 0].all())
 
 
 def test_probe_on_a_hand_built_window():
@@ -107,7 +115,7 @@ def test_probe_on_a_hand_built_window():
     window = build("sliding-window", dim=8, heads=2, window=4, stride=2).eval()
     nc = build("neural-clustering", dim=8, heads=2, num_clusters=4, grouping="contiguous").eval()
     for layer, seen in ((window, set(range(6, 12))), (nc, set(range(4, 12)))):
-        weights = attention_to_sources(layer, x, torch.full((1, 16), 9), torch.arange(16).unsqueeze(0))  # (1, 16, H)
+        weights = attention_to_sources(layer, x, torch.full((1, 16), 9), torch.arange(16).unsqueeze(0)).weight
         assert {j for j in range(16) if bool((weights[0, j] > 0).all())} == seen
         assert not bool((weights[0, [j for j in range(16) if j not in seen]] > 0).any())
 
@@ -128,7 +136,7 @@ def test_probe_on_shared_qk_clustering_equals_its_dense_weights(name):
     p = scores.masked_fill(torch.eye(N, dtype=torch.bool), -math.inf).softmax(-1)  # (1, H, N, N)
     got = attention_to_sources(layer, x, torch.arange(N).repeat_interleave(N).unsqueeze(0),
                                torch.arange(N).repeat(N).unsqueeze(0))  # (1, N * N, H)
-    assert torch.allclose(got[0].view(N, N, 2).permute(2, 0, 1), p[0], atol=1e-12, rtol=0)
+    assert torch.allclose(got.weight[0].view(N, N, 2).permute(2, 0, 1), p[0], atol=1e-12, rtol=0)
 
 
 def test_key_recall_walks_every_layer_and_keeps_the_model_unchanged():
@@ -142,8 +150,9 @@ def test_key_recall_walks_every_layer_and_keeps_the_model_unchanged():
     sources = torch.tensor([[7, 2]] * 3)  # 7 is in query 9's windows, 2 is not
     result = key_recall(model, tokens, queries, sources)
     assert set(result) == {"encoder.blocks.0.attn", "encoder.blocks.1.attn"} and model.training
-    for weights in result.values():
-        assert bool((weights[:, 0] > 0).all()) and not bool((weights[:, 1] > 0).any())
+    for found in result.values():
+        assert bool((found.weight[:, 0] > 0).all()) and not bool((found.weight[:, 1] > 0).any())
+        assert not bool(found.top[:, 1].any())  # a key outside the attended set is never the largest
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     with pytest.raises(ValueError, match="sources must hold positions"):
         key_recall(model, tokens, queries, torch.full((3, 2), 16))
@@ -174,3 +183,30 @@ def test_compare_sets_one_budget_for_every_entry(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--tasks", "mr", "--attention", "lsh", "--keys-per-query", "4", "--out", str(out)])
     assert "--keys-per-query 4 for 'lsh'" in capsys.readouterr().err
+
+
+def test_probe_tells_a_key_read_as_the_answer_from_one_averaged_into_a_summary():
+    """Hand-built, causal, N = 12, q = k = x (identity projections, one head of 2 channels): key 0 scores highest
+    against query 11. Full attention gives it the row's largest weight. cluster-select with summaries (pages of 1
+    position in 2 groups, a 2-key window, 1 cluster of 1 key) selects group 0 (its summary holds key 0) and reads
+    its nearest member, key 8, alone; key 0 is averaged into the summary of {0, 2, 4, 6} with logit
+    q . mean / sqrt(2) + log 4, so its weight is e^(1 / sqrt(2)) / Z -- positive (recalled) but below key 10's."""
+    s = math.sqrt(2)
+    x = torch.zeros(1, 12, 2, dtype=torch.float64)
+    x[0, 0, 0], x[0, 10, 0], x[0, 11, 0] = 4.0, 2.0, 1.0
+    query, keys = torch.tensor([[11, 11]]), torch.tensor([[0, 10]])
+    tops = {}
+    for name, options in (("full", {}), ("cluster-select", {"summaries": True, "selection": "summaries",
+                                                             "grouping": "position", "num_clusters": 2, "select": 1,
+                                                             "cluster_keys": 1, "window": 2})):
+        layer = build(name, dim=2, heads=1, bias=False, **options).double().eval()
+        with torch.no_grad():
+            layer.to_qkv.weight.copy_(torch.eye(2, dtype=torch.float64).repeat(3, 1))
+        found = attention_to_sources(layer, x, query, keys, causal=True)
+        tops[name] = found.top[0, :, 0].tolist()
+        if name == "cluster-select":
+            # key 10 and 11 in the window, key 8 alone, the summaries of {0, 2, 4, 6} and of {1, 3, 5, 7, 9}
+            z = math.exp(2 / s) + math.exp(1 / s) + 1 + 4 * math.exp(1 / s) + 5
+            assert abs(float(found.weight[0, 0, 0]) - math.exp(1 / s) / z) < 1e-12
+            assert abs(float(found.weight[0, 1, 0]) - math.exp(2 / s) / z) < 1e-12
+    assert tops == {"full": [True, False], "cluster-select": [False, True]}

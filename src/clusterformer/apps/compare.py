@@ -340,6 +340,10 @@ def summarise(config: CompareConfig) -> dict:
             if recall:  # the recall tasks: key recall per layer, mean over units
                 rows[name]["key_recall"] = {layer: sum(u[layer]["key_recall"] for u in recall) / len(recall)
                                             for layer in recall[0]}
+                tops = [u for u in recall if all("key_top" in u[layer] for layer in u)]
+                if len(tops) == len(recall):  # runs evaluated before key_top existed have recall only
+                    rows[name]["key_top"] = {layer: sum(u[layer]["key_top"] for u in tops) / len(tops)
+                                             for layer in recall[0]}
             device_peaks = [r["peak_device_mb"] for r in runs.values() if "peak_device_mb" in r]
             if device_peaks:  # GPU runs: the accelerator's peak, the memory that limits them
                 rows[name]["peak_device_mb"] = max(device_peaks)
@@ -376,7 +380,7 @@ def summary_markdown(summary: dict) -> str:
         lines += [f"## {task} ({block['metric']}, {block['better']} is better)", "",
                   "| mechanism | keys/query | score (mean ± std, n) | Δ vs full (p) | Δ vs neural-clustering (p) | "
                   "s/epoch | time vs full | peak RSS MB |" + (" peak GPU MB |" if gpu else "")
-                  + (" key recall per layer |" if recall else ""),
+                  + (" key recall (top) per layer |" if recall else ""),
                   "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + ("---|" if recall else "")]
         for name, row in block["mechanisms"].items():
             lines.append(f"| {name} | {row.get('keys_per_query') or '—'} | {row['mean']:.4f} ± {row['std']:.4f} "
@@ -385,7 +389,7 @@ def summary_markdown(summary: dict) -> str:
                          f"{row['seconds_per_epoch']:.1f} | "
                          f"{_ratio(row.get('time_vs_full'))} | {row['peak_rss_mb']:.0f} |"
                          + (f" {row.get('peak_device_mb', math.nan):.0f} |" if gpu else "")
-                         + (f" {_recall_cell(row.get('key_recall'))} |" if recall else ""))
+                         + (f" {_recall_cell(row.get('key_recall'), row.get('key_top'))} |" if recall else ""))
         lines.append("")
     return "\n".join(lines)
 
@@ -454,9 +458,12 @@ def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def _recall_cell(recall: dict | None) -> str:
-    """Key recall per layer, in layer order: "0.12 / 0.98"."""
-    return "—" if not recall else " / ".join(f"{value:.2f}" for value in recall.values())
+def _recall_cell(recall: dict | None, top: dict | None = None) -> str:
+    """Key recall per layer, in layer order, with the share where the needed key has the largest weight in
+    brackets when the runs measured it: "0.12 (0.05) / 0.98 (0.90)"."""
+    if not recall:
+        return "—"
+    return " / ".join(f"{value:.2f}" + (f" ({top[layer]:.2f})" if top else "") for layer, value in recall.items())
 
 
 def _difference(d: dict | None) -> str:

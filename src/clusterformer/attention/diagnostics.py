@@ -20,6 +20,7 @@ that float32 would round to zero counts as seen.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from torch import nn
 from .._checks import check_tensor
 from .base import AttentionLayer
 
-__all__ = ["attention_rows", "attention_to_sources", "key_recall"]
+__all__ = ["SourceWeights", "attention_rows", "attention_to_sources", "key_recall"]
 
 
 class _ValueProbe:
@@ -88,15 +89,29 @@ def attention_rows(
     return weights
 
 
+class SourceWeights(NamedTuple):
+    """What each query puts on the key it needs, per head: both (B, Q, H).
+
+    ``weight`` (float64, in [0, 1]): the attention weight on it (zero: not in the attended set). ``top`` (bool):
+    a needed key carries that row's largest weight. The second tells a key read *as the answer* from one that is
+    merely inside the attended set with a small share -- a summary of many keys (cluster-select's ``summaries``,
+    the centroid queries of clustered attention) gives every member a positive weight."""
+
+    weight: torch.Tensor
+    top: torch.Tensor
+
+
 def attention_to_sources(
     layer: AttentionLayer, x: torch.Tensor, queries: torch.Tensor, sources: torch.Tensor,
     key_padding_mask: torch.Tensor | None = None, causal: bool = False, flow: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The attention weight of each query on the key it needs, per head: (B, Q, H), float64, in [0, 1].
+) -> SourceWeights:
+    """The attention weight of each query on the key it needs, per head, and whether it is the row's largest
+    (:class:`SourceWeights`, each (B, Q, H)).
 
     ``queries``: (B, Q) long positions; ``sources``: (B, Q) long, query ``queries[b, m]`` needs key
-    ``sources[b, m]``, or (B, Q, S) with S distinct positions any of which would do (the weight is then their sum);
-    the rest as :func:`attention_rows`. Zero means no needed key is in the query's attended set in that head."""
+    ``sources[b, m]``, or (B, Q, S) with S distinct positions any of which would do (the weight is then their sum,
+    and ``top`` holds when any of them carries the largest weight); the rest as :func:`attention_rows`. Zero weight
+    means no needed key is in the query's attended set in that head."""
     check_tensor("x", x, ndim=3, floating=True)
     B, N = x.shape[0], x.shape[1]
     _check_positions("sources", sources.reshape(B, -1) if sources.dim() == 3 else sources, B, N)
@@ -105,7 +120,11 @@ def attention_to_sources(
                          f"{tuple(sources.shape)}")
     rows = attention_rows(layer, x, queries, key_padding_mask, causal, flow)  # (B, Q, H, N)
     index = sources.view(B, queries.shape[1], 1, -1).expand(-1, -1, rows.shape[2], -1)  # (B, Q, H, S)
-    return rows.gather(3, index).sum(-1)
+    needed = rows.gather(3, index)
+    # ties within float64 rounding count as the largest (a window averaged over two placements, equal weights)
+    largest = rows.amax(-1, keepdim=True)
+    top = ((needed > 0) & (needed >= largest * (1 - 1e-9))).any(-1)
+    return SourceWeights(needed.sum(-1), top)
 
 
 def _check_positions(name: str, t: torch.Tensor, B: int, N: int) -> None:
@@ -119,10 +138,10 @@ def _check_positions(name: str, t: torch.Tensor, B: int, N: int) -> None:
 def key_recall(
     model: nn.Module, tokens: torch.Tensor, queries: torch.Tensor, sources: torch.Tensor,
     key_padding_mask: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, SourceWeights]:
     """Run ``model(tokens, key_padding_mask)`` once, and for every attention layer in it the weight each query puts
-    on the key it needs: {layer name: (B, Q, H) float64} (see :func:`attention_to_sources`). The model is put in
-    eval mode for the call and returned to its mode after."""
+    on the key it needs and whether that is the row's largest: {layer name: :class:`SourceWeights`} (see
+    :func:`attention_to_sources`). The model is put in eval mode for the call and returned to its mode after."""
     captured: dict[str, tuple] = {}
     layers = {name: module for name, module in model.named_modules() if isinstance(module, AttentionLayer)}
     if not layers:
@@ -156,8 +175,8 @@ def key_recall(
         was = layer.training
         layer.eval()
         try:
-            result[name] = attention_to_sources(layer, x, queries.to(x.device), sources.to(x.device), pad, causal,
-                                                flow).cpu()
+            found = attention_to_sources(layer, x, queries.to(x.device), sources.to(x.device), pad, causal, flow)
+            result[name] = SourceWeights(found.weight.cpu(), found.top.cpu())
         finally:
             layer.train(was)
     return result

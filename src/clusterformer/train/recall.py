@@ -13,8 +13,10 @@ Evaluation reports, beside accuracy over all queries, the accuracy of queries ne
 **key recall** of :func:`clusterformer.attention.diagnostics.key_recall` on the first ``recall_sequences`` test
 sequences: per layer, the fraction of (query, head) pairs whose needed token (:meth:`RecallTask.needed`: the answer's
 token; in bidirectional MQAR, the answer or the key before it) is inside the attended set
-(``key_recall``), the fraction of queries for which some head sees it (``key_recall_any_head``) and the mean
-attention weight on it (``key_weight``).
+(``key_recall``), the fraction of queries for which some head sees it (``key_recall_any_head``), the mean
+attention weight on it (``key_weight``), and the fractions in which it carries the head's largest weight
+(``key_top``, ``key_top_any_head``): a summary of many keys gives each member a small positive weight, so recall
+alone cannot tell a key read as the answer from one averaged in.
 """
 
 from __future__ import annotations
@@ -169,22 +171,26 @@ class RecallTask:
         return sources.unsqueeze(-1)
 
     def key_recall(self, model: nn.Module, device: torch.device) -> dict[str, dict[str, float]]:
-        """Per attention layer: the share of (query, head) pairs whose needed token is in the attended set, the
-        share of queries for which some head has it, and the mean weight on it (first ``recall_sequences``)."""
+        """Per attention layer (first ``recall_sequences``): the share of (query, head) pairs whose needed token is
+        in the attended set, the share of queries for which some head has it, the mean weight on it, and the shares
+        of (query, head) pairs and of queries (any head) in which it carries the head's largest weight."""
         n = min(self.options.recall_sequences, len(self.test.ids))
-        report = {}
+        report: dict[str, list] = {}
         for start in range(0, n, 16):  # a few sequences per probe: the probe keeps each layer's graph
             end = min(n, start + 16)
-            weights = key_recall(model, self.test.ids[start:end].to(device), self.test.queries[start:end],
-                                 self.needed(self.test.sources[start:end]))
-            for name, w in weights.items():
-                report.setdefault(name, []).append(w)
+            found = key_recall(model, self.test.ids[start:end].to(device), self.test.queries[start:end],
+                               self.needed(self.test.sources[start:end]))
+            for name, part in found.items():
+                report.setdefault(name, []).append(part)
         summary = {}
         for name, parts in report.items():
-            w = torch.cat(parts)  # (n, Q, H)
+            w = torch.cat([p.weight for p in parts])  # (n, Q, H)
+            top = torch.cat([p.top for p in parts])
             summary[name] = {"key_recall": (w > 0).double().mean().item(),
                              "key_recall_any_head": (w > 0).any(-1).double().mean().item(),
-                             "key_weight": w.mean().item()}
+                             "key_weight": w.mean().item(),
+                             "key_top": top.double().mean().item(),
+                             "key_top_any_head": top.any(-1).double().mean().item()}
         return summary
 
 
