@@ -128,12 +128,7 @@ def cluster_summaries(
     B, H, N, D = k.shape
     C = layout.total.shape[-1]
     total = layout.total.unsqueeze(2).expand(B, H, N, C)
-    lower_end, upper_start = layout.below, layout.beyond  # ranks [0, lower_end) and [upper_start, total)
-    if selected is not None:  # the members read alone leave the summary (ranges of selected_positions)
-        before_window = cluster_keys if causal else cluster_keys // 2
-        lower_end = lower_end.scatter(-1, selected, (lower_end.gather(-1, selected) - before_window).clamp(min=0))
-        upper_start = upper_start.scatter(-1, selected, torch.minimum(
-            upper_start.gather(-1, selected) + (cluster_keys - before_window), total.gather(-1, selected)))
+    lower_end, upper_start = _summary_ranges(layout, selected, cluster_keys=cluster_keys, causal=causal)
     count = lower_end + total - upper_start
     start = layout.start.unsqueeze(2).expand(B, H, N, C)
     rows = torch.stack([start + lower_end, start, start + total, start + upper_start])  # (4, B, H, N, C)
@@ -146,6 +141,29 @@ def cluster_summaries(
 
     n = count.to(k.dtype)
     return range_sums(k) / n.clamp(min=1).unsqueeze(-1), range_sums(v) / n.clamp(min=1).unsqueeze(-1), _log_count(n)
+
+
+def _summary_ranges(layout: ClusterLayout, selected: torch.Tensor | None, *, cluster_keys: int, causal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranks each query's summaries hold, per cluster: [0, lower_end) and [upper_start, total), both (B, H, N, C):
+    the members outside the window, less those read alone from the ``selected`` clusters (the ranges of
+    :func:`selected_positions`)."""
+    lower_end, upper_start = layout.below, layout.beyond
+    if selected is not None:
+        total = layout.total.unsqueeze(2).expand_as(lower_end)
+        before_window = cluster_keys if causal else cluster_keys // 2
+        lower_end = lower_end.scatter(-1, selected, (lower_end.gather(-1, selected) - before_window).clamp(min=0))
+        upper_start = upper_start.scatter(-1, selected, torch.minimum(
+            upper_start.gather(-1, selected) + (cluster_keys - before_window), total.gather(-1, selected)))
+    return lower_end, upper_start
+
+
+def summary_counts(layout: ClusterLayout, selected: torch.Tensor | None, *, cluster_keys: int, causal: bool
+                   ) -> torch.Tensor:
+    """How many members each query's summary of each cluster holds, (B, H, N, C) long: those of
+    :func:`cluster_summaries`, from the layout's counts alone (no pass over the keys)."""
+    lower_end, upper_start = _summary_ranges(layout, selected, cluster_keys=cluster_keys, causal=causal)
+    return lower_end + layout.total.unsqueeze(2) - upper_start
 
 
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
@@ -225,7 +243,8 @@ def selected_cluster_attention(
         index = torch.where(allowed, positions, N)
         mask = torch.zeros(B, H, N, N + 1, dtype=torch.bool, device=q.device).scatter_(-1, index, True)[..., :N]
         if summaries:
-            return _dense_with_summaries(q * scale, k, v, key_ids, mask, num_clusters, window, causal, dropout_p)
+            n = summary_counts(layout, selected, cluster_keys=cluster_keys, causal=causal).to(q.dtype)
+            return _dense_with_summaries(q * scale, k, v, key_ids, mask, n, window, causal, dropout_p)
         empty = ~mask.any(-1, keepdim=True)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, dropout_p=dropout_p)
         return out.masked_fill(empty, 0.0)
@@ -243,17 +262,28 @@ def selected_cluster_attention(
 
 
 def _dense_with_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, mask: torch.Tensor,
-                          num_clusters: int, window: int, causal: bool, dropout_p: float) -> torch.Tensor:
+                          n: torch.Tensor, window: int, causal: bool, dropout_p: float) -> torch.Tensor:
     """The dense-mask kernel with cluster summaries, by matmuls: ``rest`` (B, H, N, N) marks the keys each summary
-    holds (outside the window, real, not read alone); with the one-hot clusters O (B, H, N, C), n = rest O and
-    q . sum = (scores * rest) O. A summary's weight w spreads over its members as w / n, so the output is one
-    (N, N) x (N, D) product. q is already scaled."""
-    N = q.shape[2]
-    members = F.one_hot(key_ids, num_clusters + 1)[..., :num_clusters].to(q.dtype)  # padding: in no cluster
-    rest = (_outside_window(N, window, causal, q.device) & ~mask & (key_ids < num_clusters).unsqueeze(2)).to(q.dtype)
+    holds (outside the window, real, not read alone); with the one-hot clusters O (B, H, N, C), n = rest O
+    (given, (B, H, N, C): :func:`summary_counts`) and q . sum = (scores * rest) O. A summary's weight w spreads
+    over its members as w / n, so the output is one (N, N) x (N, D) product. One softmax over the keys read alone
+    and the summaries, without concatenating them: with m the row's largest logit, weights e^(s - m) / Z. A row
+    without keys or summaries gets 0. q is already scaled. (Below N = C * D the (N, N) passes cost less than
+    (N, C, D) summaries per query.)"""
+    N, C = q.shape[2], n.shape[-1]
+    members = F.one_hot(key_ids, C + 1)[..., :C].to(q.dtype)  # padding: in no cluster
+    rest = (_outside_window(N, window, causal, q.device) & (key_ids < C).unsqueeze(2) & ~mask).to(q.dtype)
     scores = q @ k.transpose(-1, -2)
-    n = rest @ members  # (B, H, N, C)
     summary_scores = (scores * rest) @ members / n.clamp(min=1) + _log_count(n)
-    weights = _weights(torch.cat([scores.masked_fill(~mask, float("-inf")), summary_scores], dim=-1), dropout_p)
-    spread = (weights[..., N:] / n.clamp(min=1)) @ members.transpose(-1, -2) * rest  # each member's share
-    return (weights[..., :N] + spread) @ v
+    alone_scores = scores.masked_fill(~mask, float("-inf"))
+    # the shift cancels in the ratio, so it needs no gradient; -inf (a row without keys) becomes 0 to keep exp finite
+    m = torch.maximum(alone_scores.amax(-1, keepdim=True), summary_scores.amax(-1, keepdim=True)).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    alone, summary = torch.exp(alone_scores - m), torch.exp(summary_scores - m)
+    total = alone.sum(-1, keepdim=True) + summary.sum(-1, keepdim=True)
+    total = torch.where(total > 0, total, torch.ones_like(total))  # a row without keys: 0 / 1
+    if dropout_p:
+        alone, summary = F.dropout(alone / total, dropout_p), F.dropout(summary / total, dropout_p)
+        total = torch.ones_like(total)
+    spread = (summary / n.clamp(min=1)) @ members.transpose(-1, -2) * rest  # each member's share of its summary
+    return (alone + spread) @ v / total
