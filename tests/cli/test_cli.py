@@ -108,6 +108,20 @@ def test_demo_runs_end_to_end_on_a_tiny_budget(tmp_path):
     assert below == any("Why neural-clustering is below full here" in line for line in lines)
 
 
+def test_demo_with_cluster_select_trains_it_with_summaries(tmp_path, capsys):
+    from clusterformer.apps.demo import DemoConfig, run_demo
+
+    summary = run_demo(tmp_path, DemoConfig(length=160, train_steps=2, batch=2, eval_examples=4, dim=16,
+                                            bench_lengths=(32,), also=("cluster-select",)), log=lambda _: None)
+    runs = summary["training"]
+    assert [r["attention"] for r in runs] == ["full", "neural-clustering", "cluster-select"]
+    assert runs[2]["keys_per_query"] == 64 + 2 * 32 + 16  # window, 2 clusters x 32 keys and the 16 summaries
+    with pytest.raises(ValueError, match="the demo can add"):
+        DemoConfig(also=("lsh",))
+    with pytest.raises(SystemExit, match="--with"):
+        main(["demo", "--out", str(tmp_path / "x"), "--with", "lsh"])
+
+
 def test_every_command_has_its_own_module_and_help():
     """Issue #13: each command adds its own parser; the package docstring lists every one of them."""
     from clusterformer import cli

@@ -14,13 +14,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--bench-lengths", type=int_list, default=[1024, 2048, 4096])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--with", dest="also", action="append", default=[], metavar="NAME",
+                   help="also train NAME (cluster-select: with summaries; several times full's step time on a CPU)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..apps.demo import DemoConfig, run_demo
 
-    config = DemoConfig(train_steps=args.steps, length=args.length, seed=args.seed,
-                        bench_lengths=tuple(args.bench_lengths))
+    try:
+        config = DemoConfig(train_steps=args.steps, length=args.length, seed=args.seed,
+                            bench_lengths=tuple(args.bench_lengths), also=tuple(args.also))
+    except ValueError as exc:
+        raise SystemExit(f"clusterformer demo: error: --with: {exc}") from None
     run_demo(args.out, config, log=log)
     return 0
