@@ -191,15 +191,15 @@ def test_summary_markdown_shows_gpu_peak_only_for_gpu_grids():
 
 
 def test_summary_markdown_shows_where_the_needed_key_is_the_largest_weight():
-    """Recall-task rows: key recall per layer, and in brackets the share where the needed key carries the head's
-    largest weight when the runs measured it (runs from before that measure show recall alone)."""
+    """Recall-task rows: key recall per layer, and in brackets the share where the needed key outweighs every other
+    key of the head when the runs measured it (runs from before that measure show recall alone)."""
     row = {"mean": 0.9, "std": 0.0, "n": 1, "seconds_per_epoch": 10.0, "peak_rss_mb": 900.0,
            "key_recall": {"l0": 1.0, "l1": 0.5}}
     summary = {"units": "seeds", "test": "sign-flip", "runs_finished": 2, "wall_seconds": 60.0, "machines": [],
                "tasks": {"mqar": {"metric": "accuracy", "better": "higher",
-                                  "mechanisms": {"old": row, "new": dict(row, key_top={"l0": 0.25, "l1": 0.125})}}}}
+                                  "mechanisms": {"old": row, "new": dict(row, key_argmax={"l0": 0.25, "l1": 0.125})}}}}
     text = summary_markdown(summary)
-    assert "| key recall (top) per layer |" in text
+    assert "| key recall (argmax) per layer |" in text
     assert text.count("| 1.00 / 0.50 |") == 1 and "| 1.00 (0.25) / 0.50 (0.12) |" in text
 
 

@@ -94,16 +94,16 @@ def test_probe_equals_the_explicit_attention_weights():
         got = attention_to_sources(layer, x, queries, sources, causal=causal)
         assert torch.allclose(got.weight, expected, atol=1e-12, rtol=0)
         rows = p[torch.arange(2).unsqueeze(1), :, queries]  # (B, Q, H, N)
-        assert torch.equal(got.top, rows.argmax(-1) == sources.unsqueeze(-1))  # the row's largest, from softmax
+        assert torch.equal(got.argmax, rows.argmax(-1) == sources.unsqueeze(-1))  # the row's largest, from softmax
         other = (sources + 1) % 37  # two acceptable keys: the weight on the pair is the sum
         pair = attention_to_sources(layer, x, queries, torch.stack([sources, other], -1), causal=causal)
         either = p[torch.arange(2).unsqueeze(1), :, queries, other]
         assert torch.allclose(pair.weight, expected + either, atol=1e-12, rtol=0)
         argmax = rows.argmax(-1)
-        assert torch.equal(pair.top, (argmax == sources.unsqueeze(-1)) | (argmax == other.unsqueeze(-1)))
-        assert not bool(got.top.all())  # random sources: mostly not the largest ...
+        assert torch.equal(pair.argmax, (argmax == sources.unsqueeze(-1)) | (argmax == other.unsqueeze(-1)))
+        assert not bool(got.argmax.all())  # random sources: mostly not the largest ...
         best = rows[:, :, 0].argmax(-1)  # ... and each row's largest in head 0 always is
-        assert bool(attention_to_sources(layer, x, queries, best, causal=causal).top[:, :, 0].all())
+        assert bool(attention_to_sources(layer, x, queries, best, causal=causal).argmax[:, :, 0].all())
 
 
 def test_probe_on_a_hand_built_window():
@@ -152,7 +152,7 @@ def test_key_recall_walks_every_layer_and_keeps_the_model_unchanged():
     assert set(result) == {"encoder.blocks.0.attn", "encoder.blocks.1.attn"} and model.training
     for found in result.values():
         assert bool((found.weight[:, 0] > 0).all()) and not bool((found.weight[:, 1] > 0).any())
-        assert not bool(found.top[:, 1].any())  # a key outside the attended set is never the largest
+        assert not bool(found.argmax[:, 1].any())  # a key outside the attended set is never the largest
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     with pytest.raises(ValueError, match="sources must hold positions"):
         key_recall(model, tokens, queries, torch.full((3, 2), 16))
@@ -190,23 +190,32 @@ def test_probe_tells_a_key_read_as_the_answer_from_one_averaged_into_a_summary()
     against query 11. Full attention gives it the row's largest weight. cluster-select with summaries (pages of 1
     position in 2 groups, a 2-key window, 1 cluster of 1 key) selects group 0 (its summary holds key 0) and reads
     its nearest member, key 8, alone; key 0 is averaged into the summary of {0, 2, 4, 6} with logit
-    q . mean / sqrt(2) + log 4, so its weight is e^(1 / sqrt(2)) / Z -- positive (recalled) but below key 10's."""
+    q . mean / sqrt(2) + log 4, so its weight is e^(1 / sqrt(2)) / Z -- positive (recalled) but below key 10's.
+    With key 10 silenced (x_10 = 0) that summary is the heaviest part of the row, yet its four members share it
+    equally: key 0 ties with keys 2, 4, 6 and is still not the argmax."""
     s = math.sqrt(2)
     x = torch.zeros(1, 12, 2, dtype=torch.float64)
     x[0, 0, 0], x[0, 10, 0], x[0, 11, 0] = 4.0, 2.0, 1.0
     query, keys = torch.tensor([[11, 11]]), torch.tensor([[0, 10]])
-    tops = {}
-    for name, options in (("full", {}), ("cluster-select", {"summaries": True, "selection": "summaries",
-                                                             "grouping": "position", "num_clusters": 2, "select": 1,
-                                                             "cluster_keys": 1, "window": 2})):
-        layer = build(name, dim=2, heads=1, bias=False, **options).double().eval()
+    options = {"summaries": True, "selection": "summaries", "grouping": "position", "num_clusters": 2, "select": 1,
+               "cluster_keys": 1, "window": 2}
+    layers = {}
+    for name, extra in (("full", {}), ("cluster-select", options)):
+        layer = build(name, dim=2, heads=1, bias=False, **extra).double().eval()
         with torch.no_grad():
             layer.to_qkv.weight.copy_(torch.eye(2, dtype=torch.float64).repeat(3, 1))
-        found = attention_to_sources(layer, x, query, keys, causal=True)
-        tops[name] = found.top[0, :, 0].tolist()
-        if name == "cluster-select":
-            # key 10 and 11 in the window, key 8 alone, the summaries of {0, 2, 4, 6} and of {1, 3, 5, 7, 9}
-            z = math.exp(2 / s) + math.exp(1 / s) + 1 + 4 * math.exp(1 / s) + 5
-            assert abs(float(found.weight[0, 0, 0]) - math.exp(1 / s) / z) < 1e-12
-            assert abs(float(found.weight[0, 1, 0]) - math.exp(2 / s) / z) < 1e-12
-    assert tops == {"full": [True, False], "cluster-select": [False, True]}
+        layers[name] = layer
+    argmax = {name: attention_to_sources(layer, x, query, keys, causal=True).argmax[0, :, 0].tolist()
+              for name, layer in layers.items()}
+    assert argmax == {"full": [True, False], "cluster-select": [False, True]}
+    found = attention_to_sources(layers["cluster-select"], x, query, keys, causal=True)
+    # key 10 and 11 in the window, key 8 alone, the summaries of {0, 2, 4, 6} and of {1, 3, 5, 7, 9}
+    z = math.exp(2 / s) + math.exp(1 / s) + 1 + 4 * math.exp(1 / s) + 5
+    assert abs(float(found.weight[0, 0, 0]) - math.exp(1 / s) / z) < 1e-12
+    assert abs(float(found.weight[0, 1, 0]) - math.exp(2 / s) / z) < 1e-12
+    x[0, 10, 0] = 0.0
+    rows = attention_rows(layers["cluster-select"], x, torch.tensor([[11]]), causal=True)[0, 0, 0]  # (N,)
+    assert rows.argmax().item() in (0, 2, 4, 6) and torch.equal(rows[[0, 2, 4, 6]], rows[[0, 0, 0, 0]])
+    assert not attention_to_sources(layers["cluster-select"], x, torch.tensor([[11]]), torch.tensor([[0]]),
+                                    causal=True).argmax.any()
+    assert attention_to_sources(layers["full"], x, torch.tensor([[11]]), torch.tensor([[0]]), causal=True).argmax.all()

@@ -92,8 +92,8 @@ def test_train_mqar_through_the_cli(tmp_path, form):
     assert set(m["key_recall"]) == {"encoder.blocks.0.attn", "encoder.blocks.1.attn"}
     assert all(0 <= v["key_recall"] <= v["key_recall_any_head"] <= 1 for v in m["key_recall"].values())
     # the needed key can carry a head's largest weight only where the head sees it
-    assert all(0 <= v["key_top"] <= min(v["key_top_any_head"], v["key_recall"]) and v["key_top_any_head"] <= 1
-               for v in m["key_recall"].values())
+    assert all(0 <= v["key_argmax"] <= min(v["key_argmax_any_head"], v["key_recall"])
+               and v["key_argmax_any_head"] <= 1 for v in m["key_recall"].values())
     # the budget: strict causal: (look_back + 1) * causal_chunk_size = 32; else k = 8, chunks of 8, two of them
     assert metrics["keys_per_query"] == (32 if form == "causal" else 16)
     assert main(["eval", "--checkpoint", str(out)]) == 0

@@ -340,10 +340,9 @@ def summarise(config: CompareConfig) -> dict:
             if recall:  # the recall tasks: key recall per layer, mean over units
                 rows[name]["key_recall"] = {layer: sum(u[layer]["key_recall"] for u in recall) / len(recall)
                                             for layer in recall[0]}
-                tops = [u for u in recall if all("key_top" in u[layer] for layer in u)]
-                if len(tops) == len(recall):  # runs evaluated before key_top existed have recall only
-                    rows[name]["key_top"] = {layer: sum(u[layer]["key_top"] for u in tops) / len(tops)
-                                             for layer in recall[0]}
+                if all("key_argmax" in u[layer] for u in recall for layer in u):  # older runs: recall only
+                    rows[name]["key_argmax"] = {layer: sum(u[layer]["key_argmax"] for u in recall) / len(recall)
+                                                for layer in recall[0]}
             device_peaks = [r["peak_device_mb"] for r in runs.values() if "peak_device_mb" in r]
             if device_peaks:  # GPU runs: the accelerator's peak, the memory that limits them
                 rows[name]["peak_device_mb"] = max(device_peaks)
@@ -380,7 +379,7 @@ def summary_markdown(summary: dict) -> str:
         lines += [f"## {task} ({block['metric']}, {block['better']} is better)", "",
                   "| mechanism | keys/query | score (mean ± std, n) | Δ vs full (p) | Δ vs neural-clustering (p) | "
                   "s/epoch | time vs full | peak RSS MB |" + (" peak GPU MB |" if gpu else "")
-                  + (" key recall (top) per layer |" if recall else ""),
+                  + (" key recall (argmax) per layer |" if recall else ""),
                   "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + ("---|" if recall else "")]
         for name, row in block["mechanisms"].items():
             lines.append(f"| {name} | {row.get('keys_per_query') or '—'} | {row['mean']:.4f} ± {row['std']:.4f} "
@@ -389,7 +388,7 @@ def summary_markdown(summary: dict) -> str:
                          f"{row['seconds_per_epoch']:.1f} | "
                          f"{_ratio(row.get('time_vs_full'))} | {row['peak_rss_mb']:.0f} |"
                          + (f" {row.get('peak_device_mb', math.nan):.0f} |" if gpu else "")
-                         + (f" {_recall_cell(row.get('key_recall'), row.get('key_top'))} |" if recall else ""))
+                         + (f" {_recall_cell(row.get('key_recall'), row.get('key_argmax'))} |" if recall else ""))
         lines.append("")
     return "\n".join(lines)
 
@@ -458,12 +457,12 @@ def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def _recall_cell(recall: dict | None, top: dict | None = None) -> str:
-    """Key recall per layer, in layer order, with the share where the needed key has the largest weight in
+def _recall_cell(recall: dict | None, argmax: dict | None = None) -> str:
+    """Key recall per layer, in layer order, with the share where the needed key outweighs every other key in
     brackets when the runs measured it: "0.12 (0.05) / 0.98 (0.90)"."""
     if not recall:
         return "—"
-    return " / ".join(f"{value:.2f}" + (f" ({top[layer]:.2f})" if top else "") for layer, value in recall.items())
+    return " / ".join(f"{value:.2f}" + (f" ({argmax[layer]:.2f})" if argmax else "") for layer, value in recall.items())
 
 
 def _difference(d: dict | None) -> str:

@@ -92,13 +92,14 @@ def attention_rows(
 class SourceWeights(NamedTuple):
     """What each query puts on the key it needs, per head: both (B, Q, H).
 
-    ``weight`` (float64, in [0, 1]): the attention weight on it (zero: not in the attended set). ``top`` (bool):
-    a needed key carries that row's largest weight. The second tells a key read *as the answer* from one that is
-    merely inside the attended set with a small share -- a summary of many keys (cluster-select's ``summaries``,
-    the centroid queries of clustered attention) gives every member a positive weight."""
+    ``weight`` (float64, in [0, 1]): the attention weight on it (zero: not in the attended set). ``argmax`` (bool):
+    a needed key carries that row's largest weight, larger than every other key's. The second tells a key read *as
+    the answer* from one merely inside the attended set -- a summary of many keys (cluster-select's ``summaries``,
+    the centroid queries of clustered attention) gives every member a positive weight, and all members of a summary
+    the same weight, so a member of the heaviest summary ties with its n - 1 companions and is not the argmax."""
 
     weight: torch.Tensor
-    top: torch.Tensor
+    argmax: torch.Tensor
 
 
 def attention_to_sources(
@@ -110,8 +111,8 @@ def attention_to_sources(
 
     ``queries``: (B, Q) long positions; ``sources``: (B, Q) long, query ``queries[b, m]`` needs key
     ``sources[b, m]``, or (B, Q, S) with S distinct positions any of which would do (the weight is then their sum,
-    and ``top`` holds when any of them carries the largest weight); the rest as :func:`attention_rows`. Zero weight
-    means no needed key is in the query's attended set in that head."""
+    and ``argmax`` holds when one of them weighs more than every other key); the rest as :func:`attention_rows`.
+    Zero weight means no needed key is in the query's attended set in that head."""
     check_tensor("x", x, ndim=3, floating=True)
     B, N = x.shape[0], x.shape[1]
     _check_positions("sources", sources.reshape(B, -1) if sources.dim() == 3 else sources, B, N)
@@ -121,10 +122,12 @@ def attention_to_sources(
     rows = attention_rows(layer, x, queries, key_padding_mask, causal, flow)  # (B, Q, H, N)
     index = sources.view(B, queries.shape[1], 1, -1).expand(-1, -1, rows.shape[2], -1)  # (B, Q, H, S)
     needed = rows.gather(3, index)
-    # ties within float64 rounding count as the largest (a window averaged over two placements, equal weights)
-    largest = rows.amax(-1, keepdim=True)
-    top = ((needed > 0) & (needed >= largest * (1 - 1e-9))).any(-1)
-    return SourceWeights(needed.sum(-1), top)
+    is_needed = torch.zeros_like(rows, dtype=torch.bool).scatter_(3, index, True)
+    best = needed.amax(-1)
+    other = rows.masked_fill(is_needed, 0.0).amax(-1)  # the heaviest key that is not needed
+    # strictly above it, beyond float64 rounding: equal shares (the members of one summary) are not an argmax
+    argmax = (best > 0) & (best > other * (1 + 1e-9))
+    return SourceWeights(needed.sum(-1), argmax)
 
 
 def _check_positions(name: str, t: torch.Tensor, B: int, N: int) -> None:
@@ -176,7 +179,7 @@ def key_recall(
         layer.eval()
         try:
             found = attention_to_sources(layer, x, queries.to(x.device), sources.to(x.device), pad, causal, flow)
-            result[name] = SourceWeights(found.weight.cpu(), found.top.cpu())
+            result[name] = SourceWeights(found.weight.cpu(), found.argmax.cpu())
         finally:
             layer.train(was)
     return result

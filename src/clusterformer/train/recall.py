@@ -14,9 +14,10 @@ Evaluation reports, beside accuracy over all queries, the accuracy of queries ne
 sequences: per layer, the fraction of (query, head) pairs whose needed token (:meth:`RecallTask.needed`: the answer's
 token; in bidirectional MQAR, the answer or the key before it) is inside the attended set
 (``key_recall``), the fraction of queries for which some head sees it (``key_recall_any_head``), the mean
-attention weight on it (``key_weight``), and the fractions in which it carries the head's largest weight
-(``key_top``, ``key_top_any_head``): a summary of many keys gives each member a small positive weight, so recall
-alone cannot tell a key read as the answer from one averaged in.
+attention weight on it (``key_weight``), and the fractions in which it weighs more than every other key of the head
+(``key_argmax``, ``key_argmax_any_head``): a summary of many keys gives each member a small positive weight, so
+recall alone cannot tell a key read as the answer from one averaged in. (Runs evaluated between two commits of
+2026-11-25 recorded ``key_top``, which counted a tie with the other members of a summary as the largest: superseded.)
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class RecallTask:
     def key_recall(self, model: nn.Module, device: torch.device) -> dict[str, dict[str, float]]:
         """Per attention layer (first ``recall_sequences``): the share of (query, head) pairs whose needed token is
         in the attended set, the share of queries for which some head has it, the mean weight on it, and the shares
-        of (query, head) pairs and of queries (any head) in which it carries the head's largest weight."""
+        of (query, head) pairs and of queries (any head) in which it weighs more than every other key."""
         n = min(self.options.recall_sequences, len(self.test.ids))
         report: dict[str, list] = {}
         for start in range(0, n, 16):  # a few sequences per probe: the probe keeps each layer's graph
@@ -185,12 +186,12 @@ class RecallTask:
         summary = {}
         for name, parts in report.items():
             w = torch.cat([p.weight for p in parts])  # (n, Q, H)
-            top = torch.cat([p.top for p in parts])
+            argmax = torch.cat([p.argmax for p in parts])
             summary[name] = {"key_recall": (w > 0).double().mean().item(),
                              "key_recall_any_head": (w > 0).any(-1).double().mean().item(),
                              "key_weight": w.mean().item(),
-                             "key_top": top.double().mean().item(),
-                             "key_top_any_head": top.any(-1).double().mean().item()}
+                             "key_argmax": argmax.double().mean().item(),
+                             "key_argmax_any_head": argmax.any(-1).double().mean().item()}
         return summary
 
 
