@@ -112,6 +112,26 @@ def test_compare_entries_carry_their_options_and_train_flags(tmp_path, capsys):
     assert summary["entries"]["nc-no-losses"]["train_args"] == variants["nc-no-losses"]["train_args"]
 
 
+def test_compare_summary_only_summarises_the_finished_runs_and_trains_nothing(tmp_path, capsys):
+    """Entries run with different seeds (full with 0, sliding-window with 1): --summary-only over both entries and
+    both seeds writes one summary of the two finished runs, and starts no training."""
+    _write_task(tmp_path)
+    out = tmp_path / "cmp"
+    for label, seed in (("full", "0"), ("sliding-window", "1")):
+        assert main(["compare", "--tasks", "text-classification", "--attention", label, "--seeds", seed, "--out",
+                     str(out), *_train_flags(tmp_path, steps=1)]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--tasks", "text-classification", "--attention", "full,sliding-window", "--seeds", "0,1",
+                 "--summary-only", "--out", str(out), *_train_flags(tmp_path, steps=1)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("not finished, left out (--summary-only)") == 2 and "running" not in err
+    task = out / "text-classification"
+    assert not (task / "full" / "seed1").exists() and not (task / "sliding-window" / "seed0").exists()
+    rows = json.loads((out / "summary.json").read_text())["tasks"]["text-classification"]["mechanisms"]
+    assert {name: (row["n"], list(row["scores"])) for name, row in rows.items()} == {
+        "full": (1, ["seed0"]), "sliding-window": (1, ["seed1"])}
+
+
 def test_split_specs_keeps_options_with_their_mechanism():
     assert split_specs("full,neural-clustering:k=4,look_back=2,lsh") == [
         "full", "neural-clustering:k=4,look_back=2", "lsh"]

@@ -89,6 +89,7 @@ class CompareConfig:
     train_args: list[str] = field(default_factory=list)  # passed to every `clusterformer train`
     jobs: int = 1
     keys_per_query: int | None = None  # one budget for every entry whose budget an option sets
+    summary_only: bool = False  # write the summary of the finished runs; train nothing
     entries: list[Entry] = field(init=False)  # one per label of `attention`, resolved and validated
 
     def __post_init__(self) -> None:
@@ -232,6 +233,9 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         run_dir = Path(config.out) / task / entry.directory / unit
         if (run_dir / "metrics.json").is_file():
             log(f"[{i}/{len(grid)}] {task} {entry.label} {unit}: done, skipped")
+            continue
+        if config.summary_only:
+            log(f"[{i}/{len(grid)}] {task} {entry.label} {unit}: not finished, left out (--summary-only)")
             continue
         resume = ["--resume"] if (run_dir / "checkpoint.pt").is_file() else []
         argv = [sys.executable, "-m", "clusterformer", "train", "--task", task, "--attention", entry.mechanism,

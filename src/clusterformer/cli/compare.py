@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "they are); use a new --out per budget")
     p.add_argument("--out", required=True, help="comparison directory")
     p.add_argument("--plot", default=None, help="also draw the speed-accuracy picture here (PNG)")
+    p.add_argument("--summary-only", action="store_true",
+                   help="train nothing: write OUT/summary.json and summary.md from the runs of the named entries "
+                        "and seeds that have finished (e.g. a grid whose entries ran with different seeds)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then flags for every train run")
     p.set_defaults(func=run)
 
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                            '{"nc-no-losses": {"attention": "neural-clustering", "train_args": [...]}}')
     config = CompareConfig(tasks=args.tasks, attention=args.attention, out=args.out, seeds=args.seeds,
                            folds=args.folds, options=options, variants=variants, train_args=train_args,
-                           jobs=args.jobs, keys_per_query=args.keys_per_query)
+                           jobs=args.jobs, keys_per_query=args.keys_per_query, summary_only=args.summary_only)
     summary = run_comparison(config, log=log)
     if args.plot:
         log(f"wrote {plot_comparison(summary, args.plot)}")
