@@ -161,9 +161,9 @@ def run_demo(out_dir: str | Path, config: DemoConfig | None = None, log: Callabl
                   "docs/results.md, issue #31, measures both kinds of task at equal keys per query."]
         if "cluster-select" not in config.also:
             lines += ["A clustering mechanism that also reads one summary per cluster (cluster-select with "
-                      "summaries) sees every key, alone or inside its cluster's mean, and reached full's accuracy "
-                      "on this task at several times its step time on this CPU: `clusterformer demo --with "
-                      "cluster-select` trains it too (docs/results.md, Demo)."]
+                      "summaries) sees every key, alone or inside its cluster's mean: `clusterformer demo --with "
+                      "cluster-select` trains it too, at several times full's step time on a CPU (docs/results.md, "
+                      "Demo, has its measured runs)."]
     lines += ["", f"wrote {out / 'demo.json'}, {out / 'bench.json'}" + (f", {plot_path}" if plot_path else "")]
     log("\n".join(lines))
     return summary
