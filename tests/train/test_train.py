@@ -223,6 +223,7 @@ def _compare_ddp_with_single(single: Path, ddp: Path) -> None:
     assert w0 == w1, "both ranks must end with identical weights"
     b0, b1 = result["rank_buffer_checksums"]
     assert b0 == b1, "both ranks must end with identical buffers (centroids, memory banks)"
+    assert result.get("dense_steps") == json.loads((single / "metrics.json").read_text()).get("dense_steps")
     a, b = _weights(single), _weights(ddp)
     for name in a:
         if not torch.is_tensor(a[name]):
@@ -255,6 +256,8 @@ def _run_ddp(argv: list[str]) -> None:
     ("kmeans", '{"bucket_size": 4, "num_clusters": 3, "decay": 0.5}', []),
     ("cluster-select", '{"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "decay": 0.5}',
      ["--dense-warmup-steps", "3"]),  # EMA key centroids; dense, then selected steps
+    ("cluster-select", '{"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "decay": 0.5}',
+     ["--max-steps", "24", "--dense-warmup-steps", "30", "--dense-warmup-loss", "1e6"]),  # the loss ends it (20)
     # stateful: memory bank gathered from both ranks, centroids recomputed every 3 steps
     ("cluster-former", '{"window": 4, "stride": 2, "num_clusters": 3, "update_every": 3}', []),
     # reversible blocks (nested recompute in the backward) with a stateful mechanism
@@ -571,3 +574,57 @@ def test_dense_warmup_steps_attend_densely_in_the_first_training_steps_only(tmp_
     assert main(_argv(train, test, tmp_path / "select", "--attention", "cluster-select", "--max-steps", "3",
                       "--batch-size", "16", "--dense-warmup-steps", "2")) == 0
     assert [dense for training, dense in seen if training] == [True, True, True, True, False, False]
+
+
+def test_dense_warmup_loss_ends_the_warm_up_once_the_loss_is_below_it(tmp_path, monkeypatch, capsys):
+    """--dense-warmup-loss X (window of 2 steps here): the warm-up ends after the first step whose windowed task
+    loss is below X; a threshold never reached leaves the --dense-warmup-steps cap; a run interrupted inside the
+    window resumes to the same switch and the same weights; the flag needs the cap, and --resume refuses another X."""
+    from clusterformer.attention import ClusterSelectAttention
+    from clusterformer.train import loop
+
+    monkeypatch.setattr(loop, "DENSE_WARMUP_WINDOW", 2)
+    seen = []
+    forward = ClusterSelectAttention.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.training, self.dense_training))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ClusterSelectAttention, "forward", spy)
+    train, test = _write_task(tmp_path)
+
+    def trained(out, *flags):
+        seen.clear()
+        assert main(_argv(train, test, out, "--attention", "cluster-select", "--batch-size", "16", *flags)) == 0
+        return [dense for training, dense in seen if training], json.loads((out / "metrics.json").read_text())
+
+    # any loss is below 1e6: the window fills after step 2, which ends the warm-up (two layers per step)
+    dense, reached = trained(tmp_path / "reached", "--max-steps", "5", "--dense-warmup-steps", "4",
+                             "--dense-warmup-loss", "1e6")
+    assert dense == [True] * 4 + [False] * 6 and reached["dense_steps"] == 2
+    dense, capped = trained(tmp_path / "capped", "--max-steps", "5", "--dense-warmup-steps", "3",
+                            "--dense-warmup-loss", "1e-9")
+    assert dense == [True] * 6 + [False] * 4 and capped["dense_steps"] == 3
+    out = tmp_path / "resumed"
+    trained(out, "--max-steps", "1", "--dense-warmup-steps", "4", "--dense-warmup-loss", "1e6",
+            "--checkpoint-every", "1")
+    dense, resumed = trained(out, "--max-steps", "5", "--dense-warmup-steps", "4", "--dense-warmup-loss", "1e6",
+                             "--resume")
+    assert dense == [True] * 2 + [False] * 6 and resumed["dense_steps"] == 2  # step 2 dense, then sparse
+    assert resumed["rank_weight_checksums"] == reached["rank_weight_checksums"]
+    out = tmp_path / "resumed-after"  # interrupted after the switch: it stays sparse
+    trained(out, "--max-steps", "3", "--dense-warmup-steps", "4", "--dense-warmup-loss", "1e6",
+            "--checkpoint-every", "1")
+    dense, resumed = trained(out, "--max-steps", "5", "--dense-warmup-steps", "4", "--dense-warmup-loss", "1e6",
+                             "--resume")
+    assert dense == [False] * 4 and resumed["dense_steps"] == 2
+    assert resumed["rank_weight_checksums"] == reached["rank_weight_checksums"]
+    with pytest.raises(ValueError, match="dense_warmup_loss ends a dense warm-up early"):
+        TrainConfig(task="mr", out="x", max_steps=1, dense_warmup_loss=0.5)
+    with pytest.raises(ValueError, match="dense_warmup_loss"):
+        TrainConfig(task="mr", out="x", max_steps=1, dense_warmup_steps=2, dense_warmup_loss=0.0)
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(train, test, out, "--attention", "cluster-select", "--batch-size", "16", "--max-steps", "6",
+                   "--dense-warmup-steps", "4", "--dense-warmup-loss", "0.5", "--resume"))
+    assert exc.value.code == 2 and "different dense_warmup_loss" in capsys.readouterr().err

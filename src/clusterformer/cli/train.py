@@ -62,6 +62,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "while the clustering and its losses train as usual; evaluation and decoding always use the "
                         "clusters. Lets the task train the attention's own query/key vectors (cluster_on=shared-qk) "
                         "before they decide the clusters")
+    p.add_argument("--dense-warmup-loss", type=float, default=None,
+                   help="with --dense-warmup-steps N: end the dense warm-up as soon as the task loss, averaged over "
+                        "the last 20 steps (and over the processes), is below this value -- at a recall task's phase "
+                        "change rather than at a fixed step; N is then the longest warm-up. metrics.json records "
+                        "how many steps ran dense (dense_steps)")
     p.add_argument("--decoder-attention", type=mechanism, default=None,
                    help="multi30k: the decoder's causal self-attention, one with cached decoding (default: --attention "
                         "where it has one, else full); cross-attention is full")

@@ -72,6 +72,7 @@ __all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "load_run", "pa
 # Default peak learning rate when fine-tuning a pretrained model (``init``): the usual BERT fine-tuning range
 # (2e-5 .. 5e-5); the from-scratch default 1e-3 would wreck the pretrained weights.
 FINE_TUNE_LR = 5e-5
+DENSE_WARMUP_WINDOW = 20  # steps whose mean task loss ends a dense warm-up with dense_warmup_loss
 
 
 @dataclass
@@ -127,6 +128,9 @@ class TrainConfig:
     centroid_lr_scale: float = 1.0  # neural-clustering: learning-rate multiplier of the centroids and W^C
     # neural-clustering, cluster-select: the first training forwards attend to every key (the grouping trains beside)
     dense_warmup_steps: int = 0
+    # end that warm-up early, once the task loss (mean of the last DENSE_WARMUP_WINDOW steps, over the ranks) is below
+    # this value: at MQAR's phase change rather than at a fixed step; dense_warmup_steps is then the cap
+    dense_warmup_loss: float | None = None
     # translation (task multi30k)
     decoder_attention: str | None = None  # None: the encoder's mechanism if it can decode, else full
     decoder_attention_options: dict[str, Any] = field(default_factory=dict)
@@ -206,6 +210,11 @@ class TrainConfig:
                                          f"causal, so it cannot train the causal task {self.task!r}")
         check_float("centroid_lr_scale", self.centroid_lr_scale, minimum=0.0, exclusive_minimum=True)
         check_int("dense_warmup_steps", self.dense_warmup_steps, minimum=0)
+        if self.dense_warmup_loss is not None:
+            check_float("dense_warmup_loss", self.dense_warmup_loss, minimum=0.0, exclusive_minimum=True)
+            if not self.dense_warmup_steps:
+                raise ValueError("dense_warmup_loss ends a dense warm-up early: it needs dense_warmup_steps > 0 (the "
+                                 "warm-up's longest length)")
         if self.centroid_flow or self.centroid_lr_scale != 1.0:
             flag = "centroid_flow" if self.centroid_flow else "centroid_lr_scale"
             if self.attention != "neural-clustering" or self.init or self.task == "multi30k":
@@ -491,6 +500,8 @@ class _Run:
     step: int = 0
     train_seconds: float = 0.0
     evaluations: list = field(default_factory=list)
+    dense_losses: list = field(default_factory=list)  # dense_warmup_loss: the last steps' task losses (all ranks)
+    dense_ended: int | None = None  # dense_warmup_loss: the first sparse step, once the loss has crossed it
 
 
 def run_training(config: TrainConfig, task: Task | None = None) -> dict:
@@ -545,6 +556,8 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
         scheduler.load_state_dict(state["scheduler"])
         run.step, run.train_seconds = state["step"], state["train_seconds"]
         run.evaluations = list(state.get("evaluations", []))
+        run.dense_losses = list(state.get("dense_losses", []))
+        run.dense_ended = state.get("dense_ended")
         _set_rng_state(state["rng"][rank], device)
     else:
         torch.manual_seed(config.seed + rank)  # dropout differs across ranks
@@ -557,7 +570,7 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     changed = {k for k in ("task", "task_options", "attention", "attention_options", "dim", "depth", "heads",
                            "max_len", "seed", "batch_size", "cluster_layers", "decoder_attention",
                            "decoder_attention_options", "centroid_flow", "centroid_lr_scale", "layer_attention",
-                           "dense_warmup_steps")
+                           "dense_warmup_steps", "dense_warmup_loss")
                if _comparable(saved.get(k, getattr(config, k))) != _comparable(getattr(config, k))}
     if changed:
         raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
@@ -627,8 +640,9 @@ def _step(run: _Run) -> dict:
                                                     config.seed)
     ids, targets = ids.to(device), targets.to(device)
     pad = pad.to(device) if pad is not None else None
+    dense = run.step < config.dense_warmup_steps and run.dense_ended is None
     if config.dense_warmup_steps:
-        _set_dense_training(run.model, run.step < config.dense_warmup_steps)
+        _set_dense_training(run.model, dense)
     decoder_ids = decoder_ids.to(device) if decoder_ids is not None else None
     with _autocast(config, device):
         logits, weighted_aux, logged_aux = run.trained(ids, pad, decoder_ids)
@@ -642,11 +656,26 @@ def _step(run: _Run) -> dict:
     run.scheduler.step()
     apply_pending_updates(run.model)  # the state a checkpoint after this step must hold (EMA centroids)
     run.step += 1
+    if dense and config.dense_warmup_loss is not None:
+        _follow_dense_warmup(run, task_loss.detach())
     seconds = time.perf_counter() - tick
     run.train_seconds += seconds
     return {"step": run.step, "epoch": run.step / run.per_epoch, "loss": loss.item(), "task_loss": task_loss.item(),
             **{k: v.item() for k, v in logged_aux.items()}, "lr": run.scheduler.get_last_lr()[0],
             "examples_per_s": len(ids) * run.world / seconds, "elapsed_s": time.time() - run.started}
+
+
+def _follow_dense_warmup(run: _Run, task_loss: torch.Tensor) -> None:
+    """dense_warmup_loss: keep the last DENSE_WARMUP_WINDOW task losses, averaged over the ranks (so every rank ends
+    the warm-up at the same step), and end the warm-up once their mean is below the threshold."""
+    loss = task_loss.float().clone()
+    if run.world > 1:
+        torch.distributed.all_reduce(loss)
+        loss /= run.world
+    run.dense_losses = [*run.dense_losses, loss.item()][-DENSE_WARMUP_WINDOW:]
+    if len(run.dense_losses) == DENSE_WARMUP_WINDOW and sum(run.dense_losses) / DENSE_WARMUP_WINDOW < \
+            run.config.dense_warmup_loss:
+        run.dense_ended = run.step
 
 
 def _checkpoint(run: _Run) -> None:
@@ -661,7 +690,7 @@ def _checkpoint(run: _Run) -> None:
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "step": run.step, "train_seconds": run.train_seconds,
             "rng": rngs, "config": asdict(run.config), "tokenizer": task.tokenizer, "world_size": run.world,
-            "evaluations": run.evaluations,
+            "evaluations": run.evaluations, "dense_losses": run.dense_losses, "dense_ended": run.dense_ended,
             "task": {"name": task.name, "kind": task.kind, "vocab_size": task.vocab_size,
                      "num_classes": task.num_classes, "metric": task.metric, "info": task.info},
         })
@@ -692,6 +721,9 @@ def _finish(run: _Run) -> dict:
             "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(config),
             "keys_per_query": keys_per_query(model, config.max_len, getattr(run.task, "causal", run.task.kind == "lm")),
         }
+        if config.dense_warmup_steps:  # how many training steps attended densely
+            result["dense_steps"] = run.dense_ended if run.dense_ended is not None else min(
+                run.step, config.dense_warmup_steps)
         if device.type == "cuda":  # the accelerator's peak since this process began (RSS misses it)
             result["peak_device_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         write_json(run.out / "metrics.json", result)
