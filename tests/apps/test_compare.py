@@ -130,6 +130,7 @@ def test_compare_summary_only_summarises_the_finished_runs_and_trains_nothing(tm
     rows = json.loads((out / "summary.json").read_text())["tasks"]["text-classification"]["mechanisms"]
     assert {name: (row["n"], list(row["scores"])) for name, row in rows.items()} == {
         "full": (1, ["seed0"]), "sliding-window": (1, ["seed1"])}
+    assert "nan" not in (out / "summary.md").read_text()  # no seed in common with full: no paired difference
 
 
 def test_split_specs_keeps_options_with_their_mechanism():

@@ -470,7 +470,10 @@ def _recall_cell(recall: dict | None, argmax: dict | None = None) -> str:
 
 
 def _difference(d: dict | None) -> str:
-    return "—" if d is None else f"{d['mean_difference']:+.4f} ({d['p_value']:.2f}, {d['pairs']} pairs)"
+    """The paired difference to a reference; "—" without one, or without a unit both finished (no pair)."""
+    if d is None or not d["pairs"]:
+        return "—"
+    return f"{d['mean_difference']:+.4f} ({d['p_value']:.2f}, {d['pairs']} pairs)"
 
 
 def plot_comparison(summary: dict, path: str | Path) -> Path:
