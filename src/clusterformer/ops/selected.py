@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["cluster_layout", "cluster_summaries", "selected_cluster_attention", "selected_positions",
-           "summary_selection", "use_dense_mask"]
+           "summary_counts", "summary_selection", "use_dense_mask"]
 
 
 class ClusterLayout(NamedTuple):
