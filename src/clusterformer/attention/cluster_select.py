@@ -170,7 +170,7 @@ class ClusterSelectAttention(InnerAttention):
         B, H, N, _ = q.shape
         real = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N)
         if o.grouping == "position":
-            ids = self._pages(torch.arange(N, device=q.device)).expand(B, H, N)
+            ids = self._assign(k, torch.arange(N, device=q.device))
             publish_losses({"commitment": q.new_zeros(())})
         else:
             unit = F.normalize(k, dim=-1)
@@ -210,8 +210,11 @@ class ClusterSelectAttention(InnerAttention):
         o = self.options
         return torch.div(positions, o.page_size or o.cluster_keys, rounding_mode="floor") % o.num_clusters
 
-    def _assign(self, k: torch.Tensor) -> torch.Tensor:
-        """Keys (B, H, ..., D) -> their clusters (B, H, ...)."""
+    def _assign(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys (B, H, ..., D) at ``positions`` (broadcasting to (B, H, ...)) -> their groups (B, H, ...): the page of
+        the position (grouping="position") or the nearest centroid of the key."""
+        if self.options.grouping == "position":
+            return self._pages(positions).expand(k.shape[:-1])
         return self._nearest(F.normalize(k, dim=-1))
 
     def _select(self, q: torch.Tensor) -> torch.Tensor:
@@ -235,9 +238,7 @@ class ClusterSelectAttention(InnerAttention):
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_padding_mask: torch.Tensor | None) -> SelectionCache:
         o = self.options
-        B, H, N, _ = k.shape
-        ids = self._pages(torch.arange(N, device=k.device)).expand(B, H, N) if o.grouping == "position" else (
-            self._assign(k))
+        ids = self._assign(k, torch.arange(k.shape[2], device=k.device))
         return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.num_clusters, o.cluster_keys, o.window)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache
@@ -246,9 +247,7 @@ class ClusterSelectAttention(InnerAttention):
             raise ValueError("cluster-select with selection='random' is a training ablation: it has no cached "
                              "decoding (its random clusters depend on the position); use selection='scores'")
         o = self.options
-        ids = self._pages(cache.lengths)[:, None].expand(k_t.shape[:2]) if o.grouping == "position" else self._assign(
-            k_t)
-        cache.append(k_t, v_t, ids)
+        cache.append(k_t, v_t, self._assign(k_t, cache.lengths[:, None]))
         selected = self._select(q_t) if o.selection == "scores" else cache.summary_selection(q_t, o.select)
         return cache.attend(q_t, selected, o.summaries), cache
 
