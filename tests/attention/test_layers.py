@@ -314,7 +314,7 @@ def _cluster_select_allowed(layer, q, k, real, causal):
     (9, {"num_clusters": 2, "select": 2, "cluster_keys": 1, "window": 2}),
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernel", ["gather", "dense-mask"])
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_matches_dense_reference(N, options, causal, kernel):
     """``"cluster-select"`` against the masked softmax over the keys its definition names, padding at the end and
     in the middle of a sequence (never read, never counted in a cluster); both kernels."""
@@ -400,7 +400,7 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
 @pytest.mark.parametrize(("selection", "grouping"), [("scores", "kmeans"), ("summaries", "kmeans"),
                                                     ("summaries", "position"), ("summaries", "position-5")])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernel", ["gather", "dense-mask"])
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel):
     """``summaries=True`` (and ``selection="summaries"``, ``grouping="position"``) against the softmax its
     definition names, one query at a time: every key outside the window counts once, alone or in its cluster's

@@ -270,11 +270,12 @@ def test_chunk_size_larger_than_the_sequence_is_clamped(causal_layout):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kernel", ["gather", "dense-mask"])
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_selected_cluster_attention_with_summaries_gradcheck(kernel, causal):
-    """The summaries' prefix-sum differences (gather) and matmuls (dense-mask) have the gradients of their values:
-    gradcheck in float64 with padding, on q, k and v."""
+    """The summaries' prefix-sum differences (gather), matmuls (dense-mask) and chunk sums less the keys read alone
+    (banded: 9 positions are 5 chunks causal, 9 non-causal, so whole chunks lie beyond every band) have the
+    gradients of their values: gradcheck in float64 with padding, on q, k and v."""
     from clusterformer.ops import selected_cluster_attention
     torch.manual_seed(fixed_seed())
     B, H, N, D, C = 1, 2, 9, 3, 3

@@ -30,9 +30,11 @@ The selection is an argmax: its gradient reaches the selected keys only, as top-
 the own-cluster rule in that a query meets the keys that *score* highest against it at the cluster level, which is
 what a trained attention wants to read.
 
-Keys per query: window + select * cluster_keys (+ num_clusters summaries) at any length. Cost: O(N C D) for the
-assignment and selection (and the summaries: differences of one prefix sum in sorted order), O(N (window + select *
-cluster_keys) D) for the attention (gathered keys, explicit scores), plus one sort of the keys per head. Groups
+Keys per query: window + select * cluster_keys (+ num_clusters summaries) at any length. Cost, with the banded
+kernel (``kernel="auto"`` beyond N = 16 (window + select * cluster_keys)): O(N C D) for the assignment, the
+selection and the summaries (per-chunk prefix sums), O(N (2 window + select * cluster_keys) D) for the attention
+(the window by chunk-band matmuls, the cluster keys gathered), plus one sort of the keys per head; below that length
+the dense-mask kernel's O(N^2 D) matmuls are faster on a CPU. Groups
 published: the key clusters, (B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``): the last ``window``
 keys, each cluster's last ``cluster_keys`` members outside the window and the sums of all its members there, per head.
 """
@@ -52,9 +54,9 @@ from ..ops.selected import (
     KERNELS,
     ClusterLayout,
     cluster_layout,
+    resolve_kernel,
     selected_cluster_attention,
     summary_selection,
-    use_dense_mask,
 )
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, SeededOptions
@@ -78,9 +80,9 @@ class ClusterSelectOptions(SeededOptions):
             tokens; evaluation, re-seeded, is deterministic).
             "summaries": the clusters whose summary (below) of every member outside the window has the largest
             logit q . mean / sqrt(D) + log n -- the clusters that would draw most weight; needs ``summaries``.
-        kernel: "auto" (default), "gather" or "dense-mask": how the same keys are attended
+        kernel: "auto" (default), "gather", "dense-mask" or "banded": how the same keys are attended
             (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 16 M,
-            M = window + select * cluster_keys.
+            M = window + select * cluster_keys, and the banded kernel (linear in N) beyond.
         grouping: "kmeans" (default): a key's cluster is its nearest centroid; "position": the ablation with
             contiguous groups -- position j is in group (j // page) mod num_clusters, pages of ``page_size``
             positions (Quest's pages). Its centroids do not train (no commitment loss) and it selects by
@@ -182,7 +184,7 @@ class ClusterSelectAttention(InnerAttention):
             return masked_sdpa(q, k, v, dense_allowed(padding, causal), dropout_p=self.dropout_p)
         key_ids = ids.masked_fill(~real, o.num_clusters)
         layout = cluster_layout(key_ids, num_clusters=o.num_clusters, window=o.window, causal=causal)
-        selected = self._choose(q, k, key_ids, layout, causal)
+        selected = self._choose(q, k, key_ids, layout, causal, key_padding_mask)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
@@ -193,16 +195,16 @@ class ClusterSelectAttention(InnerAttention):
         return torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
 
     def _choose(self, q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout,
-                causal: bool) -> torch.Tensor:
+                causal: bool, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         """The ``select`` clusters each query reads, (B, H, N, S), by the option ``selection``."""
         o = self.options
         B, H, N, _ = q.shape
         if o.selection == "scores":
             return self._select(q)
         if o.selection == "summaries":
-            dense = use_dense_mask(o.kernel, N, o.window + o.select * o.cluster_keys)
+            kernel = resolve_kernel(o.kernel, N, o.window + o.select * o.cluster_keys)
             return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
-                                     dense=dense)
+                                     kernel=kernel, key_padding_mask=key_padding_mask)
         return self._random_selection(B, H, N, q.device)
 
     def _pages(self, positions: torch.Tensor) -> torch.Tensor:

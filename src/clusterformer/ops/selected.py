@@ -24,6 +24,15 @@ Every key outside the window is thus counted once -- alone or inside its cluster
 selected or not, gets the task's gradient through its summary. The sums come from one prefix sum of the keys and
 values in sorted (cluster, position) order, (B, H, N + 1, D): a rank range of a cluster is a difference of two
 rows. :func:`summary_selection` ranks the clusters by the same logits over all their members outside the window.
+
+The ``"banded"`` kernel computes the same softmax from matmuls over chunks, O(N (L + M + C) D) without any (N, N)
+or (N, C, D) tensor. Positions are cut into chunks of L = window (causal) or window / 2 keys; query t in chunk i
+sees its whole window inside the *band* of chunks i - 1 .. i (causal) or i - 1 .. i + 1, and every other key of the
+band lies outside the window. A summary is then the members in whole chunks beyond the band -- one row of
+per-chunk prefix sums of the clusters' keys and values, (B, H, N / L + 1, C, D) -- plus the members in the band
+outside the window, read from the band's own scores through the band's one-hot clusters, less the members the
+query reads alone (their scores and values are gathered anyway). Only those gathered keys, (B, H, N, S *
+cluster_keys, D), are per query.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cluster_layout", "cluster_summaries", "selected_cluster_attention", "selected_positions",
+__all__ = ["KERNELS", "cluster_layout", "cluster_summaries", "selected_cluster_attention", "selected_positions",
            "summary_counts", "summary_selection", "use_dense_mask"]
 
 
@@ -166,20 +175,101 @@ def summary_counts(layout: ClusterLayout, selected: torch.Tensor | None, *, clus
     return lower_end + layout.total.unsqueeze(2) - upper_start
 
 
+class _Band(NamedTuple):
+    """The chunk bands of the ``"banded"`` kernel (module docstring), with Np = chunks * L >= N padded positions.
+
+    scores: (B, H, chunks, L, R) q . k / sqrt(D) of each query against its band of R = (2 or 3) L keys (q as given:
+    scaled by the caller); window: (B, H, chunks, L, R) bool, the band key is in the query's window and real;
+    outside: (L, R) bool, the band key is outside the window and not after the query (causal);
+    members: (B, H, chunks, R, C) the band keys' one-hot clusters (padding in none); values: (B, H, chunks, R, D);
+    beyond_keys, beyond_values: (B, H, chunks, C, D) per query chunk, the sums of each cluster's members in the
+    whole chunks outside its band (causal: before it; otherwise before and after)."""
+
+    scores: torch.Tensor
+    window: torch.Tensor
+    outside: torch.Tensor
+    members: torch.Tensor
+    values: torch.Tensor
+    beyond_keys: torch.Tensor
+    beyond_values: torch.Tensor
+
+    def summary_dots(self, q: torch.Tensor) -> torch.Tensor:
+        """q . (sum of each cluster's members outside the window), (B, H, N, C): the whole chunks beyond the band
+        by one (L, D) x (D, C) product per chunk, the band's own members from its scores."""
+        chunks, L = self.scores.shape[2:4]
+        B, H, N, D = q.shape
+        q_chunks = F.pad(q, (0, 0, 0, chunks * L - N)).view(B, H, chunks, L, D)
+        dots = q_chunks @ self.beyond_keys.transpose(-1, -2) + (self.scores * self.outside) @ self.members
+        return dots.view(B, H, chunks * L, -1)[:, :, :N]
+
+
+def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
+          key_padding_mask: torch.Tensor | None, *, num_clusters: int, window: int, causal: bool) -> _Band:
+    """The bands of chunks around every query chunk (:class:`_Band`); q already scaled. Chunks of L = window
+    (causal) or window / 2 positions; the band of chunk i is chunks i - 1 .. i (causal) or i - 1 .. i + 1."""
+    B, H, N = key_ids.shape
+    C = num_clusters
+    L = window if causal else window // 2
+    after = 0 if causal else 1  # band chunks after the query's own
+    chunks = -(-N // L)
+    extra = chunks * L - N
+
+    def chunked(x: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:  # (B, H, N, X) -> (B, H, chunks, L, X)
+        return F.pad(x, (0, 0, 0, extra), value=fill).view(*x.shape[:2], chunks, L, x.shape[-1])
+
+    def band(x: torch.Tensor) -> torch.Tensor:  # (B, H, chunks, L, X) -> (B, H, chunks, R, X)
+        shifted = F.pad(x, (0, 0, 0, 0, 1, after))
+        return torch.cat([shifted[:, :, s:s + chunks] for s in range(2 + after)], dim=3)
+
+    ids = F.pad(key_ids, (0, extra), value=C)
+    members = F.one_hot(ids, C + 1)[..., :C].to(q.dtype).view(B, H, chunks, L, C)  # padding: in no cluster
+    real = torch.ones(B, N, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
+    band_real = band(chunked(real[:, None, :, None], False)).squeeze(-1)  # (B, 1, chunks, R)
+    keys, values = chunked(k), chunked(v)
+    scores = chunked(q) @ band(keys).transpose(-1, -2)  # (B, H, chunks, L, R)
+
+    # key j = (i - 1) L + r of the band against query t = i L + a: j - t = r - L - a, the same in every chunk
+    a = torch.arange(L, device=q.device)[:, None]
+    offset = torch.arange((2 + after) * L, device=q.device)[None, :] - L - a  # (L, R)
+    if causal:
+        in_window, outside = (offset > -window) & (offset <= 0), offset <= -window
+    else:
+        half = window // 2
+        in_window, outside = (offset >= -half) & (offset < window - half), (offset < -half) | (offset >= window - half)
+
+    # per-chunk sums of each cluster's keys and values, prefix-summed over chunks: prefix[m] = chunks before m
+    def beyond(x: torch.Tensor) -> torch.Tensor:
+        prefix = F.pad((members.transpose(-1, -2) @ x).cumsum(2), (0, 0, 0, 0, 1, 0))  # (B, H, chunks + 1, C, D)
+        i = torch.arange(chunks, device=q.device)
+        sums = prefix[:, :, (i - 1).clamp(min=0)]  # chunks before i - 1
+        if not causal:  # and chunks after i + 1
+            sums = sums + prefix[:, :, chunks:] - prefix[:, :, (i + 2).clamp(max=chunks)]
+        return sums
+
+    return _Band(scores, in_window & band_real.unsqueeze(-2), outside.to(q.dtype), band(members), band(values),
+                 beyond(keys), beyond(values))
+
+
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
-                      select: int, window: int, causal: bool, dense: bool) -> torch.Tensor:
+                      select: int, window: int, causal: bool, kernel: str,
+                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The ``select`` clusters (B, H, N, S) whose summary of every member outside the window scores highest for
     each query: q . mean / sqrt(D) + log n, the logit the summary would have in the softmax. No gradient (an
-    argmax); clusters without such members rank last. ``dense``: from the (N, N) scores by two matmuls (the
-    dense-mask kernel's way, :func:`use_dense_mask`), otherwise from :func:`cluster_summaries`."""
+    argmax); clusters without such members rank last. ``kernel`` (one of :func:`resolve_kernel`'s answers):
+    "dense-mask" from the (N, N) scores by two matmuls, "banded" from chunk bands and per-chunk prefix sums,
+    "gather" from :func:`cluster_summaries`."""
     with torch.no_grad():
         q, k = q.detach() * q.shape[-1] ** -0.5, k.detach()
-        if dense:
+        n = summary_counts(layout, None, cluster_keys=0, causal=causal).to(q.dtype)
+        if kernel == "dense-mask":
             C = layout.total.shape[-1]
             members = F.one_hot(key_ids, C + 1)[..., :C].to(q.dtype)  # (B, H, N, C); padding in none
             outside = _outside_window(key_ids.shape[-1], window, causal, q.device).to(q.dtype)
-            n = outside @ members
             logits = ((q @ k.transpose(-1, -2)) * outside) @ members / n.clamp(min=1) + _log_count(n)
+        elif kernel == "banded":
+            band = _band(q, k, k, key_ids, key_padding_mask, num_clusters=layout.total.shape[-1], window=window,
+                         causal=causal)
+            logits = band.summary_dots(q) / n.clamp(min=1) + _log_count(n)
         else:
             keys, _, log_n = cluster_summaries(k, k, layout, None, cluster_keys=0, causal=causal)
             logits = torch.einsum("bhnd,bhncd->bhnc", q, keys) + log_n
@@ -200,10 +290,23 @@ def _log_count(n: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, n.clamp(min=1).log(), float("-inf"))
 
 
+KERNELS = ("auto", "gather", "dense-mask", "banded")
+
+
+def resolve_kernel(kernel: str, length: int, keys_per_query: int) -> str:
+    """The kernel that ``kernel`` names at this length: "gather", "dense-mask" or "banded" as given; "auto" takes the
+    dense mask while N <= 16 M (M: keys per query read alone, window included) and the banded kernel beyond. On the
+    CPU (one thread) the dense mask was the faster of the two up to N = 512 with M = 48 and summaries, the banded
+    kernel from N = 1,024 on; the gather kernel was slower than one of them at every length
+    (docs/benchmarks.md, "cluster-select's banded kernel")."""
+    if kernel != "auto":
+        return kernel
+    return "dense-mask" if length <= 16 * keys_per_query else "banded"
+
+
 def use_dense_mask(kernel: str, length: int, keys_per_query: int) -> bool:
-    """Whether ``kernel`` attends through an (N, N) mask: "dense-mask", or "auto" while N <= 16 M (M: keys per query
-    read alone) -- on the CPU the mask was 7x faster than the gather at N = 4,096, M = 256 (docs/benchmarks.md)."""
-    return kernel == "dense-mask" or (kernel == "auto" and length <= 16 * keys_per_query)
+    """Whether ``kernel`` attends through an (N, N) mask at this length (:func:`resolve_kernel`)."""
+    return resolve_kernel(kernel, length, keys_per_query) == "dense-mask"
 
 
 def _weights(scores: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -211,9 +314,6 @@ def _weights(scores: torch.Tensor, dropout_p: float) -> torch.Tensor:
     empty = (scores == float("-inf")).all(-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return F.dropout(weights, dropout_p) if dropout_p else weights
-
-
-KERNELS = ("auto", "gather", "dense-mask")
 
 
 def selected_cluster_attention(
@@ -224,9 +324,10 @@ def selected_cluster_attention(
     """Softmax attention of each query over its window and its selected clusters' keys (module docstring).
 
     q, k, v: (B, H, N, D); key_ids (B, H, N) in [0, num_clusters] (num_clusters: padding); selected (B, H, N, S)
-    distinct cluster ids. ``kernel``: "gather" (the keys each query reads, O(N M D)), "dense-mask" (the same set as
-    an (N, N) boolean mask for one SDPA call: O(N^2 D) but matmul-shaped, faster while N is a few times M), or
-    "auto" (dense-mask for N <= 16 M: on the CPU it was 7x faster than the gather at N = 4,096, M = 256).
+    distinct cluster ids. ``kernel``: "gather" (the keys each query reads, gathered: O(N M D)), "banded" (the
+    window from chunk bands, the cluster keys gathered, the summaries from per-chunk prefix sums: O(N (M + C) D),
+    no (N, N) or (N, C, D) tensor), "dense-mask" (the same set as an (N, N) boolean mask for one SDPA call: O(N^2 D)
+    but matmul-shaped, faster while N is a few times M), or "auto" (:func:`resolve_kernel`).
     ``summaries``: also one summary per cluster of the members not read alone outside the window, in the same
     softmax (:func:`cluster_summaries`). ``layout``: :func:`cluster_layout` of ``key_ids``, if the caller has it.
     Returns (B, H, N, D); a query without any key gets 0."""
@@ -238,7 +339,13 @@ def selected_cluster_attention(
                                             layout=layout)
     M = positions.shape[-1]
     scale = D ** -0.5
-    if use_dense_mask(kernel, N, M):
+    kernel = resolve_kernel(kernel, N, M)
+    if kernel == "banded":  # the cluster part only: the band holds the window
+        alone = M - window
+        return _banded_attention(q * scale, k, v, key_ids, selected, positions[..., :alone], allowed[..., :alone],
+                                 layout, window=window, cluster_keys=cluster_keys, causal=causal,
+                                 key_padding_mask=key_padding_mask, summaries=summaries, dropout_p=dropout_p)
+    if kernel == "dense-mask":
         # scatter True at every allowed position; the entries that are not allowed go to an extra column, dropped
         index = torch.where(allowed, positions, N)
         mask = torch.zeros(B, H, N, N + 1, dtype=torch.bool, device=q.device).scatter_(-1, index, True)[..., :N]
@@ -259,6 +366,64 @@ def selected_cluster_attention(
         scores = torch.cat([scores, summary_scores], dim=-1)
         values = torch.cat([values, summary_values], dim=3)
     return torch.einsum("bhnm,bhnmd->bhnd", _weights(scores, dropout_p), values)
+
+
+def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
+                      selected: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, layout: ClusterLayout, *,
+                      window: int, cluster_keys: int, causal: bool, key_padding_mask: torch.Tensor | None,
+                      summaries: bool, dropout_p: float) -> torch.Tensor:
+    """The ``"banded"`` kernel (module docstring): the window from the chunk bands, the selected clusters' keys
+    gathered ((B, H, N, M) ``positions`` / ``allowed`` of the keys read alone, from :func:`selected_positions`
+    without its window columns), the summaries from :meth:`_Band.summary_dots` less the keys read alone -- one
+    softmax over the three, normalised by the row's largest logit without concatenating them. q is already
+    scaled; a row without keys gets 0."""
+    B, H, N, D = q.shape
+    C = layout.total.shape[-1]
+    band = _band(q, k, v, key_ids, key_padding_mask, num_clusters=C, window=window, causal=causal)
+    chunks, L = band.scores.shape[2:4]
+    # the keys read alone, (B, H, N, M, D), by one index_select of the flattened rows, and matmuls with a unit
+    # dimension: on the CPU both faster than gather and einsum (whose bmm has B H N tiny products)
+    rows = (positions + N * torch.arange(B * H, device=q.device).view(B, H, 1, 1)).reshape(-1)
+    alone_keys, alone_values = (x.reshape(B * H * N, D).index_select(0, rows).view(*positions.shape, D) for x in (k, v))
+    alone_raw = (alone_keys @ q.unsqueeze(-1)).squeeze(-1)  # (B, H, N, M)
+    alone_scores = alone_raw.masked_fill(~allowed, float("-inf"))
+
+    def per_query(x: torch.Tensor) -> torch.Tensor:  # (B, H, chunks, L, X) -> (B, H, N, X)
+        return x.reshape(B, H, chunks * L, x.shape[-1])[:, :, :N]
+
+    window_scores = per_query(band.scores.masked_fill(~band.window, float("-inf")))
+    m = torch.maximum(window_scores.amax(-1, keepdim=True), alone_scores.amax(-1, keepdim=True))
+    if summaries:  # q . (sum of the members outside the window, less those read alone) / n + log n
+        n = summary_counts(layout, selected, cluster_keys=cluster_keys, causal=causal).to(q.dtype)
+        read_alone = alone_raw.masked_fill(~allowed, 0.0).view(B, H, N, -1, cluster_keys).sum(-1)  # (B, H, N, S)
+        dots = band.summary_dots(q).scatter_add(-1, selected, -read_alone)
+        summary_scores = dots / n.clamp(min=1) + _log_count(n)
+        m = torch.maximum(m, summary_scores.amax(-1, keepdim=True))
+    # the shift cancels in the ratio, so it needs no gradient; -inf (a row without keys) becomes 0 to keep exp finite
+    m = m.detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    in_window, alone = torch.exp(window_scores - m), torch.exp(alone_scores - m)
+    total = in_window.sum(-1, keepdim=True) + alone.sum(-1, keepdim=True)
+    if summaries:
+        summary = torch.exp(summary_scores - m)
+        total = total + summary.sum(-1, keepdim=True)
+    total = torch.where(total > 0, total, torch.ones_like(total))  # a row without keys: 0 / 1
+    in_window, alone = F.dropout(in_window / total, dropout_p), F.dropout(alone / total, dropout_p)
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # (B, H, N, X) -> (B, H, chunks, L, X)
+        return F.pad(x, (0, 0, 0, chunks * L - N)).view(B, H, chunks, L, x.shape[-1])
+
+    band_weights = chunked(in_window)
+    out_alone = (alone.unsqueeze(-2) @ alone_values).squeeze(-2)
+    if not summaries:
+        return per_query(band_weights @ band.values) + out_alone
+    # a summary's weight spreads over its members as w / n: those in whole chunks beyond the band through the
+    # chunk sums, those in the band through the band weights, less the members read alone
+    share = F.dropout(summary / total, dropout_p) / n.clamp(min=1)  # (B, H, N, C)
+    band_weights = band_weights + (chunked(share) @ band.members.transpose(-1, -2)) * band.outside
+    out = per_query(band_weights @ band.values + chunked(share) @ band.beyond_values) + out_alone
+    taken = share.gather(-1, selected).repeat_interleave(cluster_keys, dim=-1) * allowed  # (B, H, N, M)
+    return out - (taken.unsqueeze(-2) @ alone_values).squeeze(-2)
 
 
 def _dense_with_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, mask: torch.Tensor,
