@@ -30,9 +30,9 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
                                                 {"causal_assign": "prefix", "local_window": 32}),
             "cluster-select+random": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,
                                                       "selection": "random"}, {"selection": "random"}),
-            "cluster-select+summaries": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
-                                                         "window": 4, "summaries": True, "selection": "summaries"},
-                                         {"summaries": True, "selection": "summaries"}),
+            "cluster-select-no-summaries": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
+                                                         "window": 4, "summaries": False},
+                                         {"summaries": False}),  # the default reads summaries; this one does not
             "cluster-select+banded": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
                                                       "window": 4, "summaries": True, "selection": "summaries",
                                                       "kernel": "banded"},

@@ -318,7 +318,7 @@ def _cluster_select_allowed(layer, q, k, real, causal):
 def test_cluster_select_matches_dense_reference(N, options, causal, kernel):
     """``"cluster-select"`` against the masked softmax over the keys its definition names, padding at the end and
     in the middle of a sequence (never read, never counted in a cluster); both kernels."""
-    layer = _layer("cluster-select", **options, kernel=kernel)
+    layer = _layer("cluster-select", **options, kernel=kernel, summaries=False)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)
@@ -415,7 +415,7 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     if N > 6:
         pad[1, -3:] = True
         pad[2, 2:4] = True
-    plain = _layer("cluster-select", **options, kernel=kernel, grouping=grouping, **pages,
+    plain = _layer("cluster-select", **options, kernel=kernel, grouping=grouping, **pages, summaries=False,
                    selection="random" if grouping == "position" else "scores")
     plain.load_state_dict(layer.state_dict())
     y = layer(x, key_padding_mask=pad, causal=causal)
@@ -431,17 +431,22 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
 
 
 def test_cluster_select_summaries_options():
-    """Budget: the summaries are num_clusters more keys per query; ``selection="summaries"`` needs them."""
+    """The defaults; budget: the summaries are num_clusters more keys per query; ``selection="summaries"`` needs
+    them."""
     from clusterformer.attention.cluster_select import ClusterSelectOptions
     options = ClusterSelectOptions(num_clusters=16, select=2, cluster_keys=8, window=16, summaries=True)
     assert options.keys_per_query(1024) == 16 + 2 * 8 + 16
     budget = options.for_budget(64, 1024)
     assert ClusterSelectOptions(**{**vars(options), **budget}).keys_per_query(1024) <= 64
     assert budget == {"window": 24, "cluster_keys": 12}
+    # the defaults (sixth session): summaries on, ranked by them; without summaries, by q . mu
+    assert (ClusterSelectOptions().summaries, ClusterSelectOptions().selection) == (True, "summaries")
+    assert ClusterSelectOptions(summaries=False).selection == "scores"
+    assert ClusterSelectOptions(summaries=False, selection="random").selection == "random"
     with pytest.raises(ValueError, match="summaries"):
-        ClusterSelectOptions(selection="summaries")
+        ClusterSelectOptions(summaries=False, selection="summaries")
     with pytest.raises(ValueError, match="grouping"):
-        ClusterSelectOptions(grouping="position")  # selection="scores" needs trained centroids
+        ClusterSelectOptions(grouping="position", summaries=False)  # selection="scores" needs trained centroids
     with pytest.raises(ValueError, match="grouping"):
         ClusterSelectOptions(grouping="pages", summaries=True, selection="summaries")
     with pytest.raises(ValueError, match="page_size"):
