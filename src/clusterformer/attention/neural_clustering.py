@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,12 +86,24 @@ from torch import nn
 from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
-from ..ops.layouts import cluster_causal_layout, sorted_layout
+from ..ops.layouts import ChunkLayout, cluster_causal_layout, sorted_layout
 from ..ops.masks import dense_allowed, masked_sdpa, real_lengths, self_only_when_alone
 from ..ops.windows import windowed_attention, windowed_attention_lse
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, QKVProjection, SeededOptions
 from .registry import register
+
+
+class ClusterCount(NamedTuple):
+    """How one forward groups: ``clusters`` k (the largest k_b when each sequence has its own), ``strict`` (strict
+    causal mode: a fixed k and block size), and when k follows each sequence's real length (a padding mask
+    without strict mode) the (B,) real ``lengths`` L_b and k_b (``per_sequence``); otherwise both None."""
+
+    clusters: int
+    strict: bool
+    lengths: torch.Tensor | None = None
+    per_sequence: torch.Tensor | None = None
+
 
 GROUPINGS = ("learned", "contiguous", "random")
 CLUSTER_INPUTS = ("hidden", "shared-qk")
@@ -314,49 +326,51 @@ class NeuralClusteringAttention(InnerAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, N, dim) -> (heads output (B, N, H, D), C_hat). ``flow``: optional (B, k, dim) or (k, dim)
         centroids replacing the layer's own (the paper's flow between layers); C_hat is what flows on."""
-        B, N, _ = x.shape
-        strict = causal and self.options.causal_mode == "strict"
-        # Strict mode fixes k and the block size, so the outputs for a prefix do not change as tokens follow.
-        # Otherwise k and the chunk size follow each sequence's real length L_b (k_b = sqrt(L_b), w_b =
-        # ceil(L_b / k_b)), so padding and the other sequences of the batch cannot change them.
-        per_sequence = lengths = None
-        if strict:
-            n_clusters = self.options.strict_causal_clusters()
-        elif key_padding_mask is None:
-            n_clusters = self.options.clusters_for(N)
-        else:
-            lengths = real_lengths(key_padding_mask, B, N, x.device)
-            per_sequence = self.options.clusters_for_lengths(lengths)
-            n_clusters = int(per_sequence.max()) if B else 1
-        ids, updated = self._assign(x, projection, key_padding_mask, flow, n_clusters, per_sequence, strict)
+        count = self._count(x, key_padding_mask, causal)
+        ids, updated = self._assign(x, projection, key_padding_mask, flow, count)
         publish_groups(self, ids)
-        dense = self.dense_training and self.training
-        return self._attend(x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence,
-                            dense), updated
+        out = self._attend(x, projection, key_padding_mask, causal, ids, count,
+                           dense=self.dense_training and self.training)
+        return out, updated
 
-    def _attend(self, x, projection, key_padding_mask, causal, ids, n_clusters, lengths, per_sequence, dense=False):
-        """Chunked attention given the cluster ids: heads output (B, N, H, D). ``dense``: every key instead
+    def _count(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> ClusterCount:
+        """Strict mode fixes k and the block size, so the outputs for a prefix do not change as tokens follow.
+        Otherwise k and the chunk size follow each sequence's real length L_b (k_b = sqrt(L_b), w_b = ceil(L_b /
+        k_b)), so padding and the other sequences of the batch cannot change them."""
+        B, N, _ = x.shape
+        if causal and self.options.causal_mode == "strict":
+            return ClusterCount(self.options.strict_causal_clusters(), True)
+        if key_padding_mask is None:
+            return ClusterCount(self.options.clusters_for(N), False)
+        lengths = real_lengths(key_padding_mask, B, N, x.device)
+        per_sequence = self.options.clusters_for_lengths(lengths)
+        return ClusterCount(int(per_sequence.max()) if B else 1, False, lengths, per_sequence)
+
+    def _attend(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None,
+                causal: bool, ids: torch.Tensor, count: ClusterCount, *, dense: bool = False) -> torch.Tensor:
+        """Chunked attention given the cluster ids (B, N): heads output (B, N, H, D). ``dense``: every key instead
         (``train --dense-warmup-steps``)."""
         B, N, _ = x.shape
-        strict = causal and self.options.causal_mode == "strict"
         if B == 0 or N == 0:
             return projection.qkv(x)[0].transpose(1, 2)  # empty, with a graph
         if dense:
             return self._dense_attention(x, projection, key_padding_mask, causal)
-        if strict:
-            layout = cluster_causal_layout(ids, self.options.causal_chunk_size, n_clusters + 1, self.options.look_back)
-        elif lengths is None:
-            layout = sorted_layout(ids, math.ceil(N / n_clusters), self.options.look_back)
-        else:
-            chunk = (lengths + per_sequence - 1) // per_sequence  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
-            layout = sorted_layout(ids, chunk, self.options.look_back, key_padding_mask=key_padding_mask)
+        look_back = self.options.look_back
+        if count.strict:
+            layout = cluster_causal_layout(ids, self.options.causal_chunk_size, count.clusters + 1, look_back)
+        elif count.lengths is None:
+            layout = sorted_layout(ids, math.ceil(N / count.clusters), look_back)
+        else:  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
+            chunk = (count.lengths + count.per_sequence - 1) // count.per_sequence
+            layout = sorted_layout(ids, chunk, look_back, key_padding_mask=key_padding_mask)
         if self.options.local_window:
-            out = self._with_local_window(x, projection, layout, causal, strict, key_padding_mask)
+            out = self._with_local_window(x, projection, layout, causal, count.strict, key_padding_mask)
         else:
             out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
         return out.view(B, N, self.heads, self.head_dim)
 
-    def _dense_attention(self, x, projection, key_padding_mask, causal):
+    def _dense_attention(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None,
+                         causal: bool) -> torch.Tensor:
         """Every real key (every earlier one under ``causal``; with shared QK unit keys and the token's own key only
         when it has no other), one SDPA call with a boolean mask: (B, N, H, D). A query without keys gets 0."""
         B, N, _ = x.shape
@@ -368,7 +382,8 @@ class NeuralClusteringAttention(InnerAttention):
             allowed = self_only_when_alone(allowed.expand(B, 1, N, N), torch.eye(N, dtype=torch.bool, device=x.device))
         return masked_sdpa(q, self._keys(k), v, allowed, dropout_p=self.dropout_p).transpose(1, 2)
 
-    def _with_local_window(self, x, projection, layout, causal, strict, key_padding_mask):
+    def _with_local_window(self, x: torch.Tensor, projection: QKVProjection, layout: ChunkLayout, causal: bool,
+                           strict: bool, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         """The cluster chunks joined with the local blocks (``local_window``), each key once, in one softmax:
         the cluster part leaves out the keys of the query's local blocks, the local part has only them, and the
         two are merged by their log-sum-exps. (B * N, H, head_dim)."""
@@ -388,11 +403,10 @@ class NeuralClusteringAttention(InnerAttention):
         return merge_attention(out_c, lse_c, out_l, lse_l)
 
     def _assign(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None,
-                flow: torch.Tensor | None,
-                n_clusters: int, per_sequence: torch.Tensor | None, strict: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cluster ids (B, N) (padding: n_clusters) and C_hat (or None); publishes the clustering losses."""
+                flow: torch.Tensor | None, count: ClusterCount) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cluster ids (B, N) (padding: count.clusters) and C_hat (or None); publishes the clustering losses."""
         B, N, _ = x.shape
+        n_clusters, per_sequence, strict = count.clusters, count.per_sequence, count.strict
 
         def fixed_groups(grouping: str) -> torch.Tensor:  # the ablations' ids, padding marked as the clustering does
             k = torch.full((B,), n_clusters, dtype=torch.long) if per_sequence is None else per_sequence.cpu()
@@ -425,10 +439,11 @@ class NeuralClusteringAttention(InnerAttention):
                        ) -> tuple[torch.Tensor, GroupRingCache]:
         self.check_decoding()
         B, N, _ = x.shape
-        n_clusters = self.options.strict_causal_clusters()
-        ids, _ = self._assign(x, projection, key_padding_mask, None, n_clusters, None, True)
+        count = ClusterCount(self.options.strict_causal_clusters(), True)
+        n_clusters = count.clusters
+        ids, _ = self._assign(x, projection, key_padding_mask, None, count)
         publish_groups(self, ids)
-        out = self._attend(x, projection, key_padding_mask, True, ids, n_clusters, None, None)
+        out = self._attend(x, projection, key_padding_mask, True, ids, count)
         rows = x.reshape(B * N, self.dim)
         k = self._keys(projection.project_rows(rows, "k")).view(B, 1, N, self.heads, self.head_dim)
         v = projection.project_rows(rows, "v").view(B, 1, N, self.heads, self.head_dim)
@@ -546,7 +561,9 @@ class NeuralClusteringAttention(InnerAttention):
             )
         return flow
 
-    def _chunk_attention(self, x, projection, layout, causal, key_padding_mask, local=None):
+    def _chunk_attention(self, x: torch.Tensor, projection: QKVProjection, layout: ChunkLayout, causal: bool,
+                         key_padding_mask: torch.Tensor | None, local: tuple[int, bool] | None = None
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, N, dim) -> (B * N, H, head_dim), or with ``local`` (block, keep) also each query's log-sum-exp
         (B * N, H) over the keys allowed by :func:`clusterformer.ops.masks.local_blocks` (``keep``) or by its
         negation. Sorting x once and projecting in sorted order moves one (N, dim) tensor instead of three
