@@ -96,35 +96,18 @@ def neural_clustering(
             raise ValueError(f"shared (N, d) points need (B, k, d) centroids, got shape {tuple(centroids.shape)}")
         if key_padding_mask is not None:
             raise ValueError("key_padding_mask is not supported with shared (N, d) points")
-        B, (N, d) = centroids.shape[0], points.shape
+        B, N = centroids.shape[0], points.shape[0]
     else:
-        B, N, d = points.shape
+        B, N, _ = points.shape
     if centroids.dim() == 2:
         centroids = centroids.unsqueeze(0).expand(B, -1, -1)
-    k = centroids.shape[1]
     # Clustering decisions are argmaxes over a softmax across up to N positions: compute them in at least
     # float32 even under bf16/fp16 autocast, where ties and underflow would scramble the assignment.
     dtype = torch.promote_types(torch.promote_types(points.dtype, centroids.dtype), torch.float32)
     with torch.autocast(device_type=points.device.type, enabled=False):
         points = points.to(dtype)
-        unit_centroids = _unit(centroids.to(dtype), similarity)
-        # Scores laid out (B, N, k): one matmul without a transposed copy, contiguous argmax over k. For
-        # cosine, divide the (N, k) product by the point norms instead of normalising the (N, d) points, so
-        # that no (N, d) copy is kept for the backward.
-        if shared:  # (N, B k) in one product, viewed as (B, N, k) without a copy
-            raw = (points @ unit_centroids.reshape(B * k, d).T).view(N, B, k).transpose(0, 1)
-        else:
-            raw = points @ unit_centroids.transpose(1, 2)
-        scores = raw
-        if similarity == "cosine":
-            scores = raw * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
-        scores = scale * scores
-        unused = None  # (B, 1, k) True for the centroids a sequence does not use
-        if num_clusters is not None:
-            unused = (torch.arange(k, device=points.device) >= num_clusters.unsqueeze(1)).unsqueeze(1)
-            scores = scores.masked_fill(unused, float("-inf"))
-        if key_padding_mask is not None:
-            scores = scores.masked_fill(key_padding_mask.unsqueeze(-1), float("-inf"))
+        raw, scores, unused = _scores(points, _unit(centroids.to(dtype), similarity), similarity, scale,
+                                      key_padding_mask, num_clusters)
         # Eq. 2: U_ij = softmax over positions j. A sequence that is all padding has no positions, and an unused
         # centroid no scores: U = 0 for both.
         # Softmax along the last, contiguous dim of a (B, k, N) copy: CUDA's kernel for a softmax over a strided
@@ -134,50 +117,94 @@ def neural_clustering(
         if key_padding_mask is not None or unused is not None:
             u = torch.nan_to_num(u, nan=0.0)
         updated = _weighted_sums(u, points)  # eq. 3: C_hat_i = sum_j U_ij X_j W^C, (B, k, d)
-
-        # Eq. 4: I_j = argmax_i U_ij = argmax_i (score_ij - logsumexp_j' score_ij'). No gradient: the
-        # assignment is a hard argmax in the paper too, and the temporaries are freed at once.
-        with torch.no_grad():
-            if assign in ("subordinate", "prefix"):  # normalised over every position, or over positions 0..j
-                normaliser = (torch.logsumexp(scores, dim=1, keepdim=True) if assign == "subordinate"
-                              else torch.logcumsumexp(scores, dim=1))  # padding and unused centroids: -inf
-                relative = scores - normaliser
-                if unused is not None:  # -inf - -inf is NaN: take unused centroids out of the argmax again
-                    relative = relative.masked_fill(unused, float("-inf"))
-                ids = relative.argmax(dim=-1)
-            else:  # a token's positive norm and the scale do not change its argmax: the same as nearest_centroid
-                ids = (raw if unused is None else raw.masked_fill(unused, float("-inf"))).argmax(dim=-1)
-            if key_padding_mask is not None:
-                ids = ids.masked_fill(key_padding_mask, k)
-
-        # Eq. 6: L1 = -mean_j phi(X_j W^C, C_hat_{I_j}) over real tokens. phi is bilinear in the (unit)
-        # vectors, so sum the points of each cluster first (a scatter-add, no (B, N, d) gather):
-        # sum_j phi(p_j, c_{I_j}) = sum_i phi(sum_{j in i} p_j, c_i).
+        ids = _assignments(raw, scores, unused, assign, key_padding_mask)  # eq. 4
         real = torch.ones(B, N, dtype=torch.bool, device=points.device)
         if key_padding_mask is not None:
             real = ~key_padding_mask
-        unit_points = _unit(points, similarity)  # not saved for the backward: scatter_add keeps only the index
-        if shared:  # the sums of every set's clusters as one product of a one-hot matrix
-            members = _weighted_sums(F.one_hot(ids, k + 1).to(points.dtype), unit_points)
-        else:
-            members = torch.zeros(B, k + 1, d, dtype=points.dtype, device=points.device)  # row k: padding
-            members = members.scatter_add(1, ids.unsqueeze(-1).expand(B, N, d), unit_points)
         unit_updated = _unit(updated, similarity)
-        clustering_loss = -(members[:, :k] * unit_updated).sum() / real.sum().clamp(min=1)
-
-        # Eq. 11: L2 = -(1/k) (sum_{i>=2} phi(C_hat_i, C_hat_{i-1}) + phi(C_hat_1, C_hat_k)): a ring.
-        if num_clusters is None:
-            ring = (unit_updated * unit_updated.roll(1, dims=1)).sum(-1).mean(-1)  # (B,)
-        else:  # each sequence's ring closes at its own k: C_hat_1 follows C_hat_{k_b}
-            k_b = num_clusters.clamp(min=1).unsqueeze(1)
-            previous = (torch.arange(k, device=points.device) - 1) % k_b  # (B, k)
-            neighbour = unit_updated.gather(1, previous.unsqueeze(-1).expand(B, k, d))
-            terms = (unit_updated * neighbour).sum(-1).masked_fill(unused.squeeze(1), 0.0)
-            ring = terms.sum(-1) / k_b.squeeze(1)
-        has_real = real.any(-1)
-        ring = torch.where(has_real, ring, torch.zeros_like(ring))
-        sorting_loss = -ring.sum() / has_real.sum().clamp(min=1)
+        clustering_loss = _clustering_loss(points, ids, unit_updated, real, similarity)  # eq. 6
+        sorting_loss = _sorting_loss(unit_updated, real, num_clusters, unused)  # eq. 11
     return NeuralClusteringOutput(ids, updated, clustering_loss, sorting_loss)
+
+
+def _scores(points: torch.Tensor, unit_centroids: torch.Tensor, similarity: str, scale: float,
+            key_padding_mask: torch.Tensor | None, num_clusters: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The raw products p . c (B, N, k), the scores of eq. 2 (scale * phi, -inf for padding and unused centroids)
+    and the (B, 1, k) mask of the centroids a sequence does not use (None: all used). Shared (N, d) points: the
+    (N, B k) product of every centroid set at once, viewed as (B, N, k) without a copy. Cosine divides the (N, k)
+    product by the point norms instead of normalising the (N, d) points, so no (N, d) copy is kept for the
+    backward."""
+    B, k, d = unit_centroids.shape
+    if points.dim() == 2:
+        N = points.shape[0]
+        raw = (points @ unit_centroids.reshape(B * k, d).T).view(N, B, k).transpose(0, 1)
+    else:
+        raw = points @ unit_centroids.transpose(1, 2)
+    scores = raw
+    if similarity == "cosine":
+        scores = raw * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
+    scores = scale * scores
+    unused = None
+    if num_clusters is not None:
+        unused = (torch.arange(k, device=points.device) >= num_clusters.unsqueeze(1)).unsqueeze(1)
+        scores = scores.masked_fill(unused, float("-inf"))
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask.unsqueeze(-1), float("-inf"))
+    return raw, scores, unused
+
+
+@torch.no_grad()
+def _assignments(raw: torch.Tensor, scores: torch.Tensor, unused: torch.Tensor | None, assign: str,
+                 key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 4: I_j = argmax_i U_ij = argmax_i (score_ij - logsumexp_j' score_ij'), (B, N); padding gets k. No
+    gradient: the assignment is a hard argmax in the paper too, and the temporaries are freed at once."""
+    if assign in ("subordinate", "prefix"):  # normalised over every position, or over positions 0..j
+        normaliser = (torch.logsumexp(scores, dim=1, keepdim=True) if assign == "subordinate"
+                      else torch.logcumsumexp(scores, dim=1))  # padding and unused centroids: -inf
+        relative = scores - normaliser
+        if unused is not None:  # -inf - -inf is NaN: take unused centroids out of the argmax again
+            relative = relative.masked_fill(unused, float("-inf"))
+        ids = relative.argmax(dim=-1)
+    else:  # a token's positive norm and the scale do not change its argmax: the same as nearest_centroid
+        ids = (raw if unused is None else raw.masked_fill(unused, float("-inf"))).argmax(dim=-1)
+    if key_padding_mask is not None:
+        ids = ids.masked_fill(key_padding_mask, raw.shape[-1])
+    return ids
+
+
+def _clustering_loss(points: torch.Tensor, ids: torch.Tensor, unit_updated: torch.Tensor, real: torch.Tensor,
+                     similarity: str) -> torch.Tensor:
+    """Eq. 6: L1 = -mean_j phi(X_j W^C, C_hat_{I_j}) over real tokens. phi is bilinear in the (unit) vectors, so
+    the points of each cluster are summed first (a scatter-add, no (B, N, d) gather): sum_j phi(p_j, c_{I_j}) =
+    sum_i phi(sum_{j in i} p_j, c_i). Shared (N, d) points: the sums of every set as one product of a one-hot
+    matrix."""
+    B, k, d = unit_updated.shape
+    unit_points = _unit(points, similarity)  # not saved for the backward: scatter_add keeps only the index
+    if points.dim() == 2:
+        members = _weighted_sums(F.one_hot(ids, k + 1).to(points.dtype), unit_points)
+    else:
+        members = torch.zeros(B, k + 1, d, dtype=points.dtype, device=points.device)  # row k: padding
+        members = members.scatter_add(1, ids.unsqueeze(-1).expand(*ids.shape, d), unit_points)
+    return -(members[:, :k] * unit_updated).sum() / real.sum().clamp(min=1)
+
+
+def _sorting_loss(unit_updated: torch.Tensor, real: torch.Tensor, num_clusters: torch.Tensor | None,
+                  unused: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 11: L2 = -(1/k) (sum_{i>=2} phi(C_hat_i, C_hat_{i-1}) + phi(C_hat_1, C_hat_k)): a ring, closed at each
+    sequence's own k when ``num_clusters`` gives one; the mean over the sequences with a real token."""
+    B, k, d = unit_updated.shape
+    if num_clusters is None:
+        ring = (unit_updated * unit_updated.roll(1, dims=1)).sum(-1).mean(-1)  # (B,)
+    else:  # each sequence's ring closes at its own k: C_hat_1 follows C_hat_{k_b}
+        k_b = num_clusters.clamp(min=1).unsqueeze(1)
+        previous = (torch.arange(k, device=unit_updated.device) - 1) % k_b  # (B, k)
+        neighbour = unit_updated.gather(1, previous.unsqueeze(-1).expand(B, k, d))
+        terms = (unit_updated * neighbour).sum(-1).masked_fill(unused.squeeze(1), 0.0)
+        ring = terms.sum(-1) / k_b.squeeze(1)
+    has_real = real.any(-1)
+    ring = torch.where(has_real, ring, torch.zeros_like(ring))
+    return -ring.sum() / has_real.sum().clamp(min=1)
 
 
 def _weighted_sums(weights: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
