@@ -180,8 +180,9 @@ class _Band(NamedTuple):
 
     scores: (B, H, chunks, L, R) q . k / sqrt(D) of each query against its band of R = (2 or 3) L keys (q as given:
     scaled by the caller); window: (B, H, chunks, L, R) bool, the band key is in the query's window and real;
-    outside: (L, R) bool, the band key is outside the window and not after the query (causal);
-    members: (B, H, chunks, R, C) the band keys' one-hot clusters (padding in none); values: (B, H, chunks, R, D);
+    outside: (L, R) 1 where the band key is outside the window and not after the query (causal), else 0, in q's
+    dtype; members: (B, H, chunks, R, C) the band keys' one-hot clusters (padding in none); values: (B, H, chunks, R,
+    D), or None when no values were given (a selection only scores);
     beyond_keys, beyond_values: (B, H, chunks, C, D) per query chunk, the sums of each cluster's members in the
     whole chunks outside its band (causal: before it; otherwise before and after)."""
 
@@ -189,9 +190,9 @@ class _Band(NamedTuple):
     window: torch.Tensor
     outside: torch.Tensor
     members: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None
     beyond_keys: torch.Tensor
-    beyond_values: torch.Tensor
+    beyond_values: torch.Tensor | None
 
     def summary_dots(self, q: torch.Tensor) -> torch.Tensor:
         """q . (sum of each cluster's members outside the window), (B, H, N, C): the whole chunks beyond the band
@@ -203,7 +204,7 @@ class _Band(NamedTuple):
         return dots.view(B, H, chunks * L, -1)[:, :, :N]
 
 
-def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
+def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: torch.Tensor,
           key_padding_mask: torch.Tensor | None, *, num_clusters: int, window: int, causal: bool) -> _Band:
     """The bands of chunks around every query chunk (:class:`_Band`); q already scaled. Chunks of L = window
     (causal) or window / 2 positions; the band of chunk i is chunks i - 1 .. i (causal) or i - 1 .. i + 1."""
@@ -225,7 +226,7 @@ def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tens
     members = F.one_hot(ids, C + 1)[..., :C].to(q.dtype).view(B, H, chunks, L, C)  # padding: in no cluster
     real = torch.ones(B, N, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
     band_real = band(chunked(real[:, None, :, None], False)).squeeze(-1)  # (B, 1, chunks, R)
-    keys, values = chunked(k), chunked(v)
+    keys = chunked(k)
     scores = chunked(q) @ band(keys).transpose(-1, -2)  # (B, H, chunks, L, R)
 
     # key j = (i - 1) L + r of the band against query t = i L + a: j - t = r - L - a, the same in every chunk
@@ -246,8 +247,9 @@ def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tens
             sums = sums + prefix[:, :, chunks:] - prefix[:, :, (i + 2).clamp(max=chunks)]
         return sums
 
-    return _Band(scores, in_window & band_real.unsqueeze(-2), outside.to(q.dtype), band(members), band(values),
-                 beyond(keys), beyond(values))
+    values = None if v is None else chunked(v)
+    return _Band(scores, in_window & band_real.unsqueeze(-2), outside.to(q.dtype), band(members),
+                 None if v is None else band(values), beyond(keys), None if v is None else beyond(values))
 
 
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
@@ -267,7 +269,7 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
             outside = _outside_window(key_ids.shape[-1], window, causal, q.device).to(q.dtype)
             logits = ((q @ k.transpose(-1, -2)) * outside) @ members / n.clamp(min=1) + _log_count(n)
         elif kernel == "banded":
-            band = _band(q, k, k, key_ids, key_padding_mask, num_clusters=layout.total.shape[-1], window=window,
+            band = _band(q, k, None, key_ids, key_padding_mask, num_clusters=layout.total.shape[-1], window=window,
                          causal=causal)
             logits = band.summary_dots(q) / n.clamp(min=1) + _log_count(n)
         else:
