@@ -32,7 +32,7 @@ the own-cluster rule in that a query meets the keys that *score* highest against
 what a trained attention wants to read.
 
 Keys per query: window + select * cluster_keys (+ num_clusters summaries) at any length. Cost, with the banded
-kernel (``kernel="auto"`` beyond N = 16 (window + select * cluster_keys)): O(N C D) for the assignment, the
+kernel (``kernel="auto"`` beyond N = 8 (window + select * cluster_keys)): O(N C D) for the assignment, the
 selection and the summaries (per-chunk prefix sums), O(N (2 window + select * cluster_keys) D) for the attention
 (the window by chunk-band matmuls, the cluster keys gathered), plus one sort of the keys per head; below that length
 the dense-mask kernel's O(N^2 D) matmuls are faster on a CPU. Groups
@@ -83,7 +83,7 @@ class ClusterSelectOptions(SeededOptions):
             "summaries": the clusters whose summary (below) of every member outside the window has the largest
             logit q . mean / sqrt(D) + log n -- the clusters that would draw most weight; needs ``summaries``.
         kernel: "auto" (default), "gather", "dense-mask" or "banded": how the same keys are attended
-            (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 16 M,
+            (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 8 M,
             M = window + select * cluster_keys, and the banded kernel (linear in N) beyond.
         grouping: "kmeans" (default): a key's cluster is its nearest centroid; "position": the ablation with
             contiguous groups -- position j is in group (j // page) mod num_clusters, pages of ``page_size``

@@ -297,13 +297,15 @@ KERNELS = ("auto", "gather", "dense-mask", "banded")
 
 def resolve_kernel(kernel: str, length: int, keys_per_query: int) -> str:
     """The kernel that ``kernel`` names at this length: "gather", "dense-mask" or "banded" as given; "auto" takes the
-    dense mask while N <= 16 M (M: keys per query read alone, window included) and the banded kernel beyond. On the
-    CPU (one thread) the dense mask was the faster of the two up to N = 512 with M = 48 and summaries, the banded
-    kernel from N = 1,024 on; the gather kernel was slower than one of them at every length
-    (docs/benchmarks.md, "cluster-select's banded kernel")."""
+    dense mask while N <= 8 M (M: keys per query read alone, window included) and the banded kernel beyond. On the
+    CPU (one thread, forward and backward) the dense mask was faster at N = 256 with M = 48 (0.27x the banded
+    kernel's time) and N = 1,024 with M = 240 (0.17x), the banded kernel at N = 1,024 with M = 48 (0.67x the dense
+    mask's) and at N = 1,500 with M = 112, head size 16, without a causal mask (0.33x); at N = 512 with M = 48, just
+    above the line, the banded kernel took 1.3x the dense mask's time. The gather kernel was slower than one of
+    them at every length (docs/benchmarks.md, "cluster-select's banded kernel")."""
     if kernel != "auto":
         return kernel
-    return "dense-mask" if length <= 16 * keys_per_query else "banded"
+    return "dense-mask" if length <= 8 * keys_per_query else "banded"
 
 
 def use_dense_mask(kernel: str, length: int, keys_per_query: int) -> bool:
