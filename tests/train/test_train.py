@@ -544,9 +544,9 @@ def test_dense_warmup_steps_attend_densely_in_the_first_training_steps_only(tmp_
     seen = []  # (training, dense) of each neural-clustering forward
     attend = NeuralClusteringAttention._attend
 
-    def spy(self, *args):
-        seen.append((self.training, args[-1]))
-        return attend(self, *args)
+    def spy(self, *args, dense=False):
+        seen.append((self.training, dense))
+        return attend(self, *args, dense=dense)
 
     monkeypatch.setattr(NeuralClusteringAttention, "_attend", spy)
     train, test = _write_task(tmp_path)
