@@ -192,25 +192,26 @@ class ClusterSelectAttention(InnerAttention):
             return masked_sdpa(q, k, v, dense_allowed(padding, causal), dropout_p=self.dropout_p)
         key_ids = ids.masked_fill(~real, o.num_clusters)
         layout = cluster_layout(key_ids, num_clusters=o.num_clusters, window=o.window, causal=causal)
-        selected = self._choose(q, k, key_ids, layout, causal, key_padding_mask)
+        kernel = resolve_kernel(o.kernel, N, o.window + o.select * o.cluster_keys)  # one choice for both steps
+        selected = self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
-                                          kernel=o.kernel, summaries=o.summaries, layout=layout)
+                                          kernel=kernel, summaries=o.summaries, layout=layout)
 
     def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
         """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid."""
         return torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
 
     def _choose(self, q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout,
-                causal: bool, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """The ``select`` clusters each query reads, (B, H, N, S), by the option ``selection``."""
+                causal: bool, key_padding_mask: torch.Tensor | None, kernel: str) -> torch.Tensor:
+        """The ``select`` clusters each query reads, (B, H, N, S), by the option ``selection`` (``kernel``: the
+        resolved kernel, whose way the summaries' logits are computed)."""
         o = self.options
         B, H, N, _ = q.shape
         if o.selection == "scores":
             return self._select(q)
         if o.selection == "summaries":
-            kernel = resolve_kernel(o.kernel, N, o.window + o.select * o.cluster_keys)
             return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
                                      kernel=kernel, key_padding_mask=key_padding_mask)
         return self._random_selection(B, H, N, q.device)

@@ -42,8 +42,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KERNELS", "cluster_layout", "cluster_summaries", "selected_cluster_attention", "selected_positions",
-           "summary_counts", "summary_selection", "use_dense_mask"]
+__all__ = ["KERNELS", "cluster_layout", "cluster_summaries", "resolve_kernel", "selected_cluster_attention",
+           "selected_positions", "summary_counts", "summary_selection"]
 
 
 class ClusterLayout(NamedTuple):
@@ -175,6 +175,18 @@ def summary_counts(layout: ClusterLayout, selected: torch.Tensor | None, *, clus
     return lower_end + layout.total.unsqueeze(2) - upper_start
 
 
+def _to_chunks(x: torch.Tensor, L: int, fill: float | bool = 0) -> torch.Tensor:
+    """(B, H, N, X) -> (B, H, ceil(N / L), L, X): positions in chunks of L, the last one padded with ``fill``."""
+    N = x.shape[2]
+    chunks = -(-N // L)
+    return F.pad(x, (0, 0, 0, chunks * L - N), value=fill).view(*x.shape[:2], chunks, L, x.shape[-1])
+
+
+def _from_chunks(x: torch.Tensor, N: int) -> torch.Tensor:
+    """(B, H, chunks, L, X) -> (B, H, N, X): the first N positions (:func:`_to_chunks` undone)."""
+    return x.flatten(2, 3)[:, :, :N]
+
+
 class _Band(NamedTuple):
     """The chunk bands of the ``"banded"`` kernel (module docstring), with Np = chunks * L >= N padded positions.
 
@@ -197,37 +209,30 @@ class _Band(NamedTuple):
     def summary_dots(self, q: torch.Tensor) -> torch.Tensor:
         """q . (sum of each cluster's members outside the window), (B, H, N, C): the whole chunks beyond the band
         by one (L, D) x (D, C) product per chunk, the band's own members from its scores."""
-        chunks, L = self.scores.shape[2:4]
-        B, H, N, D = q.shape
-        q_chunks = F.pad(q, (0, 0, 0, chunks * L - N)).view(B, H, chunks, L, D)
+        q_chunks = _to_chunks(q, self.scores.shape[3])
         dots = q_chunks @ self.beyond_keys.transpose(-1, -2) + (self.scores * self.outside) @ self.members
-        return dots.view(B, H, chunks * L, -1)[:, :, :N]
+        return _from_chunks(dots, q.shape[2])
 
 
 def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: torch.Tensor,
           key_padding_mask: torch.Tensor | None, *, num_clusters: int, window: int, causal: bool) -> _Band:
     """The bands of chunks around every query chunk (:class:`_Band`); q already scaled. Chunks of L = window
     (causal) or window / 2 positions; the band of chunk i is chunks i - 1 .. i (causal) or i - 1 .. i + 1."""
-    B, H, N = key_ids.shape
+    B, N = key_ids.shape[0], key_ids.shape[2]
     C = num_clusters
     L = window if causal else window // 2
     after = 0 if causal else 1  # band chunks after the query's own
     chunks = -(-N // L)
-    extra = chunks * L - N
-
-    def chunked(x: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:  # (B, H, N, X) -> (B, H, chunks, L, X)
-        return F.pad(x, (0, 0, 0, extra), value=fill).view(*x.shape[:2], chunks, L, x.shape[-1])
 
     def band(x: torch.Tensor) -> torch.Tensor:  # (B, H, chunks, L, X) -> (B, H, chunks, R, X)
         shifted = F.pad(x, (0, 0, 0, 0, 1, after))
         return torch.cat([shifted[:, :, s:s + chunks] for s in range(2 + after)], dim=3)
 
-    ids = F.pad(key_ids, (0, extra), value=C)
-    members = F.one_hot(ids, C + 1)[..., :C].to(q.dtype).view(B, H, chunks, L, C)  # padding: in no cluster
+    members = _to_chunks(F.one_hot(key_ids, C + 1)[..., :C].to(q.dtype), L)  # padding (id C): in no cluster
     real = torch.ones(B, N, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
-    band_real = band(chunked(real[:, None, :, None], False)).squeeze(-1)  # (B, 1, chunks, R)
-    keys = chunked(k)
-    scores = chunked(q) @ band(keys).transpose(-1, -2)  # (B, H, chunks, L, R)
+    band_real = band(_to_chunks(real[:, None, :, None], L, False)).squeeze(-1)  # (B, 1, chunks, R)
+    keys = _to_chunks(k, L)
+    scores = _to_chunks(q, L) @ band(keys).transpose(-1, -2)  # (B, H, chunks, L, R)
 
     # key j = (i - 1) L + r of the band against query t = i L + a: j - t = r - L - a, the same in every chunk
     a = torch.arange(L, device=q.device)[:, None]
@@ -247,7 +252,7 @@ def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: tor
             sums = sums + prefix[:, :, chunks:] - prefix[:, :, (i + 2).clamp(max=chunks)]
         return sums
 
-    values = None if v is None else chunked(v)
+    values = None if v is None else _to_chunks(v, L)
     return _Band(scores, in_window & band_real.unsqueeze(-2), outside.to(q.dtype), band(members),
                  None if v is None else band(values), beyond(keys), None if v is None else beyond(values))
 
@@ -262,7 +267,8 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
     "gather" from :func:`cluster_summaries`."""
     with torch.no_grad():
         q, k = q.detach() * q.shape[-1] ** -0.5, k.detach()
-        n = summary_counts(layout, None, cluster_keys=0, causal=causal).to(q.dtype)
+        if kernel in ("dense-mask", "banded"):  # every member outside the window
+            n = summary_counts(layout, None, cluster_keys=0, causal=causal).to(q.dtype)
         if kernel == "dense-mask":
             C = layout.total.shape[-1]
             members = F.one_hot(key_ids, C + 1)[..., :C].to(q.dtype)  # (B, H, N, C); padding in none
@@ -306,11 +312,6 @@ def resolve_kernel(kernel: str, length: int, keys_per_query: int) -> str:
     if kernel != "auto":
         return kernel
     return "dense-mask" if length <= 8 * keys_per_query else "banded"
-
-
-def use_dense_mask(kernel: str, length: int, keys_per_query: int) -> bool:
-    """Whether ``kernel`` attends through an (N, N) mask at this length (:func:`resolve_kernel`)."""
-    return resolve_kernel(kernel, length, keys_per_query) == "dense-mask"
 
 
 def _weights(scores: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -384,7 +385,7 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     B, H, N, D = q.shape
     C = layout.total.shape[-1]
     band = _band(q, k, v, key_ids, key_padding_mask, num_clusters=C, window=window, causal=causal)
-    chunks, L = band.scores.shape[2:4]
+    L = band.scores.shape[3]
     # the keys read alone, (B, H, N, M, D), by one index_select of the flattened rows, and matmuls with a unit
     # dimension: on the CPU both faster than gather and einsum (whose bmm has B H N tiny products)
     rows = (positions + N * torch.arange(B * H, device=q.device).view(B, H, 1, 1)).reshape(-1)
@@ -392,10 +393,7 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     alone_raw = (alone_keys @ q.unsqueeze(-1)).squeeze(-1)  # (B, H, N, M)
     alone_scores = alone_raw.masked_fill(~allowed, float("-inf"))
 
-    def per_query(x: torch.Tensor) -> torch.Tensor:  # (B, H, chunks, L, X) -> (B, H, N, X)
-        return x.reshape(B, H, chunks * L, x.shape[-1])[:, :, :N]
-
-    window_scores = per_query(band.scores.masked_fill(~band.window, float("-inf")))
+    window_scores = _from_chunks(band.scores.masked_fill(~band.window, float("-inf")), N)
     m = torch.maximum(window_scores.amax(-1, keepdim=True), alone_scores.amax(-1, keepdim=True))
     if summaries:  # q . (sum of the members outside the window, less those read alone) / n + log n
         n = summary_counts(layout, selected, cluster_keys=cluster_keys, causal=causal).to(q.dtype)
@@ -414,18 +412,16 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     total = torch.where(total > 0, total, torch.ones_like(total))  # a row without keys: 0 / 1
     in_window, alone = F.dropout(in_window / total, dropout_p), F.dropout(alone / total, dropout_p)
 
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # (B, H, N, X) -> (B, H, chunks, L, X)
-        return F.pad(x, (0, 0, 0, chunks * L - N)).view(B, H, chunks, L, x.shape[-1])
-
-    band_weights = chunked(in_window)
+    band_weights = _to_chunks(in_window, L)
     out_alone = (alone.unsqueeze(-2) @ alone_values).squeeze(-2)
     if not summaries:
-        return per_query(band_weights @ band.values) + out_alone
+        return _from_chunks(band_weights @ band.values, N) + out_alone
     # a summary's weight spreads over its members as w / n: those in whole chunks beyond the band through the
     # chunk sums, those in the band through the band weights, less the members read alone
     share = F.dropout(summary / total, dropout_p) / n.clamp(min=1)  # (B, H, N, C)
-    band_weights = band_weights + (chunked(share) @ band.members.transpose(-1, -2)) * band.outside
-    out = per_query(band_weights @ band.values + chunked(share) @ band.beyond_values) + out_alone
+    share_chunks = _to_chunks(share, L)
+    band_weights = band_weights + (share_chunks @ band.members.transpose(-1, -2)) * band.outside
+    out = _from_chunks(band_weights @ band.values + share_chunks @ band.beyond_values, N) + out_alone
     taken = share.gather(-1, selected).repeat_interleave(cluster_keys, dim=-1) * allowed  # (B, H, N, M)
     return out - (taken.unsqueeze(-2) @ alone_values).squeeze(-2)
 
