@@ -631,3 +631,34 @@ def test_gradcheck_of_the_family_ops(exact_path, monkeypatch):
         lambda a, b, c: clustered_attention(a, b, c, groups, 3, topk=4, key_padding_mask=pad), (q, k, v))
     assert torch.autograd.gradcheck(
         lambda a, b, c: sliding_window_attention(a, b, c, 4, 2, causal=True, key_padding_mask=pad), (q, k, v))
+
+
+@pytest.mark.parametrize("name", ["cluster-retrieval", "sink-window"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cache_readers_attend_a_sequence_to_itself_densely_and_refuse_native_decoding(name, causal):
+    """cluster-retrieval and sink-window change how a decoder reads its cache (hf); a sequence's attention to
+    itself -- a prefill -- is full attention, exactly (float64, padding in the middle, a budget of 3 keys that would
+    bite if it applied). Native cached decoding would step sparsely where the forward is dense: refused."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    q, k, v = (torch.randn(2, 3, 19, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(2, 19, dtype=torch.bool)
+    pad[1, 4:7] = True
+    pad[1, 15:] = True
+    inner = build(name, dim=15, heads=3, budget=3).inner.double().eval()
+    want = build("full", dim=15, heads=3).inner.double().eval()(q, k, v, pad, causal)
+    got = inner(q, k, v, pad, causal)
+    real = ~pad[:, None, :, None]
+    torch.testing.assert_close(got * real, want * real, rtol=0, atol=1e-12)
+    assert (want - inner(q, k, v, None, causal)).abs().max() > 1e-3  # the padding mattered
+    with pytest.raises(ValueError, match="no cached decoding"):
+        inner.prefill(q, k, v, None)
+
+
+def test_cache_reader_needs_the_layer_for_dense_layers():
+    inner = build("cluster-retrieval", dim=8, heads=2, budget=2, dense_layers=1).inner
+    q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)
+    with pytest.raises(ValueError, match="layer is required when dense_layers=1"):
+        inner.attend_cache(q, k, v, None, 0.5)
+    out, index = inner.attend_cache(q, k, v, None, 0.5, layer=0)  # layer 0 of 1 dense layer: dense, no index
+    assert index is None
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=0.5), rtol=0, atol=1e-6)

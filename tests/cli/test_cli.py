@@ -89,6 +89,9 @@ def test_module_entry_point_lists_mechanisms():
     result = subprocess.run([sys.executable, "-m", "clusterformer", "list"], capture_output=True, text=True,
                             check=True)
     assert "neural-clustering" in result.stdout and "causal_mode = 'strict'" in result.stdout
+    # every mechanism any entry point runs, the AttentionInterface's cache readers included, with their vocabulary
+    assert "cluster-retrieval" in result.stdout and "sink-window" in result.stdout
+    assert "num_clusters = 256" in result.stdout and "budget = 0.1" in result.stdout
 
 
 def test_demo_runs_end_to_end_on_a_tiny_budget(tmp_path):

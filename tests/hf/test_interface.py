@@ -6,6 +6,9 @@ batches them."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -47,7 +50,10 @@ def _with(model, name):
 
 def test_registered_names_work_with_from_pretrained(tmp_path):
     names = hf.registered()
-    assert {f"clusterformer-{m}" for m in hf.MECHANISMS} <= set(names)
+    # one list: the registry's mechanisms that say how to run on a model's own Q, K, V
+    assert hf.interface_mechanisms() == ["cluster-retrieval", "clustered", "full", "improved-clustered",
+                                         "sink-window"]
+    assert {f"clusterformer-{m}" for m in hf.interface_mechanisms()} <= set(names)
     name = hf.register_attention("cluster-retrieval", name="test-retrieval", budget=32, clusters=4, window=8)
     assert name == "test-retrieval"
     assert hf.registered()[name] == ("cluster-retrieval", {"budget": 32, "clusters": 4, "window": 8})
@@ -149,22 +155,88 @@ def test_retrieval_is_batch_invariant_and_never_reads_a_future_key():
     assert not torch.equal(outs[0][:, 2], outs[1][:, 2])
 
 
-def test_retrieval_index_follows_the_cache_and_is_rebuilt_for_a_new_prompt():
+def _index_of(cache):
+    """The key index clusterformer keeps with ``cache`` (one registered name, one layer)."""
+    (index,) = hf.cache_state(cache).values()
+    return index
+
+
+def test_retrieval_index_lives_with_the_cache_and_follows_it():
     model = _llama(layers=1)
     name = hf.register_attention("cluster-retrieval", name="test-index", budget=10, clusters=3, sink=1, window=2)
     _with(model, name)
-    attention = model.model.layers[0].self_attn
-    first = _prompts([30], fixed_seed())
-    _generate(model, first, steps=3)
-    index = attention.clusterformer_index
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.generate(**_prompts([30], fixed_seed()), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       past_key_values=cache)
+    index = _index_of(cache)
     # built at the first step (cache 31, window 2), then the window widens until JOIN_BATCH keys can join
     assert index.length == 32 and index.end == 29
-    second = _prompts([40], fixed_seed())  # longer: its keys would extend the old index if it were not rebuilt
+    assert not any("clusterformer" in key for key in vars(model.model.layers[0].self_attn))  # nothing on the module
+    second = _prompts([40], fixed_seed())  # a new prompt, a new cache: a new index
     _, logits = _generate(model, second, steps=3)
-    assert attention.clusterformer_index.length == 42
     fresh = _llama(layers=1)
     _, want = _generate(_with(fresh, name), second, steps=3)
     torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    reference = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert reference() is None  # nothing of clusterformer's keeps the cache alive: its index went with it
+
+
+def test_two_prompts_two_option_sets_and_two_models_interleaved_keep_their_own_indexes():
+    """Step by step, alternating between (model, options, prompt) runs that share a process: each gives what it
+    gives alone. Two option sets on one model (the same modules) must not share an index."""
+    models = [_llama(), _llama(), _llama(layers=1)]
+    names = [hf.register_attention("cluster-retrieval", name=f"test-interleave-{c}", budget=12, clusters=c, sink=1,
+                                   window=2) for c in (2, 5)]
+    runs = [(models[0], names[0], _prompts([33], fixed_seed())), (models[0], names[1], _prompts([33], fixed_seed())),
+            (models[1], names[1], _prompts([41], fixed_seed() + 1)), (models[2], names[0], _prompts([37], 3))]
+
+    def steps(run_indices, count=20):
+        caches, ids, logits = {}, {}, {i: [] for i in run_indices}
+        for step in range(count):
+            for i in run_indices:
+                model, name, batch = runs[i]
+                model.set_attn_implementation(name)
+                if step == 0:
+                    caches[i] = transformers.DynamicCache(config=model.config)
+                    ids[i] = batch["input_ids"]
+                with torch.no_grad():
+                    out = model(input_ids=ids[i], past_key_values=caches[i]).logits[:, -1]
+                logits[i].append(out)
+                ids[i] = out.argmax(-1, keepdim=True)
+        return {i: torch.stack(v) for i, v in logits.items()}
+
+    together = steps(range(len(runs)))
+    for i in range(len(runs)):
+        torch.testing.assert_close(together[i], steps([i])[i], rtol=0, atol=0)
+    assert (together[0] - together[1]).abs().max() > 1e-6  # the option sets differ: their indexes too
+
+
+def test_one_cache_read_under_two_option_sets_keeps_an_index_per_option_set():
+    """A cache filled under one option set and read on under another gets an index built for the second: what a
+    fresh cache holding the same keys gives (one layer: the keys depend on the tokens alone)."""
+    model = _llama(layers=1)
+    first, second = (hf.register_attention("cluster-retrieval", name=f"test-switch-{c}", budget=12, clusters=c,
+                                           sink=1, window=2) for c in (2, 5))
+    ids = _prompts([45], fixed_seed())["input_ids"]
+
+    def feed(cache, start, stop, name):
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            return [model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits for t in range(start, stop)]
+
+    switched = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :30], past_key_values=switched)
+    feed(switched, 30, 36, first)
+    fresh = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :36], past_key_values=fresh)  # a dense prefill: the same keys
+    got, want = feed(switched, 36, 40, second), feed(fresh, 36, 40, second)
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=0, atol=0)
+    assert len(hf.cache_state(switched)) == 2  # one index per option set
 
 
 def test_bert_encoder_through_the_interface_matches_patch():
@@ -193,6 +265,21 @@ def test_bert_encoder_through_the_interface_matches_patch():
     torch.testing.assert_close(via_interface, via_patch, rtol=0, atol=1e-10)
 
 
+def test_full_honours_any_mask_the_model_builds():
+    """'full' passes the model's own mask to SDPA, whatever its pattern (here a sliding window of 3 with a padded
+    key), with zeros for a query without keys: what no other mechanism can honour."""
+    function = transformers.AttentionInterface()["clusterformer-full"]
+    g = torch.Generator().manual_seed(fixed_seed())
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(6)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 3) & (pos != 1)[None, :]
+    allowed[1] = False  # a query with no key at all
+    got, _ = function(torch.nn.Module(), q, k, v, allowed[None, None], scaling=0.3)
+    logits = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
+    want = torch.nan_to_num(torch.softmax(logits, -1)) @ v
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-12)
+
+
 def test_what_cannot_be_honoured_is_refused():
     model = _llama()
     batch = _prompts([8, 5], fixed_seed())
@@ -212,7 +299,9 @@ def test_what_cannot_be_honoured_is_refused():
         hf.register_attention("neural-clustering")
     with pytest.raises(ValueError, match="name"):
         hf.register_attention("full", name="a/b")
+    function = transformers.AttentionInterface()["clusterformer-cluster-retrieval"]
     with pytest.raises(ValueError, match="bidirectional"):
-        read_structure = read_mask(None, 5, 5, 1, False)
-        hf.interface._retrieval(None, hf.interface.RetrievalOptions(), torch.zeros(1, 2, 5, 4),
-                                torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), read_structure, 0.5)
+        function(torch.nn.Module(), torch.zeros(1, 2, 5, 4), torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), None,
+                 is_causal=False)
+    with pytest.raises(ValueError, match="cannot be set for 'cluster-retrieval' in a pretrained model"):
+        hf.register_attention("cluster-retrieval", name="test-bad", dropout=0.1)

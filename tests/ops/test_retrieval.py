@@ -8,14 +8,14 @@ and only borrows the K-means itself (tested in tests/ops/test_ops.py) for the (r
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
+from clusterformer.attention.retrieval import ClusterRetrievalOptions, SinkWindowOptions
 from clusterformer.clustering.kmeans import euclidean_kmeans
-from clusterformer.ops.retrieval import RetrievalOptions, build_index, extend_index, retrieval_attention
+from clusterformer.ops.retrieval import build_index, extend_index, retrieval_attention
 from seeds import fixed_seed
 
 
@@ -38,7 +38,7 @@ class ReferenceIndex:
         for b in range(B):
             valid = torch.tensor([self._indexable(real, b, p) for p in range(end)], dtype=torch.bool)
             for h in range(Hkv):
-                ids = euclidean_kmeans(k[b, h, :end].unsqueeze(0), max(1, self.opts.clusters),
+                ids = euclidean_kmeans(k[b, h, :end].unsqueeze(0), max(1, self.opts.num_clusters),
                                        iterations=self.opts.iterations, valid=valid.unsqueeze(0))[0]
                 self.assign[b, h] = {p: int(ids[p]) for p in range(end) if valid[p]}
 
@@ -90,7 +90,7 @@ def reference_attention(q, k, v, real, index, opts, scale):
                 logits = [float(qi @ k[b, h_kv, p]) for p in keys for h_kv in [g]]
                 values = [v[b, g, p] for p in keys]
                 group = range(g * (H // Hkv), (g + 1) * (H // Hkv))  # heads sharing the key/value head g
-                if opts.selection == "head":
+                if getattr(opts, "selection", "group") == "head":
                     group = [h]
                 best = {c: max(float(q[b, hh, i] * scale @ mu) for hh in group) for c, (mu, _) in clusters.items()}
                 ranked = sorted(clusters, key=lambda c: (-best[c], c))
@@ -125,7 +125,7 @@ def _cache(seed, B=2, Hkv=2, n=70, D=8, pad=(0, 9)):
                                                        (9, False, "head")])
 def test_retrieval_matches_reference_through_steps(budget, estimate, selection):
     """Prefill-sized cache, then steps of 1 and 3 queries (index built, keys joining, a refresh), float64."""
-    opts = RetrievalOptions(budget=budget, clusters=5, sink=2, window=6, refresh=7, iterations=3,
+    opts = ClusterRetrievalOptions(budget=budget, num_clusters=5, sink=2, window=6, refresh=7, iterations=3,
                             estimate_remainder=estimate, selection=selection)
     k_all, v_all, real_all, g = _cache(fixed_seed(), n=70)
     H, scale = 4, 0.37
@@ -149,7 +149,7 @@ def test_retrieval_matches_reference_through_steps(budget, estimate, selection):
 @pytest.mark.parametrize("pad", [(0, 9), (0, 60)])
 def test_sink_window_matches_reference(pad):
     """StreamingLLM's sinks + window; with 60 of 64 keys padding, the 4 real keys are sinks inside the window."""
-    opts = RetrievalOptions(budget=0.2, clusters=0, sink=3, window=0)
+    opts = SinkWindowOptions(budget=0.2, sink=3)
     k, v, real, g = _cache(fixed_seed(), n=64, pad=pad)
     for Lq in (1, 4):
         q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
@@ -161,7 +161,7 @@ def test_budget_covering_every_key_is_dense_attention():
     """Every cluster retrieved whole: exactly softmax attention over all real keys (causal for the new ones)."""
     k, v, real, g = _cache(fixed_seed(), n=60)
     n, Lq = 60, 3
-    opts = RetrievalOptions(budget=1.0, clusters=4, sink=2, window=5, estimate_remainder=True)
+    opts = ClusterRetrievalOptions(budget=1.0, num_clusters=4, sink=2, window=5, estimate_remainder=True)
     index = build_index(k, v, real, n - 5, opts)
     q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
     got = retrieval_attention(q, k, v, real, index, opts, 0.3)
@@ -173,7 +173,7 @@ def test_budget_covering_every_key_is_dense_attention():
 
 def test_no_future_key_and_batch_invariance():
     """A query never reads a later key; a sequence gives the same outputs alone as left-padded beside another."""
-    opts = RetrievalOptions(budget=0.3, clusters=4, sink=2, window=4, estimate_remainder=True)
+    opts = ClusterRetrievalOptions(budget=0.3, num_clusters=4, sink=2, window=4, estimate_remainder=True)
     k, v, real, g = _cache(fixed_seed(), n=48)
     Lq = 4
     q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
@@ -192,22 +192,25 @@ def test_no_future_key_and_batch_invariance():
 
 
 def test_options_are_validated():
-    for bad in ({"budget": 0.0}, {"budget": 1.5}, {"budget": 0}, {"budget": True}, {"clusters": -1},
+    for bad in ({"budget": 0.0}, {"budget": 1.5}, {"budget": 0}, {"budget": True}, {"num_clusters": 0},
                 {"refresh": 0}, {"estimate_remainder": 1}, {"selection": "query"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            RetrievalOptions(**bad)
+            ClusterRetrievalOptions(**bad)
+    for bad in ({"budget": 2.0}, {"sink": -1}, {"dense_layers": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SinkWindowOptions(**bad)
 
 
 @pytest.mark.parametrize("estimate", [False, True])
 def test_no_padding_path_equals_an_all_real_mask(estimate):
     """real=None (no padding: budgets as plain numbers, no masks) computes what an all-True mask computes."""
-    opts = RetrievalOptions(budget=0.25, clusters=4, sink=2, window=5, estimate_remainder=estimate)
+    opts = ClusterRetrievalOptions(budget=0.25, num_clusters=4, sink=2, window=5, estimate_remainder=estimate)
     k, v, real, g = _cache(fixed_seed(), n=57, pad=(0, 0))
     for Lq in (1, 3):
         q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
         with_mask = retrieval_attention(q, k, v, real, build_index(k, v, real, 57 - 5, opts), opts, 0.3)
         without = retrieval_attention(q, k, v, None, build_index(k, v, None, 57 - 5, opts), opts, 0.3)
         torch.testing.assert_close(without, with_mask, rtol=0, atol=1e-12)
-        streaming = dataclasses.replace(opts, clusters=0)
+        streaming = SinkWindowOptions(budget=opts.budget, sink=opts.sink)
         torch.testing.assert_close(retrieval_attention(q, k, v, None, None, streaming, 0.3),
                                    retrieval_attention(q, k, v, real, None, streaming, 0.3), rtol=0, atol=1e-12)

@@ -303,6 +303,9 @@ def test_train_config_errors():
         TrainConfig(task="sst2", out="x", max_steps=1)
     with pytest.raises(ValueError, match="unknown option"):
         TrainConfig(task="mr", out="x", max_steps=1, attention="lsh", attention_options={"num_clusterz": 3})
+    for spec in ({"attention": "cluster-retrieval"}, {"layer_attention": {0: ["sink-window", {}]}}):
+        with pytest.raises(ValueError, match="reads its key/value cache"):  # training them would be full attention
+            TrainConfig(task="mr", out="x", max_steps=1, **spec)
 
 
 def test_causal_lm_refuses_non_causal_mechanisms(tmp_path):

@@ -12,7 +12,7 @@ Perplexity (``--ppl-lengths``): windows of WikiText-2 *test* of each length; the
 are prefilled densely, the last ``scored`` are fed in chunks of ``chunk`` tokens through each method, which
 predicts them (the first from the dense prefill is not counted).
 
-Methods are ``NAME[:key=value,...]`` with NAME ``dense`` or one of :data:`clusterformer.hf.MECHANISMS`;
+Methods are ``NAME[:key=value,...]`` with NAME ``dense`` or one of :func:`clusterformer.hf.interface_mechanisms`;
 ``--budget`` is given to every method that takes one unless its spec sets it. Results go to ``--json`` after
 every sample (a rerun with the same arguments skips what is there).
 """
@@ -102,19 +102,15 @@ class _Methods:
                     raise ValueError("the dense method takes no options")
                 self.names[label] = "sdpa"
                 continue
-            if mechanism not in hf.MECHANISMS:
-                raise ValueError(f"method {spec!r}: NAME must be dense or one of {', '.join(hf.MECHANISMS)}")
+            if mechanism not in hf.interface_mechanisms():
+                raise ValueError(f"method {spec!r}: NAME must be dense or one of "
+                                 f"{', '.join(hf.interface_mechanisms())}")
             if mechanism in ("clustered", "improved-clustered"):
                 options.setdefault("causal", "dense")
             self.names[label] = hf.register_attention(mechanism, name=f"clusterformer-longctx-{index}", **options)
 
     def use(self, model: torch.nn.Module, label: str) -> None:
-        from ..hf.interface import INDEX_ATTRIBUTE
-
-        model.set_attn_implementation(self.names[label])
-        for module in model.modules():  # a fresh index per prompt (it would be rebuilt anyway: a new cache)
-            if hasattr(module, INDEX_ATTRIBUTE):
-                delattr(module, INDEX_ATTRIBUTE)
+        model.set_attn_implementation(self.names[label])  # each prompt has its own cache, hence its own index
 
 
 def _chat_ids(tokenizer: Any, instruction: str, context: str, question: str) -> tuple[list[int], list[int]]:

@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registration side effect)
     kmeans,
     lsh,
     neural_clustering,
+    retrieval,
     routing,
 )
 from .aux import AuxLosses, collect_aux_losses, record_groups, total_loss
@@ -40,6 +41,7 @@ from .kmeans import KMeansAttention, KMeansOptions
 from .lsh import LSHAttention, LSHOptions
 from .neural_clustering import NeuralClusteringAttention, NeuralClusteringOptions
 from .registry import build, build_inner, can_decode, describe, names, register
+from .retrieval import ClusterRetrievalAttention, ClusterRetrievalOptions, SinkWindowAttention, SinkWindowOptions
 from .routing import RoutingAttention, RoutingOptions
 
 __all__ = [
@@ -49,6 +51,8 @@ __all__ = [
     "BucketOptions",
     "ClusterFormerAttention",
     "ClusterFormerOptions",
+    "ClusterRetrievalAttention",
+    "ClusterRetrievalOptions",
     "ClusterSelectAttention",
     "ClusterSelectOptions",
     "ClusteredAttention",
@@ -68,6 +72,8 @@ __all__ = [
     "RoutingAttention",
     "RoutingOptions",
     "SeededOptions",
+    "SinkWindowAttention",
+    "SinkWindowOptions",
     "SlidingWindowAttention",
     "SlidingWindowOptions",
     "apply_pending_updates",

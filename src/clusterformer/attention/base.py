@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -284,6 +284,11 @@ class InnerAttention(SeededModule):
     dense_warmup: ClassVar[bool] = False
     dense_training: bool = False
     decodes: ClassVar[bool] = False  # implements cached decoding (cache_from + step, or the *_hidden pair)
+    # How clusterformer.hf's AttentionInterface runs the mechanism on a pretrained model's own q, k, v: "dense"
+    # (exact softmax attention under the model's mask), "sequence" (forward on a sequence attending to itself; a
+    # cached decoding step, one query per head, is dense), "cache" (attend_cache: the mechanism reads a decoder's
+    # key/value cache), or None: it needs hidden states or a shared QK, which a pretrained model does not give.
+    interface_mode: ClassVar[str | None] = None
 
     def __init__(self, dim: int, heads: int, options: AttentionOptions) -> None:
         super().__init__(getattr(options, "seed", None))
@@ -434,18 +439,10 @@ class AttentionLayer(nn.Module):
         positions (see the mechanism's causal semantics); flow: what the previous layer hands on (neural
         clustering's centroids: the paper lets layer l + 1 start from layer l's C_hat); return_flow: also
         return this layer's flow. Returns y (B, N, dim), or (y, flow or None) with ``return_flow``."""
-        check_tensor("x", x, ndim=3, floating=True)
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape (B, N, dim={self.dim}), got {tuple(x.shape)}")
+        key_padding_mask = self._check_input(x, key_padding_mask)
         check_bool("causal", causal)
-        key_padding_mask = check_padding_mask(key_padding_mask, x.shape[0], x.shape[1], device=x.device)
-        if key_padding_mask is not None:
-            x = x.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
-        B, N, _ = x.shape
-        heads_out, flow = self.inner.attend_hidden(x, self, key_padding_mask, causal, flow)
-        y = self.to_out(heads_out.reshape(B, N, self.dim))
-        if key_padding_mask is not None:
-            y = y.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+        attend = lambda x: self.inner.attend_hidden(x, self, key_padding_mask, causal, flow)  # noqa: E731
+        y, flow = attend_padded(x, key_padding_mask, attend, self.to_out)
         return (y, flow) if return_flow else y
 
     # cached decoding
@@ -454,20 +451,11 @@ class AttentionLayer(nn.Module):
         """The causal forward over a prompt batch, and the cache that continues it: x (B, N, dim), right-padded
         with ``key_padding_mask`` (B, N) -> (y (B, N, dim), cache). Equal to ``layer(x, key_padding_mask,
         causal=True)``. Needs a strictly causal mechanism and eval mode."""
-        check_tensor("x", x, ndim=3, floating=True)
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape (B, N, dim={self.dim}), got {tuple(x.shape)}")
+        key_padding_mask = self._check_input(x, key_padding_mask)
         self.inner.check_decoding()
-        key_padding_mask = check_padding_mask(key_padding_mask, x.shape[0], x.shape[1], device=x.device)
         check_right_padded(key_padding_mask)
-        if key_padding_mask is not None:
-            x = x.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
-        B, N, _ = x.shape
-        heads_out, cache = self.inner.prefill_hidden(x, self, key_padding_mask)
-        y = self.to_out(heads_out.reshape(B, N, self.dim))
-        if key_padding_mask is not None:
-            y = y.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
-        return y, cache
+        return attend_padded(x, key_padding_mask, lambda x: self.inner.prefill_hidden(x, self, key_padding_mask),
+                             self.to_out)
 
     def step(self, x_t: torch.Tensor, cache: DecodeCache) -> tuple[torch.Tensor, DecodeCache]:
         """One new token per sequence: x_t (B, dim), the hidden state at position ``cache.lengths[b]`` ->
@@ -481,6 +469,13 @@ class AttentionLayer(nn.Module):
                              f"sequences, got {type(cache).__name__}")
         heads_out, cache = self.inner.step_hidden(x_t, self, cache)
         return self.to_out(heads_out.reshape(x_t.shape[0], self.dim)), cache
+
+    def _check_input(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Check x (B, N, dim) and return its key padding mask checked (None: no padding)."""
+        check_tensor("x", x, ndim=3, floating=True)
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (B, N, dim={self.dim}), got {tuple(x.shape)}")
+        return check_padding_mask(key_padding_mask, x.shape[0], x.shape[1], device=x.device)
 
     # QKVProjection: how the inner attention gets q, k, v from hidden states
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -501,6 +496,25 @@ class AttentionLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, shared_qk={self.shared_qk}"
+
+
+def attend_padded(x: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                  attend: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
+                  project: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+    """The padding discipline of every attention module (:class:`AttentionLayer`'s forward and prefill,
+    :class:`clusterformer.hf.PatchedSelfAttention`): padded rows of x (B, N, dim) are zeroed before ``attend``
+    (so their content, even NaN, cannot leak), ``attend(x)`` returns the heads' output (B, N, H, D) and something
+    else (a flow, a cache), the heads are joined and ``project``-ed (the output projection, or none), and the
+    outputs at padded positions are zero. Returns (y (B, N, out), what ``attend`` returned beside the heads)."""
+    if key_padding_mask is not None:
+        x = x.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+    heads_out, extra = attend(x)
+    y = heads_out.reshape(x.shape[0], x.shape[1], -1)
+    if project is not None:
+        y = project(y)
+    if key_padding_mask is not None:
+        y = y.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
+    return y, extra
 
 
 def _move_mechanism_state_into_inner(module, state_dict, prefix, *args) -> None:

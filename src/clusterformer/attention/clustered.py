@@ -96,6 +96,8 @@ class ImprovedClusteredOptions(ClusteredOptions):
 
 @register("clustered", ClusteredOptions, "clustered attention: LSH + Hamming k-means on queries; O(N C)")
 class ClusteredAttention(InnerAttention):
+    interface_mode = "sequence"
+
     def cluster_queries(self, q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """Step 2: q (B, H, N, D) -> (query clusters (B, H, N), number of clusters C = min(num_clusters, N)).
 

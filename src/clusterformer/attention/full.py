@@ -29,6 +29,7 @@ class FullOptions(AttentionOptions):
 @register("full", FullOptions, "softmax attention over every key (SDPA); O(N^2)")
 class FullAttention(InnerAttention):
     decodes = True
+    interface_mode = "dense"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:

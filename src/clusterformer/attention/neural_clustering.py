@@ -407,14 +407,9 @@ class NeuralClusteringAttention(InnerAttention):
         """Cluster ids (B, N) (padding: count.clusters) and C_hat (or None); publishes the clustering losses."""
         B, N, _ = x.shape
         n_clusters, per_sequence, strict = count.clusters, count.per_sequence, count.strict
-
-        def fixed_groups(grouping: str) -> torch.Tensor:  # the ablations' ids, padding marked as the clustering does
-            k = torch.full((B,), n_clusters, dtype=torch.long) if per_sequence is None else per_sequence.cpu()
-            ids = self._ablation_groups(torch.arange(N, dtype=torch.long).unsqueeze(0), k, grouping).to(x.device)
-            return ids if key_padding_mask is None else ids.masked_fill(key_padding_mask, n_clusters)
-
+        positions = torch.arange(N, device=x.device).unsqueeze(0)
         if self.options.grouping != "learned":  # the ablations: one group (original order), or random groups
-            return fixed_groups(self.options.grouping), None
+            return self._fixed_groups(self.options.grouping, positions, count, B, key_padding_mask), None
         points = self._cluster_input(x, projection)
         if self.shared_qk:  # the losses move the centroids, not the attention's keys (see the module docstring)
             points = points.detach()
@@ -429,7 +424,7 @@ class NeuralClusteringAttention(InnerAttention):
                 torch.rand((), generator=self.draw_generator()) < self.options.explore):
             # exploration: this forward attends within random groups of the same size (the clustering and its
             # losses as usual), so queries meet keys the learned clusters keep apart and the task trains q . k there
-            return fixed_groups("random"), clustering.updated_centroids
+            return self._fixed_groups("random", positions, count, B, key_padding_mask), clustering.updated_centroids
         return clustering.assignments, clustering.updated_centroids
 
     # cached decoding (strict causal mode): per cluster, a ring of its last (look_back + 1) * causal_chunk_size
@@ -469,8 +464,8 @@ class NeuralClusteringAttention(InnerAttention):
         if joined is not None:
             cache = joined.groups
         if self.options.grouping != "learned":  # as the forward groups the token at this position
-            k = torch.full((B,), self.options.strict_causal_clusters(), dtype=torch.long, device=x_t.device)
-            ids = self._ablation_groups(cache.lengths.unsqueeze(1), k, self.options.grouping)
+            count = ClusterCount(self.options.strict_causal_clusters(), True)
+            ids = self._fixed_groups(self.options.grouping, cache.lengths.unsqueeze(1), count, B)
         elif self._prefix_assign:  # ranked against the log-sum-exps of the earlier tokens, as the forward does
             ids, joined.assign_lse = prefix_assignment_step(self._assignment_scores(x_t, projection), joined.assign_lse)
             ids = ids.unsqueeze(1)
@@ -530,6 +525,18 @@ class NeuralClusteringAttention(InnerAttention):
                              "one projection (AttentionLayer); this projection has separate query and key weights "
                              "(hf.patch of a pretrained model): use cluster_on='hidden'")
         return projection.project_rows(x.reshape(-1, self.dim), "k").view(*x.shape[:-1], self.dim)
+
+    def _fixed_groups(self, grouping: str, positions: torch.Tensor, count: ClusterCount, batch: int,
+                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The ids of an ablation grouping (or exploration's random groups) for the tokens at ``positions``
+        (1 or B, N), for the forward and the decoding step alike: k_b from ``count``, padding marked as the
+        clustering marks it (id ``count.clusters``). (batch, N) long."""
+        if count.per_sequence is None:
+            k = torch.full((batch,), count.clusters, dtype=torch.long, device=positions.device)
+        else:
+            k = count.per_sequence.to(positions.device)
+        ids = self._ablation_groups(positions, k, grouping)
+        return ids if key_padding_mask is None else ids.masked_fill(key_padding_mask, count.clusters)
 
     def _ablation_groups(self, positions: torch.Tensor, num_clusters: torch.Tensor, grouping: str) -> torch.Tensor:
         """The ids of the ablation ``grouping`` for tokens at ``positions`` (1 or B, N) long, with k_b =

@@ -1,7 +1,8 @@
 """Decode attention time per token over a long cache: dense SDPA vs cluster retrieval (issue #16).
 
 One attention call per generated token, as a decoder layer makes it through ``transformers``' AttentionInterface
-(:mod:`clusterformer.hf.interface`; the registered functions themselves are timed): a random cache of N keys
+(:mod:`clusterformer.hf.interface`; the registered functions themselves are timed, called from an attention module
+with the cache as its ``cache`` argument, as a decoder layer calls them): a random cache of N keys
 and values in the shapes of SmolLM2-135M (9 query heads, 3 key/value heads, head size 64), grown by one token
 per step with ``torch.cat`` as ``DynamicCache`` does (not timed: every method pays it). Per (context, method):
 
@@ -52,19 +53,39 @@ class RetrievalBenchConfig:
                 raise ValueError(f"methods must be among dense, sink-window, cluster-retrieval; got {method!r}")
 
 
+class _Cache:
+    """Stands for the ``transformers`` cache object a decoder passes its attention modules."""
+
+
+def _attention_module(function: Callable[..., Any] | None, groups: int) -> Any:
+    """A module that calls an AttentionInterface function as a decoder's attention module does (its cache as
+    ``cache=``)."""
+    import torch
+
+    class Attention(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = groups
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any = None) -> Any:
+            return function(self, q, k, v, None, scaling=q.shape[-1] ** -0.5)
+
+    return Attention()
+
+
 def run_retrieval_benchmark(config: RetrievalBenchConfig,
                             progress: Callable[[str], None] | None = None) -> list[dict]:
     """One record per (context, method)."""
     import torch
     from transformers import AttentionInterface
 
-    from ..hf.interface import RetrievalOptions, register_attention
+    from ..attention.registry import make_options
+    from ..hf.interface import register_attention
     from ..ops.retrieval import JOIN_BATCH
 
     if config.threads:
         torch.set_num_threads(config.threads)
     functions: dict[str, Any] = {}
-    refresh = RetrievalOptions(**config.options).refresh if config.options else RetrievalOptions().refresh
+    refresh = make_options("cluster-retrieval", config.options).refresh
     for method in config.methods:
         if method == "dense":
             functions[method] = None
@@ -80,8 +101,8 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
             g = torch.Generator().manual_seed(config.seed)
             k = torch.randn(B, Hkv, n, D, generator=g)
             v = torch.randn(B, Hkv, n, D, generator=g)
-            module = torch.nn.Module()
-            module.is_causal, module.num_key_value_groups = True, H // Hkv
+            module = _attention_module(functions[method], H // Hkv)
+            cache = _Cache()  # what the function's state is kept with, as transformers' DynamicCache
             times = []
             with torch.no_grad():
                 for _ in range(config.steps + 1):
@@ -92,7 +113,7 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
                     if functions[method] is None:
                         torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, enable_gqa=True)
                     else:
-                        functions[method](module, q, k, v, None, scaling=D ** -0.5)
+                        module(q, k, v, cache=cache)
                     times.append(time.perf_counter() - start)
             build_ms = times[0] * 1000
             steps = times[1:]

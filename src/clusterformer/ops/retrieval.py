@@ -3,8 +3,8 @@
 The setting of ClusterKV and Squeezed Attention (pretrained decoder LLMs, long prompts): per layer and key/value
 head, the cached keys are grouped by K-means; each query scores the cluster centroids and attends exactly to the
 keys of its best clusters, up to a budget, plus the first few tokens (attention sinks, which soak up attention
-mass in pretrained LLMs) and a recent window. Without retrieval (``clusters=0``) this is StreamingLLM's
-sinks + window.
+mass in pretrained LLMs) and a recent window. Without an index this is StreamingLLM's sinks + window (the
+``sink-window`` mechanism). The registered mechanisms and their options: :mod:`clusterformer.attention.retrieval`.
 
 Per query q (scaled by ``scale``) of a head whose key/value head holds the cache, with C clusters of sizes s_c,
 key means mu_c and value means nu_c:
@@ -42,80 +42,47 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_choice, check_int
 from ..clustering.kmeans import cluster_sums, euclidean_kmeans
 from .layouts import group_ranks
+from .masks import allow_empty_rows
 
-__all__ = ["KeyClusterIndex", "RetrievalOptions", "build_index", "extend_index", "retrieval_attention"]
+__all__ = ["JOIN_BATCH", "KeyClusterIndex", "RetrievalSettings", "build_index", "extend_index", "keys_allowed",
+           "keys_allowed_count", "retrieval_attention"]
 
 
-@dataclass(frozen=True)
-class RetrievalOptions:
-    """Options of cluster retrieval.
+class RetrievalSettings(Protocol):
+    """What the functions of this module read from a mechanism's options
+    (:class:`clusterformer.attention.retrieval.ClusterRetrievalOptions`, whose docstring defines each one;
+    sink-window's options have no ``num_clusters`` and never reach the index)."""
 
-    Attributes:
-        budget: keys each query attends to, sinks and window included: a float in (0, 1] is a fraction of the
-            sequence's cached keys (rounded up), an int >= 1 a count. A budget >= the cache is dense attention.
-        clusters: K-means clusters per layer and key/value head (0: no retrieval -- sinks + window only,
-            StreamingLLM; the window then takes the whole budget left after the sinks).
-        sink: first real tokens every query attends to.
-        window: most recent tokens every query attends to (causally).
-        refresh: keys that may join the index before it is re-clustered from scratch.
-        iterations: Lloyd iterations of each (re)clustering.
-        estimate_remainder: add the unretrieved keys of every cluster, estimated from its centroid and size.
-        dense_layers: the model's first ``dense_layers`` layers (by ``module.layer_idx``) attend densely, as Quest
-            and ClusterKV do: the lowest layers' attention is the least sparse (measured in docs/results.md). Keys
-            read then average ``(dense_layers + (L - dense_layers) * budget) / L`` of the cache over L layers.
-        selection: ``"group"``: the query heads that share a key/value head share one ranking of the clusters
-            (their best score) and one set of keys; ``"head"``: every query head ranks and gathers its own (more
-            precise, ``rep`` times the gathering under grouped-query attention).
-    """
+    budget: float | int
+    num_clusters: int
+    sink: int
+    window: int
+    refresh: int
+    iterations: int
+    estimate_remainder: bool
+    selection: str
 
-    budget: float | int = 0.1
-    clusters: int = 256
-    sink: int = 4
-    window: int = 64
-    refresh: int = 4096
-    iterations: int = 8
-    estimate_remainder: bool = False
-    dense_layers: int = 0
-    selection: str = "group"
 
-    def __post_init__(self) -> None:
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
-            raise ValueError(f"budget must be a fraction in (0, 1] or a count >= 1; got {self.budget!r}")
-        if isinstance(self.budget, float) and not 0.0 < self.budget <= 1.0:
-            raise ValueError(f"budget as a float is a fraction of the cache and must be in (0, 1]; got {self.budget}")
-        if isinstance(self.budget, int) and self.budget < 1:
-            raise ValueError(f"budget as an int is a count of keys and must be >= 1; got {self.budget}")
-        check_int("clusters", self.clusters, minimum=0)
-        check_int("sink", self.sink, minimum=0)
-        check_int("window", self.window, minimum=0)
-        check_int("refresh", self.refresh, minimum=1)
-        check_int("iterations", self.iterations, minimum=0)
-        check_bool("estimate_remainder", self.estimate_remainder)
-        check_int("dense_layers", self.dense_layers, minimum=0)
-        check_choice("selection", self.selection, ("group", "head"))
+def keys_allowed(budget: float | int, lengths: torch.Tensor) -> torch.Tensor:
+    """(B,) real cached keys -> (B,) keys a query may attend to under ``budget`` (a fraction of the cache,
+    rounded up, or a count; at most the cache)."""
+    if isinstance(budget, float):
+        allowed = torch.ceil(lengths.double() * budget).long()
+    else:
+        allowed = torch.full_like(lengths, budget)
+    return torch.minimum(allowed, lengths)
 
-    def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
-        """(B,) real cached keys -> (B,) keys a query may attend to under the budget (at most the cache)."""
-        if isinstance(self.budget, float):
-            allowed = torch.ceil(lengths.double() * self.budget).long()
-        else:
-            allowed = torch.full_like(lengths, self.budget)
-        return torch.minimum(allowed, lengths)
 
-    def keys_allowed_count(self, length: int) -> int:
-        """:meth:`keys_allowed` for one length given as a Python int (no tensors: the decoding hot path)."""
-        return min(length, math.ceil(length * self.budget) if isinstance(self.budget, float) else self.budget)
-
-    def covers(self, lengths: torch.Tensor) -> bool:
-        """Whether the budget covers every cached key of every sequence (then attention is dense)."""
-        return bool((self.keys_allowed(lengths) >= lengths).all())
+def keys_allowed_count(budget: float | int, length: int) -> int:
+    """:func:`keys_allowed` for one length given as a Python int (no tensors: the decoding hot path)."""
+    return min(length, math.ceil(length * budget) if isinstance(budget, float) else budget)
 
 
 JOIN_BATCH = 16  # keys leave the window for the index in batches: one update per 16 decoding steps
@@ -201,13 +168,13 @@ def _tally(points: torch.Tensor, values: torch.Tensor, assign: torch.Tensor, val
 
 
 def build_index(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end: int,
-                options: RetrievalOptions) -> KeyClusterIndex:
+                options: RetrievalSettings) -> KeyClusterIndex:
     """Cluster the keys at positions < ``end`` of cache k, v (B, Hkv, n, D); real (B, n) bool or None (no
     padding)."""
     B, Hkv, n, D = k.shape
     if real is None:
         real = torch.ones(B, n, dtype=torch.bool, device=k.device)
-    G, C = B * Hkv, max(1, options.clusters)
+    G, C = B * Hkv, max(1, options.num_clusters)
     dtype = torch.promote_types(k.dtype, torch.float32)
     sinks, sink_ok = _first_real(real, options.sink)
     valid = _indexable(real, options.sink, end).unsqueeze(1).expand(B, Hkv, end).reshape(G, end)
@@ -241,7 +208,7 @@ def _set_probe(index: KeyClusterIndex, k: torch.Tensor) -> None:
 
 
 def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end: int,
-                 options: RetrievalOptions) -> KeyClusterIndex:
+                 options: RetrievalSettings) -> KeyClusterIndex:
     """Let the keys at positions [index.end, end) join their nearest centroids (re-cluster everything once
     ``refresh`` keys have joined since the last clustering). Returns the (updated in place or new) index."""
     start = index.end
@@ -289,7 +256,7 @@ def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, real:
 
 
 def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
-                        index: KeyClusterIndex | None, options: RetrievalOptions, scale: float) -> torch.Tensor:
+                        index: KeyClusterIndex | None, options: RetrievalSettings, scale: float) -> torch.Tensor:
     """Attention of the last Lq positions of a cache to it, by sinks + window + retrieved clusters.
 
     Args:
@@ -298,7 +265,7 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real:
         real: (B, n) bool, the real (not padding) keys; None: no padding.
         index: the clustered keys (:func:`build_index`); the window is then every position from ``index.end``
             on (at least ``options.window`` and the Lq queries: the caller keeps the index that far back). None:
-            sinks + window only, the window taking what the sinks leave of the budget (``options.clusters`` 0).
+            sinks + window only, the window taking what the sinks leave of the budget (sink-window).
         options: the budget and its parts.
         scale: softmax scale.
 
@@ -311,9 +278,9 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real:
     Q = rep * Lq
     qg = q.reshape(B, Hkv, Q, D) * scale  # queries grouped by their key/value head: no copies of the cache
     if real is None:  # every row holds n keys: the budget is one number
-        allowed: torch.Tensor | int = options.keys_allowed_count(n)
+        allowed: torch.Tensor | int = keys_allowed_count(options.budget, n)
     else:
-        allowed = options.keys_allowed(real.sum(1))  # (B,)
+        allowed = keys_allowed(options.budget, real.sum(1))  # (B,)
     if index is not None:
         return _attend_retrieved(q, k, v, real, index, options, scale, allowed)
     # Sinks + window (StreamingLLM): keys shared by every query of a group, the window takes the budget's rest.
@@ -336,14 +303,13 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real:
         later = (torch.arange(start, n, device=q.device)
                  > (n - Lq + torch.arange(Lq, device=q.device)).repeat(rep).unsqueeze(1))  # (Q, W)
         ok = ok & torch.cat([torch.ones(Q, sinks.shape[1], dtype=torch.bool, device=q.device), ~later], 1)
+    ok, no_key = allow_empty_rows(ok)  # a query with no key at all (a padded row): zeros, by the library's rule
     weights = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1)
-    if real is not None:
-        weights = torch.nan_to_num(weights, nan=0.0)  # a query with no key at all (a padded row): zeros
-    return (weights @ values).reshape(B, H, Lq, -1)
+    return (weights @ values).masked_fill(no_key, 0.0).reshape(B, H, Lq, -1)
 
 
 def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
-                      index: KeyClusterIndex, options: RetrievalOptions, scale: float,
+                      index: KeyClusterIndex, options: RetrievalSettings, scale: float,
                       allowed: torch.Tensor | int) -> torch.Tensor:
     """The index path of :func:`retrieval_attention`. A *unit* chooses one set of key positions -- sinks, window
     (every position from ``index.end``), retrieved slots -- gathered once for keys and once for values and
@@ -412,13 +378,18 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
         if mask is not None:
             zeros = zeros.masked_fill(~mask, float("-inf"))
         mask = torch.cat([zeros, bias], -1)  # additive
+    no_key = None
+    if mask is not None:  # a query with no key at all (a padded row): zeros, by the library's rule
+        allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
+        allowed, no_key = allow_empty_rows(allowed)
+        mask = allowed if mask.dtype == torch.bool else mask.masked_fill(no_key, 0.0)
     # One fused attention per (sequence, key/value head, unit): its m queries on its keys.
     units = q5.reshape(B, Hkv, U, 1, D) if per_head else q5.permute(0, 1, 3, 2, 4)  # (B, Hkv, U, m, D)
     out = F.scaled_dot_product_attention(
         units.reshape(B, Hkv * U, m, D), keys.view(B, Hkv * U, -1, D), values.view(B, Hkv * U, -1, values.shape[-1]),
         attn_mask=None if mask is None else mask.view(B, Hkv * U, 1, -1), scale=1.0)  # q is already scaled
-    if real is not None:
-        out = torch.nan_to_num(out, nan=0.0)  # a query with no key at all (a padded row): zeros
+    if no_key is not None:
+        out = out.masked_fill(no_key.view(B, Hkv * U, 1, 1), 0.0)
     if per_head:  # units are (rep, Lq) in head order
         return out.view(B, H, Lq, -1)
     return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)

@@ -61,7 +61,7 @@ from ..attention import (
     collect_aux_losses,
     total_loss,
 )
-from ..attention.registry import can_decode, causal_semantics, make_options
+from ..attention.registry import can_decode, causal_semantics, get, make_options, names
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .recall import RECALL_TASKS, recall_options
@@ -73,6 +73,14 @@ __all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "load_run", "pa
 # (2e-5 .. 5e-5); the from-scratch default 1e-3 would wreck the pretrained weights.
 FINE_TUNE_LR = 5e-5
 DENSE_WARMUP_WINDOW = 20  # steps whose mean task loss ends a dense warm-up with dense_warmup_loss
+
+
+def _check_trainable(argument: str, name: str) -> None:
+    """Refuse the mechanisms that only change how a decoder reads its cache: training one is full attention."""
+    if name in names() and get(name).inner.interface_mode == "cache":
+        raise ValueError(f"{argument}: {name!r} changes only how a pretrained decoder reads its key/value cache "
+                         "(clusterformer.hf); a sequence's attention to itself, and so training, is full attention "
+                         "-- train with 'full'")
 
 
 @dataclass
@@ -140,6 +148,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
+        _check_trainable("attention", self.attention)
         if self.init is None:
             make_options(self.attention, self.attention_options)
             causal_task = self.task == "shakespeare-char" or (
@@ -198,6 +207,8 @@ class TrainConfig:
                     raise ValueError(f"cluster_layers entry {layer} is outside depth={self.depth} (negative counts "
                                      "from the last layer)")
         self.layer_attention = normal_layer_attention(self.layer_attention, self.depth)
+        for layer, (name, _options) in self.layer_attention.items():
+            _check_trainable(f"layer_attention[{layer}]", name)
         if self.layer_attention:
             if self.init or self.cluster_layers is not None or self.centroid_flow or self.task == "multi30k":
                 raise ValueError("layer_attention builds a new encoder of mixed layers: it cannot be combined with "

@@ -1,0 +1,192 @@
+"""``"cluster-retrieval"`` and ``"sink-window"``: how a pretrained decoder reads its key/value cache.
+
+These two mechanisms change only what a query reads from a decoder's cache of earlier keys -- the long-context
+decoding of pretrained LLMs (ClusterKV, Squeezed Attention; StreamingLLM) -- and run through
+:mod:`clusterformer.hf`'s ``AttentionInterface`` inside any ``transformers`` decoder:
+
+* ``"cluster-retrieval"``: per layer and key/value head the cached keys are grouped by K-means; each query scores
+  the centroids and attends exactly to the keys of its best clusters, up to ``budget`` keys, plus the first
+  ``sink`` tokens and the last ``window`` (:func:`clusterformer.ops.retrieval.retrieval_attention`, which gives
+  the equations). ``estimate_remainder`` adds every cluster's unread keys as one term from its centroid.
+* ``"sink-window"``: StreamingLLM at the same budget: the first ``sink`` tokens and the most recent ones.
+
+A sequence attending to itself -- a prefill, or training -- is exact softmax attention (:meth:`forward` is
+``"full"``'s): both papers leave the prompt's own attention dense and make the *reading of the cache* sparse.
+:meth:`ClusterRetrievalAttention.attend_cache` is that reading: the last Lq positions of a cache of n keys, with
+the key index (:class:`clusterformer.ops.retrieval.KeyClusterIndex`) that belongs to that cache, returned to
+the caller, which keeps it beside the cache (:mod:`clusterformer.hf` keys it by the ``transformers`` cache
+object, so it dies with it). Neither mechanism has the native ``layer.prefill`` / ``layer.step`` decoding: a
+retrieval step is not the forward at that position (it reads fewer keys), which native decoding promises.
+
+Cost of a cached step per query and head: O(C D) centroid scores, O((sink + window + R) D) attention, against
+O(n D) dense; the index costs O(iterations n C D) per re-clustering, every ``refresh`` keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .._checks import check_bool, check_choice, check_int
+from ..ops.masks import cache_sdpa
+from ..ops.retrieval import (
+    JOIN_BATCH,
+    KeyClusterIndex,
+    build_index,
+    extend_index,
+    keys_allowed,
+    keys_allowed_count,
+    retrieval_attention,
+)
+from .base import AttentionOptions
+from .full import FullAttention
+from .registry import register
+
+__all__ = ["ClusterRetrievalAttention", "ClusterRetrievalOptions", "SinkWindowAttention", "SinkWindowOptions"]
+
+
+@dataclass(frozen=True)
+class SinkWindowOptions(AttentionOptions):
+    """Options of ``"sink-window"`` (and the budget part of ``"cluster-retrieval"``'s).
+
+    Attributes:
+        budget: keys each query of a cached call attends to, sinks and window included: a float in (0, 1] is a
+            fraction of the sequence's cached keys (rounded up), an int >= 1 a count. A budget >= the cache is
+            dense attention.
+        sink: first real tokens every query attends to.
+        dense_layers: the model's first ``dense_layers`` layers (by the attention module's ``layer_idx``) read
+            their cache densely, as Quest and ClusterKV do: the lowest layers' attention is the least sparse
+            (docs/results.md). Keys read then average ``(dense_layers + (L - dense_layers) * budget) / L`` of the
+            cache over L layers.
+    """
+
+    ATTENTION_DROPOUT: ClassVar[bool] = False
+
+    budget: float | int = 0.1
+    sink: int = 4
+    dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+            raise ValueError(f"budget must be a fraction in (0, 1] or a count >= 1; got {self.budget!r}")
+        if isinstance(self.budget, float) and not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"budget as a float is a fraction of the cache and must be in (0, 1]; got {self.budget}")
+        if isinstance(self.budget, int) and self.budget < 1:
+            raise ValueError(f"budget as an int is a count of keys and must be >= 1; got {self.budget}")
+        check_int("sink", self.sink, minimum=0)
+        check_int("dense_layers", self.dense_layers, minimum=0)
+
+    def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
+        """(B,) real cached keys -> (B,) keys a query may attend to under the budget (at most the cache)."""
+        return keys_allowed(self.budget, lengths)
+
+    def keys_allowed_count(self, length: int) -> int:
+        """:meth:`keys_allowed` for one length given as a Python int."""
+        return keys_allowed_count(self.budget, length)
+
+    def covers(self, lengths: torch.Tensor) -> bool:
+        """Whether the budget covers every cached key of every sequence (then attention is dense)."""
+        return bool((self.keys_allowed(lengths) >= lengths).all())
+
+
+@dataclass(frozen=True)
+class ClusterRetrievalOptions(SinkWindowOptions):
+    """Options of ``"cluster-retrieval"``: the budget, ``sink`` and ``dense_layers`` of
+    :class:`SinkWindowOptions`, and
+
+    Attributes:
+        num_clusters: K-means clusters per layer and key/value head (ClusterKV's and the earlier interface's
+            ``clusters`` is accepted as an alias).
+        window: most recent tokens every query attends to (causally).
+        refresh: keys that may join the index before it is re-clustered from scratch.
+        iterations: Lloyd iterations of each (re)clustering.
+        estimate_remainder: add the unretrieved keys of every cluster, estimated from its centroid and size.
+        selection: ``"group"``: the query heads that share a key/value head share one ranking of the clusters
+            (their best score) and one set of keys; ``"head"``: every query head ranks and gathers its own (more
+            precise, ``rep`` times the gathering under grouped-query attention).
+    """
+
+    ALIASES: ClassVar[dict[str, str]] = {"clusters": "num_clusters"}
+
+    num_clusters: int = 256
+    window: int = 64
+    refresh: int = 4096
+    iterations: int = 8
+    estimate_remainder: bool = False
+    selection: str = "group"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("num_clusters", self.num_clusters, minimum=1)
+        check_int("window", self.window, minimum=0)
+        check_int("refresh", self.refresh, minimum=1)
+        check_int("iterations", self.iterations, minimum=0)
+        check_bool("estimate_remainder", self.estimate_remainder)
+        check_choice("selection", self.selection, ("group", "head"))
+
+
+@register("sink-window", SinkWindowOptions,
+          "StreamingLLM for a decoder's cache (hf): first sink tokens + the most recent ones, up to a budget; a "
+          "sequence's attention to itself (prefill) is full")
+class SinkWindowAttention(FullAttention):
+    """StreamingLLM's cache reading. :meth:`forward` is exact softmax attention (a prefill);
+    :meth:`attend_cache` reads the first ``sink`` real tokens and the most recent ones, ``budget`` in all."""
+
+    decodes = False
+    interface_mode = "cache"
+
+    def attend_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     key_padding_mask: torch.Tensor | None, scale: float, index: KeyClusterIndex | None = None,
+                     layer: int | None = None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
+        """Causal attention of the last Lq positions of a cache to it.
+
+        Args:
+            q: (B, H, Lq, D) queries of cache positions n - Lq .. n - 1 (H a multiple of the key/value heads).
+            k, v: (B, Hkv, n, D) the cache, the queries' own keys included.
+            key_padding_mask: (B, n) bool, True = padding (left padding, as ``generate()`` batches prompts).
+            scale: softmax scale.
+            index: the key index this cache had after the previous call (cluster-retrieval), or None.
+            layer: the model's layer number (``dense_layers``); required when ``dense_layers > 0``.
+
+        Returns:
+            (out (B, H, Lq, D), the index to keep with the cache for the next call, or None).
+        """
+        n, Lq = k.shape[2], q.shape[2]
+        if self.options.dense_layers > 0 and layer is None:
+            raise ValueError(f"layer is required when dense_layers={self.options.dense_layers}: an attention "
+                             "module without layer_idx cannot say whether it is one of the dense layers")
+        lengths = (torch.full((1,), n, device=k.device) if key_padding_mask is None
+                   else (~key_padding_mask).sum(1))
+        if Lq == n or self.options.covers(lengths) or (layer is not None and layer < self.options.dense_layers):
+            return cache_sdpa(q, k, v, key_padding_mask, causal=True, scale=scale), index
+        real = None if key_padding_mask is None else ~key_padding_mask
+        index = self._index(k, v, real, index, Lq)
+        return retrieval_attention(q, k, v, real, index, self.options, scale), index
+
+    def _index(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, index: KeyClusterIndex | None,
+               queries: int) -> KeyClusterIndex | None:
+        return None  # sinks + window only
+
+
+@register("cluster-retrieval", ClusterRetrievalOptions,
+          "clustered key retrieval for a decoder's cache (hf; ClusterKV): sinks + window + the keys of the best "
+          "K-means clusters, up to a budget; a sequence's attention to itself (prefill) is full")
+class ClusterRetrievalAttention(SinkWindowAttention):
+    """ClusterKV-style cache reading; see the module docstring and :meth:`SinkWindowAttention.attend_cache`."""
+
+    def _index(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, index: KeyClusterIndex | None,
+               queries: int) -> KeyClusterIndex:
+        """The index of this cache: ``index`` extended by the keys that left the window (in batches of
+        :data:`JOIN_BATCH`), or built afresh when there is none or it does not continue this cache. The window
+        holds the last ``window`` positions and at least the ``queries`` new ones."""
+        n = k.shape[2]
+        end = max(0, n - max(self.options.window, queries))
+        if index is None or not index.follows(k) or index.end > end:
+            return build_index(k, v, real, end, self.options)
+        if end - index.end >= JOIN_BATCH:  # keys leave the window in batches; until then the window is wider
+            return extend_index(index, k, v, real, end, self.options)
+        index.length = n
+        return index
