@@ -56,7 +56,8 @@ SENTENCE_TASKS = ("mr", "cr", "subj", "mpqa")
 STACK = "cluster-former-stack"  # the Cluster-Former paper's stack: sliding-window layers, the last a Cluster-Former
 BUILT_IN_VARIANTS = {STACK: {"attention": "cluster-former", "train_args": ["--cluster-layers", "-1"]}}
 # the score of each task and which way is better (default: accuracy, higher)
-SCORE = {"wikiqa": ("map", "higher"), "shakespeare-char": ("bpc", "lower"), "multi30k": ("bleu", "higher")}
+SCORE = {"wikiqa": ("map", "higher"), "shakespeare-char": ("bpc", "lower"), "multi30k": ("bleu", "higher"),
+         "mlm": ("perplexity", "lower")}
 # train flags that compare sets per run; a variant may add --cluster-layers, nothing else of these
 RESERVED = {"--task", "--attention", "--attention-options", "--seed", "--out", "--fold", "--folds", "--cv",
             "--resume"}

@@ -14,11 +14,13 @@ from ._args import json_object, log, mechanism
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train on a task (see docs/results.md); works under torchrun too")
     p.add_argument("--task", required=True, help="mr, cr, subj, mpqa, 20news, imdb, wikiqa, listops, shakespeare-char, "
-                   "multi30k (De->En translation), text-classification, mqar, passkey (recall tasks)")
+                   "multi30k (De->En translation), text-classification, mqar, passkey (recall tasks), mlm (masked-"
+                   "language-model pretraining)")
     p.add_argument("--task-options", default=None,
                    help="mqar, passkey: options as JSON -- form (causal|bidirectional), num_pairs, vocab_size, gap "
                         "(uniform|power), power_a, digits, min_gap, test_sequences, far, recall_sequences "
-                        "(clusterformer.train.recall.RecallOptions); the length is --max-len")
+                        "(clusterformer.train.recall.RecallOptions); the length is --max-len. mlm: corpus (a list "
+                        "among imdb, 20news, shakespeare), mask_prob, nsp, eval_windows (clusterformer.train.mlm)")
     p.add_argument("--attention", type=mechanism, default="full")
     p.add_argument("--attention-options", default=None, help="options of that mechanism as JSON")
     p.add_argument("--data-dir", default=None, help="datasets (default: $CLUSTERFORMER_DATA, else the user cache)")
@@ -42,9 +44,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-non-strict-causal", action="store_true",
                    help="shakespeare-char: accept a mechanism whose causal mode is not strict (cluster-former, "
                    "neural-clustering causal_mode=paper); its bits per character are then optimistic")
-    p.add_argument("--init", default=None, choices=["minilm"],
-                   help="fine-tune a pretrained model (its own width, depth and tokenizer; --dim/--depth/--heads "
-                        "are ignored) with --attention patched in; needs the [minilm] extra")
+    p.add_argument("--init", default=None, metavar="minilm|PATH",
+                   help="fine-tune a pretrained model: 'minilm' (its own width, depth and tokenizer; --dim/--depth/"
+                        "--heads are ignored; --attention patched in; needs the [minilm] extra), or PATH, the "
+                        "checkpoint (file or run directory) of a `train --task mlm` run: its encoder and tokenizer; "
+                        "--attention, its options, --dim, --depth, --heads, --ff-dim and --reversible must match the "
+                        "pretraining run's, --max-len be at most its")
+    p.add_argument("--init-partial", action="store_true",
+                   help="with --init PATH: transfer the encoder tensors whose names and shapes match and report the "
+                        "rest (metrics.json 'init') instead of refusing a mismatch")
     p.add_argument("--cluster-layers", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=None,
                    help="with --attention cluster-former: the paper's stack -- Cluster-Former layers at these depths "
                         "(0-based; -1 = the last), sliding-window layers (same window and stride) elsewhere")

@@ -4,13 +4,35 @@ key-padding mask the attention layers take (True = padding)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .._checks import check_int
 
-__all__ = ["ByteTokenizer", "WordTokenizer"]
+__all__ = ["ByteTokenizer", "MLMSpecials", "WordTokenizer"]
 
-PAD, UNK, SEP = "[PAD]", "[UNK]", "[SEP]"
+PAD, UNK, SEP, MASK, CLS = "[PAD]", "[UNK]", "[SEP]", "[MASK]", "[CLS]"
+
+
+@dataclass(frozen=True)
+class MLMSpecials:
+    """The special token ids masked-language-model pretraining uses, and the vocabulary size with them."""
+
+    mask: int
+    cls: int
+    sep: int
+    vocab_size: int
+
+
+def _stream(rows: list[list[int]], sep: int) -> torch.Tensor:
+    """Documents' ids joined into one stream, ``sep`` between them (a copy per document, not per token)."""
+    parts: list[torch.Tensor] = []
+    for row in rows:
+        if parts:
+            parts.append(torch.tensor([sep], dtype=torch.long))
+        parts.append(torch.tensor(row, dtype=torch.long))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def _pad(rows: list[list[int]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,8 +54,9 @@ class WordTokenizer:
 
     @classmethod
     def train(cls, texts: list[str], vocab_size: int = 30000, min_frequency: int = 1,
-              pairs: bool = False) -> WordTokenizer:
-        """``pairs=True`` adds a [SEP] token (id 2) and encodes pairs as ``A [SEP] B`` (:meth:`encode_pairs`)."""
+              pairs: bool = False, masked: bool = False) -> WordTokenizer:
+        """``pairs=True`` adds a [SEP] token (id 2) and encodes pairs as ``A [SEP] B`` (:meth:`encode_pairs`);
+        ``masked=True`` (with pairs) adds [MASK] and [CLS] (ids 3, 4) for masked-language-model pretraining."""
         from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
         check_int("vocab_size", vocab_size, minimum=3)
@@ -43,7 +66,9 @@ class WordTokenizer:
         tok = Tokenizer(models.WordLevel(unk_token=UNK))
         tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        specials = [PAD, UNK, SEP] if pairs else [PAD, UNK]
+        if masked and not pairs:
+            raise ValueError("masked=True needs pairs=True: pretraining separates documents and segments by [SEP]")
+        specials = [PAD, UNK, SEP, MASK, CLS] if masked else [PAD, UNK, SEP] if pairs else [PAD, UNK]
         trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                             special_tokens=specials, show_progress=False)
         tok.train_from_iterator(texts, trainer=trainer)
@@ -70,6 +95,18 @@ class WordTokenizer:
         check_int("max_len", max_len, minimum=1)
         return _pad([e.ids for e in self._tok.encode_batch(texts)], max_len)
 
+    def stream(self, texts: list[str], sep: int) -> torch.Tensor:
+        """Every text's ids, untruncated, joined into one (T,) stream with ``sep`` between texts."""
+        return _stream([e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)], sep)
+
+    def mlm_specials(self) -> MLMSpecials:
+        """The [MASK], [CLS] and [SEP] ids (a tokenizer trained with ``masked=True``)."""
+        ids = [self._tok.token_to_id(t) for t in (MASK, CLS, SEP)]
+        if None in ids:
+            raise ValueError("this tokenizer was trained without masked=True: it has no [MASK] / [CLS] token, so "
+                             "it cannot serve masked-language-model pretraining")
+        return MLMSpecials(*ids, vocab_size=self.vocab_size)
+
     def encode_pairs(self, pairs: list[tuple[str, str]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``A [SEP] B`` per pair (a tokenizer trained with ``pairs=True``), padded like :meth:`encode`."""
         check_int("max_len", max_len, minimum=1)
@@ -89,6 +126,15 @@ class ByteTokenizer:
 
     def to_str(self) -> str:
         return "bytes"
+
+    def stream(self, texts: list[str], sep: int) -> torch.Tensor:
+        """Every text's bytes (ids byte + 1), joined into one (T,) stream with ``sep`` between texts."""
+        return _stream([[b + 1 for b in t.encode("utf-8")] for t in texts], sep)
+
+    @staticmethod
+    def mlm_specials() -> MLMSpecials:
+        """Pretraining adds [MASK] 257, [CLS] 258 and [SEP] 259 after the 256 byte ids: a vocabulary of 260."""
+        return MLMSpecials(mask=257, cls=258, sep=259, vocab_size=260)
 
 
 class PretrainedTokenizer:

@@ -3,6 +3,7 @@
 from .encoder import (
     Encoder,
     EncoderConfig,
+    MaskedLanguageModel,
     SequenceClassifier,
     TokenClassifier,
     cluster_former_config,
@@ -13,6 +14,7 @@ from .reversible import ReversibleSequence, TiedConnection
 __all__ = [
     "Encoder",
     "EncoderConfig",
+    "MaskedLanguageModel",
     "ReversibleSequence",
     "SequenceClassifier",
     "TiedConnection",

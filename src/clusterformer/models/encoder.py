@@ -29,7 +29,8 @@ from ..attention.registry import make_options
 from ..ops.decode import DecodeCache
 from .reversible import ReversibleSequence
 
-__all__ = ["Encoder", "EncoderCache", "EncoderConfig", "SequenceClassifier", "TokenClassifier", "cluster_former_config"]
+__all__ = ["Encoder", "EncoderCache", "EncoderConfig", "MaskedLanguageModel", "SequenceClassifier", "TokenClassifier",
+           "cluster_former_config"]
 
 
 @dataclass
@@ -371,3 +372,27 @@ class TokenClassifier(nn.Module):
 
     def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.head(self.encoder(tokens, key_padding_mask, causal=self.causal))
+
+
+class MaskedLanguageModel(nn.Module):
+    """Bidirectional encoder + masked-token head (+ a next-sentence head on the first, [CLS], position) ->
+    (token logits (B, N, vocab), next-sentence logits (B, 2) or None): BERT's pretraining model
+    (:mod:`clusterformer.train.mlm`). The token head is a transform (linear, GELU, LayerNorm, as BERT's) and an
+    output layer tied to the input embedding, plus a bias. ``encoder`` is what fine-tuning (``train --init PATH``)
+    takes into a downstream model."""
+
+    def __init__(self, config: EncoderConfig, nsp: bool = False) -> None:
+        super().__init__()
+        self.encoder = Encoder(config)
+        self.transform = nn.Sequential(nn.Linear(config.dim, config.dim), nn.GELU(), nn.LayerNorm(config.dim))
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.nsp = nn.Linear(config.dim, 2) if check_bool("nsp", nsp) else None
+
+    def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = self.encoder(tokens, key_padding_mask)
+        # tied to the embedding, scaled by dim^-1/2 (as T5 scales its tied output): the embedding is initialised
+        # N(0, 1), so unscaled logits would start with a standard deviation of sqrt(dim)
+        logits = F.linear(self.transform(h) * self.transform[0].in_features ** -0.5, self.encoder.embed.weight,
+                          self.bias)
+        return logits, None if self.nsp is None else self.nsp(h[:, 0])

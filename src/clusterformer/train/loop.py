@@ -64,6 +64,7 @@ from ..attention import (
 from ..attention.registry import can_decode, causal_semantics, get, make_options, names
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from .mlm import mlm_options
 from .recall import RECALL_TASKS, recall_options
 from .tasks import TASKS, Task, prepare_task
 
@@ -73,6 +74,26 @@ __all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "load_run", "pa
 # (2e-5 .. 5e-5); the from-scratch default 1e-3 would wreck the pretrained weights.
 FINE_TUNE_LR = 5e-5
 DENSE_WARMUP_WINDOW = 20  # steps whose mean task loss ends a dense warm-up with dense_warmup_loss
+
+
+PRETRAINED_ENCODER_NAMES = ("minilm",)  # clusterformer.hf.PRETRAINED_ENCODERS (hf imports transformers lazily)
+INIT_TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "text-classification")  # --init PATH
+
+
+def _check_init_path(config: TrainConfig) -> None:
+    """--init PATH: a checkpoint of masked-language-model pretraining, and a downstream task that reads text."""
+    path = Path(config.init)
+    if not (path.is_file() or (path / CHECKPOINT).is_file()):
+        raise ValueError(f"init must be one of {', '.join(PRETRAINED_ENCODER_NAMES)} or the checkpoint (file or run "
+                         f"directory) of a `train --task mlm` run; {config.init!r} is neither")
+    if config.task not in INIT_TASKS:
+        raise ValueError(f"--init PATH fine-tunes a pretrained encoder on a text task ({', '.join(INIT_TASKS)}); "
+                         f"task {config.task!r} is not one")
+    if config.tokenizer != "auto":
+        raise ValueError("--init PATH reads the task with the pretrained run's tokenizer; leave --tokenizer at auto")
+    if config.cluster_layers is not None or config.layer_attention or config.centroid_flow:
+        raise ValueError("--init PATH takes the pretrained encoder as it is: cluster_layers, layer_attention and "
+                         "centroid_flow cannot be combined with it")
 
 
 def _check_trainable(argument: str, name: str) -> None:
@@ -127,7 +148,9 @@ class TrainConfig:
     device: str = "auto"
     amp: str = "auto"
     progress: bool = True
-    init: str | None = None  # a pretrained model of clusterformer.hf (e.g. "minilm") to fine-tune
+    # to fine-tune: a pretrained model of clusterformer.hf (e.g. "minilm") or a `train --task mlm` checkpoint
+    init: str | None = None
+    init_partial: bool = False  # --init PATH: transfer the tensors whose names and shapes match, skip the rest
     allow_non_strict_causal: bool = False  # LM with a mechanism whose causal mode is not strict (optimistic bpc)
     cluster_layers: list[int] | None = None  # cluster-former: the paper's stack, Cluster-Former layers only here
     # per-layer mechanisms, {layer: [name, options]} (negative counts from the last); other layers use `attention`
@@ -149,7 +172,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
         _check_trainable("attention", self.attention)
-        if self.init is None:
+        if self.init is not None and self.init not in PRETRAINED_ENCODER_NAMES:
+            _check_init_path(self)
+        if self.init is None or self.init not in PRETRAINED_ENCODER_NAMES:
             make_options(self.attention, self.attention_options)
             causal_task = self.task == "shakespeare-char" or (
                 self.task in RECALL_TASKS and recall_options(self.task_options).form == "causal")
@@ -179,8 +204,13 @@ class TrainConfig:
                 raise ValueError(f"max_len must be <= 512 (the pretrained model's positions), got {self.max_len}")
         if self.task in RECALL_TASKS:
             recall_options(self.task_options)
+        elif self.task == "mlm":
+            mlm_options(self.task_options)
         elif self.task_options:
-            raise ValueError(f"task_options are for the recall tasks ({', '.join(RECALL_TASKS)}), not {self.task!r}")
+            raise ValueError(f"task_options are for the recall tasks ({', '.join(RECALL_TASKS)}) and mlm, not "
+                             f"{self.task!r}")
+        if self.init_partial and (self.init is None or self.init in PRETRAINED_ENCODER_NAMES):
+            raise ValueError("init_partial transfers part of a pretrained checkpoint: it needs --init PATH")
         if self.task == "multi30k":
             if self.reversible or self.cluster_layers is not None:
                 raise ValueError("task multi30k builds an encoder-decoder; --reversible and --cluster-layers are not "
@@ -280,8 +310,14 @@ def _device(name: str, rank: int) -> torch.device:
     return device
 
 
-def _tokenizer_kind(config: TrainConfig) -> str:
-    return f"pretrained:{config.init}" if config.init else config.tokenizer
+def _tokenizer_kind(config: TrainConfig, state: str | None = None) -> str:
+    """The tokenizer of the run: a pretrained model's, a saved one's kind (a resumed run, or --init PATH), or the
+    flag's."""
+    if config.init in PRETRAINED_ENCODER_NAMES:
+        return f"pretrained:{config.init}"
+    if state is not None and not state.startswith("pretrained:"):
+        return "bytes" if state == "bytes" else "word"
+    return config.tokenizer
 
 
 def normal_layer_attention(spec: Any, depth: int) -> dict[int, list[Any]]:
@@ -315,7 +351,7 @@ def normal_layer_attention(spec: Any, depth: int) -> dict[int, list[Any]]:
 
 def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
     """The task's model: a pretrained encoder to fine-tune (``init``), or the task's head on a new encoder."""
-    if config.init:
+    if config.init in PRETRAINED_ENCODER_NAMES:
         from ..hf import PretrainedClassifier
 
         return PretrainedClassifier(config.init, task.num_classes, attention=config.attention,
@@ -404,9 +440,12 @@ class _Predictor:
     device: torch.device
     config: TrainConfig
 
-    def __call__(self, ids: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, pad: torch.Tensor | None) -> Any:
         with _autocast(self.config, self.device):
-            return self.model(ids.to(self.device), None if pad is None else pad.to(self.device)).float().cpu()
+            output = self.model(ids.to(self.device), None if pad is None else pad.to(self.device))
+        if isinstance(output, tuple):  # several heads (masked tokens, next sentence): each as one head is
+            return tuple(None if o is None else o.float().cpu() for o in output)
+        return output.float().cpu()
 
 
 
@@ -513,6 +552,7 @@ class _Run:
     evaluations: list = field(default_factory=list)
     dense_losses: list = field(default_factory=list)  # dense_warmup_loss: the last steps' task losses (all ranks)
     dense_ended: int | None = None  # dense_warmup_loss: the first sparse step, once the loss has crossed it
+    init_report: dict | None = None  # --init PATH: what was transferred from the pretrained checkpoint
 
 
 def run_training(config: TrainConfig, task: Task | None = None) -> dict:
@@ -548,10 +588,17 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     state = _load_for_resume(config, out, world) if config.resume else None
+    pretrained = None
+    if config.init is not None and config.init not in PRETRAINED_ENCODER_NAMES and state is None:
+        pretrained = _pretrained_checkpoint(config.init)
     if task is None:
-        task = _prepare(config, tokenizer_state=state["tokenizer"] if state else None)
+        saved = state["tokenizer"] if state else pretrained["tokenizer"] if pretrained else None
+        task = _prepare(config, tokenizer_state=saved)
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     model = build_model(config, task).to(device)
+    init_report = None
+    if pretrained is not None:
+        init_report = load_pretrained_encoder(model, pretrained, config)
     if config.dense_warmup_steps and not _dense_layers(model):
         raise ValueError("dense_warmup_steps trains neural-clustering or cluster-select layers densely at first; this "
                          f"model has none (attention={config.attention!r})")
@@ -560,7 +607,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     optimizer = torch.optim.AdamW(parameter_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total))
     run = _Run(config, task, rank, world, device, out, model, _wrap(model, config, device, world), optimizer,
-               scheduler, per_epoch, total, started)
+               scheduler, per_epoch, total, started, init_report=init_report)
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -569,6 +616,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
         run.evaluations = list(state.get("evaluations", []))
         run.dense_losses = list(state.get("dense_losses", []))
         run.dense_ended = state.get("dense_ended")
+        run.init_report = state.get("init_report")
         _set_rng_state(state["rng"][rank], device)
     else:
         torch.manual_seed(config.seed + rank)  # dropout differs across ranks
@@ -598,9 +646,9 @@ def _comparable(value: Any) -> Any:
 
 def _prepare(config: TrainConfig, tokenizer_state: str | None) -> Task:
     return prepare_task(config.task, data_dir=config.data_dir, max_len=config.max_len,
-                        tokenizer=_tokenizer_kind(config), vocab_size=config.vocab_size, seed=config.seed,
-                        fold=config.fold, folds=config.folds, limit=config.limit, train_file=config.train_file,
-                        test_file=config.test_file, tokenizer_state=tokenizer_state,
+                        tokenizer=_tokenizer_kind(config, tokenizer_state), vocab_size=config.vocab_size,
+                        seed=config.seed, fold=config.fold, folds=config.folds, limit=config.limit,
+                        train_file=config.train_file, test_file=config.test_file, tokenizer_state=tokenizer_state,
                         translation=_translation_options(config) if config.task == "multi30k" else None,
                         task_options=config.task_options)
 
@@ -702,6 +750,7 @@ def _checkpoint(run: _Run) -> None:
             "scheduler": run.scheduler.state_dict(), "step": run.step, "train_seconds": run.train_seconds,
             "rng": rngs, "config": asdict(run.config), "tokenizer": task.tokenizer, "world_size": run.world,
             "evaluations": run.evaluations, "dense_losses": run.dense_losses, "dense_ended": run.dense_ended,
+            "init_report": run.init_report,
             "task": {"name": task.name, "kind": task.kind, "vocab_size": task.vocab_size,
                      "num_classes": task.num_classes, "metric": task.metric, "info": task.info},
         })
@@ -732,6 +781,8 @@ def _finish(run: _Run) -> dict:
             "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(config),
             "keys_per_query": keys_per_query(model, config.max_len, getattr(run.task, "causal", run.task.kind == "lm")),
         }
+        if run.init_report is not None:
+            result["init"] = run.init_report
         if config.dense_warmup_steps:  # how many training steps attended densely
             result["dense_steps"] = run.dense_ended if run.dense_ended is not None else min(
                 run.step, config.dense_warmup_steps)
@@ -741,6 +792,64 @@ def _finish(run: _Run) -> dict:
     if run.world > 1:
         torch.distributed.barrier()
     return result
+
+
+def _pretrained_checkpoint(path: str) -> dict:
+    """The checkpoint behind --init PATH, which must come from masked-language-model pretraining."""
+    state = load_checkpoint(path)
+    kind = state.get("task", {}).get("kind")
+    if kind != "mlm":
+        raise ValueError(f"--init {path}: the checkpoint is of a {kind!r} task; fine-tuning starts from a "
+                         "`train --task mlm` checkpoint")
+    return state
+
+
+# what must agree between the pretrained run and the fine-tuned one for the encoder to mean the same thing
+_ENCODER_FIELDS = ("attention", "attention_options", "dim", "depth", "heads", "ff_dim", "reversible")
+
+
+def load_pretrained_encoder(model: torch.nn.Module, state: dict, config: TrainConfig) -> dict:
+    """Load the encoder of an MLM checkpoint (``state``) into ``model.encoder``.
+
+    The mechanism, its options and the encoder's size must match the pretrained run's, or ``ValueError`` names
+    each difference -- unless ``config.init_partial``, which transfers every tensor whose name and shape match and
+    reports the rest. Position embeddings of a shorter ``max_len`` take the first rows; a byte-level task's
+    embedding (257 ids) takes the first rows of pretraining's (260, with its special tokens). Returns what was
+    transferred, what of this model's encoder was not (skipped) and what of the pretrained one was not used."""
+    encoder = getattr(model, "encoder", None)
+    if not isinstance(encoder, torch.nn.Module):
+        raise ValueError(f"--init PATH loads a pretrained encoder; this task's model ({type(model).__name__}) has none")
+    saved = state["config"]
+    differences = [f"{name}: pretrained {saved.get(name)!r}, here {getattr(config, name)!r}"
+                   for name in _ENCODER_FIELDS
+                   if _comparable(saved.get(name)) != _comparable(getattr(config, name))]
+    if saved.get("max_len", 0) < config.max_len:
+        differences.append(f"max_len: pretrained {saved.get('max_len')}, here {config.max_len} (positions the "
+                           "pretrained encoder never saw)")
+    if differences and not config.init_partial:
+        raise ValueError("--init: the pretrained encoder does not match this run (" + "; ".join(differences) +
+                         "); match the pretraining flags, or pass --init-partial to transfer only what matches")
+    prefix = "encoder."
+    pretrained = {k[len(prefix):]: v for k, v in state["model"].items() if k.startswith(prefix)}
+    own = encoder.state_dict()
+    load, skipped = {}, []
+    for name, value in own.items():
+        source = pretrained.get(name)
+        if isinstance(source, torch.Tensor) and isinstance(value, torch.Tensor) and source.dim() == value.dim() \
+                and source.shape[1:] == value.shape[1:] and name in ("embed.weight", "positions.weight") \
+                and source.shape[0] >= value.shape[0]:
+            source = source[:value.shape[0]]  # the ids (or positions) this run has, which mean the same here
+        if source is None or (isinstance(source, torch.Tensor) and source.shape != value.shape):
+            skipped.append(name)
+        else:
+            load[name] = source
+    if skipped and not config.init_partial:
+        raise ValueError(f"--init: the pretrained encoder lacks or shapes differently {', '.join(skipped[:8])}; pass "
+                         "--init-partial to transfer only what matches")
+    encoder.load_state_dict({**own, **load})
+    unused = sorted(set(pretrained) - set(load))  # the pretrained run's tensors this model has no place for
+    return {"path": str(config.init), "transferred": len(load), "skipped": skipped, "unused": unused,
+            "differences": differences, "pretrained_step": state.get("step")}
 
 
 def keys_per_query(model: torch.nn.Module, length: int, causal: bool) -> int | None:

@@ -28,6 +28,8 @@ def _headline(run: dict) -> tuple[str, float]:
     m = run["metrics"]
     if "bpc" in m:
         return "bpc", m["bpc"]
+    if "perplexity" in m:
+        return "masked perplexity", m["perplexity"]
     if "map" in m:
         return "MAP / MRR", m["map"]
     return "accuracy", m["accuracy"]

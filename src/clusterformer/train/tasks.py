@@ -15,6 +15,7 @@ more implementation).
 | shakespeare-char | one text file | first 90% / last 10% | bits per character |
 | multi30k | De->En sentence pairs (:mod:`clusterformer.train.translation`) | train / test_2016_flickr | BLEU |
 | mqar, passkey | generated (:mod:`clusterformer.train.recall`) | seeded train stream / test | query accuracy |
+| mlm | training splits of IMDB, 20NEWS, tinyshakespeare | IMDB test, WikiText-2 test (held out) | masked perplexity |
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ from ..data.tokenize import PretrainedTokenizer
 from ..models import EncoderConfig, SequenceClassifier
 from ..models.lm import LanguageModel
 from .batch import Batch, Predict
+from .mlm import prepare_mlm
 from .recall import RECALL_TASKS, prepare_recall
 
 __all__ = ["TASKS", "Batch", "ClassificationTask", "Examples", "LanguageModelTask", "Task", "prepare_task",
            "ranking_metrics"]
 
 TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "listops", "shakespeare-char", "multi30k",
-         "text-classification", *RECALL_TASKS)
+         "text-classification", *RECALL_TASKS, "mlm")
+OPTION_TASKS = (*RECALL_TASKS, "mlm")  # the tasks that take --task-options
 
 LISTOPS_TRAIN = 20_000  # training expressions by default (LRA uses 96,000: --limit 96000); the test set has 2,000
 
@@ -49,7 +52,8 @@ LISTOPS_TRAIN = 20_000  # training expressions by default (LRA uses 96,000: --li
 class Task(Protocol):
     """What the training loop needs from a task: its model, its batches, its loss and its evaluation.
 
-    ``kind`` ("classification", "lm" or "translation") and the other attributes are saved in checkpoints."""
+    ``kind`` ("classification", "lm", "translation", "recall" or "mlm") and the other attributes are saved in
+    checkpoints."""
 
     name: str
     kind: str
@@ -235,11 +239,13 @@ def prepare_task(
         raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
     if name in RECALL_TASKS:
         return prepare_recall(name, max_len, limit, task_options or {})
-    if task_options:
-        raise ValueError(f"task {name!r} takes no task options (they are for {', '.join(RECALL_TASKS)}); got "
+    if task_options and name not in OPTION_TASKS:
+        raise ValueError(f"task {name!r} takes no task options (they are for {', '.join(OPTION_TASKS)}); got "
                          f"{sorted(task_options)}")
     if tokenizer == "auto":
         tokenizer = "bytes" if name == "imdb" else "word"
+    if name == "mlm":
+        return prepare_mlm(data_dir, max_len, tokenizer, vocab_size, limit, tokenizer_state, task_options or {})
     if name == "shakespeare-char":
         return _shakespeare(data_dir, max_len, limit, tokenizer_state)
     if name == "wikiqa":
