@@ -177,3 +177,32 @@ def test_pretrain_then_fine_tune_from_the_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="mlm"):  # a checkpoint of another task
         run_training(TrainConfig(task="mr", out=str(tmp_path / "bad3"), max_steps=1,
                                  init=str(tmp_path / "partial"), init_partial=True, **fine))
+
+
+@needs_data
+def test_a_crashed_and_resumed_pretraining_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+    """Masks, NSP coins and starts are drawn per step: a run that crashes at step 5 (checkpoints every 2) and is
+    resumed ends with the same weights as one that did not, and the per-step log shows tokens per second."""
+    from clusterformer.train.checkpoint import load_checkpoint
+
+    common = dict(MLM_FLAGS, attention="routing", max_steps=6, checkpoint_every=2,
+                  task_options={"nsp": True, "eval_windows": 2})
+    run_training(TrainConfig(task="mlm", out=str(tmp_path / "straight"), **common))
+    original = MaskedLMTask.batch
+
+    def crash_at_5(task, step, *args):
+        if step == 5:
+            raise RuntimeError("simulated crash")
+        return original(task, step, *args)
+
+    monkeypatch.setattr(MaskedLMTask, "batch", crash_at_5)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_training(TrainConfig(task="mlm", out=str(tmp_path / "crashed"), **common))
+    monkeypatch.setattr(MaskedLMTask, "batch", original)
+    run_training(TrainConfig(task="mlm", out=str(tmp_path / "crashed"), resume=True, **common))
+    a, b = (load_checkpoint(tmp_path / name)["model"] for name in ("straight", "crashed"))
+    for name, value in a.items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, b[name]), name
+    rows = [json.loads(line) for line in (tmp_path / "crashed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6] and rows[-1]["tokens_per_s"] > 0

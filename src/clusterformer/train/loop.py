@@ -565,7 +565,8 @@ def run_training(config: TrainConfig, task: Task | None = None) -> dict:
         row = _step(run)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", ex_s=f"{row['examples_per_s']:.0f}")
+            bar.set_postfix(loss=f"{row['loss']:.4f}", ex_s=f"{row['examples_per_s']:.0f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}")  # tqdm shows the ETA itself
         if run.step % config.log_every == 0 or run.step == run.total:
             logger.log(row)
         if config.eval_every and run.step % config.eval_every == 0 and run.step < run.total and run.rank == 0:
@@ -719,9 +720,11 @@ def _step(run: _Run) -> dict:
         _follow_dense_warmup(run, task_loss.detach())
     seconds = time.perf_counter() - tick
     run.train_seconds += seconds
+    tokens = ids.numel() - (0 if pad is None else int(pad.sum()))  # this rank's real input tokens
     return {"step": run.step, "epoch": run.step / run.per_epoch, "loss": loss.item(), "task_loss": task_loss.item(),
             **{k: v.item() for k, v in logged_aux.items()}, "lr": run.scheduler.get_last_lr()[0],
-            "examples_per_s": len(ids) * run.world / seconds, "elapsed_s": time.time() - run.started}
+            "examples_per_s": len(ids) * run.world / seconds, "tokens_per_s": tokens * run.world / seconds,
+            "elapsed_s": time.time() - run.started}
 
 
 def _follow_dense_warmup(run: _Run, task_loss: torch.Tensor) -> None:

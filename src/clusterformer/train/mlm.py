@@ -22,6 +22,8 @@ so a resumed run continues exactly and every rank draws its own slice of the ste
 Masking (BERT): each token other than [CLS] / [SEP] is selected with probability ``mask_prob`` (0.15); a selected
 token becomes [MASK] with probability 0.8, a random token of the vocabulary with 0.1, and stays itself with 0.1.
 The loss is the cross-entropy at the selected positions (targets elsewhere are ignored), plus the NSP cross-entropy.
+Under DDP each rank averages over its own selected tokens, as BERT's implementations do: the gradient equals a single
+process's with the whole batch in expectation, not bit for bit (the ranks select different numbers of tokens).
 
 Evaluation (held out: IMDB's test reviews, which no pretraining step reads, and WikiText-2's test split when it is
 in the data directory): ``eval_windows`` non-overlapping windows of each held-out stream, masked with a fixed seed
