@@ -136,11 +136,11 @@ def test_retrieval_matches_reference_through_steps(budget, estimate, selection):
         q = torch.randn(2, H, Lq, 8, generator=g, dtype=torch.float64)
         end = n - max(opts.window, Lq)
         if index is None:
-            index, ref_index = build_index(k, v, real, end, opts), ReferenceIndex(k, real, end, opts)
+            index, ref_index = build_index(k, v, ~real, end, opts), ReferenceIndex(k, real, end, opts)
         else:
-            index = extend_index(index, k, v, real, end, opts)
+            index = extend_index(index, k, v, ~real, end, opts)
             ref_index.extend(k, real, end)
-        got = retrieval_attention(q, k, v, real, index, opts, scale)
+        got = retrieval_attention(q, k, v, ~real, index, opts, scale)
         want = reference_attention(q, k, v, real, ref_index, opts, scale)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     assert index.joined == ref_index.joined < n - opts.window - 45  # fewer than all the joins: a rebuild happened
@@ -153,7 +153,7 @@ def test_sink_window_matches_reference(pad):
     k, v, real, g = _cache(fixed_seed(), n=64, pad=pad)
     for Lq in (1, 4):
         q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-        got = retrieval_attention(q, k, v, real, None, opts, 0.5)
+        got = retrieval_attention(q, k, v, ~real, None, opts, 0.5)
         torch.testing.assert_close(got, reference_attention(q, k, v, real, None, opts, 0.5), rtol=0, atol=1e-10)
 
 
@@ -162,9 +162,9 @@ def test_budget_covering_every_key_is_dense_attention():
     k, v, real, g = _cache(fixed_seed(), n=60)
     n, Lq = 60, 3
     opts = ClusterRetrievalOptions(budget=1.0, num_clusters=4, sink=2, window=5, estimate_remainder=True)
-    index = build_index(k, v, real, n - 5, opts)
+    index = build_index(k, v, ~real, n - 5, opts)
     q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-    got = retrieval_attention(q, k, v, real, index, opts, 0.3)
+    got = retrieval_attention(q, k, v, ~real, index, opts, 0.3)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     allowed = real[:, None, None, :] & (torch.arange(n) <= torch.arange(n - Lq, n).unsqueeze(1))
     want = torch.softmax((q @ kk.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf")), -1) @ vv
@@ -177,16 +177,16 @@ def test_no_future_key_and_batch_invariance():
     k, v, real, g = _cache(fixed_seed(), n=48)
     Lq = 4
     q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-    index = build_index(k, v, real, 48 - Lq, opts)
-    base = retrieval_attention(q, k, v, real, index, opts, 0.4)
+    index = build_index(k, v, ~real, 48 - Lq, opts)
+    base = retrieval_attention(q, k, v, ~real, index, opts, 0.4)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, -1] += 5.0
     v2[:, :, -1] -= 3.0  # the last position is in the future of queries 0..2
-    moved = retrieval_attention(q, k2, v2, real, build_index(k2, v2, real, 48 - Lq, opts), opts, 0.4)
+    moved = retrieval_attention(q, k2, v2, ~real, build_index(k2, v2, ~real, 48 - Lq, opts), opts, 0.4)
     torch.testing.assert_close(moved[:, :, :3], base[:, :, :3], rtol=0, atol=0)
     assert not torch.allclose(moved[:, :, 3], base[:, :, 3])
     alone = (k[1:, :, 9:], v[1:, :, 9:], real[1:, 9:])  # row 1 without its 9 padding keys
-    got = retrieval_attention(q[1:], *alone[:2], alone[2], build_index(*alone[:2], alone[2], 39 - Lq, opts), opts,
+    got = retrieval_attention(q[1:], *alone[:2], ~alone[2], build_index(*alone[:2], ~alone[2], 39 - Lq, opts), opts,
                               0.4)
     torch.testing.assert_close(got, base[1:], rtol=0, atol=1e-12)
 
@@ -208,9 +208,9 @@ def test_no_padding_path_equals_an_all_real_mask(estimate):
     k, v, real, g = _cache(fixed_seed(), n=57, pad=(0, 0))
     for Lq in (1, 3):
         q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-        with_mask = retrieval_attention(q, k, v, real, build_index(k, v, real, 57 - 5, opts), opts, 0.3)
+        with_mask = retrieval_attention(q, k, v, ~real, build_index(k, v, ~real, 57 - 5, opts), opts, 0.3)
         without = retrieval_attention(q, k, v, None, build_index(k, v, None, 57 - 5, opts), opts, 0.3)
         torch.testing.assert_close(without, with_mask, rtol=0, atol=1e-12)
         streaming = SinkWindowOptions(budget=opts.budget, sink=opts.sink)
         torch.testing.assert_close(retrieval_attention(q, k, v, None, None, streaming, 0.3),
-                                   retrieval_attention(q, k, v, real, None, streaming, 0.3), rtol=0, atol=1e-12)
+                                   retrieval_attention(q, k, v, ~real, None, streaming, 0.3), rtol=0, atol=1e-12)

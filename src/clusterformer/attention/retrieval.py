@@ -162,12 +162,11 @@ class SinkWindowAttention(FullAttention):
                    else (~key_padding_mask).sum(1))
         if Lq == n or self.options.covers(lengths) or (layer is not None and layer < self.options.dense_layers):
             return cache_sdpa(q, k, v, key_padding_mask, causal=True, scale=scale), index
-        real = None if key_padding_mask is None else ~key_padding_mask
-        index = self._index(k, v, real, index, Lq)
-        return retrieval_attention(q, k, v, real, index, self.options, scale), index
+        index = self._index(k, v, key_padding_mask, index, Lq)
+        return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale), index
 
-    def _index(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, index: KeyClusterIndex | None,
-               queries: int) -> KeyClusterIndex | None:
+    def _index(self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+               index: KeyClusterIndex | None, queries: int) -> KeyClusterIndex | None:
         return None  # sinks + window only
 
 
@@ -177,16 +176,16 @@ class SinkWindowAttention(FullAttention):
 class ClusterRetrievalAttention(SinkWindowAttention):
     """ClusterKV-style cache reading; see the module docstring and :meth:`SinkWindowAttention.attend_cache`."""
 
-    def _index(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, index: KeyClusterIndex | None,
-               queries: int) -> KeyClusterIndex:
+    def _index(self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+               index: KeyClusterIndex | None, queries: int) -> KeyClusterIndex:
         """The index of this cache: ``index`` extended by the keys that left the window (in batches of
         :data:`JOIN_BATCH`), or built afresh when there is none or it does not continue this cache. The window
         holds the last ``window`` positions and at least the ``queries`` new ones."""
         n = k.shape[2]
         end = max(0, n - max(self.options.window, queries))
         if index is None or not index.follows(k) or index.end > end:
-            return build_index(k, v, real, end, self.options)
+            return build_index(k, v, key_padding_mask, end, self.options)
         if end - index.end >= JOIN_BATCH:  # keys leave the window in batches; until then the window is wider
-            return extend_index(index, k, v, real, end, self.options)
+            return extend_index(index, k, v, key_padding_mask, end, self.options)
         index.length = n
         return index

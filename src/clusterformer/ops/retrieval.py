@@ -33,7 +33,8 @@ Cost per query and head: O(C D) to score the centroids, O(R log C) to find the s
 to attend -- against O(n D) for dense attention over n cached keys. Clustering: O(iterations n C D) per
 rebuild, amortised over ``refresh`` tokens.
 
-Padding: ``real`` (B, n) marks the real keys (left padding, as Hugging Face batches prompts for generation).
+Padding: ``key_padding_mask`` (B, n), True = padding (the library's one mask value, :mod:`clusterformer.ops.masks`;
+left padding, as Hugging Face batches prompts for generation); inside, its view ``real`` marks the real keys.
 Every choice is per sequence -- its budget from its own number of real keys, its own sinks, clusters from its
 own keys only (padding never seeds or moves a centroid) -- so a sequence's outputs do not depend on the batch.
 """
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 
 from ..clustering.kmeans import cluster_sums, euclidean_kmeans
 from .layouts import group_ranks
-from .masks import allow_empty_rows
+from .masks import allow_empty_rows, real_tokens
 
 __all__ = ["JOIN_BATCH", "KeyClusterIndex", "RetrievalSettings", "build_index", "extend_index", "keys_allowed",
            "keys_allowed_count", "retrieval_attention"]
@@ -167,13 +168,12 @@ def _tally(points: torch.Tensor, values: torch.Tensor, assign: torch.Tensor, val
     return key_sums, value_sums, counts.round().long(), ids, rank
 
 
-def build_index(k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end: int,
+def build_index(k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None, end: int,
                 options: RetrievalSettings) -> KeyClusterIndex:
-    """Cluster the keys at positions < ``end`` of cache k, v (B, Hkv, n, D); real (B, n) bool or None (no
-    padding)."""
+    """Cluster the keys at positions < ``end`` of cache k, v (B, Hkv, n, D); key_padding_mask (B, n) bool, True =
+    padding, or None."""
     B, Hkv, n, D = k.shape
-    if real is None:
-        real = torch.ones(B, n, dtype=torch.bool, device=k.device)
+    real = real_tokens(key_padding_mask, B, n, k.device)
     G, C = B * Hkv, max(1, options.num_clusters)
     dtype = torch.promote_types(k.dtype, torch.float32)
     sinks, sink_ok = _first_real(real, options.sink)
@@ -207,8 +207,8 @@ def _set_probe(index: KeyClusterIndex, k: torch.Tensor) -> None:
     index.probe = None if index.end == 0 else k[:, :, index.end - 1].reshape(B * Hkv, D).clone()
 
 
-def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None, end: int,
-                 options: RetrievalSettings) -> KeyClusterIndex:
+def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                 end: int, options: RetrievalSettings) -> KeyClusterIndex:
     """Let the keys at positions [index.end, end) join their nearest centroids (re-cluster everything once
     ``refresh`` keys have joined since the last clustering). Returns the (updated in place or new) index."""
     start = index.end
@@ -216,10 +216,9 @@ def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, real:
         _set_probe(index, k)
         return index
     if index.joined + (end - start) > options.refresh:
-        return build_index(k, v, real, end, options)
+        return build_index(k, v, key_padding_mask, end, options)
     B, Hkv, n, D = k.shape
-    if real is None:
-        real = torch.ones(B, n, dtype=torch.bool, device=k.device)
+    real = real_tokens(key_padding_mask, B, n, k.device)
     G, C = B * Hkv, index.counts.shape[1]
     dtype = index.centroids.dtype
     valid = _indexable(real, options.sink, end)[:, start:]
@@ -255,14 +254,14 @@ def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, real:
     return index
 
 
-def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
+def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                         index: KeyClusterIndex | None, options: RetrievalSettings, scale: float) -> torch.Tensor:
     """Attention of the last Lq positions of a cache to it, by sinks + window + retrieved clusters.
 
     Args:
         q: (B, H, Lq, D) queries of cache positions n - Lq .. n - 1 (H a multiple of the key/value heads).
         k, v: (B, Hkv, n, D) the cache, the queries' own keys included.
-        real: (B, n) bool, the real (not padding) keys; None: no padding.
+        key_padding_mask: (B, n) bool, True = padding; None: no padding.
         index: the clustered keys (:func:`build_index`); the window is then every position from ``index.end``
             on (at least ``options.window`` and the Lq queries: the caller keeps the index that far back). None:
             sinks + window only, the window taking what the sinks leave of the budget (sink-window).
@@ -277,6 +276,7 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real:
     rep = H // Hkv
     Q = rep * Lq
     qg = q.reshape(B, Hkv, Q, D) * scale  # queries grouped by their key/value head: no copies of the cache
+    real = None if key_padding_mask is None else ~key_padding_mask  # its view (None: no padding, no masks)
     if real is None:  # every row holds n keys: the budget is one number
         allowed: torch.Tensor | int = keys_allowed_count(options.budget, n)
     else:
