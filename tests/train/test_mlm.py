@@ -185,8 +185,8 @@ def test_a_crashed_and_resumed_pretraining_equals_an_uninterrupted_one(tmp_path,
     resumed ends with the same weights as one that did not, and the per-step log shows tokens per second."""
     from clusterformer.train.checkpoint import load_checkpoint
 
-    common = dict(MLM_FLAGS, attention="routing", max_steps=6, checkpoint_every=2,
-                  task_options={"nsp": True, "eval_windows": 2})
+    common = dict(MLM_FLAGS, attention="routing", max_steps=6, checkpoint_every=2, reversible=True, tied=True,
+                  task_options={"nsp": True, "eval_windows": 2})  # the k-means paper's tied reversible layers
     run_training(TrainConfig(task="mlm", out=str(tmp_path / "straight"), **common))
     original = MaskedLMTask.batch
 
@@ -201,6 +201,7 @@ def test_a_crashed_and_resumed_pretraining_equals_an_uninterrupted_one(tmp_path,
     monkeypatch.setattr(MaskedLMTask, "batch", original)
     run_training(TrainConfig(task="mlm", out=str(tmp_path / "crashed"), resume=True, **common))
     a, b = (load_checkpoint(tmp_path / name)["model"] for name in ("straight", "crashed"))
+    assert any(".tied." in name for name in a)  # --tied built the tied connections
     for name, value in a.items():
         if torch.is_tensor(value):
             assert torch.equal(value, b[name]), name

@@ -150,7 +150,8 @@ def test_a_crashed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeyp
     train_steps = [r["step"] for r in logged if "loss" in r]
     assert train_steps == list(range(1, 31)), "every step logged exactly once"
     straight_rows = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("examples_per_s", "elapsed_s")} for r in rows]  # noqa: E731
+    timing = ("examples_per_s", "tokens_per_s", "elapsed_s")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
     assert strip(logged) == strip(straight_rows)
     csv_steps = [line.split(",")[0] for line in (crashed / "metrics.csv").read_text().splitlines()[1:]]
     assert csv_steps == [str(r["step"]) for r in logged]
@@ -303,6 +304,8 @@ def test_train_config_errors():
         TrainConfig(task="sst2", out="x", max_steps=1)
     with pytest.raises(ValueError, match="unknown option"):
         TrainConfig(task="mr", out="x", max_steps=1, attention="lsh", attention_options={"num_clusterz": 3})
+    with pytest.raises(ValueError, match="it needs reversible"):
+        TrainConfig(task="mr", out="x", max_steps=1, tied=True)
     for spec in ({"attention": "cluster-retrieval"}, {"layer_attention": {0: ["sink-window", {}]}}):
         with pytest.raises(ValueError, match="reads its key/value cache"):  # training them would be full attention
             TrainConfig(task="mr", out="x", max_steps=1, **spec)

@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ff-dim", type=int, default=None)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--reversible", action="store_true", help="reversible residual blocks")
+    p.add_argument("--tied", action="store_true",
+                   help="with --reversible: the tied connection between the two streams of the k-means/reversible "
+                        "paper (section 3.3)")
     p.add_argument("--allow-non-strict-causal", action="store_true",
                    help="shakespeare-char: accept a mechanism whose causal mode is not strict (cluster-former, "
                    "neural-clustering causal_mode=paper); its bits per character are then optimistic")

@@ -128,6 +128,7 @@ class TrainConfig:
     ff_dim: int | None = None
     dropout: float = 0.1
     reversible: bool = False
+    tied: bool = False  # with reversible: the tied connection of the k-means/reversible paper
     batch_size: int = 32
     lr: float | None = None  # None: 1e-3 from scratch, FINE_TUNE_LR with init
     weight_decay: float = 0.01
@@ -249,6 +250,8 @@ class TrainConfig:
                     if causal_semantics(name, options) != "strict" and not self.allow_non_strict_causal:
                         raise ValueError(f"layer_attention[{layer}]: {name!r} with these options is not strictly "
                                          f"causal, so it cannot train the causal task {self.task!r}")
+        if self.tied and not self.reversible:
+            raise ValueError("tied is the tied connection between reversible streams: it needs reversible")
         check_float("centroid_lr_scale", self.centroid_lr_scale, minimum=0.0, exclusive_minimum=True)
         check_int("dense_warmup_steps", self.dense_warmup_steps, minimum=0)
         if self.dense_warmup_loss is not None:
@@ -358,7 +361,7 @@ def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
                                     options=dict(config.attention_options))
     size = dict(vocab_size=task.vocab_size, dim=config.dim, depth=config.depth, heads=config.heads,
                 ff_dim=config.ff_dim, dropout=config.dropout, max_len=task.model_max_len(config.max_len),
-                reversible=config.reversible)
+                reversible=config.reversible, tied=config.tied)
     if config.cluster_layers is not None:  # the paper's stack: sliding-window layers, Cluster-Former layers here
         options = make_options("cluster-former", dict(config.attention_options))
         rest = {k: v for k, v in config.attention_options.items() if k not in ("window", "stride", "num_clusters")}
@@ -628,7 +631,7 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     state = load_checkpoint(out / CHECKPOINT)
     saved = state["config"]
     changed = {k for k in ("task", "task_options", "attention", "attention_options", "dim", "depth", "heads",
-                           "max_len", "seed", "batch_size", "cluster_layers", "decoder_attention",
+                           "max_len", "seed", "batch_size", "cluster_layers", "reversible", "tied", "decoder_attention",
                            "decoder_attention_options", "centroid_flow", "centroid_lr_scale", "layer_attention",
                            "dense_warmup_steps", "dense_warmup_loss")
                if _comparable(saved.get(k, getattr(config, k))) != _comparable(getattr(config, k))}
@@ -808,7 +811,7 @@ def _pretrained_checkpoint(path: str) -> dict:
 
 
 # what must agree between the pretrained run and the fine-tuned one for the encoder to mean the same thing
-_ENCODER_FIELDS = ("attention", "attention_options", "dim", "depth", "heads", "ff_dim", "reversible")
+_ENCODER_FIELDS = ("attention", "attention_options", "dim", "depth", "heads", "ff_dim", "reversible", "tied")
 
 
 def load_pretrained_encoder(model: torch.nn.Module, state: dict, config: TrainConfig) -> dict:
