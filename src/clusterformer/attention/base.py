@@ -509,7 +509,7 @@ def attend_padded(x: torch.Tensor, key_padding_mask: torch.Tensor | None,
     if key_padding_mask is not None:
         x = x.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
     heads_out, extra = attend(x)
-    y = heads_out.reshape(x.shape[0], x.shape[1], -1)
+    y = heads_out.flatten(2)  # (B, N, H * D); also for an empty batch or sequence
     if project is not None:
         y = project(y)
     if key_padding_mask is not None:
