@@ -37,7 +37,6 @@ from ..ops.retrieval import (
     build_index,
     extend_index,
     keys_allowed,
-    keys_allowed_count,
     retrieval_attention,
 )
 from .base import AttentionOptions
@@ -82,10 +81,6 @@ class SinkWindowOptions(AttentionOptions):
     def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
         """(B,) real cached keys -> (B,) keys a query may attend to under the budget (at most the cache)."""
         return keys_allowed(self.budget, lengths)
-
-    def keys_allowed_count(self, length: int) -> int:
-        """:meth:`keys_allowed` for one length given as a Python int."""
-        return keys_allowed_count(self.budget, length)
 
     def covers(self, lengths: torch.Tensor) -> bool:
         """Whether the budget covers every cached key of every sequence (then attention is dense)."""

@@ -58,7 +58,7 @@ from torch import nn
 from .._checks import check_choice
 from ..attention.base import AttentionOptions, InnerAttention, layer_seed, option_fields
 from ..attention.registry import Mechanism, build_inner, get, make_options, mechanisms
-from ..ops.masks import cache_sdpa, masked_sdpa
+from ..ops.masks import cache_allowed, cache_sdpa, masked_sdpa
 
 __all__ = ["MODEL_OPTIONS", "PREFIX", "MaskStructure", "cache_state", "interface_mechanisms", "pretrained_options",
            "read_mask", "register_attention", "registered"]
@@ -133,8 +133,7 @@ def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batc
                          "heads")
     allowed = allowed[:, 0]
     keys = allowed[:, -1, :]  # the last query sees every real key in both patterns
-    causal_pattern = (torch.arange(kv_len, device=allowed.device)
-                      <= (kv_len - q_len + torch.arange(q_len, device=allowed.device)).unsqueeze(1))
+    causal_pattern = cache_allowed(None, q_len, kv_len, True, allowed.device)[0, 0]  # the ops' one predicate
     if q_len > 1 and torch.equal(allowed, keys.unsqueeze(1) & causal_pattern):
         structure = MaskStructure(None if bool(keys.all()) else ~keys, True)
     elif torch.equal(allowed, keys.unsqueeze(1).expand_as(allowed)):

@@ -76,7 +76,14 @@ FINE_TUNE_LR = 5e-5
 DENSE_WARMUP_WINDOW = 20  # steps whose mean task loss ends a dense warm-up with dense_warmup_loss
 
 
-PRETRAINED_ENCODER_NAMES = ("minilm",)  # clusterformer.hf.PRETRAINED_ENCODERS (hf imports transformers lazily)
+def _pretrained_model(init: str | None) -> bool:
+    """Whether ``init`` names a pretrained model of :mod:`clusterformer.hf` (``PRETRAINED_ENCODERS``); otherwise it
+    is the path of an MLM checkpoint, or None. hf is imported only when there is an ``init``."""
+    if init is None:
+        return False
+    from ..hf import PRETRAINED_ENCODERS
+
+    return init in PRETRAINED_ENCODERS
 INIT_TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "text-classification")  # --init PATH
 
 
@@ -84,7 +91,9 @@ def _check_init_path(config: TrainConfig) -> None:
     """--init PATH: a checkpoint of masked-language-model pretraining, and a downstream task that reads text."""
     path = Path(config.init)
     if not (path.is_file() or (path / CHECKPOINT).is_file()):
-        raise ValueError(f"init must be one of {', '.join(PRETRAINED_ENCODER_NAMES)} or the checkpoint (file or run "
+        from ..hf import PRETRAINED_ENCODERS
+
+        raise ValueError(f"init must be one of {', '.join(PRETRAINED_ENCODERS)} or the checkpoint (file or run "
                          f"directory) of a `train --task mlm` run; {config.init!r} is neither")
     if config.task not in INIT_TASKS:
         raise ValueError(f"--init PATH fine-tunes a pretrained encoder on a text task ({', '.join(INIT_TASKS)}); "
@@ -173,9 +182,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
         _check_trainable("attention", self.attention)
-        if self.init is not None and self.init not in PRETRAINED_ENCODER_NAMES:
+        pretrained_model = _pretrained_model(self.init)
+        if self.init is not None and not pretrained_model:
             _check_init_path(self)
-        if self.init is None or self.init not in PRETRAINED_ENCODER_NAMES:
+        if not pretrained_model:
             make_options(self.attention, self.attention_options)
             causal_task = self.task == "shakespeare-char" or (
                 self.task in RECALL_TASKS and recall_options(self.task_options).form == "causal")
@@ -190,9 +200,8 @@ class TrainConfig:
                         "keys a token sees depends on later tokens), so its bits per character would be "
                         "optimistic; pass --allow-non-strict-causal to train it anyway")
         else:
-            from ..hf import PRETRAINED_ENCODERS, validate_patch_options
+            from ..hf import validate_patch_options
 
-            check_choice("init", self.init, PRETRAINED_ENCODERS)
             validate_patch_options(self.attention, self.attention_options)
             if self.task in ("wikiqa", "listops", "shakespeare-char", *RECALL_TASKS):
                 raise ValueError(f"--init fine-tunes single-text classifiers; task {self.task!r} is not one")
@@ -210,7 +219,7 @@ class TrainConfig:
         elif self.task_options:
             raise ValueError(f"task_options are for the recall tasks ({', '.join(RECALL_TASKS)}) and mlm, not "
                              f"{self.task!r}")
-        if self.init_partial and (self.init is None or self.init in PRETRAINED_ENCODER_NAMES):
+        if self.init_partial and (self.init is None or pretrained_model):
             raise ValueError("init_partial transfers part of a pretrained checkpoint: it needs --init PATH")
         if self.task == "multi30k":
             if self.reversible or self.cluster_layers is not None:
@@ -316,7 +325,7 @@ def _device(name: str, rank: int) -> torch.device:
 def _tokenizer_kind(config: TrainConfig, state: str | None = None) -> str:
     """The tokenizer of the run: a pretrained model's, a saved one's kind (a resumed run, or --init PATH), or the
     flag's."""
-    if config.init in PRETRAINED_ENCODER_NAMES:
+    if _pretrained_model(config.init):
         return f"pretrained:{config.init}"
     if state is not None and not state.startswith("pretrained:"):
         return "bytes" if state == "bytes" else "word"
@@ -354,7 +363,7 @@ def normal_layer_attention(spec: Any, depth: int) -> dict[int, list[Any]]:
 
 def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
     """The task's model: a pretrained encoder to fine-tune (``init``), or the task's head on a new encoder."""
-    if config.init in PRETRAINED_ENCODER_NAMES:
+    if _pretrained_model(config.init):
         from ..hf import PretrainedClassifier
 
         return PretrainedClassifier(config.init, task.num_classes, attention=config.attention,
@@ -593,7 +602,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
         out.mkdir(parents=True, exist_ok=True)
     state = _load_for_resume(config, out, world) if config.resume else None
     pretrained = None
-    if config.init is not None and config.init not in PRETRAINED_ENCODER_NAMES and state is None:
+    if config.init is not None and not _pretrained_model(config.init) and state is None:
         pretrained = _pretrained_checkpoint(config.init)
     if task is None:
         saved = state["tokenizer"] if state else pretrained["tokenizer"] if pretrained else None
