@@ -7,9 +7,12 @@ deep inside a matmul.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
@@ -50,6 +53,17 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
+
+
+def check_options(cls: type[T], options: dict[str, Any], what: str) -> T:
+    """``cls(**options)`` for an options dataclass, refusing unknown names with a ``ValueError`` that names
+    ``what`` (e.g. "task option ... for mlm") and the valid ones; the dataclass checks the values."""
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ValueError(f"unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                         f"valid: {', '.join(sorted(valid))}")
+    return cls(**options)
 
 
 def check_tensor(

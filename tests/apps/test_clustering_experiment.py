@@ -187,3 +187,29 @@ def test_neural_clusterer_starts_from_cosine_kmeans_plus_plus_seeds():
     assert not torch.equal(random, start)
     with pytest.raises(ValueError, match="init"):
         NeuralClusterer(4, init="kmeans")
+
+
+def test_updated_centroids_of_empty_softmax_rows_are_zero_and_finite():
+    """Eq. 3's C_hat = U X W^C with U of eq. 2 a softmax over the real positions: a centroid a sequence does not
+    use, and every centroid of a sequence of padding only, has no positions -- the library's rule for a row
+    without entries (clusterformer.masks.allow_empty_rows) makes its U row 0, so its C_hat is 0 -- while the other
+    rows are the softmax over the real positions alone (float64, to 1e-12), and every gradient is finite."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, N, k, d = 3, 11, 4, 5
+    points = torch.randn(B, N, d, generator=g, dtype=torch.float64, requires_grad=True)
+    centroids = torch.randn(B, k, d, generator=g, dtype=torch.float64, requires_grad=True)
+    padding = torch.zeros(B, N, dtype=torch.bool)
+    padding[1, 7:] = True
+    padding[2] = True  # padding only
+    num_clusters = torch.tensor([4, 3, 4])  # sequence 1 leaves its last centroid unused
+    out = neural_clustering(points, centroids, key_padding_mask=padding, similarity="dot", scale=1.0,
+                            num_clusters=num_clusters)
+    for b, i in itertools.product(range(B), range(k)):
+        real = ~padding[b]
+        if not bool(real.any()) or i >= int(num_clusters[b]):
+            assert torch.equal(out.updated_centroids[b, i], torch.zeros(d, dtype=torch.float64))
+            continue
+        u = torch.softmax(points[b, real] @ centroids[b, i], dim=0)  # eq. 2 with phi the inner product
+        torch.testing.assert_close(out.updated_centroids[b, i], u @ points[b, real], atol=1e-12, rtol=0)
+    (out.updated_centroids.sum() + out.clustering_loss + out.sorting_loss).backward()
+    assert bool(torch.isfinite(points.grad).all()) and bool(torch.isfinite(centroids.grad).all())

@@ -263,7 +263,7 @@ def test_train_init_minilm_fine_tunes_and_evaluates(tmp_path):
 
 def test_fine_tuning_learning_rate_default():
     from clusterformer.train import TrainConfig
-    from clusterformer.train.loop import FINE_TUNE_LR
+    from clusterformer.train.config import FINE_TUNE_LR
 
     assert TrainConfig(task="mr", out="x", max_steps=1, init="minilm").lr == FINE_TUNE_LR == 5e-5
     assert TrainConfig(task="mr", out="x", max_steps=1).lr == 1e-3

@@ -417,7 +417,8 @@ def test_no_character_gets_the_padding_id(tmp_path):
 
 def test_cluster_layers_build_the_cluster_former_stack(tmp_path):
     """--cluster-layers builds the paper's stack: sliding-window layers, Cluster-Former layers where named."""
-    from clusterformer.train.loop import TrainConfig, build_model
+    from clusterformer.train import TrainConfig
+    from clusterformer.train.loop import build_model
     from clusterformer.train.tasks import prepare_task
 
     train, test = _write_task(tmp_path)

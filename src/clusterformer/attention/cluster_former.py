@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from .._checks import check_int, check_tensor
 from ..clustering.kmeans import greedy_nearest_order, spherical_kmeans
 from ..distributed import all_gather_rows
+from ..masks import real_tokens
 from ..ops.decode import WindowCache
 from ..ops.sliding import sliding_window_attention
 from .aux import publish_groups
@@ -221,7 +222,7 @@ class ClusterFormerAttention(InnerAttention):
             raise ValueError("cluster-former takes no flow from a previous layer")
         B, N, _ = x.shape
         if self.updates_state():  # every rank's real tokens, in rank order (a no-op without a process group)
-            states = x.detach().reshape(-1, self.dim) if key_padding_mask is None else x.detach()[~key_padding_mask]
+            states = x.detach()[real_tokens(key_padding_mask, B, N, x.device)]
             self.remember(all_gather_rows(states))
             self.steps += 1
             due = not bool(self.centroids_ready) or int(self.steps) % self.options.update_every == 0

@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_int
+from ..masks import AttentionMask, masked_sdpa, real_tokens
 from ..ops.decode import SelectionCache
-from ..ops.masks import dense_allowed, masked_sdpa, real_tokens
 from ..ops.selected import (
     KERNELS,
     ClusterLayout,
@@ -188,8 +188,8 @@ class ClusterSelectAttention(InnerAttention):
             follow_tokens(self, unit, ids, real, o.decay)  # the commitment loss and the EMA centroids, as routing's
         publish_groups(self, ids)
         if self.dense_training and self.training:  # train --dense-warmup-steps
-            padding = key_padding_mask if key_padding_mask is not None else ~real[:, 0]
-            return masked_sdpa(q, k, v, dense_allowed(padding, causal), dropout_p=self.dropout_p)
+            allowed = AttentionMask(key_padding_mask, causal).allowed(N, N, q.device)
+            return masked_sdpa(q, k, v, allowed, dropout_p=self.dropout_p)
         key_ids = ids.masked_fill(~real, o.num_clusters)
         layout = cluster_layout(key_ids, num_clusters=o.num_clusters, window=o.window, causal=causal)
         kernel = resolve_kernel(o.kernel, N, o.window + o.select * o.cluster_keys)  # one choice for both steps

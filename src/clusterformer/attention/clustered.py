@@ -38,6 +38,7 @@ import torch
 from .._checks import check_choice, check_int
 from ..clustering.hashing import sign_codes
 from ..clustering.kmeans import euclidean_kmeans, hamming_kmeans
+from ..masks import real_tokens
 from ..ops.clustered import clustered_attention
 from .aux import publish_groups
 from .base import InnerAttention, SeededOptions
@@ -107,7 +108,7 @@ class ClusteredAttention(InnerAttention):
         B, H, N, D = q.shape
         valid = None
         if key_padding_mask is not None:
-            valid = (~key_padding_mask).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
+            valid = real_tokens(key_padding_mask, B, N, q.device).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
         if options.query_clustering == "euclidean":
             groups = euclidean_kmeans(q.detach().reshape(B * H, N, D), options.num_clusters,
                                       iterations=options.iterations, valid=valid)

@@ -2,7 +2,7 @@
 
 The baseline every mechanism is compared with. Cost O(N^2 d) time; the fused SDPA kernels keep memory
 O(N d) where the backend has one (CPU flash kernel for 4-D inputs, CUDA flash/efficient kernels).
-Masks: key padding and causal, alone or together (:func:`clusterformer.ops.masks.dense_allowed`).
+Masks: key padding and causal, alone or together (:meth:`clusterformer.masks.AttentionMask.allowed`).
 
 Cached decoding: a :class:`~clusterformer.ops.decode.KVCache` of every key and value so far; a step costs
 O(t D) per head at position t, and the cache O(t D) memory.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..masks import AttentionMask, masked_sdpa
 from ..ops.decode import KVCache
-from ..ops.masks import dense_allowed, masked_sdpa
 from .base import AttentionOptions, InnerAttention
 from .registry import register
 
@@ -36,7 +36,8 @@ class FullAttention(InnerAttention):
         if key_padding_mask is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=causal)
         # rows with no allowed key (an all-padding sequence, left padding under a causal mask) give zeros
-        return masked_sdpa(q, k, v, dense_allowed(key_padding_mask, causal), dropout_p=self.dropout_p)
+        allowed = AttentionMask(key_padding_mask, causal).allowed(q.shape[2], k.shape[2], q.device)
+        return masked_sdpa(q, k, v, allowed, dropout_p=self.dropout_p)
 
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_padding_mask: torch.Tensor | None) -> KVCache:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from .._checks import check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
+from ..masks import real_tokens
 from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
 from ..ops.decode import GroupRingCache
 from .aux import publish_groups
@@ -107,7 +108,8 @@ class KMeansAttention(InnerAttention):
         if self.updates_state():
             valid = None
             if key_padding_mask is not None:
-                valid = (~key_padding_mask)[None, :, None, :].expand(m, B, H, N).transpose(1, 2).reshape(m * H, B * N)
+                real = real_tokens(key_padding_mask, B, N, unit.device)
+                valid = real[None, :, None, :].expand(m, B, H, N).transpose(1, 2).reshape(m * H, B * N)
             points = unit.transpose(0, 1).reshape(1, H, B * N, D).expand(m, H, B * N, D).reshape(m * H, B * N, D)
             updated = ema_centroid_update(
                 self.centroids.reshape(m * H, n_clusters, D), points, round_ids.transpose(1, 2).reshape(m * H, B * N),

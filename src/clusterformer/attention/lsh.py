@@ -36,9 +36,9 @@ import torch
 
 from .._checks import check_int
 from ..clustering.hashing import angular_lsh_buckets
+from ..masks import real_lengths
 from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
 from ..ops.decode import GroupRingCache
-from ..ops.masks import real_lengths
 from .aux import publish_groups
 from .base import BucketOptions, InnerAttention
 from .registry import register

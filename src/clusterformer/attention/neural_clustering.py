@@ -85,9 +85,9 @@ from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
+from ..masks import AttentionMask, masked_sdpa, real_lengths, real_tokens, self_only_when_alone
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
 from ..ops.layouts import ChunkLayout, cluster_causal_layout, sorted_layout
-from ..ops.masks import dense_allowed, masked_sdpa, real_lengths, self_only_when_alone
 from ..ops.windows import windowed_attention, windowed_attention_lse
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, QKVProjection, SeededOptions
@@ -127,7 +127,7 @@ def _local_has_other(B: int, N: int, block: int, causal: bool, key_padding_mask:
                      device: torch.device) -> torch.Tensor:
     """(B * N,) bool: whether query t's local blocks (positions [(t // block - 1) block, (t // block + 1) block),
     up to t under ``causal``) hold a real token other than t, counted with a prefix sum of the real tokens."""
-    real = torch.ones(B, N, dtype=torch.long, device=device) if key_padding_mask is None else (~key_padding_mask).long()
+    real = real_tokens(key_padding_mask, B, N, device).long()
     before = F.pad(real.cumsum(1), (1, 0))  # before[:, j] = real tokens at positions < j
     t = torch.arange(N, device=device)
     start = (torch.div(t, block, rounding_mode="floor") - 1).clamp(min=0) * block
@@ -375,9 +375,7 @@ class NeuralClusteringAttention(InnerAttention):
         when it has no other), one SDPA call with a boolean mask: (B, N, H, D). A query without keys gets 0."""
         B, N, _ = x.shape
         q, k, v = projection.qkv(x)  # (B, H, N, D)
-        padding = key_padding_mask if key_padding_mask is not None else torch.zeros(B, N, dtype=torch.bool,
-                                                                                     device=x.device)
-        allowed = dense_allowed(padding, causal)
+        allowed = AttentionMask(key_padding_mask, causal).allowed(N, N, q.device)
         if self.shared_qk:
             allowed = self_only_when_alone(allowed.expand(B, 1, N, N), torch.eye(N, dtype=torch.bool, device=x.device))
         return masked_sdpa(q, self._keys(k), v, allowed, dropout_p=self.dropout_p).transpose(1, 2)
@@ -572,7 +570,7 @@ class NeuralClusteringAttention(InnerAttention):
                          key_padding_mask: torch.Tensor | None, local: tuple[int, bool] | None = None
                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, N, dim) -> (B * N, H, head_dim), or with ``local`` (block, keep) also each query's log-sum-exp
-        (B * N, H) over the keys allowed by :func:`clusterformer.ops.masks.local_blocks` (``keep``) or by its
+        (B * N, H) over the keys allowed by :func:`clusterformer.masks.local_blocks` (``keep``) or by its
         negation. Sorting x once and projecting in sorted order moves one (N, dim) tensor instead of three
         (H, N, head_dim) ones, and the key windows are views."""
         H, D = self.heads, self.head_dim

@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 
 from .._checks import check_bool, check_choice, check_int
-from ..ops.masks import cache_sdpa
+from ..masks import AttentionMask, cache_sdpa
 from ..ops.retrieval import (
     JOIN_BATCH,
     KeyClusterIndex,
@@ -133,15 +133,17 @@ class SinkWindowAttention(FullAttention):
     decodes = False
     interface_mode = "cache"
 
-    def attend_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     key_padding_mask: torch.Tensor | None, scale: float, index: KeyClusterIndex | None = None,
+    def attend_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
+                     scale: float, index: KeyClusterIndex | None = None,
                      layer: int | None = None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
         """Causal attention of the last Lq positions of a cache to it.
 
         Args:
             q: (B, H, Lq, D) queries of cache positions n - Lq .. n - 1 (H a multiple of the key/value heads).
             k, v: (B, Hkv, n, D) the cache, the queries' own keys included.
-            key_padding_mask: (B, n) bool, True = padding (left padding, as ``generate()`` batches prompts).
+            mask: the call's :class:`~clusterformer.masks.AttentionMask`: its padding (B, n) or None (left
+                padding, as ``generate()`` batches prompts); causal, as a decoder's cache is read (a bidirectional
+                mask over several queries raises ``ValueError``). None: no padding, causal.
             scale: softmax scale.
             index: the key index this cache had after the previous call (cluster-retrieval), or None.
             layer: the model's layer number (``dense_layers``); required when ``dense_layers > 0``.
@@ -153,10 +155,13 @@ class SinkWindowAttention(FullAttention):
         if self.options.dense_layers > 0 and layer is None:
             raise ValueError(f"layer is required when dense_layers={self.options.dense_layers}: an attention "
                              "module without layer_idx cannot say whether it is one of the dense layers")
-        lengths = (torch.full((1,), n, device=k.device) if key_padding_mask is None
-                   else (~key_padding_mask).sum(1))
+        mask = AttentionMask(None, causal=True) if mask is None else mask
+        if (not mask.causal and Lq > 1) or mask.window is not None:
+            raise ValueError("a cache is read causally, without a window: the mask must be key padding + causal")
+        key_padding_mask = mask.padding
+        lengths = mask.lengths(1 if key_padding_mask is None else k.shape[0], n, k.device)
         if Lq == n or self.options.covers(lengths) or (layer is not None and layer < self.options.dense_layers):
-            return cache_sdpa(q, k, v, key_padding_mask, causal=True, scale=scale), index
+            return cache_sdpa(q, k, v, mask, scale=scale), index
         index = self._index(k, v, key_padding_mask, index, Lq)
         return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale), index
 

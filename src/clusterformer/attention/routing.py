@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from .._checks import check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
+from ..masks import real_tokens
 from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
 from ..ops.decode import GroupRingCache
-from ..ops.masks import real_tokens
 from .aux import publish_groups, publish_losses
 from .base import BucketOptions, InnerAttention
 from .registry import register

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice
+from ..masks import allow_empty_rows, real_tokens
 
 __all__ = ["NeuralClusteringOutput", "assignment_scores", "nearest_centroid", "neural_clustering",
            "prefix_assignment_step"]
@@ -113,14 +114,15 @@ def neural_clustering(
         # Softmax along the last, contiguous dim of a (B, k, N) copy: CUDA's kernel for a softmax over a strided
         # dim took 157 ms of a 160 ms forward at N = 131,072 on an H100 (docs/benchmarks.md); this takes < 1 ms.
         # The (B, N, k) view it returns is what _weighted_sums wants: its transpose is contiguous.
-        u = torch.softmax(scores.transpose(1, 2), dim=-1).transpose(1, 2)
-        if key_padding_mask is not None or unused is not None:
-            u = torch.nan_to_num(u, nan=0.0)
+        by_centroid = scores.transpose(1, 2)
+        if key_padding_mask is None and unused is None:
+            u = torch.softmax(by_centroid, dim=-1).transpose(1, 2)
+        else:  # the library's rule for a row without any allowed entry (clusterformer.masks.allow_empty_rows): zeros
+            _, no_key = allow_empty_rows(by_centroid > float("-inf"))  # (B, k, 1)
+            u = torch.softmax(by_centroid.masked_fill(no_key, 0.0), dim=-1).masked_fill(no_key, 0.0).transpose(1, 2)
         updated = _weighted_sums(u, points)  # eq. 3: C_hat_i = sum_j U_ij X_j W^C, (B, k, d)
         ids = _assignments(raw, scores, unused, assign, key_padding_mask)  # eq. 4
-        real = torch.ones(B, N, dtype=torch.bool, device=points.device)
-        if key_padding_mask is not None:
-            real = ~key_padding_mask
+        real = real_tokens(key_padding_mask, B, N, points.device)
         unit_updated = _unit(updated, similarity)
         clustering_loss = _clustering_loss(points, ids, unit_updated, real, similarity)  # eq. 6
         sorting_loss = _sorting_loss(unit_updated, real, num_clusters, unused)  # eq. 11

@@ -51,6 +51,7 @@ from torch import nn
 from ..attention import AttentionOptions
 from ..attention.base import attend_padded, layer_seed
 from ..attention.registry import build_inner, mechanisms
+from ..masks import real_tokens
 from .interface import (
     cache_state,
     interface_mechanisms,
@@ -349,7 +350,7 @@ class PretrainedClassifier(nn.Module):
         self.head = nn.Linear(self.encoder.config.hidden_size, num_classes)
 
     def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        mask = torch.ones_like(tokens) if key_padding_mask is None else (~key_padding_mask).long()
+        mask = real_tokens(key_padding_mask, *tokens.shape, tokens.device).long()  # transformers': 1 = a token
         hidden = self.encoder(input_ids=tokens, attention_mask=mask).last_hidden_state
         return self.head(mean_pool(hidden, mask))
 

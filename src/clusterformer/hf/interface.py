@@ -39,9 +39,9 @@ Decoders: grouped-query attention (fewer key/value heads than query heads, ``mod
 handled without repeating the cache (queries are grouped by their key/value head); RoPE is already in Q and K;
 left padding (how ``generate()`` batches prompts) is honoured per sequence. The mask ``transformers`` builds
 for these names is its SDPA mask (registered in ``AttentionMaskInterface`` beside the function); it is read
-back once as key padding (True = padding, the library's one mask value) + causal (:func:`read_mask`), and a mask
-that is neither (sliding window, packed sequences, a custom pattern) raises ``ValueError`` for every mechanism
-but ``full``.
+back once into the library's typed mask, :class:`~clusterformer.masks.AttentionMask` (key padding, True =
+padding, + causal: :func:`read_mask`), which the mechanisms take from there on; a mask that is neither
+(sliding window, packed sequences, a custom pattern) raises ``ValueError`` for every mechanism but ``full``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,9 +57,9 @@ from torch import nn
 from .._checks import check_choice
 from ..attention.base import AttentionOptions, InnerAttention, layer_seed, option_fields
 from ..attention.registry import Mechanism, build_inner, get, make_options, mechanisms
-from ..ops.masks import cache_allowed, cache_sdpa, masked_sdpa
+from ..masks import AttentionMask, cache_sdpa, masked_sdpa
 
-__all__ = ["MODEL_OPTIONS", "PREFIX", "MaskStructure", "cache_state", "interface_mechanisms", "pretrained_options",
+__all__ = ["MODEL_OPTIONS", "PREFIX", "cache_state", "interface_mechanisms", "pretrained_options",
            "read_mask", "register_attention", "registered"]
 
 PREFIX = "clusterformer-"
@@ -92,31 +91,22 @@ def pretrained_options(mechanism: str, options: dict[str, Any]) -> AttentionOpti
     return make_options(mechanism, options)
 
 
-@dataclass(frozen=True)
-class MaskStructure:
-    """What a ``transformers`` attention mask asks for, when it is key padding + (optionally) causal.
-
-    padding: (B, n) bool, True = a padding key, or None. causal: query i (of Lq) sits at position n - Lq + i and
-    sees keys at positions <= its own (lower-right aligned, as with a cache); False: every real key."""
-
-    padding: torch.Tensor | None
-    causal: bool
-
-
 _MEMO = "_clusterformer_structure"  # read_mask's answer, kept on the mask it describes (with its version)
 
 
 def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batch: int,
-              is_causal: bool) -> MaskStructure:
-    """The :class:`MaskStructure` behind the mask a model hands its attention function.
+              is_causal: bool) -> AttentionMask:
+    """The :class:`~clusterformer.masks.AttentionMask` behind the mask a model hands its attention function.
 
     ``None`` means no padding: causal if the module is (``is_causal``) and there is more than one query. A
     4-D mask (B, 1, Lq, n), boolean (True = may attend) or additive float, must be key padding alone or key
-    padding and lower-right causal; anything else raises ``ValueError``. The layers of one forward share one
-    mask: the answer is kept on the mask tensor itself (with the tensor's version, so an in-place change is read
-    again), so it is checked once per forward, not once per layer, and dies with the mask."""
+    padding and lower-right causal (:meth:`AttentionMask.from_allowed`, where the model's keep mask becomes the
+    library's padding, the one flip on this path); anything else raises ``ValueError``. The layers of one
+    forward share one mask: the answer is kept on the mask tensor itself (with the tensor's version, so an
+    in-place change is read again), so it is checked once per forward, not once per layer, and dies with the
+    mask."""
     if attention_mask is None:
-        return MaskStructure(None, bool(is_causal) and q_len > 1)
+        return AttentionMask(None, bool(is_causal) and q_len > 1)
     memo = getattr(attention_mask, _MEMO, None)
     if memo is not None and memo[0] == (attention_mask._version, q_len, kv_len, batch):
         return memo[1]
@@ -124,25 +114,16 @@ def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batc
             q_len, kv_len):
         raise ValueError(f"attention_mask must be (B, 1, Lq, n) = ({batch}, 1, {q_len}, {kv_len}); got "
                          f"{tuple(attention_mask.shape)}")
-    if attention_mask.dtype == torch.bool:
-        allowed = attention_mask
-    else:
-        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    allowed = _allowed(attention_mask)
     if attention_mask.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
         raise ValueError("attention_mask differs between heads: clusterformer's mechanisms take one mask for all "
                          "heads")
-    allowed = allowed[:, 0]
-    keys = allowed[:, -1, :]  # the last query sees every real key in both patterns
-    causal_pattern = cache_allowed(None, q_len, kv_len, True, allowed.device)[0, 0]  # the ops' one predicate
-    if q_len > 1 and torch.equal(allowed, keys.unsqueeze(1) & causal_pattern):
-        structure = MaskStructure(None if bool(keys.all()) else ~keys, True)
-    elif torch.equal(allowed, keys.unsqueeze(1).expand_as(allowed)):
-        structure = MaskStructure(None if bool(keys.all()) else ~keys, False)
-    else:
-        raise ValueError("attention_mask is neither key padding nor key padding + causal (a sliding-window, "
-                         "packed-sequence or custom mask): only the 'full' mechanism can honour it")
-    setattr(attention_mask, _MEMO, ((attention_mask._version, q_len, kv_len, batch), structure))
-    return structure
+    try:
+        mask = AttentionMask.from_allowed(allowed[:, 0])
+    except ValueError as error:
+        raise ValueError(f"attention_mask: {error}: only the 'full' mechanism can honour it") from None
+    setattr(attention_mask, _MEMO, ((attention_mask._version, q_len, kv_len, batch), mask))
+    return mask
 
 
 def _allowed(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -265,9 +246,9 @@ class _Runner:
             elif dropout > 0:
                 raise ValueError(f"{name!r} has no attention dropout; put the model in eval mode (model.eval())")
             else:
-                structure = read_mask(attention_mask, query.shape[2], key.shape[2], query.shape[0], causal)
+                mask = read_mask(attention_mask, query.shape[2], key.shape[2], query.shape[0], causal)
                 run = self.sequence if self.mode == "sequence" else self.cache
-                out = run(module, query, key, value, structure, scale)
+                out = run(module, query, key, value, mask, scale)
             return out.transpose(1, 2).contiguous(), None
 
         clusterformer_attention.__qualname__ = clusterformer_attention.__name__ = f"clusterformer_{name}"
@@ -278,17 +259,17 @@ class _Runner:
               causal: bool, scale: float, dropout: float) -> torch.Tensor:
         """Softmax attention under the model's own mask, whatever its pattern; zeros for a query with no key."""
         if attention_mask is None:
-            return cache_sdpa(q, k, v, None, causal, scale=scale, dropout_p=dropout)
+            return cache_sdpa(q, k, v, AttentionMask(None, causal), scale=scale, dropout_p=dropout)
         return masked_sdpa(q, k, v, _allowed(attention_mask), scale=scale, dropout_p=dropout,
                            enable_gqa=q.shape[1] != k.shape[1])
 
     def sequence(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 structure: MaskStructure, scale: float) -> torch.Tensor:
+                 mask: AttentionMask, scale: float) -> torch.Tensor:
         """The mechanism's forward on a sequence attending to itself (one query per head: exact, dense)."""
         _B, H, Lq, D = q.shape
-        if Lq == 1 or (structure.causal and self.causal_calls == "dense"):
-            return cache_sdpa(q, k, v, structure.padding, structure.causal, scale=scale)
-        if structure.causal:
+        if Lq == 1 or (mask.causal and self.causal_calls == "dense"):
+            return cache_sdpa(q, k, v, mask, scale=scale)
+        if mask.causal:
             raise ValueError(f"{self.mechanism.name!r} cannot honour a causal mask over several queries (a "
                              f"cluster's centroid query mixes positions); register it with causal='dense' to run "
                              f"a decoder's causal calls densely")
@@ -297,16 +278,16 @@ class _Runner:
                              f"{k.shape[2]} keys")
         rep = H // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        out = self.inner(module, H, D)(q * (scale * D ** 0.5), k, v, key_padding_mask=structure.padding)
-        if structure.padding is not None:  # the inner scales by D^-1/2; outputs at padded positions are zeros
-            out = out.masked_fill(structure.padding[:, None, :, None], 0.0)
+        out = self.inner(module, H, D)(q * (scale * D ** 0.5), k, v, key_padding_mask=mask.padding)
+        if mask.padding is not None:  # the inner scales by D^-1/2; outputs at padded positions are zeros
+            out = out.masked_fill(mask.padding[:, None, :, None], 0.0)
         return out
 
     def cache(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              structure: MaskStructure, scale: float) -> torch.Tensor:
+              mask: AttentionMask, scale: float) -> torch.Tensor:
         """The mechanism's reading of a decoder's cache, with the state it keeps beside that cache."""
         Lq, n = q.shape[2], k.shape[2]
-        if not structure.causal and Lq > 1:
+        if not mask.causal and Lq > 1:
             raise ValueError(f"{self.mechanism.name!r} attends causally over a decoder's cache; this call is "
                              "bidirectional (an encoder): use 'full', 'clustered' or 'improved-clustered'")
         _watch(module)
@@ -315,7 +296,7 @@ class _Runner:
         key = (id(self), id(module))
         layer = getattr(module, "layer_idx", None)
         out, state = self.inner(module, q.shape[1], q.shape[3]).attend_cache(
-            q, k, v, structure.padding, scale, None if table is None else table.get(key),
+            q, k, v, mask, scale, None if table is None else table.get(key),
             None if layer is None else int(layer))
         if table is not None and state is not None:
             table[key] = state

@@ -26,6 +26,7 @@ from .._checks import (
 from ..attention import AttentionLayer, build, describe
 from ..attention.base import LAYER_SEED_STRIDE, layer_seed  # noqa: F401  (re-exported)
 from ..attention.registry import make_options
+from ..masks import real_tokens
 from ..ops.decode import DecodeCache
 from .reversible import ReversibleSequence
 
@@ -349,7 +350,7 @@ class SequenceClassifier(nn.Module):
         elif key_padding_mask is None:
             pooled = h.mean(1)
         else:
-            keep = (~key_padding_mask).unsqueeze(-1).to(h.dtype)
+            keep = real_tokens(key_padding_mask, *h.shape[:2], h.device).unsqueeze(-1).to(h.dtype)
             pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1.0)
         return self.head(pooled)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .._checks import check_float, check_int, check_padding_mask, check_tensor
-from ..ops.masks import real_lengths
+from ..masks import real_lengths
 from .encoder import Encoder, EncoderCache, EncoderConfig
 
 __all__ = ["LanguageModel", "sample_next"]

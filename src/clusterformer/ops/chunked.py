@@ -9,7 +9,7 @@ A clustering mechanism decides which *slot* of a reordered sequence each token g
   chunk boundaries, a token's slot its rank among *earlier* tokens of its cluster), with padding taking no
   place (batch invariance);
 * :mod:`clusterformer.ops.windows` -- attention of each chunk to its key window over the buffer (views, one
-  SDPA call, or the fused kernel), with masks from :mod:`clusterformer.ops.masks`' predicates;
+  SDPA call, or the fused kernel), with masks from :mod:`clusterformer.masks`' predicates;
 * here -- :func:`sorted_chunk_attention` and :func:`cluster_causal_attention` on (B, H, N, D) tensors, with
   input validation.
 

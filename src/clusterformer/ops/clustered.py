@@ -20,8 +20,8 @@ import math
 
 import torch
 
+from ..masks import AttentionMask, allow_empty_rows, masked_sdpa
 from .layouts import cluster_aligned_slots
-from .masks import allow_empty_rows, masked_sdpa
 
 __all__ = ["DENSE_TOPK_FACTOR", "clustered_attention"]
 
@@ -58,7 +58,7 @@ def clustered_attention(
     members = torch.nn.functional.one_hot(groups, C).to(q.dtype)  # (B, H, N, C)
     key_ok = None
     if key_padding_mask is not None:
-        key_ok = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, N)
+        key_ok = AttentionMask(key_padding_mask).allowed(1, N, q.device)  # (B, 1, 1, N)
         members = members * key_ok.transpose(-1, -2).to(q.dtype)
     counts = members.sum(-2)  # (B, H, C)
     q_centroids = (members.transpose(-1, -2) @ q) / counts.clamp(min=1).unsqueeze(-1)  # eq. 3
@@ -84,7 +84,7 @@ def clustered_attention(
     else:
         top_ok = None
         if key_ok is not None:
-            top_ok = (~key_padding_mask).gather(1, top_i.reshape(B, H * C * t)).view(B, H, C, t)
+            top_ok = key_ok[:, 0, 0].gather(1, top_i.reshape(B, H * C * t)).view(B, H, C, t)
         exact = _top_key_attention(q, k, v, top_i, top_ok, groups, scale)  # softmax over T_j, (B, H, N, D)
     return _per_query(mass.unsqueeze(-1), groups) * exact + _per_query(residual, groups)  # eq. 10-11
 
@@ -112,7 +112,7 @@ def _top_key_attention_dense(q, k, v, top_i, key_padding_mask, groups, scale):
     allowed = torch.zeros((*top_i.shape[:-1], N), dtype=torch.bool, device=q.device)
     allowed.scatter_(-1, top_i, True)  # (B, H, C, N): T_j
     if key_padding_mask is not None:
-        allowed &= ~key_padding_mask[:, None, None, :]
+        allowed &= AttentionMask(key_padding_mask).allowed(1, N, q.device)
     mask = _rows(allowed, groups)  # (B, H, N, N): each query's cluster row
     return masked_sdpa(q, k, v, mask, scale=scale)  # no allowed key (all padding): zeros
 

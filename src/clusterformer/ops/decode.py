@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..masks import real_lengths
 from .layouts import group_ranks
-from .masks import real_lengths
 
 __all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBlockCache", "WindowCache",
            "attend_allowed", "check_right_padded", "merge_attention"]

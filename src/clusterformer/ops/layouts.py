@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import real_lengths
+from ..masks import real_lengths
 
 __all__ = ["ChunkLayout", "cluster_aligned_slots", "cluster_causal_layout", "group_ranks", "sorted_layout"]
 

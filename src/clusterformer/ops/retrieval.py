@@ -33,7 +33,7 @@ Cost per query and head: O(C D) to score the centroids, O(R log C) to find the s
 to attend -- against O(n D) for dense attention over n cached keys. Clustering: O(iterations n C D) per
 rebuild, amortised over ``refresh`` tokens.
 
-Padding: ``key_padding_mask`` (B, n), True = padding (the library's one mask value, :mod:`clusterformer.ops.masks`;
+Padding: ``key_padding_mask`` (B, n), True = padding (the library's one mask value, :mod:`clusterformer.masks`;
 left padding, as Hugging Face batches prompts for generation); inside, its view ``real`` marks the real keys.
 Every choice is per sequence -- its budget from its own number of real keys, its own sinks, clusters from its
 own keys only (padding never seeds or moves a centroid) -- so a sequence's outputs do not depend on the batch.
@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from ..clustering.kmeans import cluster_sums, euclidean_kmeans
+from ..masks import allow_empty_rows, real_tokens
 from .layouts import group_ranks
-from .masks import allow_empty_rows, real_tokens
 
 __all__ = ["JOIN_BATCH", "KeyClusterIndex", "RetrievalSettings", "build_index", "extend_index", "keys_allowed",
            "keys_allowed_count", "retrieval_attention"]
@@ -276,7 +276,7 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
     rep = H // Hkv
     Q = rep * Lq
     qg = q.reshape(B, Hkv, Q, D) * scale  # queries grouped by their key/value head: no copies of the cache
-    real = None if key_padding_mask is None else ~key_padding_mask  # its view (None: no padding, no masks)
+    real = None if key_padding_mask is None else real_tokens(key_padding_mask, B, n, q.device)  # None: no masks
     if real is None:  # every row holds n keys: the budget is one number
         allowed: torch.Tensor | int = keys_allowed_count(options.budget, n)
     else:

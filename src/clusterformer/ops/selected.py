@@ -42,6 +42,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..masks import masked_sdpa, real_tokens
+
 __all__ = ["KERNELS", "cluster_layout", "cluster_summaries", "resolve_kernel", "selected_cluster_attention",
            "selected_positions", "summary_counts", "summary_selection"]
 
@@ -120,8 +122,8 @@ def selected_positions(
     positions = torch.cat([cluster_positions, window_positions.expand(B, H, N, window)], dim=-1)
     allowed = torch.cat([cluster_valid, window_valid.expand(B, H, N, window)], dim=-1)
     if key_padding_mask is not None:  # the cluster part never reads padding (its id is num_clusters); the window may
-        pad = key_padding_mask[:, None, None, :].expand(B, H, N, N)
-        allowed = allowed & ~pad.gather(-1, positions)
+        real = real_tokens(key_padding_mask, B, N, device)[:, None, None, :].expand(B, H, N, N)
+        allowed = allowed & real.gather(-1, positions)
     return positions, allowed
 
 
@@ -229,7 +231,7 @@ def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: tor
         return torch.cat([shifted[:, :, s:s + chunks] for s in range(2 + after)], dim=3)
 
     members = _to_chunks(F.one_hot(key_ids, C + 1)[..., :C].to(q.dtype), L)  # padding (id C): in no cluster
-    real = torch.ones(B, N, dtype=torch.bool, device=q.device) if key_padding_mask is None else ~key_padding_mask
+    real = real_tokens(key_padding_mask, B, N, q.device)
     band_real = band(_to_chunks(real[:, None, :, None], L, False)).squeeze(-1)  # (B, 1, chunks, R)
     keys = _to_chunks(k, L)
     scores = _to_chunks(q, L) @ band(keys).transpose(-1, -2)  # (B, H, chunks, L, R)
@@ -357,9 +359,7 @@ def selected_cluster_attention(
         if summaries:
             n = summary_counts(layout, selected, cluster_keys=cluster_keys, causal=causal).to(q.dtype)
             return _dense_with_summaries(q * scale, k, v, key_ids, mask, n, window, causal, dropout_p)
-        empty = ~mask.any(-1, keepdim=True)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty, dropout_p=dropout_p)
-        return out.masked_fill(empty, 0.0)
+        return masked_sdpa(q, k, v, mask, dropout_p=dropout_p)
     index = positions.reshape(B, H, N * M, 1).expand(B, H, N * M, D)
     keys = k.gather(2, index).view(B, H, N, M, D)
     values = v.gather(2, index).view(B, H, N, M, D)

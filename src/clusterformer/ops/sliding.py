@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .masks import masked_sdpa
+from ..masks import AttentionMask, masked_sdpa, real_tokens
 
 __all__ = ["sliding_window_attention", "window_count"]
 
@@ -71,20 +71,22 @@ def sliding_window_attention(
     if not causal and key_padding_mask is None and L == N:  # nothing to mask: the unmasked fused kernel
         out = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), dropout_p=dropout_p)
         return _average(out, idx, B, H, n_w, window, L, N)
-    key_ok = torch.arange(L, device=q.device) < N  # rows added to fill the last window
-    key_ok = key_ok.expand(B, L)
-    if key_padding_mask is not None:
-        key_ok = key_ok & ~F.pad(key_padding_mask, (0, L - N), value=True)
-    allowed = key_ok.index_select(1, idx).view(B * n_w, 1, window).expand(B * n_w, window, window)
+    # The typed mask over the padded rows (those added to fill the last window are padding), read at every
+    # window's (query row, key row) pairs of flat rows b * L + row.
+    fill = (torch.arange(L, device=q.device) >= N).expand(B, L)
+    mask = AttentionMask(fill if key_padding_mask is None else F.pad(key_padding_mask, (0, L - N), value=True),
+                         causal)
+    pos = None
     if causal:
         pos = torch.arange(N, device=q.device).expand(B, N) if positions is None else positions
-        pos = F.pad(pos, (0, L - N), value=-1).index_select(1, idx).view(B * n_w, window)
-        allowed = allowed & (pos.unsqueeze(-1) >= pos.unsqueeze(-2))
+        pos = F.pad(pos, (0, L - N)).reshape(-1)
+    rows = (torch.arange(B, device=q.device).unsqueeze(1) * L + idx).view(B * n_w, window)
+    allowed = mask.predicate(mask.real(B, L, q.device).reshape(-1), pos)(rows.unsqueeze(-1), rows.unsqueeze(-2))
     # (B n_w, H, window, D); a row with no allowed key in a window contributes zeros from it
     out = masked_sdpa(windows(q), windows(k), windows(v), allowed.unsqueeze(1), dropout_p=dropout_p)
     window_used = None
     if key_padding_mask is not None and not causal:  # each sequence keeps the windows of its own length
-        real = ~key_padding_mask
+        real = real_tokens(key_padding_mask, B, N, q.device)
         length = torch.where(real, torch.arange(1, N + 1, device=q.device), 0).amax(1)  # last real row + 1
         own = window_count(length, window, stride)
         window_used = torch.arange(n_w, device=q.device) < own.unsqueeze(1)  # (B, n_w)

@@ -1,7 +1,7 @@
 """Attention of every chunk's queries to its key window in the window buffer (:mod:`clusterformer.ops.layouts`).
 
 Keys and values are buffer rows; a window is ``hops`` consecutive chunks of rows, taken as a strided view
-(:class:`_KeyWindows`), never a copy. Masks are built from the predicates of :mod:`clusterformer.ops.masks`
+(:class:`_KeyWindows`), never a copy. Masks are built from the predicates of :mod:`clusterformer.masks`
 over buffer-row indices -- the key is a real token, causal order, same group (strict per-cluster chunking),
 and the shared-QK rule "self only when alone" -- and follow its one rule for a query with no allowed key.
 Two ways to attend: SDPA over the views (:func:`windowed_attention`), or explicit scores with each query's
@@ -17,17 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice
-from .layouts import ChunkLayout
-from .masks import (
+from ..masks import (
+    AttentionMask,
     allow_empty_rows,
     and_masks,
-    causal_order,
-    key_is_real,
     local_blocks,
     not_mask,
     same_group,
     self_only_when_alone,
 )
+from .layouts import ChunkLayout
 
 __all__ = ["KERNELS", "use_fused_kernel", "windowed_attention", "windowed_attention_lse"]
 
@@ -154,12 +153,9 @@ def _fused_windowed(
 def _row_meta(
     layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per buffer row: may it be attended to (holds a token, not padding), and its position when causal."""
-    key_ok = layout.row_valid
-    if key_padding_mask is not None:
-        key_ok = key_ok & ~key_padding_mask.reshape(-1)[layout.rows]
-    positions = layout.rows % max(layout.length, 1) if causal else None
-    return key_ok, positions
+    """Per buffer row: may it be attended to (holds a token, not padding), and its position when causal: the
+    typed mask's row tables (:meth:`clusterformer.masks.AttentionMask.rows`), which the fused kernel reads."""
+    return AttentionMask(key_padding_mask, causal).rows(layout.rows, layout.length, layout.row_valid)
 
 
 def _needs_mask(layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None,
@@ -176,18 +172,16 @@ def _window_mask(
     """The SDPA mask of every window, (W, 1, w, hops w) bool (True = attend), and the queries with no
     allowed key, (W, 1, w, 1); (None, None) when every key of every window is allowed.
 
-    The mask is the conjunction of predicates over buffer rows (:mod:`clusterformer.ops.masks`): the key is a
-    real token, and with ``causal`` not after the query, and with a grouped layout (strict per-cluster
-    chunking) in the query's group. With ``exclude_self`` a query may attend to its own token only when it has
-    no other allowed key (Reformer's shared-QK rule, where q.k_self would dominate). A query with no allowed
-    key follows the package's one rule (:func:`clusterformer.ops.masks.allow_empty_rows`). Never NaN."""
+    The mask is the conjunction of predicates over buffer rows (:mod:`clusterformer.masks`): the typed
+    mask's (the key is a real token, and with ``causal`` not after the query), and with a grouped layout
+    (strict per-cluster chunking) in the query's group. With ``exclude_self`` a query may attend to its own
+    token only when it has no other allowed key (Reformer's shared-QK rule, where q.k_self would dominate). A
+    query with no allowed key follows the package's one rule (:func:`clusterformer.masks.allow_empty_rows`).
+    Never NaN."""
     if not _needs_mask(layout, causal, key_padding_mask):
         return None, None
-    real, positions = _row_meta(layout, causal, key_padding_mask)
     q_index, k_index = _window_meta(layout, torch.arange(layout.rows.shape[0], device=layout.rows.device))
-    predicates = [key_is_real(real)]
-    if causal:
-        predicates.append(causal_order(positions))
+    predicates = [AttentionMask(key_padding_mask, causal).predicate(*_row_meta(layout, causal, key_padding_mask))]
     if layout.row_group is not None:
         predicates.append(same_group(layout.row_group))
     if local is not None:  # (block, keep): only the keys in the query's local blocks, or all but them
@@ -224,7 +218,7 @@ def windowed_attention_lse(
     not applied again; only documentation of what the caller did). ``kernel``: as in
     :func:`windowed_attention`. ``local``: (block, keep) -- with positions cut into blocks of ``block``, allow only
     the keys in the query's block or the one before (``keep=True``), or only the others (``keep=False``)
-    (:func:`clusterformer.ops.masks.local_blocks`; the two halves of neural-clustering's ``local_window``). The fused
+    (:func:`clusterformer.masks.local_blocks`; the two halves of neural-clustering's ``local_window``). The fused
     kernel has no such predicate: ``local`` runs the explicit-score path (``kernel="fused"`` is refused).
 
     Returns:

@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 
-from .._checks import check_choice, check_float, check_int
 from .._io import write_json
 from ..attention import (
     AttentionLayer,
@@ -61,242 +60,15 @@ from ..attention import (
     collect_aux_losses,
     total_loss,
 )
-from ..attention.registry import can_decode, causal_semantics, get, make_options, names
+from ..attention.registry import make_options
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
-from .mlm import mlm_options
-from .recall import RECALL_TASKS, recall_options
-from .tasks import TASKS, Task, prepare_task
+from .config import TrainConfig, pretrained_model
+from .tasks import Task, prepare_task
 
-__all__ = ["FINE_TUNE_LR", "TrainConfig", "evaluate_checkpoint", "load_run", "parameter_groups", "run_training"]
+__all__ = ["evaluate_checkpoint", "load_run", "parameter_groups", "run_training"]
 
-# Default peak learning rate when fine-tuning a pretrained model (``init``): the usual BERT fine-tuning range
-# (2e-5 .. 5e-5); the from-scratch default 1e-3 would wreck the pretrained weights.
-FINE_TUNE_LR = 5e-5
 DENSE_WARMUP_WINDOW = 20  # steps whose mean task loss ends a dense warm-up with dense_warmup_loss
-
-
-def _pretrained_model(init: str | None) -> bool:
-    """Whether ``init`` names a pretrained model of :mod:`clusterformer.hf` (``PRETRAINED_ENCODERS``); otherwise it
-    is the path of an MLM checkpoint, or None. hf is imported only when there is an ``init``."""
-    if init is None:
-        return False
-    from ..hf import PRETRAINED_ENCODERS
-
-    return init in PRETRAINED_ENCODERS
-INIT_TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "text-classification")  # --init PATH
-
-
-def _check_init_path(config: TrainConfig) -> None:
-    """--init PATH: a checkpoint of masked-language-model pretraining, and a downstream task that reads text."""
-    path = Path(config.init)
-    if not (path.is_file() or (path / CHECKPOINT).is_file()):
-        from ..hf import PRETRAINED_ENCODERS
-
-        raise ValueError(f"init must be one of {', '.join(PRETRAINED_ENCODERS)} or the checkpoint (file or run "
-                         f"directory) of a `train --task mlm` run; {config.init!r} is neither")
-    if config.task not in INIT_TASKS:
-        raise ValueError(f"--init PATH fine-tunes a pretrained encoder on a text task ({', '.join(INIT_TASKS)}); "
-                         f"task {config.task!r} is not one")
-    if config.tokenizer != "auto":
-        raise ValueError("--init PATH reads the task with the pretrained run's tokenizer; leave --tokenizer at auto")
-    if config.cluster_layers is not None or config.layer_attention or config.centroid_flow:
-        raise ValueError("--init PATH takes the pretrained encoder as it is: cluster_layers, layer_attention and "
-                         "centroid_flow cannot be combined with it")
-
-
-def _check_trainable(argument: str, name: str) -> None:
-    """Refuse the mechanisms that only change how a decoder reads its cache: training one is full attention."""
-    if name in names() and get(name).inner.interface_mode == "cache":
-        raise ValueError(f"{argument}: {name!r} changes only how a pretrained decoder reads its key/value cache "
-                         "(clusterformer.hf); a sequence's attention to itself, and so training, is full attention "
-                         "-- train with 'full'")
-
-
-@dataclass
-class TrainConfig:
-    """Everything ``clusterformer train`` takes; see ``clusterformer train --help`` for each option."""
-
-    task: str
-    out: str
-    attention: str = "full"
-    attention_options: dict[str, Any] = field(default_factory=dict)
-    task_options: dict[str, Any] = field(default_factory=dict)  # mqar, passkey: clusterformer.train.recall
-    data_dir: str | None = None
-    train_file: str | None = None
-    test_file: str | None = None
-    limit: int | None = None
-    fold: int | None = None
-    folds: int = 10
-    tokenizer: str = "auto"
-    vocab_size: int = 20000
-    max_len: int = 256
-    dim: int = 128
-    depth: int = 2
-    heads: int = 4
-    ff_dim: int | None = None
-    dropout: float = 0.1
-    reversible: bool = False
-    tied: bool = False  # with reversible: the tied connection of the k-means/reversible paper
-    batch_size: int = 32
-    lr: float | None = None  # None: 1e-3 from scratch, FINE_TUNE_LR with init
-    weight_decay: float = 0.01
-    warmup_steps: int = 100
-    schedule: str = "linear"
-    clip: float = 1.0
-    epochs: int | None = None
-    max_steps: int | None = None
-    task_weight: float = 1.0
-    clustering_weight: float = 0.1
-    centroid_sorting_weight: float = 0.1
-    commitment_weight: float = 1e-4
-    seed: int = 0
-    checkpoint_every: int = 500
-    eval_every: int = 0
-    log_every: int = 10
-    resume: bool = False
-    device: str = "auto"
-    amp: str = "auto"
-    progress: bool = True
-    # to fine-tune: a pretrained model of clusterformer.hf (e.g. "minilm") or a `train --task mlm` checkpoint
-    init: str | None = None
-    init_partial: bool = False  # --init PATH: transfer the tensors whose names and shapes match, skip the rest
-    allow_non_strict_causal: bool = False  # LM with a mechanism whose causal mode is not strict (optimistic bpc)
-    cluster_layers: list[int] | None = None  # cluster-former: the paper's stack, Cluster-Former layers only here
-    # per-layer mechanisms, {layer: [name, options]} (negative counts from the last); other layers use `attention`
-    layer_attention: dict[int, list[Any]] = field(default_factory=dict)
-    centroid_flow: bool = False  # neural-clustering: layer l + 1 starts from layer l's updated centroids (paper)
-    centroid_lr_scale: float = 1.0  # neural-clustering: learning-rate multiplier of the centroids and W^C
-    # neural-clustering, cluster-select: the first training forwards attend to every key (the grouping trains beside)
-    dense_warmup_steps: int = 0
-    # end that warm-up early, once the task loss (mean of the last DENSE_WARMUP_WINDOW steps, over the ranks) is below
-    # this value: at MQAR's phase change rather than at a fixed step; dense_warmup_steps is then the cap
-    dense_warmup_loss: float | None = None
-    # translation (task multi30k)
-    decoder_attention: str | None = None  # None: the encoder's mechanism if it can decode, else full
-    decoder_attention_options: dict[str, Any] = field(default_factory=dict)
-    label_smoothing: float = 0.1
-    beam: int = 5
-    shared_vocab: bool = True
-
-    def __post_init__(self) -> None:
-        check_choice("task", self.task, TASKS)
-        _check_trainable("attention", self.attention)
-        pretrained_model = _pretrained_model(self.init)
-        if self.init is not None and not pretrained_model:
-            _check_init_path(self)
-        if not pretrained_model:
-            make_options(self.attention, self.attention_options)
-            causal_task = self.task == "shakespeare-char" or (
-                self.task in RECALL_TASKS and recall_options(self.task_options).form == "causal")
-            if causal_task:
-                semantics = causal_semantics(self.attention, self.attention_options)
-                if semantics == "refused":
-                    raise ValueError(f"attention {self.attention!r} cannot be causal, so it cannot train a "
-                                     f"causal model (task {self.task!r})")
-                if semantics != "strict" and not self.allow_non_strict_causal:
-                    raise ValueError(
-                        f"attention {self.attention!r} with these options is not strictly causal (which past "
-                        "keys a token sees depends on later tokens), so its bits per character would be "
-                        "optimistic; pass --allow-non-strict-causal to train it anyway")
-        else:
-            from ..hf import validate_patch_options
-
-            validate_patch_options(self.attention, self.attention_options)
-            if self.task in ("wikiqa", "listops", "shakespeare-char", *RECALL_TASKS):
-                raise ValueError(f"--init fine-tunes single-text classifiers; task {self.task!r} is not one")
-            if self.tokenizer != "auto":
-                raise ValueError("--init uses the pretrained model's own tokenizer; leave --tokenizer at auto")
-            if self.reversible:
-                raise ValueError("--init and --reversible cannot be combined (the pretrained blocks are not "
-                                 "reversible)")
-            if self.max_len > 512:
-                raise ValueError(f"max_len must be <= 512 (the pretrained model's positions), got {self.max_len}")
-        if self.task in RECALL_TASKS:
-            recall_options(self.task_options)
-        elif self.task == "mlm":
-            mlm_options(self.task_options)
-        elif self.task_options:
-            raise ValueError(f"task_options are for the recall tasks ({', '.join(RECALL_TASKS)}) and mlm, not "
-                             f"{self.task!r}")
-        if self.init_partial and (self.init is None or pretrained_model):
-            raise ValueError("init_partial transfers part of a pretrained checkpoint: it needs --init PATH")
-        if self.task == "multi30k":
-            if self.reversible or self.cluster_layers is not None:
-                raise ValueError("task multi30k builds an encoder-decoder; --reversible and --cluster-layers are not "
-                                 "available for it")
-            if self.decoder_attention is not None and not can_decode(self.decoder_attention,
-                                                                     self.decoder_attention_options):
-                raise ValueError(
-                    f"decoder_attention {self.decoder_attention!r} is not strictly causal with cached decoding; the "
-                    "decoder needs one of full, neural-clustering (causal_mode='strict'), lsh, routing, kmeans, "
-                    "sliding-window")
-        elif self.decoder_attention is not None or self.decoder_attention_options:
-            raise ValueError("--decoder-attention is for the translation task (multi30k)")
-        check_float("label_smoothing", self.label_smoothing, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        check_int("beam", self.beam, minimum=1)
-        if self.cluster_layers is not None:
-            if self.attention != "cluster-former" or self.init:
-                raise ValueError("cluster_layers builds the Cluster-Former stack: it needs attention='cluster-former' "
-                                 "and no init")
-            if not self.cluster_layers:
-                raise ValueError("cluster_layers must name at least one layer")
-            for layer in self.cluster_layers:
-                check_int("cluster_layers entry", layer)
-                if not -self.depth <= layer < self.depth:
-                    raise ValueError(f"cluster_layers entry {layer} is outside depth={self.depth} (negative counts "
-                                     "from the last layer)")
-        self.layer_attention = normal_layer_attention(self.layer_attention, self.depth)
-        for layer, (name, _options) in self.layer_attention.items():
-            _check_trainable(f"layer_attention[{layer}]", name)
-        if self.layer_attention:
-            if self.init or self.cluster_layers is not None or self.centroid_flow or self.task == "multi30k":
-                raise ValueError("layer_attention builds a new encoder of mixed layers: it cannot be combined with "
-                                 "init, cluster_layers, centroid_flow or task multi30k")
-            if self.task == "shakespeare-char" or (
-                    self.task in RECALL_TASKS and recall_options(self.task_options).form == "causal"):
-                for layer, (name, options) in self.layer_attention.items():
-                    if causal_semantics(name, options) != "strict" and not self.allow_non_strict_causal:
-                        raise ValueError(f"layer_attention[{layer}]: {name!r} with these options is not strictly "
-                                         f"causal, so it cannot train the causal task {self.task!r}")
-        if self.tied and not self.reversible:
-            raise ValueError("tied is the tied connection between reversible streams: it needs reversible")
-        check_float("centroid_lr_scale", self.centroid_lr_scale, minimum=0.0, exclusive_minimum=True)
-        check_int("dense_warmup_steps", self.dense_warmup_steps, minimum=0)
-        if self.dense_warmup_loss is not None:
-            check_float("dense_warmup_loss", self.dense_warmup_loss, minimum=0.0, exclusive_minimum=True)
-            if not self.dense_warmup_steps:
-                raise ValueError("dense_warmup_loss ends a dense warm-up early: it needs dense_warmup_steps > 0 (the "
-                                 "warm-up's longest length)")
-        if self.centroid_flow or self.centroid_lr_scale != 1.0:
-            flag = "centroid_flow" if self.centroid_flow else "centroid_lr_scale"
-            if self.attention != "neural-clustering" or self.init or self.task == "multi30k":
-                raise ValueError(f"{flag} acts on neural-clustering's centroids: it needs attention="
-                                 f"'neural-clustering', no init and a task other than multi30k (got attention="
-                                 f"{self.attention!r}, init={self.init!r}, task={self.task!r})")
-            if self.centroid_flow and (self.reversible or "own_centroids" in self.attention_options):
-                raise ValueError("centroid_flow sets own_centroids per layer and replays no blocks: it cannot be "
-                                 "combined with reversible or an own_centroids option")
-        for name in ("vocab_size", "max_len", "dim", "depth", "heads", "batch_size", "log_every", "folds"):
-            check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed"):
-            check_int(name, getattr(self, name), minimum=0)
-        if self.epochs is None and self.max_steps is None:
-            raise ValueError("give --epochs or --max-steps (or both: training stops at whichever comes first)")
-        if self.epochs is not None:
-            check_int("epochs", self.epochs, minimum=1)
-        if self.max_steps is not None:
-            check_int("max_steps", self.max_steps, minimum=1)
-        if self.lr is None:
-            self.lr = FINE_TUNE_LR if self.init else 1e-3
-        check_float("lr", self.lr, minimum=0.0, exclusive_minimum=True)
-        check_float("dropout", self.dropout, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        for name in ("weight_decay", "clip", "task_weight", "clustering_weight", "centroid_sorting_weight",
-                     "commitment_weight"):
-            check_float(name, getattr(self, name), minimum=0.0)
-        check_choice("schedule", self.schedule, ("linear", "cosine", "constant"))
-        check_choice("amp", self.amp, ("auto", "off", "bf16"))
-        check_choice("tokenizer", self.tokenizer, ("auto", "word", "bytes"))
 
 
 # ----------------------------------------------------------------------------------------------- set-up
@@ -325,45 +97,16 @@ def _device(name: str, rank: int) -> torch.device:
 def _tokenizer_kind(config: TrainConfig, state: str | None = None) -> str:
     """The tokenizer of the run: a pretrained model's, a saved one's kind (a resumed run, or --init PATH), or the
     flag's."""
-    if _pretrained_model(config.init):
+    if pretrained_model(config.init):
         return f"pretrained:{config.init}"
     if state is not None and not state.startswith("pretrained:"):
         return "bytes" if state == "bytes" else "word"
     return config.tokenizer
 
 
-def normal_layer_attention(spec: Any, depth: int) -> dict[int, list[Any]]:
-    """``layer_attention`` as {layer in [0, depth): [name, options]}: keys may be ints or their strings (JSON) and
-    negative (from the last layer); every name and its options are validated by the registry. ``ValueError``
-    naming ``layer_attention`` otherwise."""
-    example = '{"0": ["sliding-window", {"window": 64}]}'
-    if not isinstance(spec, dict):
-        raise ValueError(f"layer_attention must be a dict {{layer: [name, options]}}, e.g. {example}; got {spec!r}")
-    out: dict[int, list[Any]] = {}
-    for key, value in spec.items():
-        try:
-            layer = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"layer_attention: {key!r} is not a layer index, e.g. {example}") from None
-        if not -depth <= layer < depth:
-            raise ValueError(f"layer_attention names layer {layer}, outside depth={depth} (negative counts from the "
-                             "last layer)")
-        if not (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str)
-                and isinstance(value[1], dict)):
-            raise ValueError(f"layer_attention[{key}] must be [name, options], e.g. {example}; got {value!r}")
-        if layer % depth in out:
-            raise ValueError(f"layer_attention names layer {layer % depth} twice")
-        try:
-            make_options(value[0], dict(value[1]))
-        except ValueError as error:
-            raise ValueError(f"layer_attention[{key}]: {error}") from None
-        out[layer % depth] = [value[0], dict(value[1])]
-    return dict(sorted(out.items()))
-
-
 def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
     """The task's model: a pretrained encoder to fine-tune (``init``), or the task's head on a new encoder."""
-    if _pretrained_model(config.init):
+    if pretrained_model(config.init):
         from ..hf import PretrainedClassifier
 
         return PretrainedClassifier(config.init, task.num_classes, attention=config.attention,
@@ -602,7 +345,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
         out.mkdir(parents=True, exist_ok=True)
     state = _load_for_resume(config, out, world) if config.resume else None
     pretrained = None
-    if config.init is not None and not _pretrained_model(config.init) and state is None:
+    if config.init is not None and not pretrained_model(config.init) and state is None:
         pretrained = _pretrained_checkpoint(config.init)
     if task is None:
         saved = state["tokenizer"] if state else pretrained["tokenizer"] if pretrained else None

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_bool, check_float, check_int
+from .._checks import check_bool, check_float, check_int, check_options
 from ..data import ByteTokenizer, WordTokenizer, load_classification_task
 from ..data.classification import ClassificationData
 from ..data.paths import resolve_data_dir
@@ -85,12 +85,7 @@ class MLMOptions:
 
 def mlm_options(options: dict[str, Any]) -> MLMOptions:
     """Validate a task-options dict (unknown names are refused, naming the valid ones)."""
-    valid = {f.name for f in dataclasses.fields(MLMOptions)}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise ValueError(f"unknown task option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for "
-                         f"mlm; valid: {', '.join(sorted(valid))}")
-    return MLMOptions(**options)
+    return check_options(MLMOptions, options, "mlm task option")
 
 
 def mask_tokens(ids: torch.Tensor, specials: MLMSpecials, mask_prob: float, generator: torch.Generator,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_choice, check_int
+from .._checks import check_choice, check_int, check_options
 from ..attention.diagnostics import key_recall
 from ..data.recall import IGNORE, RECALL_TASKS, MQARSpec, PasskeySpec, RecallBatch, generate_recall
 from ..models import EncoderConfig, TokenClassifier
@@ -85,12 +85,7 @@ class RecallOptions:
 
 def recall_options(options: dict[str, Any]) -> RecallOptions:
     """Validate a task-options dict (unknown names are refused, naming the valid ones)."""
-    valid = {f.name for f in dataclasses.fields(RecallOptions)}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise ValueError(f"unknown task option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                         f"valid: {', '.join(sorted(valid))}")
-    return RecallOptions(**options)
+    return check_options(RecallOptions, options, "task option")
 
 
 @dataclass

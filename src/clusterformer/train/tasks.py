@@ -21,6 +21,7 @@ more implementation).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,22 +30,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.registry import can_decode
 from ..data import ByteTokenizer, WordTokenizer, kfold_indices, load_classification_task, load_labeled_file
 from ..data.listops import LISTOPS_VOCAB, encode_listops, generate_listops
 from ..data.paths import resolve_data_dir
 from ..data.tokenize import PretrainedTokenizer
+from ..masks import real_lengths
 from ..models import EncoderConfig, SequenceClassifier
 from ..models.lm import LanguageModel
 from .batch import Batch, Predict
-from .mlm import prepare_mlm
-from .recall import RECALL_TASKS, prepare_recall
+from .mlm import mlm_options, prepare_mlm
+from .recall import RECALL_TASKS, prepare_recall, recall_options
 
-__all__ = ["TASKS", "Batch", "ClassificationTask", "Examples", "LanguageModelTask", "Task", "prepare_task",
-           "ranking_metrics"]
-
-TASKS = ("mr", "cr", "subj", "mpqa", "20news", "imdb", "wikiqa", "listops", "shakespeare-char", "multi30k",
-         "text-classification", *RECALL_TASKS, "mlm")
-OPTION_TASKS = (*RECALL_TASKS, "mlm")  # the tasks that take --task-options
+__all__ = ["TASKS", "TASK_SPECS", "Batch", "ClassificationTask", "Examples", "LanguageModelTask", "Task",
+           "TaskRequest", "TaskSpec", "prepare_task", "ranking_metrics"]
 
 LISTOPS_TRAIN = 20_000  # training expressions by default (LRA uses 96,000: --limit 96000); the test set has 2,000
 
@@ -138,7 +137,7 @@ class ClassificationTask:
         scores, predictions = [], []
         for start in range(0, len(test.labels), batch_size):  # batches of examples, not a hot path
             ids, pad = test.ids[start:start + batch_size], test.pad[start:start + batch_size]
-            keep = int((~pad).sum(1).max().clamp(min=1))
+            keep = int(real_lengths(pad, *pad.shape, pad.device).max().clamp(min=1))
             logits = predict(ids[:, :keep], pad[:, :keep]).float()
             predictions.append(logits.argmax(-1))
             scores.append(logits.softmax(-1)[:, -1])
@@ -223,70 +222,125 @@ def _encode(tok, texts, labels, max_len) -> Examples:
     return Examples(ids, pad, torch.tensor(labels, dtype=torch.long))
 
 
+@dataclass(frozen=True)
+class TaskRequest:
+    """What preparing a task reads: the data settings of the run (:class:`clusterformer.train.config.DataConfig`)
+    and, when a checkpoint is evaluated or resumed, its saved tokenizer."""
+
+    data_dir: str | Path | None
+    max_len: int
+    tokenizer: str  # "auto" resolved: "word", "bytes" or "pretrained:NAME"
+    vocab_size: int
+    seed: int
+    fold: int | None
+    folds: int
+    limit: int | None
+    train_file: str | None
+    test_file: str | None
+    tokenizer_state: str | None
+    translation: dict[str, Any]
+    task_options: dict[str, Any]
+
+
+def _never(options: dict[str, Any]) -> bool:
+    return False
+
+
+def _no_task_rules(config: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a task owns: how it is prepared (``prepare``), which options it takes (``options``: the parser of
+    ``task_options``, or None for none), the rules on the run's fields that only it reads or constrains
+    (``rules``, given the whole configuration), whether the model it trains is causal, and its defaults.
+
+    ``kind`` is the :class:`Task`'s; ``text``: it reads text, so a pretrained encoder can be fine-tuned on it
+    (``train --init``); ``tokenizer``: what ``--tokenizer auto`` means for it."""
+
+    prepare: Callable[[str, TaskRequest], Task]
+    kind: str
+    options: Callable[[dict[str, Any]], Any] | None = None
+    rules: Callable[[Any], None] = _no_task_rules
+    causal: Callable[[dict[str, Any]], bool] = _never
+    text: bool = False
+    tokenizer: str = "word"
+
+    def check(self, config: Any) -> None:
+        """This task's rules on a configuration: its options, then ``rules``."""
+        if self.options is not None:
+            self.options(config.task_options)
+        elif config.task_options:
+            takers = ", ".join(name for name, spec in TASK_SPECS.items() if spec.options is not None)
+            raise ValueError(f"task {config.task!r} takes no task_options (they are for {takers}); got "
+                             f"{sorted(config.task_options)}")
+        if self.kind != "translation" and (config.decoder_attention is not None or config.decoder_attention_options):
+            raise ValueError("--decoder-attention is for the translation task (multi30k)")
+        self.rules(config)
+
+
 def prepare_task(
     name: str, *, data_dir: str | Path | None, max_len: int, tokenizer: str = "auto", vocab_size: int = 20000,
     seed: int = 0, fold: int | None = None, folds: int = 10, limit: int | None = None,
     train_file: str | None = None, test_file: str | None = None, tokenizer_state: str | None = None,
     translation: dict[str, Any] | None = None, task_options: dict[str, Any] | None = None,
 ) -> Task:
-    """Load, split and tokenise task ``name``. ``limit`` keeps a small slice (examples, or documents per class
-    for 20news/imdb, or pairs for wikiqa, or characters for shakespeare-char) for tests and quick runs.
-    ``tokenizer_state`` reuses a saved tokenizer (evaluation of a checkpoint). ``translation``: the keyword
-    arguments of :func:`clusterformer.train.translation.prepare_multi30k` (decoder attention, label smoothing,
-    beam, shared vocabulary). ``task_options``: the recall tasks' options
-    (:class:`clusterformer.train.recall.RecallOptions`); other tasks take none."""
-    if name not in TASKS:
+    """Load, split and tokenise task ``name`` (its :class:`TaskSpec`'s ``prepare``). ``limit`` keeps a small slice
+    (examples, or documents per class for 20news/imdb, or pairs for wikiqa, or characters for shakespeare-char)
+    for tests and quick runs. ``tokenizer_state`` reuses a saved tokenizer (evaluation of a checkpoint).
+    ``translation``: the keyword arguments of :func:`clusterformer.train.translation.prepare_multi30k` (decoder
+    attention, label smoothing, beam, shared vocabulary). ``task_options``: the options of the tasks that take
+    them (:class:`clusterformer.train.recall.RecallOptions`, :class:`clusterformer.train.mlm.MLMOptions`)."""
+    if name not in TASK_SPECS:
         raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
-    if name in RECALL_TASKS:
-        return prepare_recall(name, max_len, limit, task_options or {})
-    if task_options and name not in OPTION_TASKS:
+    spec = TASK_SPECS[name]
+    if task_options and spec.options is None:
         raise ValueError(f"task {name!r} takes no task options (they are for {', '.join(OPTION_TASKS)}); got "
                          f"{sorted(task_options)}")
-    if tokenizer == "auto":
-        tokenizer = "bytes" if name == "imdb" else "word"
-    if name == "mlm":
-        return prepare_mlm(data_dir, max_len, tokenizer, vocab_size, limit, tokenizer_state, task_options or {})
-    if name == "shakespeare-char":
-        return _shakespeare(data_dir, max_len, limit, tokenizer_state)
-    if name == "wikiqa":
-        return _wikiqa(data_dir, max_len, vocab_size, limit, tokenizer_state)
-    if name == "listops":
-        return _listops(max_len, limit)
-    if name == "multi30k":
-        from .translation import prepare_multi30k
+    request = TaskRequest(data_dir, max_len, spec.tokenizer if tokenizer == "auto" else tokenizer, vocab_size, seed,
+                          fold, folds, limit, train_file, test_file, tokenizer_state, dict(translation or {}),
+                          dict(task_options or {}))
+    return spec.prepare(name, request)
 
-        return prepare_multi30k(data_dir, max_len, vocab_size, limit, tokenizer_state, **(translation or {}))
-    if name == "text-classification":
-        if not train_file or not test_file:
-            raise ValueError("task 'text-classification' needs --train-file and --test-file")
-        tr_x, tr_y, names = load_labeled_file(train_file, limit)
-        te_x, te_y, te_names = load_labeled_file(test_file, limit)
-        if te_names != names and not set(te_names) <= set(names):
-            raise ValueError(f"{test_file} has labels {te_names} not in the training labels {names}")
-        if te_names != names:  # names, remapped to the training indices
-            index = {n: i for i, n in enumerate(names)}
-            te_y = [index[te_names[y]] for y in te_y]
-        info = {"protocol": "given train/test files"}
-    else:
-        data = load_classification_task(name, data_dir, limit)
-        names = data.label_names
-        if data.test_texts:
-            tr_x, tr_y, te_x, te_y = data.train_texts, data.train_labels, data.test_texts, data.test_labels
-            info = {"protocol": "official train/test split"}
-        else:  # sentence tasks: a fold of k-fold CV, or a seeded 90/10 split
-            k = folds if fold is not None else 10
-            index = 0 if fold is None else fold
-            if not 0 <= index < k:
-                raise ValueError(f"fold must be in [0, {k}), got {index}")
-            train_idx, test_idx = kfold_indices(len(data.train_texts), k, seed)[index]
-            tr_x = [data.train_texts[i] for i in train_idx]
-            tr_y = [data.train_labels[i] for i in train_idx]
-            te_x = [data.train_texts[i] for i in test_idx]
-            te_y = [data.train_labels[i] for i in test_idx]
-            info = {"protocol": f"fold {index} of {k}-fold CV (seed {seed})" if fold is not None
-                    else f"seeded 90/10 split (seed {seed})"}
-    tok = _tokenizer(tokenizer, tr_x, vocab_size, tokenizer_state)
-    return ClassificationTask(name, _encode(tok, tr_x, tr_y, max_len), _encode(tok, te_x, te_y, max_len),
+
+def _text_classification(name: str, r: TaskRequest) -> ClassificationTask:
+    """``--train-file`` / ``--test-file``: label text or TSV lines; the test labels must be training labels."""
+    if not r.train_file or not r.test_file:
+        raise ValueError("task 'text-classification' needs --train-file and --test-file")
+    tr_x, tr_y, names = load_labeled_file(r.train_file, r.limit)
+    te_x, te_y, te_names = load_labeled_file(r.test_file, r.limit)
+    if te_names != names and not set(te_names) <= set(names):
+        raise ValueError(f"{r.test_file} has labels {te_names} not in the training labels {names}")
+    if te_names != names:  # names, remapped to the training indices
+        index = {n: i for i, n in enumerate(names)}
+        te_y = [index[te_names[y]] for y in te_y]
+    return _classification_task(name, r, tr_x, tr_y, te_x, te_y, names, {"protocol": "given train/test files"})
+
+
+def _classification(name: str, r: TaskRequest) -> ClassificationTask:
+    """The papers' classification sets: their official split, or for the sentence tasks a fold of k-fold CV (or
+    a seeded 90/10 split)."""
+    data = load_classification_task(name, r.data_dir, r.limit)
+    if data.test_texts:
+        return _classification_task(name, r, data.train_texts, data.train_labels, data.test_texts, data.test_labels,
+                                    data.label_names, {"protocol": "official train/test split"})
+    k = r.folds if r.fold is not None else 10
+    index = 0 if r.fold is None else r.fold
+    if not 0 <= index < k:
+        raise ValueError(f"fold must be in [0, {k}), got {index}")
+    train_idx, test_idx = kfold_indices(len(data.train_texts), k, r.seed)[index]
+    texts, labels = data.train_texts, data.train_labels
+    info = {"protocol": f"fold {index} of {k}-fold CV (seed {r.seed})" if r.fold is not None
+            else f"seeded 90/10 split (seed {r.seed})"}
+    return _classification_task(name, r, [texts[i] for i in train_idx], [labels[i] for i in train_idx],
+                                [texts[i] for i in test_idx], [labels[i] for i in test_idx], data.label_names, info)
+
+
+def _classification_task(name: str, r: TaskRequest, tr_x: list[str], tr_y: list[int], te_x: list[str],
+                         te_y: list[int], names: list[str], info: dict[str, Any]) -> ClassificationTask:
+    tok = _tokenizer(r.tokenizer, tr_x, r.vocab_size, r.tokenizer_state)
+    return ClassificationTask(name, _encode(tok, tr_x, tr_y, r.max_len), _encode(tok, te_x, te_y, r.max_len),
                               tok.vocab_size, len(names), tok.to_str(), "accuracy", {**info, "labels": names})
 
 
@@ -296,8 +350,10 @@ def _read_lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").split("\n")
 
 
-def _wikiqa(data_dir, max_len, vocab_size, limit, state) -> ClassificationTask:
-    root = resolve_data_dir(data_dir) / "wikiqa"
+def _wikiqa(name: str, r: TaskRequest) -> ClassificationTask:
+    """Question/answer pairs; the test set keeps the questions with a correct answer."""
+    max_len, vocab_size, limit, state = r.max_len, r.vocab_size, r.limit, r.tokenizer_state
+    root = resolve_data_dir(r.data_dir) / "wikiqa"
     splits = {}
     for split in ("train", "test"):
         a, b = _read_lines(root / split / "a.toks"), _read_lines(root / split / "b.toks")
@@ -326,9 +382,10 @@ def _wikiqa(data_dir, max_len, vocab_size, limit, state) -> ClassificationTask:
                               {"protocol": "train / filtered test", "test_questions": len(positives)})
 
 
-def _listops(max_len: int, limit: int | None) -> ClassificationTask:
+def _listops(name: str, r: TaskRequest) -> ClassificationTask:
     """ListOps with lengths between max_len / 4 and max_len (LRA: 500..2,000 at max_len 2,000). The data do not
     depend on the training seed (train drawn from seed 0, test from seed 1), so seeds compare models on one set."""
+    max_len, limit = r.max_len, r.limit
     n_train = LISTOPS_TRAIN if limit is None else limit
     n_test = min(2000, n_train)
     shape = {"min_length": max(3, max_len // 4), "max_length": max_len}
@@ -346,8 +403,10 @@ def _listops(max_len: int, limit: int | None) -> ClassificationTask:
                                "labels": [str(d) for d in range(10)]})
 
 
-def _shakespeare(data_dir, max_len, limit, state) -> LanguageModelTask:
-    path = resolve_data_dir(data_dir) / "tinyshakespeare" / "input.txt"
+def _shakespeare(name: str, r: TaskRequest) -> LanguageModelTask:
+    """Characters of tinyshakespeare: the first 90% to train on, the last 10% held out."""
+    max_len, limit, state = r.max_len, r.limit, r.tokenizer_state
+    path = resolve_data_dir(r.data_dir) / "tinyshakespeare" / "input.txt"
     if not path.is_file():
         raise ValueError(f"expected the file {str(path)!r}")
     text = path.read_text(encoding="utf-8")
@@ -363,6 +422,52 @@ def _shakespeare(data_dir, max_len, limit, state) -> LanguageModelTask:
     vocab = len(chars) + 1  # id 0 (padding) is never a target: the head learns to give it no mass
     return LanguageModelTask("shakespeare-char", stream[:cut], stream[cut:], vocab, "\x00".join(chars), max_len,
                              info={"protocol": "first 90% / last 10% of characters"})
+
+
+def _recall(name: str, r: TaskRequest) -> Task:
+    return prepare_recall(name, r.max_len, r.limit, r.task_options)
+
+
+def _mlm(name: str, r: TaskRequest) -> Task:
+    return prepare_mlm(r.data_dir, r.max_len, r.tokenizer, r.vocab_size, r.limit, r.tokenizer_state, r.task_options)
+
+
+def _multi30k(name: str, r: TaskRequest) -> Task:
+    from .translation import prepare_multi30k
+
+    return prepare_multi30k(r.data_dir, r.max_len, r.vocab_size, r.limit, r.tokenizer_state, **r.translation)
+
+
+def _translation_rules(config: Any) -> None:
+    """multi30k builds an encoder-decoder whose decoder decodes with a cache."""
+    if config.reversible or config.cluster_layers is not None:
+        raise ValueError("task multi30k builds an encoder-decoder; --reversible and --cluster-layers are not "
+                         "available for it")
+    if config.decoder_attention is not None and not can_decode(config.decoder_attention,
+                                                               config.decoder_attention_options):
+        raise ValueError(f"decoder_attention {config.decoder_attention!r} is not strictly causal with cached "
+                         "decoding; the decoder needs one of full, neural-clustering (causal_mode='strict'), lsh, "
+                         "routing, kmeans, sliding-window")
+
+
+def _recall_causal(options: dict[str, Any]) -> bool:
+    return recall_options(options).form == "causal"
+
+
+_SENTENCES = TaskSpec(_classification, "classification", text=True)
+TASK_SPECS: dict[str, TaskSpec] = {
+    "mr": _SENTENCES, "cr": _SENTENCES, "subj": _SENTENCES, "mpqa": _SENTENCES, "20news": _SENTENCES,
+    "imdb": TaskSpec(_classification, "classification", text=True, tokenizer="bytes"),
+    "wikiqa": TaskSpec(_wikiqa, "classification", text=True),
+    "listops": TaskSpec(_listops, "classification"),
+    "shakespeare-char": TaskSpec(_shakespeare, "lm", causal=lambda options: True),
+    "multi30k": TaskSpec(_multi30k, "translation", rules=_translation_rules),
+    "text-classification": TaskSpec(_text_classification, "classification", text=True),
+    **{name: TaskSpec(_recall, "recall", options=recall_options, causal=_recall_causal) for name in RECALL_TASKS},
+    "mlm": TaskSpec(_mlm, "mlm", options=mlm_options),
+}
+TASKS = tuple(TASK_SPECS)
+OPTION_TASKS = tuple(name for name, spec in TASK_SPECS.items() if spec.options is not None)  # take --task-options
 
 
 def ranking_metrics(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:

@@ -1,0 +1,257 @@
+"""One mask value, composable predicates, and one rule for a query with no key.
+
+The mask value. Outside and inside the package, padding is one tensor: ``key_padding_mask`` (B, N) bool,
+True = padding (``None``: no padding). Its views have names: :func:`real_tokens` (True = a token),
+:func:`real_lengths` (tokens per sequence). Attention masks are *allowed* tensors, True = the query may
+attend to the key, broadcastable to (..., queries, keys).
+
+Predicates. A mask is built from predicates in the style of ``torch.nn.attention.flex_attention``'s
+``mask_mod`` and ``and_masks``: a predicate maps (query index, key index) tensors -- indices into flat
+per-row tables (a token's flat index b * N + n for dense attention, a buffer row for windowed attention)
+-- to a boolean "allowed" tensor of their broadcast shape:
+
+    allowed = and_masks(key_is_real(real), causal_order(positions), same_group(groups))(q_index, k_index)
+
+The rule. A query with no allowed key (a sequence of padding only, left padding under a causal mask, an
+empty window) has no softmax; :func:`allow_empty_rows` gives it every key -- a finite softmax, so no NaN
+reaches outputs or gradients -- and reports it, and the caller zeroes its output, which also zeroes every
+gradient through it. :func:`masked_sdpa` is SDPA with that rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionMask", "MaskPredicate", "allow_empty_rows", "and_masks", "cache_sdpa", "causal_order",
+           "key_is_real", "local_blocks", "masked_sdpa", "not_mask", "real_lengths", "real_tokens", "same_group",
+           "self_only_when_alone", "within_window"]
+
+MaskPredicate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------- views of the mask value
+def real_tokens(key_padding_mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """(batch, length) bool, True = a real token (all True without a mask)."""
+    if key_padding_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    return ~key_padding_mask
+
+
+def real_lengths(key_padding_mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """Each sequence's number of real tokens, (batch,) long: ``length`` for all without a mask. What the
+    length-tied parameters (k = sqrt(L), chunk sizes, bucket counts) are computed from."""
+    if key_padding_mask is None:
+        return torch.full((batch,), length, dtype=torch.long, device=device)
+    return (~key_padding_mask).sum(1)
+
+
+# ------------------------------------------------------------------------------------------------ predicates
+def and_masks(*predicates: MaskPredicate) -> MaskPredicate:
+    """The predicate allowing a (query, key) pair when every one of ``predicates`` does."""
+
+    def both(q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        allowed = predicates[0](q_index, k_index)
+        for predicate in predicates[1:]:
+            allowed = allowed & predicate(q_index, k_index)
+        return allowed
+
+    return both
+
+
+def key_is_real(real: torch.Tensor) -> MaskPredicate:
+    """The key is a real token: ``real`` (rows,) bool per flat row."""
+    return lambda q_index, k_index: real[k_index]
+
+
+def causal_order(positions: torch.Tensor) -> MaskPredicate:
+    """The key is not after the query: ``positions`` (rows,) each row's position in its sequence."""
+    return lambda q_index, k_index: positions[q_index] >= positions[k_index]
+
+
+def same_group(groups: torch.Tensor) -> MaskPredicate:
+    """Query and key are in the same group: ``groups`` (rows,) each row's group."""
+    return lambda q_index, k_index: groups[q_index] == groups[k_index]
+
+
+def local_blocks(positions: torch.Tensor, block: int) -> MaskPredicate:
+    """The key is in the query's local blocks: positions cut into blocks of ``block``, the key's block is the
+    query's or the one before (``positions`` (rows,) each row's position in its sequence). The local part of
+    neural-clustering's ``local_window``."""
+    blocks = torch.div(positions, block, rounding_mode="floor")
+
+    def local(q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        behind = blocks[q_index] - blocks[k_index]
+        return (behind >= 0) & (behind <= 1)
+
+    return local
+
+
+def not_mask(predicate: MaskPredicate) -> MaskPredicate:
+    """The predicate allowing a pair when ``predicate`` does not."""
+    return lambda q_index, k_index: ~predicate(q_index, k_index)
+
+
+def self_only_when_alone(allowed: torch.Tensor, is_self: torch.Tensor) -> torch.Tensor:
+    """Reformer's shared-QK rule on an allowed mask (..., Nq, Nk): a query may attend to its own token only when
+    it has no other allowed key (with shared QK, q . k_self would dominate). ``is_self`` broadcasts to it."""
+    others = allowed & ~is_self
+    return torch.where(others.any(-1, keepdim=True), others, allowed)
+
+
+def within_window(positions: torch.Tensor, window: int, causal: bool) -> MaskPredicate:
+    """The key is in the query's local window of ``window`` positions: causal, (t - window, t]; otherwise
+    [t - window // 2, t + window - window // 2) (``positions`` (rows,) each row's position in its sequence)."""
+    behind = window - 1 if causal else window // 2
+
+    def local(q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        offset = positions[k_index] - positions[q_index]
+        return (offset >= -behind) & (offset < window - behind)
+
+    return local
+
+
+# ----------------------------------------------------------------------------------------- the typed mask
+@dataclass(frozen=True)
+class AttentionMask:
+    """Which keys each query may see: the one mask the library carries from its entry points to the ops.
+
+    padding: (B, n) bool, True = a padding key (never attended to), or None (no padding). causal: a query sees
+    no key after its own position. window: with a number, a query sees only the keys of its local window
+    (:func:`within_window`). Queries are the *last* Lq of the n positions (lower-right aligned: query i sits at
+    position n - Lq + i), which is a self-attention when Lq = n and a cached decoding step or a chunk of a
+    prompt when Lq < n.
+
+    Its predicates are the only place where "may query i see key j" is written: :meth:`predicate` over flat
+    row tables (the windowed kernels' buffers, the Triton kernel's metadata), :meth:`allowed` as a dense
+    tensor, :meth:`mask_mod` in FlexAttention's signature. :meth:`from_allowed` reads a dense boolean mask
+    (a ``transformers`` model's) back into this structure, or refuses a pattern it is not."""
+
+    padding: torch.Tensor | None = None
+    causal: bool = False
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.padding is not None and (self.padding.dim() != 2 or self.padding.dtype != torch.bool):
+            raise ValueError(f"padding must be a (B, n) bool tensor (True = padding); got "
+                             f"{tuple(self.padding.shape)} {self.padding.dtype}")
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):
+            raise ValueError(f"window must be a positive int or None; got {self.window!r}")
+
+    # views of the padding
+    def real(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        """(batch, length) bool, True = a real key: :func:`real_tokens`."""
+        return real_tokens(self.padding, batch, length, device)
+
+    def lengths(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        """Real keys per sequence, (batch,) long: :func:`real_lengths`."""
+        return real_lengths(self.padding, batch, length, device)
+
+    # the predicates
+    def predicate(self, real: torch.Tensor, positions: torch.Tensor | None) -> MaskPredicate:
+        """The predicate over flat rows whose realness is ``real`` (rows,) bool and whose positions in their
+        sequences are ``positions`` (rows,) long (needed with ``causal`` or ``window``; None otherwise)."""
+        predicates = [key_is_real(real)]
+        if self.causal or self.window is not None:
+            if positions is None:
+                raise ValueError("positions are needed for a causal or windowed mask")
+            if self.causal:
+                predicates.append(causal_order(positions))
+            if self.window is not None:
+                predicates.append(within_window(positions, self.window, self.causal))
+        return and_masks(*predicates)
+
+    def rows(self, rows: torch.Tensor, length: int, row_valid: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per flat buffer row holding token ``rows`` (b * length + position): may it be a key (a token -- where
+        ``row_valid`` says the slot holds one -- and not padding), and its position (None unless causal or
+        windowed): the tables :meth:`predicate` and the fused kernel's metadata read."""
+        real = torch.ones(rows.shape, dtype=torch.bool, device=rows.device) if row_valid is None else row_valid
+        if self.padding is not None:
+            real = real & ~self.padding.reshape(-1)[rows]
+        positions = rows % max(length, 1) if self.causal or self.window is not None else None
+        return real, positions
+
+    def allowed(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+        """The dense allowed mask of the last ``q_len`` of ``kv_len`` positions: (B or 1, 1, q_len or 1, kv_len),
+        True = the query may attend to the key (one query row when it is the same for every query)."""
+        B = 1 if self.padding is None else self.padding.shape[0]
+        if self.padding is not None and self.padding.shape[1] != kv_len:
+            raise ValueError(f"padding covers {self.padding.shape[1]} keys; the mask asks for {kv_len}")
+        real, positions = self.rows(torch.arange(B * kv_len, device=device), kv_len)
+        k_index = torch.arange(B * kv_len, device=device).view(B, 1, 1, kv_len)  # flat rows b * kv_len + position
+        same_rows = not self.causal and self.window is None
+        first = kv_len - (1 if same_rows else q_len)
+        q_index = k_index[..., first:].transpose(-1, -2)
+        return self.predicate(real, positions)(q_index, k_index)
+
+    def mask_mod(self, q_len: int, kv_len: int) -> Callable[..., torch.Tensor]:
+        """This mask as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over ``q_len`` queries (the last of
+        ``kv_len`` positions) and ``kv_len`` keys: the same predicate as :meth:`allowed`."""
+        offset = kv_len - q_len
+        B = 1 if self.padding is None else self.padding.shape[0]
+        device = torch.device("cpu") if self.padding is None else self.padding.device
+        predicate = self.predicate(*self.rows(torch.arange(B * kv_len, device=device), kv_len))
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            base = b * kv_len if self.padding is not None else 0  # flat rows b * kv_len + position
+            return predicate(base + q_idx + offset, base + kv_idx)
+
+        return mask_mod
+
+    @classmethod
+    def from_allowed(cls, allowed: torch.Tensor) -> AttentionMask:
+        """Read a dense boolean mask (B, Lq, n), True = may attend, as key padding, optionally with causal
+        order (lower-right aligned); ``ValueError`` for any other pattern (a sliding window, packed sequences, a
+        custom mask). The one place where a keep mask becomes a padding mask."""
+        if allowed.dim() != 3 or allowed.dtype != torch.bool:
+            raise ValueError(f"allowed must be a (B, Lq, n) bool tensor; got {tuple(allowed.shape)} {allowed.dtype}")
+        keys = allowed[:, -1, :]  # the last query sees every real key in both patterns
+        padding = None if bool(keys.all()) else ~keys
+        q_len, kv_len = allowed.shape[1:]
+        for causal in ((True, False) if q_len > 1 else (False,)):
+            mask = cls(padding, causal)
+            if torch.equal(allowed, mask.allowed(q_len, kv_len, allowed.device)[:, 0].expand_as(allowed)):
+                return mask
+        raise ValueError("the mask is neither key padding nor key padding + causal (a sliding-window, "
+                         "packed-sequence or custom mask)")
+
+
+# ----------------------------------------------------------------------------------------------- the rule
+def allow_empty_rows(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """allowed (..., Nq, Nk) bool -> (the mask to give the softmax, (..., Nq, Nk); the rows without an allowed
+    key, (..., Nq, 1), whose outputs the caller zeroes)."""
+    no_key = ~allowed.any(-1, keepdim=True)
+    return allowed | no_key, no_key
+
+
+def masked_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, *, dropout_p: float = 0.0,
+    scale: float | None = None, enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with a boolean ``allowed`` mask (broadcastable to (..., Nq, Nk)) and
+    the rule of this module: zeros for a query with no allowed key. ``enable_gqa``: k and v have fewer heads than
+    q (grouped-query attention; SDPA reads each key/value head for its group of query heads)."""
+    mask, no_key = allow_empty_rows(allowed)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=enable_gqa)
+    return out.masked_fill(no_key, 0.0)
+
+
+def cache_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, *,
+               scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Dense attention of q (B, H, Lq, D), the last Lq positions of a cache, on the cache k, v (B, Hkv, n, D)
+    (H a multiple of Hkv: grouped-query attention without repeating the cache) under ``mask``
+    (:meth:`AttentionMask.allowed`), with the rule for a query without keys. No mask is built where SDPA's own
+    ``is_causal`` says the same."""
+    Lq, n = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    causal = mask.causal and Lq > 1  # the last position sees every earlier key
+    if mask.padding is None and mask.window is None and (not causal or Lq == n):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    return masked_sdpa(q, k, v, mask.allowed(Lq, n, q.device), dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
