@@ -38,7 +38,7 @@ def _prompts(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
 
 def _generate(model, batch, steps=6):
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=steps, do_sample=False, output_logits=True,
+        out = model.generate(**batch, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0)
     return out.sequences, torch.stack(out.logits, 1)
 

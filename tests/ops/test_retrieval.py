@@ -15,7 +15,7 @@ import torch
 
 from clusterformer.attention.retrieval import ClusterRetrievalOptions, SinkWindowOptions
 from clusterformer.clustering.kmeans import euclidean_kmeans
-from clusterformer.ops.retrieval import build_index, extend_index, retrieval_attention
+from clusterformer.ops.retrieval import build_index, extend_index, keys_allowed, retrieval_attention
 from seeds import fixed_seed
 
 
@@ -73,11 +73,16 @@ def reference_attention(q, k, v, real, index, opts, scale):
     for b in range(B):
         L = int(real[b].sum())
         allowed = min(L, math.ceil(L * opts.budget) if isinstance(opts.budget, float) else opts.budget)
-        if index is None:
-            window, retrieved = max(allowed - opts.sink, 0, Lq), 0
-        else:  # the window is everything the index does not hold yet
-            window = n - index.end
-            retrieved = max(0, allowed - opts.sink - window)
+        # every key or centroid term a query reads counts: sinks (leaving the query its own key), the C centroid
+        # terms where the budget has room for them, then the window and the retrieved keys share the cap
+        sinks = max(0, min(opts.sink, allowed - 1))
+        room = allowed - sinks - 1
+        held = 0 if index is None else max(len(index.assign[b, g]) for g in range(Hkv))  # keys of its fullest head
+        left_out = index is not None and allowed - sinks - (n - index.end) < held
+        estimate = index is not None and opts.estimate_remainder and room >= opts.num_clusters and left_out
+        cap = max(1, allowed - sinks - (opts.num_clusters if estimate else 0))
+        region = 0 if index is None else index.end  # the window reads no key the index holds
+        retrieved = 0 if index is None else max(0, cap - (n - index.end))
         real_pos = [p for p in range(n) if real[b, p]]
         for h in range(H):
             g = h // (H // Hkv)
@@ -85,8 +90,9 @@ def reference_attention(q, k, v, real, index, opts, scale):
             for i in range(Lq):
                 pos = n - Lq + i
                 qi = q[b, h, i] * scale
-                keys = [p for p in real_pos[:opts.sink] if p < n - window]
-                keys += [p for p in real_pos if n - window <= p <= pos]
+                first = max(region, pos - cap + 1)  # the query's window: its cap most recent positions
+                keys = [p for p in real_pos[:sinks] if p < first and (index is None or p < index.end)]
+                keys += [p for p in real_pos if first <= p <= pos]
                 logits = [float(qi @ k[b, h_kv, p]) for p in keys for h_kv in [g]]
                 values = [v[b, g, p] for p in keys]
                 group = range(g * (H // Hkv), (g + 1) * (H // Hkv))  # heads sharing the key/value head g
@@ -102,7 +108,7 @@ def reference_attention(q, k, v, real, index, opts, scale):
                     logits += [float(qi @ k[b, g, p]) for p in take]
                     values += [v[b, g, p] for p in take]
                     rest = len(members) - len(take)
-                    if opts.estimate_remainder and rest > 0:
+                    if estimate and rest > 0:
                         logits.append(float(qi @ mu) + math.log(rest))
                         values.append(v[b, g, list(members)].mean(0))
                 w = torch.softmax(torch.tensor(logits, dtype=q.dtype), 0)
@@ -214,3 +220,52 @@ def test_no_padding_path_equals_an_all_real_mask(estimate):
         streaming = SinkWindowOptions(budget=opts.budget, sink=opts.sink)
         torch.testing.assert_close(retrieval_attention(q, k, v, None, None, streaming, 0.3),
                                    retrieval_attention(q, k, v, ~real, None, streaming, 0.3), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 5, 9, 0.1, 0.25])
+@pytest.mark.parametrize("estimate,selection", [(False, "group"), (True, "group"), (True, "head")])
+def test_every_key_and_centroid_read_counts_against_the_budget(budget, estimate, selection):
+    """Count what each query reads: values one-hot per position (a key read puts weight on its own coordinate)
+    and, for the centroid terms, the index's value means one-hot on extra coordinates (one per cluster). Every
+    query, of every head and sequence, in prefill-sized chunks and single steps, with sinks (4) that a small
+    budget must cut and a window (6) wider than some budgets: keys + centroid terms <= the budget of its
+    sequence, and a budget of a few keys is used whole (no query reads fewer keys than it may and than exist)."""
+    C, sink = 3, 4
+    opts = ClusterRetrievalOptions(budget=budget, num_clusters=C, sink=sink, window=6, refresh=100, iterations=2,
+                                   estimate_remainder=estimate, selection=selection)
+    k, _v, real, g = _cache(fixed_seed(), n=64, pad=(0, 20))
+    n = k.shape[2]
+    v = torch.zeros(2, 2, n, n + C, dtype=torch.float64)
+    v[:, :, torch.arange(n), torch.arange(n)] = 1.0
+    lengths = real.sum(1)
+    for Lq in (1, 3):
+        q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
+        index = build_index(k, v, ~real, n - max(opts.window, Lq) - 5, opts)  # 5 keys wait to join: W > window
+        index.value_sums = torch.zeros_like(index.value_sums)
+        index.value_sums[:, torch.arange(C), n + torch.arange(C)] = index.counts.to(torch.float64)
+        for index_or_none, options in ((index, opts), (None, SinkWindowOptions(budget=budget, sink=sink))):
+            out = retrieval_attention(q, k, v, ~real, index_or_none, options, 0.3)  # (B, H, Lq, n + C)
+            keys, terms = (out[..., :n] > 0).sum(-1), (out[..., n:] > 0).sum(-1)  # (B, H, Lq)
+            allowed = keys_allowed(budget, lengths).view(2, 1, 1)
+            assert bool(((keys + terms) <= allowed).all()), (keys + terms, allowed)
+            assert bool((out[..., :n].masked_fill(real.view(2, 1, 1, n), 0) == 0).all())  # no padding key read
+            if isinstance(budget, int) and budget <= 3:  # a few keys: every one of them is used
+                assert bool((keys == allowed).all()), keys
+            if index_or_none is None:
+                assert int(terms.sum()) == 0
+
+
+def test_an_index_recognises_its_cache_by_keys_spread_over_it():
+    """follows() compares keys at 8 positions spread over the indexed ones, not only the last: a cache that differs
+    from the index's at its start or in its middle (a different prompt with the same last indexed key) is not
+    taken for it, nor one that is shorter. (Between the probes it cannot see: the index lives with its cache
+    object, and this check guards against that object being refilled.)"""
+    opts = ClusterRetrievalOptions(budget=0.3, num_clusters=3, sink=1, window=4)
+    k, v, real, _ = _cache(fixed_seed(), n=40, pad=(0, 0))
+    index = build_index(k, v, None, 30, opts)
+    assert index.follows(k) and index.follows(torch.cat([k, k[:, :, :3]], 2))  # the same cache, grown
+    for position in (0, 17, 29):  # probes at 0, 4, 8, 12, 17, 21, 25, 29
+        other = k.clone()
+        other[:, :, position] += 1.0
+        assert not index.follows(other), position
+    assert not index.follows(k[:, :, :35])

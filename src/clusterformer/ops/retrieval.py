@@ -9,9 +9,19 @@ mass in pretrained LLMs) and a recent window. Without an index this is Streaming
 Per query q (scaled by ``scale``) of a head whose key/value head holds the cache, with C clusters of sizes s_c,
 key means mu_c and value means nu_c:
 
-1. Scores q . mu_c; clusters in descending score order fill ``R = budget - sink - window`` slots (the last
-   one possibly in part), by position within a cluster. Under grouped-query attention the query heads that
-   share a key/value head share the ranking (by their best score): one gather of keys per group.
+The budget. ``budget`` (a fraction of a sequence's real cached keys, rounded up, or a count) is what each query
+reads, every key and every centroid term counted once: A = sinks + centroid terms + window + retrieved keys.
+The sinks are the first ``min(sink, A - 1)`` real tokens (a query keeps at least its own key); the centroid
+terms of ``estimate_remainder`` are C (the number of clusters), reserved where some key would be left out and A
+leaves room for them beyond the sinks and one key (else the remainder is not estimated for that sequence:
+without room, or because every key is read); the rest, the *cap*,
+goes to the query's window -- its ``cap`` most recent positions up to its own, never before ``index.end`` --
+and to the retrieved keys, R = cap - (n - index.end) when positive. Window positions that the cap leaves out,
+and that the index does not hold yet, are not read: the budget is a bound, not a target.
+
+1. Scores q . mu_c; clusters in descending score order fill the R slots (the last one possibly in part), by
+   position within a cluster. Under grouped-query attention the query heads that share a key/value head share
+   the ranking (by their best score): one gather of keys per group.
 2. Exact softmax attention over the union of the sink keys, the window (causal), and the retrieved keys.
 3. ``estimate_remainder=True`` (beyond ClusterKV): the keys of each cluster that were *not* retrieved, n'_c of
    them, enter the same softmax as one term with logit q . mu_c + log n'_c and value nu_c -- the cluster seen
@@ -20,7 +30,8 @@ key means mu_c and value means nu_c:
 
 The three key sets are disjoint by construction: the index holds the real keys of rank >= ``sink`` (per
 sequence) at positions before the window; a key joins the index when it leaves the window. A budget that
-covers every retrieved slot attends to every key: the result is dense attention (up to rounding).
+covers every key (``A >= n``: the caller attends densely then) reads every key: the result is dense attention
+(up to rounding).
 
 The index (:class:`KeyClusterIndex`) is built by :func:`build_index` after a prefill (Lloyd K-means,
 :func:`clusterformer.clustering.euclidean_kmeans`, on each head's keys: nearby keys have nearby logits for
@@ -99,8 +110,8 @@ class KeyClusterIndex:
     positions of each sequence's first real tokens, sink_ok (B, S) which exist; end: the index holds the real
     keys of rank >= sink at positions < end, and the window is everything from ``end`` on; joined: keys that
     joined since the last clustering; fewest: the fewest keys any row holds (slots beyond it may be empty);
-    length: the cache length at the last call; probe (G, D): the key at position end - 1 then (to recognise the
-    same cache later)."""
+    length: the cache length at the last call; probe (G, P, D): the keys at :data:`PROBES` positions spread over
+    0 .. end - 1 then (to recognise the same cache later)."""
 
     centroids: torch.Tensor
     centroids_t: torch.Tensor
@@ -124,7 +135,7 @@ class KeyClusterIndex:
             return False
         if self.probe is None:
             return True
-        return bool(torch.equal(k[:, :, self.end - 1].reshape(B * Hkv, D), self.probe))
+        return bool(torch.equal(k[:, :, _probe_positions(self.end)].reshape(B * Hkv, -1, D), self.probe))
 
     @property
     def sink_live(self) -> torch.Tensor:
@@ -201,10 +212,19 @@ def build_index(k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor
     return index
 
 
+PROBES = 8  # cached keys an index compares to recognise the cache it was built on
+
+
+def _probe_positions(end: int) -> torch.Tensor:
+    """The positions :meth:`KeyClusterIndex.follows` compares: :data:`PROBES` spread over 0 .. end - 1, the last
+    one included."""
+    return torch.linspace(0, end - 1, min(PROBES, end)).round().long().unique()
+
+
 def _set_probe(index: KeyClusterIndex, k: torch.Tensor) -> None:
     B, Hkv, n, D = k.shape
     index.length = n
-    index.probe = None if index.end == 0 else k[:, :, index.end - 1].reshape(B * Hkv, D).clone()
+    index.probe = None if index.end == 0 else k[:, :, _probe_positions(index.end)].reshape(B * Hkv, -1, D).clone()
 
 
 def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
@@ -283,29 +303,49 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
         allowed = keys_allowed(options.budget, real.sum(1))  # (B,)
     if index is not None:
         return _attend_retrieved(q, k, v, real, index, options, scale, allowed)
-    # Sinks + window (StreamingLLM): keys shared by every query of a group, the window takes the budget's rest.
+    # Sinks + window (StreamingLLM): the sinks shared by every query of a group, each query's window its own most
+    # recent positions, up to the budget with the sinks.
+    sink_count, cap = _split_budget(allowed, options.sink, 0)
     sinks, sink_ok = _first_real(real, options.sink, B, n, q.device)
-    if real is None:
-        W = min(n, max(allowed - options.sink, Lq))
-        start, window_ok = n - W, None
-        sink_ok = sink_ok & (sinks < start)  # a sink inside the window is counted there
-    else:
-        window = torch.maximum((allowed - options.sink).clamp(min=0), torch.full_like(allowed, Lq))
-        start = int(n - min(n, int(window.max())))
-        sink_ok = sink_ok & (sinks < (n - window).unsqueeze(1))
-        window_ok = (torch.arange(start, n, device=q.device) >= (n - window).unsqueeze(1)) & real[:, start:]
+    start = max(0, n - Lq - (cap if isinstance(cap, int) else int(cap.max())) + 1)
     keys = torch.cat([_gather_positions(k, sinks), k[:, :, start:]], 2)  # (B, Hkv, S + W, D)
     values = torch.cat([_gather_positions(v, sinks), v[:, :, start:]], 2)
     logits = qg @ keys.transpose(-1, -2)  # (B, Hkv, Q, S + W)
-    ok = torch.cat([sink_ok, torch.ones(B, n - start, dtype=torch.bool, device=q.device)
-                    if window_ok is None else window_ok], 1)[:, None, None, :]
-    if Lq > 1:
-        later = (torch.arange(start, n, device=q.device)
-                 > (n - Lq + torch.arange(Lq, device=q.device)).repeat(rep).unsqueeze(1))  # (Q, W)
-        ok = ok & torch.cat([torch.ones(Q, sinks.shape[1], dtype=torch.bool, device=q.device), ~later], 1)
-    ok, no_key = allow_empty_rows(ok)  # a query with no key at all (a padded row): zeros, by the library's rule
+    query_pos = (n - Lq + torch.arange(Lq, device=q.device)).repeat(rep)  # (Q,): queries in (head, position) order
+    ok = _read_mask(query_pos, sinks, sink_ok, sink_count, start, n, cap, real)  # (B, Q, S + W)
+    ok, no_key = allow_empty_rows(ok.unsqueeze(1))  # a query with no key at all (a padded row): zeros, by the rule
     weights = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1)
     return (weights @ values).masked_fill(no_key, 0.0).reshape(B, H, Lq, -1)
+
+
+def _split_budget(allowed: torch.Tensor | int, sink: int, reserved: torch.Tensor | int
+                  ) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+    """The budget's accounting, every key or centroid a query reads counted once: ``allowed`` keys per query
+    (an int, or (B,) per sequence) = sinks + ``reserved`` (centroid terms) + the query's window + retrieved keys.
+    Returns (the sinks read, at most ``sink`` and leaving the query at least its own key; the cap of the window
+    and the retrieved keys together, >= 1)."""
+    if isinstance(allowed, int):
+        sinks = max(0, min(sink, allowed - 1))
+        return sinks, max(1, allowed - sinks - reserved)
+    sinks = (allowed - 1).clamp(min=0, max=sink)
+    return sinks, (allowed - sinks - reserved).clamp(min=1)
+
+
+def _read_mask(query_pos: torch.Tensor, sinks: torch.Tensor, sink_ok: torch.Tensor, sink_count: torch.Tensor | int,
+               start: int, n: int, cap: torch.Tensor | int, real: torch.Tensor | None) -> torch.Tensor:
+    """(B, Q, S + W) bool: which sinks (B, S) and which positions start .. n - 1 each query (at ``query_pos``
+    (Q,)) reads: the first ``sink_count`` sinks that exist and lie before its window, and the real positions of
+    its window -- the ``cap`` most recent positions up to its own (causal)."""
+    B, S = sinks.shape
+    cap_ = cap if isinstance(cap, int) else cap.view(B, 1, 1)
+    count = sink_count if isinstance(sink_count, int) else sink_count.view(B, 1, 1)
+    first = (query_pos.view(1, -1, 1) - cap_ + 1).clamp(min=start)  # (1 or B, Q, 1): its first window position
+    sink_read = sink_ok.unsqueeze(1) & (torch.arange(S, device=sinks.device) < count) & (sinks.unsqueeze(1) < first)
+    positions = torch.arange(start, n, device=sinks.device)
+    window = (positions <= query_pos.view(1, -1, 1)) & (positions >= first)
+    if real is not None:
+        window = window & real[:, None, start:]
+    return torch.cat([sink_read.expand(B, -1, S), window.expand(B, -1, n - start)], -1)
 
 
 def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
@@ -326,26 +366,33 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     start = index.end
     W = n - start
     S = index.sinks.shape[1]
-    if real is None:
-        retrieved: torch.Tensor | int = max(0, allowed - options.sink - W)
+    C, capacity = index.counts.shape[1], index.members.shape[-1]
+    # The budget, every key or centroid read counted: sinks, the C centroid terms of estimate_remainder (where the
+    # budget leaves room for them: else none), the query's window (the most recent positions, up to the cap) and
+    # the retrieved keys, which fill what the last query's window leaves of the cap.
+    sink_count, cap = _split_budget(allowed, options.sink, 0)
+    reserved: torch.Tensor | int = 0
+    if options.estimate_remainder:  # needed where the cap cannot retrieve every key a head of the sequence holds
+        held = index.counts.sum(-1).view(B, Hkv).amax(1)  # (B,)
+        if isinstance(allowed, int):
+            needed = cap - W < int(held.max()) and allowed - sink_count - 1 >= C
+            reserved = C if needed else 0
+        else:
+            reserved = torch.where((cap - W < held) & (allowed - sink_count - 1 >= C), C, 0)
+        sink_count, cap = _split_budget(allowed, options.sink, reserved)
+    if isinstance(cap, int):
+        retrieved: torch.Tensor | int = max(0, cap - W)
         R, row_budget = retrieved, retrieved
     else:
-        retrieved = (allowed - options.sink - W).clamp(min=0)
+        retrieved = (cap - W).clamp(min=0)
         R, row_budget = int(retrieved.max()), retrieved.view(B, 1, 1, 1)
     positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, U, S),
                  torch.arange(start, n, device=dev).view(1, 1, 1, W).expand(B, Hkv, U, W)]
-    ok = [index.sink_live.view(B, 1, 1, S).expand(B, 1, U, S), None]  # (B, 1, U, width) or None = all
-    if real is not None or Lq > 1:
-        window_ok = torch.ones(B, 1, U, W, dtype=torch.bool, device=dev)
-        if real is not None:
-            window_ok = window_ok & real[:, None, None, start:]
-        if Lq > 1:  # causal among the new positions
-            window_ok = window_ok & (torch.arange(start, n, device=dev) <= unit_pos.unsqueeze(1))
-        ok[1] = window_ok
+    read = _read_mask(unit_pos, index.sinks, index.sink_live, sink_count, start, n, cap, real)  # (B, U, S + W)
+    ok = [read[:, None, :, :S], read[:, None, :, S:]]  # (B, 1, U, width)
 
     # Clusters ranked per unit: by its query's score, or the best score among the group's query heads (they read
     # the same cache, so the group gathers its keys once).
-    C, capacity = index.counts.shape[1], index.members.shape[-1]
     head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
     scores = head_scores.reshape(B, Hkv, U, C) if per_head else head_scores.amax(2)  # (B, Hkv, U, C)
     perm = scores.sort(dim=-1, descending=True, stable=True).indices
@@ -367,10 +414,13 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     if any(mk is not None for mk in ok):
         mask = torch.cat([(torch.ones(1, 1, U, w, dtype=torch.bool, device=dev) if mk is None else mk).expand(
             B, Hkv, U, w) for mk, w in zip(ok, [S, W, R][:len(ok)], strict=True)], -1)  # (B, Hkv, U, K)
-    if options.estimate_remainder:  # every cluster's unretrieved keys as one key mu_c with logit bias log n'_c
+    if options.estimate_remainder and not (isinstance(reserved, int) and reserved == 0):
+        # every cluster's unretrieved keys as one key mu_c with logit bias log n'_c
         taken = (row_budget - (cum - sizes)).clamp(min=0)
         left = torch.zeros_like(sizes).scatter_(-1, perm, sizes - torch.minimum(taken, sizes))  # cluster order
         bias = torch.log(left.to(q.dtype))  # log 0 = -inf: nothing left, no term
+        if not isinstance(reserved, int):  # the rows whose budget leaves no room for the centroid terms
+            bias = bias.masked_fill((reserved == 0).view(B, 1, 1, 1), float("-inf"))
         keys = torch.cat([keys, index.centroids.to(q.dtype).view(B, Hkv, 1, C, D).expand(B, Hkv, U, C, D)], 3)
         means = (index.value_sums / index.counts.clamp(min=1).unsqueeze(-1)).to(q.dtype).view(B, Hkv, 1, C, -1)
         values = torch.cat([values, means.expand(B, Hkv, U, C, means.shape[-1])], 3)
