@@ -21,11 +21,19 @@ def test_records_cover_every_context_and_method(tmp_path, capsys):
         (n, m) for n in (96, 160) for m in ("dense", "sink-window", "cluster-retrieval")]
     assert all(r["amortized_ms"] > 0 and r["speedup_vs_dense"] > 0 for r in records)
     assert all(r["speedup_vs_dense"] == 1.0 for r in records if r["method"] == "dense")
+    # a short answer carries the whole index build: its time per token is the mean step + build / answer tokens
+    for r in records:
+        spread = r["build_ms"] / 48 if r["method"] == "cluster-retrieval" else 0.0
+        assert r["answer_tokens"] == 48
+        assert r["answer_ms"] == pytest.approx(r["amortized_ms"] - (r["build_ms"] / r["refresh"] if spread else 0)
+                                               + spread, abs=2e-4)
     assert main(["bench", "report", "--json", str(out)]) == 0
     assert "cluster-retrieval" in capsys.readouterr().out
 
 
 def test_bad_configuration():
+    with pytest.raises(ValueError, match="answer_tokens must be >= 1"):
+        RetrievalBenchConfig(contexts=[64], answer_tokens=0)
     with pytest.raises(ValueError, match="kv_heads"):
         RetrievalBenchConfig(contexts=[64], heads=9, kv_heads=2)
     with pytest.raises(ValueError, match="methods"):

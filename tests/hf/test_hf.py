@@ -112,6 +112,18 @@ def test_clustered_matches_its_dense_reference_with_padding():
         assert (out[padding] == 0).all()
 
 
+@pytest.mark.parametrize("argument", ["cache", "past_key_values", "past_key_value", "encoder_hidden_states"])
+def test_patched_attention_refuses_a_cache_under_every_name(argument):
+    """transformers >= 5.24 hands BERT's self-attention its cache as ``cache``, earlier 5.x as
+    ``past_key_values``: a patched encoder refuses both (and cross-attention), and runs when they are None."""
+    original = _bert("sdpa").encoder.layer[0].attention.self
+    layer = PatchedSelfAttention(original, "clustered", ClusteredOptions(num_clusters=2, bits=8))
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="encoder self-attention only"):
+        layer(x, **{argument: object() if argument != "encoder_hidden_states" else x})
+    assert layer(x, **{argument: None})[0].shape == (2, 5, 32)
+
+
 @pytest.mark.parametrize(("attention", "options"), [
     ("clustered", {"clusters": 3}), ("improved-clustered", {"clusters": 3, "topk": 4}),
     ("improved-clustered", {"clusters": 3, "topk": 4, "query_clustering": "euclidean"}),

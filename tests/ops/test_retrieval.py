@@ -261,7 +261,7 @@ def test_an_index_recognises_its_cache_by_keys_spread_over_it():
     taken for it, nor one that is shorter. (Between the probes it cannot see: the index lives with its cache
     object, and this check guards against that object being refilled.)"""
     opts = ClusterRetrievalOptions(budget=0.3, num_clusters=3, sink=1, window=4)
-    k, v, real, _ = _cache(fixed_seed(), n=40, pad=(0, 0))
+    k, v, _real, _ = _cache(fixed_seed(), n=40, pad=(0, 0))
     index = build_index(k, v, None, 30, opts)
     assert index.follows(k) and index.follows(torch.cat([k, k[:, :, :3]], 2))  # the same cache, grown
     for position in (0, 17, 29):  # probes at 0, 4, 8, 12, 17, 21, 25, 29

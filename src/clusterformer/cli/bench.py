@@ -64,6 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--steps", type=int, default=64, help="timed decoding steps after the one that builds the index")
+    p.add_argument("--answer-tokens", type=int, default=48,
+                   help="also report the time per token of an answer this long, the index build spread over it "
+                        "alone (longctx's answers are at most 48 tokens)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.set_defaults(func=run_retrieval)
@@ -136,7 +139,8 @@ def run_retrieval(args: argparse.Namespace) -> int:
     budget = args.budget if args.budget <= 1 else int(args.budget)
     config = RetrievalBenchConfig(contexts=args.contexts, methods=[m.strip() for m in args.methods.split(",")],
                                   budget=budget, options=options, heads=args.heads, kv_heads=args.kv_heads,
-                                  head_dim=args.head_dim, steps=args.steps, threads=args.threads)
+                                  head_dim=args.head_dim, steps=args.steps, answer_tokens=args.answer_tokens,
+                                  threads=args.threads)
     records = run_retrieval_benchmark(config, progress=log)
     emit_json(records, args.json, log=log)
     log(retrieval_table(records))

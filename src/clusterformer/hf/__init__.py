@@ -157,11 +157,14 @@ class PatchedSelfAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         encoder_hidden_states: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        if past_key_values is not None or encoder_hidden_states is not None:
+        # transformers >= 5.24 passes a cache as ``cache``; earlier 5.x releases as ``past_key_values`` (or
+        # ``past_key_value``): refused under every name
+        caches = [cache, kwargs.get("past_key_values"), kwargs.get("past_key_value")]
+        if any(c is not None for c in caches) or encoder_hidden_states is not None:
             raise ValueError("patched attention supports encoder self-attention only (no key/value cache, no "
                              "cross-attention)")
         B, N, _ = hidden_states.shape
