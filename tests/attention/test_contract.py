@@ -13,6 +13,7 @@ from clusterformer.attention import build, collect_aux_losses, describe, names, 
 from clusterformer.attention.registry import causal_semantics
 from clusterformer.models import Encoder, EncoderConfig, cluster_former_config
 from clusterformer.models import reversible as reversible_module
+from clusterformer.models.reversible import TiedConnection
 from reference import run_recorded
 from seeds import fixed_seed
 
@@ -270,12 +271,12 @@ def test_cluster_former_stack_builder():
 # Reversible blocks
 
 
-def _reversible_pair(name, tied, dropout=0.1):
+def _reversible_pair(name, tied, dropout=0.1, tied_lipschitz=0.5):
     options = dict(VARIANTS[name][1] if name in VARIANTS else SMALL[name])
     if describe(_mechanism(name))["attention_dropout"]:
         options["dropout"] = dropout
     config = EncoderConfig(vocab_size=40, dim=16, depth=3, heads=2, dropout=dropout, attention=_mechanism(name),
-                           attention_options=options, reversible=True, tied=tied)
+                           attention_options=options, reversible=True, tied=tied, tied_lipschitz=tied_lipschitz)
     torch.manual_seed(fixed_seed())
     model = Encoder(config).double()
     if tied:  # leave the zero initialisation so H matters, but keep it a contraction
@@ -350,12 +351,46 @@ def test_reversible_aux_losses_reach_the_loss():
 
 
 def test_tied_inversion_failure_is_reported():
-    model, _ = _reversible_pair("full", tied=True, dropout=0.0)
+    """The paper's unconstrained H (tied_lipschitz=None), far from a contraction: the backward says so."""
+    model, _ = _reversible_pair("full", tied=True, dropout=0.0, tied_lipschitz=None)
     for h in model.reversible.tied:
         torch.nn.init.normal_(h.net[2].weight, std=5.0)  # far from a contraction
     y = model(torch.randint(1, 40, (1, 12)))
     with pytest.raises(RuntimeError, match="could not invert tied reversible block"):
         y.sum().backward()
+
+
+def test_contractive_tied_connection_stays_invertible_with_large_weights():
+    """With the default tied_lipschitz=0.5, H's Jacobian in x1 has spectral norm <= 0.5 whatever its weights (each
+    token's Jacobian, by autograd, float64), H = 0 with scale 1 at initialisation, and the same large weights that
+    break the paper's H leave the recomputing backward equal to ordinary backprop (1e-10)."""
+    fresh = TiedConnection(6).double()
+    assert fresh.scale() == 1.0 and bool((fresh(torch.randn(3, 6, dtype=torch.float64),
+                                                torch.randn(3, 6, dtype=torch.float64)) == 0).all())
+    g = torch.Generator().manual_seed(fixed_seed())
+    h = TiedConnection(6).double()
+    for layer in (h.net[0], h.net[2]):
+        layer.weight.data = torch.randn(layer.weight.shape, generator=g, dtype=torch.float64) * 5.0
+    x2 = torch.randn(6, dtype=torch.float64)
+    for _ in range(8):
+        x1 = torch.randn(6, generator=g, dtype=torch.float64) * 3.0
+        jac = torch.autograd.functional.jacobian(lambda a: h(a, x2), x1)
+        assert float(torch.linalg.matrix_norm(jac, 2)) <= 0.5 + 1e-12
+    model, plain = _reversible_pair("full", tied=True, dropout=0.0)
+    for block, twin in zip(model.reversible.tied, plain.reversible.tied, strict=True):
+        torch.nn.init.normal_(block.net[2].weight, std=5.0)
+        torch.nn.init.normal_(block.net[0].weight, std=2.0)
+        twin.load_state_dict(block.state_dict())
+    tokens = torch.randint(1, 40, (2, 14))
+    y_rev, g_rev = _grads(model, tokens, None, False, 7)
+    y_ref, g_ref = _grads(plain, tokens, None, False, 7)
+    torch.testing.assert_close(y_rev, y_ref, atol=1e-12, rtol=0)
+    for n in g_ref:
+        torch.testing.assert_close(g_rev[n], g_ref[n], atol=1e-10, rtol=1e-10, msg=n)
+    with pytest.raises(ValueError, match="lipschitz must be in"):
+        TiedConnection(4, lipschitz=1.0)
+    with pytest.raises(ValueError, match="tied_lipschitz must be < 1"):
+        EncoderConfig(vocab_size=10, reversible=True, tied=True, tied_lipschitz=1.5)
 
 
 def test_reversible_config_errors():

@@ -44,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tied", action="store_true",
                    help="with --reversible: the tied connection between the two streams of the k-means/reversible "
                         "paper (section 3.3)")
+    p.add_argument("--tied-lipschitz", type=lambda t: None if t.lower() == "none" else float(t), default=0.5,
+                   help="with --tied: the tied connection's contraction constant in x1, in (0, 1), which keeps the "
+                        "reversible block invertible as H trains; 'none': the paper's unconstrained H, whose "
+                        "inversion can fail (default 0.5)")
     p.add_argument("--allow-non-strict-causal", action="store_true",
                    help="shakespeare-char: accept a mechanism whose causal mode is not strict (cluster-former, "
                    "neural-clustering causal_mode=paper); its bits per character are then optimistic")

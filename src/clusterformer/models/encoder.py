@@ -57,6 +57,8 @@ class EncoderConfig:
             activation memory flat in depth. The input is duplicated into (x1, x2) and the two streams
             averaged at the end.
         tied: with ``reversible``, add the tied connection H(x1, x2) of the k-means/reversible paper (§3.3).
+        tied_lipschitz: H's contraction constant in x1, which keeps a tied block invertible as it trains
+            (:class:`clusterformer.models.reversible.TiedConnection`); None: the paper's unconstrained H.
     """
 
     vocab_size: int
@@ -73,6 +75,7 @@ class EncoderConfig:
     layer_attention: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     reversible: bool = False
     tied: bool = False
+    tied_lipschitz: float | None = 0.5
 
     def __post_init__(self) -> None:
         check_int("vocab_size", self.vocab_size, minimum=2)
@@ -107,6 +110,9 @@ class EncoderConfig:
         check_bool("tied", self.tied)
         if self.tied and not self.reversible:
             raise ValueError("tied=True needs reversible=True (the tied connection belongs to reversible blocks)")
+        if self.tied_lipschitz is not None:
+            check_float("tied_lipschitz", self.tied_lipschitz, minimum=0.0, maximum=1.0, exclusive_minimum=True,
+                        exclusive_maximum=True)
         if self.reversible and self.centroid_flow:
             raise ValueError("centroid_flow is not supported with reversible=True (blocks are replayed one by one)")
 
@@ -245,7 +251,8 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.reversible = None
         if config.reversible:
-            self.reversible = ReversibleSequence(self.blocks, dim=config.dim, tied=config.tied)
+            self.reversible = ReversibleSequence(self.blocks, dim=config.dim, tied=config.tied,
+                                                 tied_lipschitz=config.tied_lipschitz)
         self.norm = nn.LayerNorm(config.dim)
 
     def forward(

@@ -24,9 +24,16 @@ and under DistributedDataParallel every parameter's gradient hook fires exactly 
 
 Inverting the tied block. With H, x1 appears on both sides of y1 = x1 + F(x2) + H(x1, x2); the paper does
 not say how to recover it. We solve x1 = (y1 - F(x2)) - H(x1, x2) by fixed-point iteration, which converges
-while H is a contraction in x1; H's output layer starts at zero (H = 0, exact at initialisation). If the
-iteration does not converge to ``tol`` in ``tied_iterations`` steps the backward raises a RuntimeError
-rather than returning wrong gradients. (The paper reports diverging losses with tied connections.)
+while H is a contraction in x1; H's output layer starts at zero (H = 0, exact at initialisation). Training
+moves H's weights, and with the paper's unconstrained H the iteration stops converging (an MLM run at lr 1e-3
+lost it near step 211; the paper reports diverging losses with tied connections). So by default H is kept a
+contraction in x1 by construction, as invertible residual networks keep their blocks (Behrmann et al. 2019,
+i-ResNet): its output is scaled by lipschitz / max(bound, lipschitz), with bound = 1.13 sigma(W1_x1) sigma(W2)
+an upper bound of its Lipschitz constant in x1 (1.13 >= GELU's largest slope; sigma the spectral norm, made
+differentiable as u^T W v with the top singular vectors held constant, as spectral normalisation does), so the
+iteration converges at rate ``lipschitz`` (0.5: 1e-15 in 50 steps). ``lipschitz=None`` is the paper's H; if the
+iteration does not converge to ``tol`` in ``tied_iterations`` steps the backward raises a RuntimeError rather
+than returning wrong gradients.
 
 Replay. The recompute must see the same hashes, clusters and dropout masks as the forward: before each
 branch the forward records the global CPU (and CUDA) RNG state and the state of every attention layer's
@@ -55,18 +62,43 @@ from ..attention.base import SeededModule
 __all__ = ["ReversibleSequence", "TiedConnection"]
 
 
-class TiedConnection(nn.Module):
-    """H(x1, x2) = W2 GELU(W1 [x1, x2] + b1) + b2, output dim = dim (§3.3). W2, b2 start at zero."""
+GELU_SLOPE = 1.13  # >= max_x d/dx GELU(x) = 1.1289 (at x = 0.7518)
 
-    def __init__(self, dim: int, hidden: int | None = None) -> None:
+
+def _spectral_norm(w: torch.Tensor) -> torch.Tensor:
+    """sigma(w), differentiable as u^T w v with its top singular vectors u, v held constant (spectral
+    normalisation's gradient; no SVD backward, which is undefined at the zero matrix H starts as)."""
+    with torch.no_grad():
+        U, _S, Vh = torch.linalg.svd(w, full_matrices=False)
+    return U[:, 0] @ w @ Vh[0]
+
+
+class TiedConnection(nn.Module):
+    """H(x1, x2) = s (W2 GELU(W1 [x1, x2] + b1) + b2), output dim = dim (§3.3). W2, b2 start at zero.
+
+    ``lipschitz`` (default 0.5): s = lipschitz / max(bound, lipschitz), bound = 1.13 sigma(W1_x1) sigma(W2), so H is
+    a contraction in x1 with constant <= lipschitz and the block stays invertible (module docs); s = 1 while the
+    bound is below it (at initialisation, H = 0). None: s = 1, the paper's H."""
+
+    def __init__(self, dim: int, hidden: int | None = None, lipschitz: float | None = 0.5) -> None:
         super().__init__()
+        if lipschitz is not None and not 0.0 < lipschitz < 1.0:
+            raise ValueError(f"lipschitz must be in (0, 1) (a contraction) or None; got {lipschitz!r}")
         hidden = hidden or dim
+        self.dim, self.lipschitz = dim, lipschitz
         self.net = nn.Sequential(nn.Linear(2 * dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
         nn.init.zeros_(self.net[2].weight)
         nn.init.zeros_(self.net[2].bias)
 
+    def scale(self) -> torch.Tensor | float:
+        """s: 1, or lipschitz / bound once the bound on H's Lipschitz constant in x1 exceeds ``lipschitz``."""
+        if self.lipschitz is None:
+            return 1.0
+        bound = GELU_SLOPE * _spectral_norm(self.net[0].weight[:, :self.dim]) * _spectral_norm(self.net[2].weight)
+        return self.lipschitz / bound.clamp(min=self.lipschitz)
+
     def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.cat([x1, x2], dim=-1))
+        return self.scale() * self.net(torch.cat([x1, x2], dim=-1))
 
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
@@ -187,13 +219,15 @@ class ReversibleSequence(nn.Module):
         recompute: True (default) runs the memory-saving custom backward; False runs the same equations with
             ordinary autograd (the reference the tests compare against, and a debugging aid).
         tied_iterations, tol: fixed-point inversion of a tied block (see module docs).
+        tied_lipschitz: the tied connections' contraction constant in x1 (:class:`TiedConnection`; None: the
+            paper's unconstrained H, whose inversion can fail once trained).
     """
 
     def __init__(self, blocks: nn.ModuleList, *, dim: int, tied: bool = False, recompute: bool = True,
-                 tied_iterations: int = 50, tol: float | None = None) -> None:
+                 tied_iterations: int = 50, tol: float | None = None, tied_lipschitz: float | None = 0.5) -> None:
         super().__init__()
         self.blocks = list(blocks)  # a plain list: not registered twice
-        self.tied = nn.ModuleList(TiedConnection(dim) for _ in blocks) if tied else None
+        self.tied = nn.ModuleList(TiedConnection(dim, lipschitz=tied_lipschitz) for _ in blocks) if tied else None
         self.recompute = recompute
         self.tied_iterations = tied_iterations
         self.tol = tol

@@ -99,6 +99,7 @@ class ModelConfig:
     dropout: float = 0.1
     reversible: bool = False
     tied: bool = False  # with reversible: the tied connection of the k-means/reversible paper
+    tied_lipschitz: float | None = 0.5  # its contraction constant in x1 (invertible as it trains); None: the paper's
     # to fine-tune: a pretrained model of clusterformer.hf (e.g. "minilm") or a `train --task mlm` checkpoint
     init: str | None = None
     init_partial: bool = False  # --init PATH: transfer the tensors whose names and shapes match, skip the rest

@@ -113,7 +113,7 @@ def build_model(config: TrainConfig, task: Task) -> torch.nn.Module:
                                     options=dict(config.attention_options))
     size = dict(vocab_size=task.vocab_size, dim=config.dim, depth=config.depth, heads=config.heads,
                 ff_dim=config.ff_dim, dropout=config.dropout, max_len=task.model_max_len(config.max_len),
-                reversible=config.reversible, tied=config.tied)
+                reversible=config.reversible, tied=config.tied, tied_lipschitz=config.tied_lipschitz)
     if config.cluster_layers is not None:  # the paper's stack: sliding-window layers, Cluster-Former layers here
         options = make_options("cluster-former", dict(config.attention_options))
         rest = {k: v for k, v in config.attention_options.items() if k not in ("window", "stride", "num_clusters")}
@@ -383,7 +383,8 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     state = load_checkpoint(out / CHECKPOINT)
     saved = state["config"]
     changed = {k for k in ("task", "task_options", "attention", "attention_options", "dim", "depth", "heads",
-                           "max_len", "seed", "batch_size", "cluster_layers", "reversible", "tied", "decoder_attention",
+                           "max_len", "seed", "batch_size", "cluster_layers", "reversible", "tied", "tied_lipschitz",
+                           "decoder_attention",
                            "decoder_attention_options", "centroid_flow", "centroid_lr_scale", "layer_attention",
                            "dense_warmup_steps", "dense_warmup_loss")
                if _comparable(saved.get(k, getattr(config, k))) != _comparable(getattr(config, k))}
@@ -563,7 +564,8 @@ def _pretrained_checkpoint(path: str) -> dict:
 
 
 # what must agree between the pretrained run and the fine-tuned one for the encoder to mean the same thing
-_ENCODER_FIELDS = ("attention", "attention_options", "dim", "depth", "heads", "ff_dim", "reversible", "tied")
+_ENCODER_FIELDS = ("attention", "attention_options", "dim", "depth", "heads", "ff_dim", "reversible", "tied",
+                   "tied_lipschitz")
 
 
 def load_pretrained_encoder(model: torch.nn.Module, state: dict, config: TrainConfig) -> dict:
@@ -577,7 +579,9 @@ def load_pretrained_encoder(model: torch.nn.Module, state: dict, config: TrainCo
     encoder = getattr(model, "encoder", None)
     if not isinstance(encoder, torch.nn.Module):
         raise ValueError(f"--init PATH loads a pretrained encoder; this task's model ({type(model).__name__}) has none")
-    saved = state["config"]
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    saved = {name: state["config"].get(name, defaults[name]) for name in _ENCODER_FIELDS}  # older runs: defaults
+    saved["max_len"] = state["config"].get("max_len", 0)
     differences = [f"{name}: pretrained {saved.get(name)!r}, here {getattr(config, name)!r}"
                    for name in _ENCODER_FIELDS
                    if _comparable(saved.get(name)) != _comparable(getattr(config, name))]
