@@ -1,4 +1,5 @@
-"""One mask value, composable predicates, and one rule for a query with no key.
+"""The library's one mask: its value, the typed mask built on it, composable predicates, and one rule for a
+query with no key. It sits below ``ops``, ``clustering``, ``attention`` and ``hf``, which all take it from here.
 
 The mask value. Outside and inside the package, padding is one tensor: ``key_padding_mask`` (B, N) bool,
 True = padding (``None``: no padding). Its views have names: :func:`real_tokens` (True = a token),
@@ -11,6 +12,11 @@ per-row tables (a token's flat index b * N + n for dense attention, a buffer row
 -- to a boolean "allowed" tensor of their broadcast shape:
 
     allowed = and_masks(key_is_real(real), causal_order(positions), same_group(groups))(q_index, k_index)
+
+The typed mask. :class:`AttentionMask` (padding, causal, window) is everything a mask says, carried from the
+entry points (a layer's ``key_padding_mask`` and causal flag; a ``transformers`` model's 4-D mask, read back by
+:meth:`AttentionMask.from_allowed`) to the ops, which take from it the form they need: a dense allowed tensor,
+per-row tables and a predicate for windowed buffers, a FlexAttention ``mask_mod``.
 
 The rule. A query with no allowed key (a sequence of padding only, left padding under a causal mask, an
 empty window) has no softmax; :func:`allow_empty_rows` gives it every key -- a finite softmax, so no NaN

@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..masks import self_only_when_alone
 from .decode import GroupRingCache, attend_allowed
 from .layouts import cluster_causal_layout, sorted_layout
 from .windows import windowed_attention_lse
@@ -136,8 +137,7 @@ def bucketed_step(qk_t: torch.Tensor, v_t: torch.Tensor, buckets: torch.Tensor, 
     value = v_t.unsqueeze(2).expand(B, H, R, D).reshape(B, H * R, D)
     keys, values, allowed, own = cache.append(buckets.reshape(B, H * R), key, value)
     # the shared-QK rule: a token attends to itself only when it has no other key
-    others = allowed & (torch.arange(cache.slots, device=own.device) != own.unsqueeze(-1))
-    allowed = torch.where(others.any(-1, keepdim=True), others, allowed)
+    allowed = self_only_when_alone(allowed, torch.arange(cache.slots, device=own.device) == own.unsqueeze(-1))
     query = (qk_t * scale).unsqueeze(2).expand(B, H, R, D).reshape(B, H * R, D)
     out, lse = attend_allowed(query, keys, values, allowed, 1.0)
     return merge_rounds(out.view(B, H, R, 1, D), lse.view(B, H, R, 1)).squeeze(-2)
