@@ -36,6 +36,8 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
                         "summaries": False}),
     ("cluster-select", {"num_clusters": 3, "select": 1, "cluster_keys": 2, "window": 2, "summaries": True,
                         "selection": "summaries", "grouping": "position", "page_size": 3}),
+    ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "summaries": True,
+                        "selection": "summaries", "grouping": "random"}),
     ("sliding-window", {"window": 8, "stride": 3}),
     ("sliding-window", {"window": 6, "stride": 6}),
 ]

@@ -353,8 +353,12 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     outputs = []
     for h in range(H):
         mu = layer.inner.centroids[h]
-        ids = ((F.normalize(k[h], dim=-1) @ mu.T).argmax(-1) if o.grouping == "kmeans" else
-               torch.arange(N) // (o.page_size or o.cluster_keys) % o.num_clusters)  # grouping="position": pages
+        if o.grouping == "kmeans":
+            ids = (F.normalize(k[h], dim=-1) @ mu.T).argmax(-1)
+        elif o.grouping == "position":  # pages
+            ids = torch.arange(N) // (o.page_size or o.cluster_keys) % o.num_clusters
+        else:  # "random": floor(C h(j) / 2^32), h(j) = (j + 1) 2654435761 mod 2^32, one position at a time
+            ids = torch.tensor([((j + 1) * 2654435761 % 2**32) * o.num_clusters // 2**32 for j in range(N)])
         out = torch.zeros(N, D, dtype=q.dtype)
         for t in range(N):
             window = [j for j in (range(t - o.window + 1, t + 1) if causal else
@@ -398,7 +402,8 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     (17, {"num_clusters": 4, "select": 1, "cluster_keys": 5, "window": 2}),
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize(("selection", "grouping"), [("scores", "kmeans"), ("summaries", "kmeans"),
-                                                    ("summaries", "position"), ("summaries", "position-5")])
+                                                    ("summaries", "position"), ("summaries", "position-5"),
+                                                    ("summaries", "random")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel):
@@ -416,7 +421,7 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
         pad[1, -3:] = True
         pad[2, 2:4] = True
     plain = _layer("cluster-select", **options, kernel=kernel, grouping=grouping, **pages, summaries=False,
-                   selection="random" if grouping == "position" else "scores")
+                   selection="scores" if grouping == "kmeans" else "random")
     plain.load_state_dict(layer.state_dict())
     y = layer(x, key_padding_mask=pad, causal=causal)
     for b in range(B):
@@ -447,6 +452,8 @@ def test_cluster_select_summaries_options():
         ClusterSelectOptions(summaries=False, selection="summaries")
     with pytest.raises(ValueError, match="grouping"):
         ClusterSelectOptions(grouping="position", summaries=False)  # selection="scores" needs trained centroids
+    with pytest.raises(ValueError, match="grouping='random' has no trained centroids"):
+        ClusterSelectOptions(grouping="random", summaries=False)
     with pytest.raises(ValueError, match="grouping"):
         ClusterSelectOptions(grouping="pages", summaries=True, selection="summaries")
     with pytest.raises(ValueError, match="page_size"):

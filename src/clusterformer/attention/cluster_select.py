@@ -87,8 +87,10 @@ class ClusterSelectOptions(SeededOptions):
             M = window + select * cluster_keys, and the banded kernel (linear in N) beyond.
         grouping: "kmeans" (default): a key's cluster is its nearest centroid; "position": the ablation with
             contiguous groups -- position j is in group (j // page) mod num_clusters, pages of ``page_size``
-            positions (Quest's pages). Its centroids do not train (no commitment loss) and it selects by
-            "summaries" or "random".
+            positions (Quest's pages). "random": the ablation with random groups of the same expected size --
+            position j is in group floor(C h(j) / 2^32), h Knuth's multiplicative hash of j + 1 (fixed by the
+            position alone: the same in training and decoding, for any batch or prefix). Neither trains centroids
+            (no commitment loss); both select by "summaries" or "random".
         page_size: grouping="position": positions per page; 0 (default) = cluster_keys, so that a selected group's
             most recent members are mostly one whole page. Pages wrap around after num_clusters of them: with
             num_clusters * page_size >= N every group is one page.
@@ -130,13 +132,13 @@ class ClusterSelectOptions(SeededOptions):
         if self.selection == "auto":  # resolved here, so that records and checkpoints name the rule that ran
             object.__setattr__(self, "selection", "summaries" if self.summaries else "scores")
         check_choice("kernel", self.kernel, KERNELS)
-        check_choice("grouping", self.grouping, ("kmeans", "position"))
+        check_choice("grouping", self.grouping, ("kmeans", "position", "random"))
         check_int("page_size", self.page_size, minimum=0)
         if self.page_size and self.grouping != "position":
             raise ValueError(f"page_size={self.page_size} needs grouping='position'")
-        if self.grouping == "position" and self.selection == "scores":
-            raise ValueError("grouping='position' has no trained centroids to score: use selection='summaries' (with "
-                             "summaries=True) or 'random'")
+        if self.grouping != "kmeans" and self.selection == "scores":
+            raise ValueError(f"grouping={self.grouping!r} has no trained centroids to score: use "
+                             "selection='summaries' (with summaries=True) or 'random'")
         if self.selection == "summaries" and not self.summaries:
             raise ValueError("selection='summaries' ranks clusters by the summaries' logits: set summaries=True")
 
@@ -179,7 +181,7 @@ class ClusterSelectAttention(InnerAttention):
         o = self.options
         B, H, N, _ = q.shape
         real = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N)
-        if o.grouping == "position":
+        if o.grouping != "kmeans":  # the ablations: groups fixed by the position
             ids = self._assign(k, torch.arange(N, device=q.device))
             publish_losses({"commitment": q.new_zeros(())})
         else:
@@ -221,11 +223,19 @@ class ClusterSelectAttention(InnerAttention):
         o = self.options
         return torch.div(positions, o.page_size or o.cluster_keys, rounding_mode="floor") % o.num_clusters
 
+    def _hashed_groups(self, positions: torch.Tensor) -> torch.Tensor:
+        """grouping="random": floor(C h(j) / 2^32) with h(j) = (j + 1) 2654435761 mod 2^32 (Knuth's multiplicative
+        hash, whose high bits are the well-mixed ones)."""
+        hashed = ((positions + 1) * 2654435761) % (1 << 32)
+        return (hashed * self.options.num_clusters) >> 32
+
     def _assign(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys (B, H, ..., D) at ``positions`` (broadcasting to (B, H, ...)) -> their groups (B, H, ...): the page of
-        the position (grouping="position") or the nearest centroid of the key."""
+        the position (grouping="position"), its hashed group ("random") or the nearest centroid of the key."""
         if self.options.grouping == "position":
             return self._pages(positions).expand(k.shape[:-1])
+        if self.options.grouping == "random":
+            return self._hashed_groups(positions).expand(k.shape[:-1])
         return self._nearest(F.normalize(k, dim=-1))
 
     def _select(self, q: torch.Tensor) -> torch.Tensor:
