@@ -75,6 +75,9 @@ def test_method_specs_and_bad_arguments(tmp_path):
         "cluster-retrieval:clusters=8,estimate_remainder=true", "cluster-retrieval",
         {"clusters": 8, "estimate_remainder": True, "budget": 0.1})
     assert parse_method("sink-window:budget=64", 0.1)[2] == {"budget": 64}
+    assert parse_method("oracle", 0.1)[2] == {"budget": 0.1}  # every cache reader takes the run's budget
+    assert parse_method("quest:page_size=8", 0.2)[2] == {"page_size": 8, "budget": 0.2}
+    assert parse_method("clustered", 0.1)[2] == {}  # not a cache reader: no budget
     with pytest.raises(ValueError, match="key=value"):
         parse_method("cluster-retrieval:clusters", None)
     with pytest.raises(ValueError, match="tasks"):

@@ -59,9 +59,10 @@ SMALL = {  # options that make the sparse structure bite at test sizes
     "cluster-former": {"window": 6, "stride": 3, "num_clusters": 3}, "clustered": {"num_clusters": 4},
     "improved-clustered": {"num_clusters": 4, "topk": 3}, "neural-clustering": {"num_clusters": 3}, "full": {},
     "cluster-select": {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4},
-    # a sequence's attention to itself is full attention for these two; their budgets bite on a decoder's cache
-    # (tests/hf/test_interface.py, tests/ops/test_retrieval.py)
+    # a sequence's attention to itself is full attention for these; their budgets bite on a decoder's cache
+    # (tests/hf/test_interface.py, tests/ops/test_retrieval.py, tests/ops/test_topk_cache.py)
     "cluster-retrieval": {"budget": 4, "num_clusters": 2, "window": 2}, "sink-window": {"budget": 4},
+    "oracle": {"budget": 4}, "quest": {"budget": 4, "page_size": 2},
 }
 
 

@@ -633,10 +633,10 @@ def test_gradcheck_of_the_family_ops(exact_path, monkeypatch):
         lambda a, b, c: sliding_window_attention(a, b, c, 4, 2, causal=True, key_padding_mask=pad), (q, k, v))
 
 
-@pytest.mark.parametrize("name", ["cluster-retrieval", "sink-window"])
+@pytest.mark.parametrize("name", ["cluster-retrieval", "sink-window", "oracle", "quest"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cache_readers_attend_a_sequence_to_itself_densely_and_refuse_native_decoding(name, causal):
-    """cluster-retrieval and sink-window change how a decoder reads its cache (hf); a sequence's attention to
+    """The cache readers change how a decoder reads its cache (hf); a sequence's attention to
     itself -- a prefill -- is full attention, exactly (float64, padding in the middle, a budget of 3 keys that would
     bite if it applied). Native cached decoding would step sparsely where the forward is dense: refused."""
     g = torch.Generator().manual_seed(fixed_seed())

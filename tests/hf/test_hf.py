@@ -360,7 +360,8 @@ def test_patch_uses_the_attention_registry():
     from clusterformer.hf import patchable
 
     # the cache-reading mechanisms are for a decoder's cache (the AttentionInterface), not an encoder's layers
-    assert set(patchable()) == {n for n in names() if not get(n).shared_qk} - {"cluster-retrieval", "sink-window"}
+    assert set(patchable()) == {n for n in names() if not get(n).shared_qk} - {"cluster-retrieval", "sink-window",
+                                                                             "oracle", "quest"}
     assert {"full", "clustered", "improved-clustered", "neural-clustering", "sliding-window",
             "cluster-former"} <= set(patchable())
     batch = _batch([9, 5], 9, seed=6)

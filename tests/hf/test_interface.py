@@ -51,8 +51,8 @@ def _with(model, name):
 def test_registered_names_work_with_from_pretrained(tmp_path):
     names = hf.registered()
     # one list: the registry's mechanisms that say how to run on a model's own Q, K, V
-    assert hf.interface_mechanisms() == ["cluster-retrieval", "clustered", "full", "improved-clustered",
-                                         "sink-window"]
+    assert hf.interface_mechanisms() == ["cluster-retrieval", "clustered", "full", "improved-clustered", "oracle",
+                                         "quest", "sink-window"]
     assert {f"clusterformer-{m}" for m in hf.interface_mechanisms()} <= set(names)
     name = hf.register_attention("cluster-retrieval", name="test-retrieval", budget=32, clusters=4, window=8)
     assert name == "test-retrieval"
@@ -153,6 +153,23 @@ def test_retrieval_is_batch_invariant_and_never_reads_a_future_key():
             outs.append(model(input_ids=chunk, past_key_values=cache).logits)
     assert torch.equal(outs[0][:, :2], outs[1][:, :2])
     assert not torch.equal(outs[0][:, 2], outs[1][:, 2])
+
+
+@pytest.mark.parametrize(("mechanism", "options"), [("oracle", {}), ("quest", {"page_size": 4})])
+def test_oracle_and_quest_in_a_decoder_are_batch_invariant_and_covering_budgets_are_dense(mechanism, options):
+    """The two yardsticks of issue #32 run in generate() through the interface: a left-padded sequence beside a
+    longer one gives the same logits as alone, a budget of 25% changes them, and a budget covering the cache is
+    dense attention."""
+    model = _llama()
+    batch = _prompts([50, 33], fixed_seed())
+    _with(model, hf.register_attention(mechanism, name=f"test-{mechanism}", budget=0.25, **options))
+    _, together = _generate(model, batch, steps=5)
+    _, single = _generate(model, {key: value[1:, 17:] for key, value in batch.items()}, steps=5)
+    torch.testing.assert_close(single[0], together[1], rtol=0, atol=1e-10)
+    _, dense = _generate(_with(_llama(), "sdpa"), batch, steps=5)
+    assert (together - dense).abs().max() > 1e-6  # the budget bites
+    _with(model, hf.register_attention(mechanism, name=f"test-{mechanism}-all", budget=1.0, **options))
+    torch.testing.assert_close(_generate(model, batch, steps=5)[1], dense, rtol=0, atol=1e-10)
 
 
 def _index_of(cache):

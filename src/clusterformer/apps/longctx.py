@@ -37,13 +37,16 @@ from ..data.ruler import INSTRUCTION, TASKS, detokenize_wikitext, haystack_sente
 __all__ = ["LongContextConfig", "parse_method", "run_longctx", "summarize"]
 
 MAX_NEW_TOKENS = {"passkey": 16, "niah-multikey": 24, "variable-tracking": 48}
-BUDGETED = ("cluster-retrieval", "sink-window")
 
 
 def parse_method(spec: str, budget: float | int | None) -> tuple[str, str, dict[str, Any]]:
-    """"NAME[:key=value,...]" -> (label, mechanism, options); the budgeted methods default to ``budget``."""
+    """"NAME[:key=value,...]" -> (label, mechanism, options); the mechanisms that read a cache at a budget (the
+    registry's ``interface_mode == "cache"``: cluster-retrieval, sink-window, oracle, quest) default to
+    ``budget``."""
+    from ..attention.registry import get, names
+
     mechanism, options = parse_spec(spec)
-    if mechanism in BUDGETED and budget is not None:
+    if mechanism in names() and get(mechanism).inner.interface_mode == "cache" and budget is not None:
         options.setdefault("budget", budget)
     return spec.strip(), mechanism, options
 

@@ -41,7 +41,16 @@ from .kmeans import KMeansAttention, KMeansOptions
 from .lsh import LSHAttention, LSHOptions
 from .neural_clustering import NeuralClusteringAttention, NeuralClusteringOptions
 from .registry import build, build_inner, can_decode, describe, names, register
-from .retrieval import ClusterRetrievalAttention, ClusterRetrievalOptions, SinkWindowAttention, SinkWindowOptions
+from .retrieval import (
+    CacheBudgetOptions,
+    ClusterRetrievalAttention,
+    ClusterRetrievalOptions,
+    OracleAttention,
+    QuestAttention,
+    QuestOptions,
+    SinkWindowAttention,
+    SinkWindowOptions,
+)
 from .routing import RoutingAttention, RoutingOptions
 
 __all__ = [
@@ -49,6 +58,7 @@ __all__ = [
     "AttentionOptions",
     "AuxLosses",
     "BucketOptions",
+    "CacheBudgetOptions",
     "ClusterFormerAttention",
     "ClusterFormerOptions",
     "ClusterRetrievalAttention",
@@ -68,7 +78,10 @@ __all__ = [
     "LSHOptions",
     "NeuralClusteringAttention",
     "NeuralClusteringOptions",
+    "OracleAttention",
     "QKVProjection",
+    "QuestAttention",
+    "QuestOptions",
     "RoutingAttention",
     "RoutingOptions",
     "SeededOptions",

@@ -1,25 +1,32 @@
-"""``"cluster-retrieval"`` and ``"sink-window"``: how a pretrained decoder reads its key/value cache.
+"""How a pretrained decoder reads its key/value cache: ``"cluster-retrieval"``, ``"sink-window"``, and the two
+yardsticks ``"oracle"`` and ``"quest"``.
 
-These two mechanisms change only what a query reads from a decoder's cache of earlier keys -- the long-context
-decoding of pretrained LLMs (ClusterKV, Squeezed Attention; StreamingLLM) -- and run through
-:mod:`clusterformer.hf`'s ``AttentionInterface`` inside any ``transformers`` decoder:
+These mechanisms change only what a query reads from a decoder's cache of earlier keys -- the long-context
+decoding of pretrained LLMs (ClusterKV, Squeezed Attention; StreamingLLM; Quest) -- and run through
+:mod:`clusterformer.hf`'s ``AttentionInterface`` inside any ``transformers`` decoder. Each query reads at most
+``budget`` keys, every key and centroid term counted:
 
 * ``"cluster-retrieval"``: per layer and key/value head the cached keys are grouped by K-means; each query scores
-  the centroids and attends exactly to the keys of its best clusters, up to ``budget`` keys, plus the first
-  ``sink`` tokens and the last ``window`` (:func:`clusterformer.ops.retrieval.retrieval_attention`, which gives
-  the equations). ``estimate_remainder`` adds every cluster's unread keys as one term from its centroid.
+  the centroids and attends exactly to the keys of its best clusters, plus the first ``sink`` tokens and its
+  most recent ones (:func:`clusterformer.ops.retrieval.retrieval_attention`, which gives the equations and the
+  budget's accounting). ``estimate_remainder`` adds every cluster's unread keys as one term from its centroid.
 * ``"sink-window"``: StreamingLLM at the same budget: the first ``sink`` tokens and the most recent ones.
+* ``"oracle"``: per query and head, the budget's keys of largest q . k -- the upper bound of any selection
+  (:func:`clusterformer.ops.topk_cache.oracle_attention`; it computes every score).
+* ``"quest"``: Quest's pages of ``page_size`` keys, ranked by the upper bound of q . k from their per-channel min
+  and max (:func:`clusterformer.ops.topk_cache.quest_attention`).
 
 A sequence attending to itself -- a prefill, or training -- is exact softmax attention (:meth:`forward` is
-``"full"``'s): both papers leave the prompt's own attention dense and make the *reading of the cache* sparse.
-:meth:`ClusterRetrievalAttention.attend_cache` is that reading: the last Lq positions of a cache of n keys, with
-the key index (:class:`clusterformer.ops.retrieval.KeyClusterIndex`) that belongs to that cache, returned to
-the caller, which keeps it beside the cache (:mod:`clusterformer.hf` keys it by the ``transformers`` cache
-object, so it dies with it). Neither mechanism has the native ``layer.prefill`` / ``layer.step`` decoding: a
-retrieval step is not the forward at that position (it reads fewer keys), which native decoding promises.
+``"full"``'s): these papers leave the prompt's own attention dense and make the *reading of the cache* sparse.
+:meth:`CacheReadingAttention.attend_cache` is that reading: the last Lq positions of a cache of n keys, with
+cluster retrieval's key index (:class:`clusterformer.ops.retrieval.KeyClusterIndex`) that belongs to that cache,
+returned to the caller, which keeps it beside the cache (:mod:`clusterformer.hf` keys it by the ``transformers``
+cache object, so it dies with it). None has the native ``layer.prefill`` / ``layer.step`` decoding: a sparse step
+is not the forward at that position (it reads fewer keys), which native decoding promises.
 
-Cost of a cached step per query and head: O(C D) centroid scores, O((sink + window + R) D) attention, against
-O(n D) dense; the index costs O(iterations n C D) per re-clustering, every ``refresh`` keys.
+Cost of a cached step per query and head: cluster retrieval O(C D) centroid scores and O(budget D) attention, the
+index O(iterations n C D) per re-clustering, every ``refresh`` keys; Quest O(n / page_size D) page bounds; the
+oracle O(n D), as dense.
 """
 
 from __future__ import annotations
@@ -39,22 +46,24 @@ from ..ops.retrieval import (
     keys_allowed,
     retrieval_attention,
 )
+from ..ops.topk_cache import oracle_attention, quest_attention
 from .base import AttentionOptions
 from .full import FullAttention
 from .registry import register
 
-__all__ = ["ClusterRetrievalAttention", "ClusterRetrievalOptions", "SinkWindowAttention", "SinkWindowOptions"]
+__all__ = ["CacheBudgetOptions", "CacheReadingAttention", "ClusterRetrievalAttention", "ClusterRetrievalOptions",
+           "OracleAttention", "QuestAttention", "QuestOptions", "SinkWindowAttention", "SinkWindowOptions"]
 
 
 @dataclass(frozen=True)
-class SinkWindowOptions(AttentionOptions):
-    """Options of ``"sink-window"`` (and the budget part of ``"cluster-retrieval"``'s).
+class CacheBudgetOptions(AttentionOptions):
+    """What every cache-reading mechanism takes (``"sink-window"``, ``"cluster-retrieval"``, ``"oracle"``,
+    ``"quest"``).
 
     Attributes:
-        budget: keys each query of a cached call attends to, sinks and window included: a float in (0, 1] is a
-            fraction of the sequence's cached keys (rounded up), an int >= 1 a count. A budget >= the cache is
-            dense attention.
-        sink: first real tokens every query attends to.
+        budget: keys each query of a cached call attends to, every key and centroid term it reads counted: a float
+            in (0, 1] is a fraction of the sequence's cached keys (rounded up), an int >= 1 a count. A budget >= the
+            cache is dense attention.
         dense_layers: the model's first ``dense_layers`` layers (by the attention module's ``layer_idx``) read
             their cache densely, as Quest and ClusterKV do: the lowest layers' attention is the least sparse
             (docs/results.md). Keys read then average ``(dense_layers + (L - dense_layers) * budget) / L`` of the
@@ -64,7 +73,6 @@ class SinkWindowOptions(AttentionOptions):
     ATTENTION_DROPOUT: ClassVar[bool] = False
 
     budget: float | int = 0.1
-    sink: int = 4
     dense_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -75,7 +83,6 @@ class SinkWindowOptions(AttentionOptions):
             raise ValueError(f"budget as a float is a fraction of the cache and must be in (0, 1]; got {self.budget}")
         if isinstance(self.budget, int) and self.budget < 1:
             raise ValueError(f"budget as an int is a count of keys and must be >= 1; got {self.budget}")
-        check_int("sink", self.sink, minimum=0)
         check_int("dense_layers", self.dense_layers, minimum=0)
 
     def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -85,6 +92,37 @@ class SinkWindowOptions(AttentionOptions):
     def covers(self, lengths: torch.Tensor) -> bool:
         """Whether the budget covers every cached key of every sequence (then attention is dense)."""
         return bool((self.keys_allowed(lengths) >= lengths).all())
+
+
+@dataclass(frozen=True)
+class SinkWindowOptions(CacheBudgetOptions):
+    """Options of ``"sink-window"`` (and the budget part of ``"cluster-retrieval"``'s): ``budget`` and
+    ``dense_layers`` (:class:`CacheBudgetOptions`), and
+
+    Attributes:
+        sink: first real tokens every query attends to (at most budget - 1: a query keeps its own key).
+    """
+
+    sink: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("sink", self.sink, minimum=0)
+
+
+@dataclass(frozen=True)
+class QuestOptions(CacheBudgetOptions):
+    """Options of ``"quest"``: ``budget`` and ``dense_layers`` (:class:`CacheBudgetOptions`), and
+
+    Attributes:
+        page_size: positions per page (Quest's 16): a query reads whole pages, each counted in full.
+    """
+
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("page_size", self.page_size, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -123,12 +161,10 @@ class ClusterRetrievalOptions(SinkWindowOptions):
         check_choice("selection", self.selection, ("group", "head"))
 
 
-@register("sink-window", SinkWindowOptions,
-          "StreamingLLM for a decoder's cache (hf): first sink tokens + the most recent ones, up to a budget; a "
-          "sequence's attention to itself (prefill) is full")
-class SinkWindowAttention(FullAttention):
-    """StreamingLLM's cache reading. :meth:`forward` is exact softmax attention (a prefill);
-    :meth:`attend_cache` reads the first ``sink`` real tokens and the most recent ones, ``budget`` in all."""
+class CacheReadingAttention(FullAttention):
+    """What the cache-reading mechanisms share: :meth:`forward` is exact softmax attention (a prefill, or
+    training); :meth:`attend_cache` reads the cache sparsely, through :meth:`_read`, when the budget does not
+    cover it. Not registered itself."""
 
     decodes = False
     interface_mode = "cache"
@@ -158,23 +194,63 @@ class SinkWindowAttention(FullAttention):
         mask = AttentionMask(None, causal=True) if mask is None else mask
         if (not mask.causal and Lq > 1) or mask.window is not None:
             raise ValueError("a cache is read causally, without a window: the mask must be key padding + causal")
-        key_padding_mask = mask.padding
-        lengths = mask.lengths(1 if key_padding_mask is None else k.shape[0], n, k.device)
+        lengths = mask.lengths(1 if mask.padding is None else k.shape[0], n, k.device)
         if Lq == n or self.options.covers(lengths) or (layer is not None and layer < self.options.dense_layers):
             return cache_sdpa(q, k, v, mask, scale=scale), index
-        index = self._index(k, v, key_padding_mask, index, Lq)
-        return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale), index
+        return self._read(q, k, v, mask.padding, scale, index)
 
-    def _index(self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-               index: KeyClusterIndex | None, queries: int) -> KeyClusterIndex | None:
-        return None  # sinks + window only
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
+        """The sparse reading of the cache: (out, the index to keep, or None)."""
+        raise NotImplementedError
+
+
+@register("sink-window", SinkWindowOptions,
+          "StreamingLLM for a decoder's cache (hf): first sink tokens + the most recent ones, up to a budget; a "
+          "sequence's attention to itself (prefill) is full")
+class SinkWindowAttention(CacheReadingAttention):
+    """StreamingLLM's cache reading: the first ``sink`` real tokens and the most recent ones, ``budget`` in all
+    (:func:`clusterformer.ops.retrieval.retrieval_attention` without an index)."""
+
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, None]:
+        return retrieval_attention(q, k, v, key_padding_mask, None, self.options, scale), None
+
+
+@register("oracle", CacheBudgetOptions,
+          "the upper bound of any selection of a decoder's cache (hf): per query and head, the budget's keys of "
+          "largest q . k; computes every score; a sequence's attention to itself (prefill) is full")
+class OracleAttention(CacheReadingAttention):
+    """The oracle's cache reading (:func:`clusterformer.ops.topk_cache.oracle_attention`): a yardstick for the
+    methods that must choose their keys without computing every score."""
+
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, None]:
+        return oracle_attention(q, k, v, key_padding_mask, self.options.budget, scale), None
+
+
+@register("quest", QuestOptions,
+          "Quest for a decoder's cache (hf; Tang et al. 2024): pages of page_size keys ranked by the upper bound of "
+          "q . k from their per-channel min and max, whole pages up to a budget; a sequence's attention to itself "
+          "(prefill) is full")
+class QuestAttention(CacheReadingAttention):
+    """Quest's cache reading (:func:`clusterformer.ops.topk_cache.quest_attention`)."""
+
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, None]:
+        return quest_attention(q, k, v, key_padding_mask, self.options.budget, self.options.page_size, scale), None
 
 
 @register("cluster-retrieval", ClusterRetrievalOptions,
           "clustered key retrieval for a decoder's cache (hf; ClusterKV): sinks + window + the keys of the best "
           "K-means clusters, up to a budget; a sequence's attention to itself (prefill) is full")
-class ClusterRetrievalAttention(SinkWindowAttention):
-    """ClusterKV-style cache reading; see the module docstring and :meth:`SinkWindowAttention.attend_cache`."""
+class ClusterRetrievalAttention(CacheReadingAttention):
+    """ClusterKV-style cache reading; see the module docstring and :meth:`CacheReadingAttention.attend_cache`."""
+
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, KeyClusterIndex]:
+        index = self._index(k, v, key_padding_mask, index, q.shape[2])
+        return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale), index
 
     def _index(self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                index: KeyClusterIndex | None, queries: int) -> KeyClusterIndex:
