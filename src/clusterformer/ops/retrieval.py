@@ -389,7 +389,8 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, U, S),
                  torch.arange(start, n, device=dev).view(1, 1, 1, W).expand(B, Hkv, U, W)]
     read = _read_mask(unit_pos, index.sinks, index.sink_live, sink_count, start, n, cap, real)  # (B, U, S + W)
-    ok = [read[:, None, :, :S], read[:, None, :, S:]]  # (B, 1, U, width)
+    # (B, 1, U, width), or None where every position is read: SDPA's unmasked path is the faster one
+    ok = [None if bool(part.all()) else part.unsqueeze(1) for part in (read[..., :S], read[..., S:])]
 
     # Clusters ranked per unit: by its query's score, or the best score among the group's query heads (they read
     # the same cache, so the group gathers its keys once).
