@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import allow_empty_rows, real_tokens
+from ..masks import AttentionMask, allow_empty_rows, real_tokens
 from .retrieval import keys_allowed
 
 __all__ = ["oracle_attention", "quest_attention"]
@@ -64,10 +64,9 @@ def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
     B, H, Lq, D = q.shape
     Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
-    real, allowed = _budgets(key_padding_mask, budget, B, n, q.device)
-    position = n - Lq + torch.arange(Lq, device=q.device)
-    visible = real[:, None, None, :] & (torch.arange(n, device=q.device) <= position[:, None])  # (B, 1, Lq, n)
-    scores = (q.view(B, Hkv, rep * Lq, D) @ k.transpose(-1, -2)).view(B, H, Lq, n)
+    _real, allowed = _budgets(key_padding_mask, budget, B, n, q.device)
+    visible = AttentionMask(key_padding_mask, causal=True).allowed(Lq, n, q.device)  # (B or 1, 1, Lq, n)
+    scores = (q.reshape(B, Hkv, rep * Lq, D) @ k.transpose(-1, -2)).view(B, H, Lq, n)
     scores = scores.masked_fill(~visible, float("-inf"))
     top = scores.topk(min(int(allowed.max()), n), dim=-1)
     read = top.values > float("-inf")
@@ -98,7 +97,7 @@ def quest_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_paddi
     holds = (torch.arange(pages * P, device=dev) < lengths.unsqueeze(1)).view(B, 1, pages, P, 1)
     low = padded.masked_fill(~holds, float("inf")).amin(3)  # (B, Hkv, pages, D)
     high = padded.masked_fill(~holds, float("-inf")).amax(3)
-    qg = q.view(B, Hkv, rep, Lq, 1, D)
+    qg = q.reshape(B, Hkv, rep, Lq, 1, D)
     bound = torch.maximum(qg * low.unsqueeze(2).unsqueeze(2), qg * high.unsqueeze(2).unsqueeze(2)).sum(-1)
     bound = bound.view(B, H, Lq, pages)  # pages at or after a query's own are never ranked below
     # each query (rank r): its own page up to itself, at most A of its most recent keys; then the whole earlier pages
