@@ -131,7 +131,7 @@ def _answer(model: torch.nn.Module, cache: Any, question: list[int], max_new_tok
             stop: set[int]) -> tuple[list[int], float]:
     """Greedy answer after feeding the question to a cache; (tokens, seconds per generated token)."""
     ids = torch.tensor([question])
-    logits = model(input_ids=ids, past_key_values=cache).logits[:, -1]
+    logits = model(input_ids=ids, cache=cache).logits[:, -1]
     out: list[int] = []
     start = time.perf_counter()
     for _ in range(max_new_tokens):
@@ -139,7 +139,7 @@ def _answer(model: torch.nn.Module, cache: Any, question: list[int], max_new_tok
         if token in stop:
             break
         out.append(token)
-        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[:, -1]
+        logits = model(input_ids=torch.tensor([[token]]), cache=cache).logits[:, -1]
     return out, (time.perf_counter() - start) / max(1, len(out))
 
 
@@ -185,7 +185,7 @@ def run_longctx(config: LongContextConfig, progress: bool = True) -> dict[str, A
         cache = transformers.DynamicCache(config=model.config)
         start = time.perf_counter()
         with torch.no_grad():
-            model(input_ids=torch.tensor([context_ids]), past_key_values=cache)
+            model(input_ids=torch.tensor([context_ids]), cache=cache)
         record: dict[str, Any] = {"tokens": len(context_ids) + len(question_ids), "answers": list(sample.answers),
                                   "prefill_s": round(time.perf_counter() - start, 3), "methods": {}}
         for label in methods.names:
@@ -229,12 +229,12 @@ def _window_nll(model: torch.nn.Module, methods: _Methods, window: torch.Tensor,
     split = window.shape[1] - config.scored
     model.set_attn_implementation("sdpa")
     cache = transformers.DynamicCache(config=model.config)
-    model(input_ids=window[:, :split], past_key_values=cache)
+    model(input_ids=window[:, :split], cache=cache)
     out = {}
     for label in methods.names:
         methods.use(model, label)
         c = copy.deepcopy(cache)
-        logits = [model(input_ids=window[:, i:i + config.chunk], past_key_values=c).logits
+        logits = [model(input_ids=window[:, i:i + config.chunk], cache=c).logits
                   for i in range(split, window.shape[1], config.chunk)]
         logits = torch.cat(logits, 1)[:, :-1]
         out[label] = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
