@@ -112,6 +112,23 @@ def test_compare_entries_carry_their_options_and_train_flags(tmp_path, capsys):
     assert summary["entries"]["nc-no-losses"]["train_args"] == variants["nc-no-losses"]["train_args"]
 
 
+def test_compare_replaces_seed_in_train_flags_with_each_runs_seed(tmp_path, capsys):
+    """``{seed}`` in a train flag -- the grid's or a variant's -- becomes each run's seed (what lets ``--init
+    stage1/seed{seed}`` continue every seed from its own checkpoint)."""
+    _write_task(tmp_path)
+    out = tmp_path / "cmp"
+    flags = _train_flags(tmp_path)
+    flags[flags.index("--max-steps") + 1] = "{seed}"  # seed 1 trains 1 step, seed 2 two
+    variants = {"short": {"attention": "full", "train_args": ["--warmup-steps", "{seed}"]}}
+    assert main(["compare", "--tasks", "text-classification", "--attention", "full,short", "--seeds", "1,2",
+                 "--variants", json.dumps(variants), "--out", str(out), *flags]) == 0
+    for label in ("full", "short"):
+        for seed in (1, 2):
+            metrics = json.loads((out / "text-classification" / label / f"seed{seed}" / "metrics.json").read_text())
+            assert metrics["steps"] == seed and metrics["config"]["seed"] == seed
+            assert metrics["config"]["warmup_steps"] == (seed if label == "short" else 1)
+
+
 def test_compare_summary_only_summarises_the_finished_runs_and_trains_nothing(tmp_path, capsys):
     """Entries run with different seeds (full with 0, sliding-window with 1): --summary-only over both entries and
     both seeds writes one summary of the two finished runs, and starts no training."""

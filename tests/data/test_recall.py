@@ -147,3 +147,41 @@ def test_evaluation_scores_query_positions_across_batches():
         assert right["accuracy"] == right["accuracy_far"] == right["accuracy_near"] == 1.0
         assert right["test_queries"] == 40 and 0 < right["far_fraction"] < 1
         assert task.evaluate(_Oracle(task, False), batch_size)["accuracy"] == 0.0
+
+
+def test_init_continues_a_run_of_the_same_task_at_another_length_and_mechanism(tmp_path):
+    """--init PATH of an MQAR run: the whole model (encoder and head) continues at a longer max_len with another
+    mechanism -- every tensor the checkpoint has is loaded exactly, the new mechanism's own (cluster-select's
+    centroids) start fresh and are reported; a different size, vocabulary or task is refused, naming it."""
+    from clusterformer.train import TrainConfig, run_training
+    from clusterformer.train.loop import _set_up
+
+    common = dict(task="mqar", dim=32, depth=2, heads=2, batch_size=8, limit=32, log_every=1, progress=False,
+                  task_options={"num_pairs": 4, "vocab_size": 64, "test_sequences": 4, "recall_sequences": 0})
+    short = tmp_path / "short"
+    run_training(TrainConfig(out=str(short), attention="full", max_len=64, max_steps=2, **common))
+    saved = {name: value for name, value in torch.load(short / "checkpoint.pt", weights_only=False)["model"].items()
+             if isinstance(value, torch.Tensor)}  # full attention's extra state (no generator) is None
+
+    long = dict(common, out=str(tmp_path / "long"), max_len=128, max_steps=1, lr=1e-3, init=str(short))
+    run = _set_up(TrainConfig(attention="cluster-select", attention_options={"window": 16, "cluster_keys": 8}, **long),
+                  None)
+    state = run.model.state_dict()
+    assert set(saved) < set(state) and len(saved) > 10
+    for name, value in saved.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0)
+    report = run.init_report
+    assert report["kind"] == "continue" and report["pretrained_max_len"] == 64 and report["skipped"] == []
+    assert sorted(report["fresh"]) == sorted(set(state) - set(saved)) and report["fresh"]
+    assert all(name.endswith(("centroids", "_extra_state")) for name in report["fresh"])  # centroids, generator
+    result = run_training(TrainConfig(attention="cluster-select", attention_options={"window": 16, "cluster_keys": 8},
+                                      **dict(long, out=str(tmp_path / "long2"))))
+    assert result["init"]["transferred"] == len(saved) and 0 <= result["metrics"]["accuracy"] <= 1
+
+    with pytest.raises(ValueError, match="dim: pretrained 32, here 48"):
+        _set_up(TrainConfig(attention="full", **dict(long, dim=48)), None)
+    wider = dict(long, task_options={**common["task_options"], "vocab_size": 80})
+    with pytest.raises(ValueError, match="lacks or shapes differently"):  # another vocabulary: ids mean otherwise
+        _set_up(TrainConfig(attention="full", **wider), None)
+    with pytest.raises(ValueError, match="of task 'mqar'"):
+        _set_up(TrainConfig(attention="full", **dict(long, task="passkey", task_options={"digits": 2})), None)

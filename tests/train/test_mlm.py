@@ -172,10 +172,11 @@ def test_pretrain_then_fine_tune_from_the_checkpoint(tmp_path):
     assert any("centroids" in name for name in partial["init"]["unused"])  # neural-clustering's, which full lacks
     with pytest.raises(ValueError, match="neither"):
         TrainConfig(task="mr", out="x", max_steps=1, init=str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="listops"):
-        TrainConfig(task="listops", out="x", max_steps=1, init=str(pre))
-    with pytest.raises(ValueError, match="mlm"):  # a checkpoint of another task
-        run_training(TrainConfig(task="mr", out=str(tmp_path / "bad3"), max_steps=1,
+    with pytest.raises(ValueError, match="task 'listops' is not one"):  # an MLM encoder fine-tunes text tasks
+        run_training(TrainConfig(task="listops", out=str(tmp_path / "bad4"), max_steps=1, init=str(pre),
+                                 **dict(fine, vocab_size=3000)))
+    with pytest.raises(ValueError, match=r"of task 'mr'.*mlm"):  # a checkpoint of another task
+        run_training(TrainConfig(task="subj", out=str(tmp_path / "bad3"), max_steps=1,
                                  init=str(tmp_path / "partial"), init_partial=True, **fine))
 
 

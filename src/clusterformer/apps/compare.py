@@ -25,6 +25,10 @@ and the recall tasks' causal form -- its strict causal chunk) are merged over th
 option sets (full, clustered, improved-clustered: every query reads every key) run as they are, and the log says so.
 Every run records the keys each query can see (``keys_per_query`` in its ``metrics.json``), and the summary shows it.
 
+Per-seed flags. ``{seed}`` in a train flag (the grid's or a variant's) becomes each run's seed: ``--init
+stage1/mqar/full/seed{seed}`` continues every seed from its own checkpoint of an earlier grid (a length
+curriculum, a dense model continued sparse).
+
 The summary (``OUT/summary.json`` and ``OUT/summary.md``) gives, per task and entry, the mean and sample standard
 deviation of the task's score over units, seconds per epoch, the largest peak resident memory of its runs, and for
 each entry its difference to ``full`` and to ``neural-clustering``, paired by unit, with the two-sided p-value of
@@ -208,6 +212,12 @@ def _units(config: CompareConfig, task: str) -> list[tuple[str, list[str]]]:
     return [(f"seed{s}", ["--seed", str(s)]) for s in config.seeds]
 
 
+def _per_seed(args: list[str], unit_flags: list[str]) -> list[str]:
+    """``args`` with ``{seed}`` replaced by the unit's ``--seed`` (its flags hold it)."""
+    seed = unit_flags[unit_flags.index("--seed") + 1]
+    return [arg.replace("{seed}", seed) for arg in args]
+
+
 @dataclass
 class _Run:
     number: int
@@ -242,7 +252,7 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         argv = [sys.executable, "-m", "clusterformer", "train", "--task", task, "--attention", entry.mechanism,
                 "--attention-options", json.dumps(config.options_for(task, entry)), "--out", str(run_dir),
                 "--no-progress", *flags,
-                *config.train_args, *entry.train_args, *resume]
+                *_per_seed([*config.train_args, *entry.train_args], flags), *resume]
         pending.append(_Run(i, task, entry, unit, run_dir, argv))
     _run_all(pending, len(grid), config.jobs, log)
     summary = summarise(config)

@@ -52,13 +52,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="shakespeare-char: accept a mechanism whose causal mode is not strict (cluster-former, "
                    "neural-clustering causal_mode=paper); its bits per character are then optimistic")
     p.add_argument("--init", default=None, metavar="minilm|PATH",
-                   help="fine-tune a pretrained model: 'minilm' (its own width, depth and tokenizer; --dim/--depth/"
-                        "--heads are ignored; --attention patched in; needs the [minilm] extra), or PATH, the "
-                        "checkpoint (file or run directory) of a `train --task mlm` run: its encoder and tokenizer; "
-                        "--attention, its options, --dim, --depth, --heads, --ff-dim and --reversible must match the "
-                        "pretraining run's, --max-len be at most its")
+                   help="start from trained weights: 'minilm' (its own width, depth and tokenizer; --dim/--depth/"
+                        "--heads are ignored; --attention patched in; needs the [minilm] extra); PATH, the "
+                        "checkpoint (file or run directory) of a `train --task mlm` run: its encoder and tokenizer "
+                        "(--attention, its options, --dim, --depth, --heads, --ff-dim and --reversible must match "
+                        "the pretraining run's); or PATH, a run of this same task: its whole model continues, at "
+                        "another --max-len (a length curriculum) or with another --attention (the new mechanism's "
+                        "own tensors start fresh); sizes must match. The default --lr is then a fine-tuning rate, 5e-5")
     p.add_argument("--init-partial", action="store_true",
-                   help="with --init PATH: transfer the encoder tensors whose names and shapes match and report the "
+                   help="with --init PATH: transfer the tensors whose names and shapes match and report the "
                         "rest (metrics.json 'init') instead of refusing a mismatch")
     p.add_argument("--cluster-layers", type=lambda t: [int(v) for v in t.split(",") if v.strip()], default=None,
                    help="with --attention cluster-former: the paper's stack -- Cluster-Former layers at these depths "

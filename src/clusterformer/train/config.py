@@ -295,10 +295,8 @@ def _check_init(config: TrainConfig) -> None:
         from ..hf import PRETRAINED_ENCODERS
 
         raise ValueError(f"init must be one of {', '.join(PRETRAINED_ENCODERS)} or the checkpoint (file or run "
-                         f"directory) of a `train --task mlm` run; {config.init!r} is neither")
-    if config.task not in INIT_TASKS:
-        raise ValueError(f"--init PATH fine-tunes a pretrained encoder on a text task ({', '.join(INIT_TASKS)}); "
-                         f"task {config.task!r} is not one")
+                         f"directory) of a `train --task mlm` run or of a run of this task; {config.init!r} is "
+                         "neither")
     if config.cluster_layers is not None or config.layer_attention or config.centroid_flow:
         raise ValueError("--init PATH takes the pretrained encoder as it is: cluster_layers, layer_attention and "
                          "centroid_flow cannot be combined with it")

@@ -63,7 +63,7 @@ from ..attention import (
 from ..attention.registry import make_options
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
-from .config import TrainConfig, pretrained_model
+from .config import INIT_TASKS, TrainConfig, pretrained_model
 from .tasks import Task, prepare_task
 
 __all__ = ["evaluate_checkpoint", "load_run", "parameter_groups", "run_training"]
@@ -346,7 +346,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     state = _load_for_resume(config, out, world) if config.resume else None
     pretrained = None
     if config.init is not None and not pretrained_model(config.init) and state is None:
-        pretrained = _pretrained_checkpoint(config.init)
+        pretrained = _pretrained_checkpoint(config.init, config.task)
     if task is None:
         saved = state["tokenizer"] if state else pretrained["tokenizer"] if pretrained else None
         task = _prepare(config, tokenizer_state=saved)
@@ -354,7 +354,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     model = build_model(config, task).to(device)
     init_report = None
     if pretrained is not None:
-        init_report = load_pretrained_encoder(model, pretrained, config)
+        init_report = load_pretrained(model, pretrained, config)
     if config.dense_warmup_steps and not _dense_layers(model):
         raise ValueError("dense_warmup_steps trains neural-clustering or cluster-select layers densely at first; this "
                          f"model has none (attention={config.attention!r})")
@@ -553,65 +553,95 @@ def _finish(run: _Run) -> dict:
     return result
 
 
-def _pretrained_checkpoint(path: str) -> dict:
-    """The checkpoint behind --init PATH, which must come from masked-language-model pretraining."""
+def _pretrained_checkpoint(path: str, task: str) -> dict:
+    """The checkpoint behind --init PATH: a `train --task mlm` run, whose encoder a text task fine-tunes, or a run
+    of this same ``task``, whose whole model this run continues (at another length, with another mechanism)."""
     state = load_checkpoint(path)
-    kind = state.get("task", {}).get("kind")
-    if kind != "mlm":
-        raise ValueError(f"--init {path}: the checkpoint is of a {kind!r} task; fine-tuning starts from a "
-                         "`train --task mlm` checkpoint")
+    kind, saved_task = state.get("task", {}).get("kind"), state.get("config", {}).get("task")
+    if kind == "mlm":
+        if task not in INIT_TASKS:
+            raise ValueError(f"--init {path}: an MLM checkpoint's encoder fine-tunes a text task "
+                             f"({', '.join(INIT_TASKS)}); task {task!r} is not one")
+        return state
+    if saved_task != task:
+        raise ValueError(f"--init {path}: the checkpoint is of task {saved_task!r}; --init PATH starts from a "
+                         f"`train --task mlm` checkpoint or from a run of this task ({task!r})")
     return state
 
 
 # what must agree between the pretrained run and the fine-tuned one for the encoder to mean the same thing
-_ENCODER_FIELDS = ("attention", "attention_options", "dim", "depth", "heads", "ff_dim", "reversible", "tied",
-                   "tied_lipschitz")
+_ARCHITECTURE_FIELDS = ("dim", "depth", "heads", "ff_dim", "reversible", "tied", "tied_lipschitz")
+_ENCODER_FIELDS = ("attention", "attention_options", *_ARCHITECTURE_FIELDS)
 
 
-def load_pretrained_encoder(model: torch.nn.Module, state: dict, config: TrainConfig) -> dict:
-    """Load the encoder of an MLM checkpoint (``state``) into ``model.encoder``.
+def _mechanism_state(module: torch.nn.Module) -> set[str]:
+    """Names (in ``module.state_dict()``) of the tensors that belong to an attention mechanism: centroids, W^C,
+    memory banks -- what a run that changes the mechanism cannot take from the checkpoint."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, inner in module.named_modules() if isinstance(inner, InnerAttention)
+            for name in inner.state_dict()}
 
-    The mechanism, its options and the encoder's size must match the pretrained run's, or ``ValueError`` names
-    each difference -- unless ``config.init_partial``, which transfers every tensor whose name and shape match and
-    reports the rest. Position embeddings of a shorter ``max_len`` take the first rows; a byte-level task's
-    embedding (257 ids) takes the first rows of pretraining's (260, with its special tokens). Returns what was
-    transferred, what of this model's encoder was not (skipped) and what of the pretrained one was not used."""
-    encoder = getattr(model, "encoder", None)
-    if not isinstance(encoder, torch.nn.Module):
+
+def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) -> dict:
+    """Load what ``--init PATH`` gives this run from the checkpoint ``state`` (:func:`_pretrained_checkpoint`).
+
+    * An **MLM checkpoint**: its encoder goes into ``model.encoder``. The mechanism, its options and the encoder's
+      size must match the pretraining run's.
+    * A checkpoint of **this task**: the whole model (encoder and head) continues -- a length curriculum (train
+      short, continue long) or a change of mechanism (train dense, continue sparse). The sizes must match; the
+      mechanism and the length may differ: tensors of the new mechanism that the checkpoint lacks start fresh
+      (reported as ``fresh``), the old mechanism's are left (``unused``).
+
+    Otherwise ``ValueError`` names each difference -- unless ``config.init_partial``, which transfers every tensor
+    whose name and shape match and reports the rest. A longer ``max_len`` is a difference only for a learned
+    position table (sinusoidal positions have no rows to lack). From an MLM checkpoint, a shorter table takes its
+    first rows, and a byte-level task's embedding (257 ids) the first rows of pretraining's (260, with its special
+    tokens); a continued run's embedding and head must have the checkpoint's shapes (the same vocabulary).
+    Returns what was transferred, what of this model was not (``skipped``, ``fresh``) and what of the checkpoint
+    was not used."""
+    continuing = state.get("task", {}).get("kind") != "mlm"
+    module = model if continuing else getattr(model, "encoder", None)
+    if not isinstance(module, torch.nn.Module):
         raise ValueError(f"--init PATH loads a pretrained encoder; this task's model ({type(model).__name__}) has none")
+    fields = _ARCHITECTURE_FIELDS if continuing else _ENCODER_FIELDS
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    saved = {name: state["config"].get(name, defaults[name]) for name in _ENCODER_FIELDS}  # older runs: defaults
-    saved["max_len"] = state["config"].get("max_len", 0)
+    saved = {name: state["config"].get(name, defaults[name]) for name in fields}  # older runs: defaults
     differences = [f"{name}: pretrained {saved.get(name)!r}, here {getattr(config, name)!r}"
-                   for name in _ENCODER_FIELDS
-                   if _comparable(saved.get(name)) != _comparable(getattr(config, name))]
-    if saved.get("max_len", 0) < config.max_len:
-        differences.append(f"max_len: pretrained {saved.get('max_len')}, here {config.max_len} (positions the "
-                           "pretrained encoder never saw)")
+                   for name in fields if _comparable(saved.get(name)) != _comparable(getattr(config, name))]
+    own = module.state_dict()
+    saved_len = state["config"].get("max_len", 0)
+    if saved_len < config.max_len and any(name.endswith("positions.weight") for name in own):
+        differences.append(f"max_len: pretrained {saved_len}, here {config.max_len} (positions the pretrained "
+                           "table lacks)")
     if differences and not config.init_partial:
-        raise ValueError("--init: the pretrained encoder does not match this run (" + "; ".join(differences) +
+        raise ValueError("--init: the pretrained model does not match this run (" + "; ".join(differences) +
                          "); match the pretraining flags, or pass --init-partial to transfer only what matches")
-    prefix = "encoder."
+    prefix = "" if continuing else "encoder."
     pretrained = {k[len(prefix):]: v for k, v in state["model"].items() if k.startswith(prefix)}
-    own = encoder.state_dict()
-    load, skipped = {}, []
+    mechanism_changed = continuing and (
+        state["config"].get("attention") != config.attention
+        or _comparable(state["config"].get("attention_options", {})) != _comparable(config.attention_options))
+    fresh_allowed = _mechanism_state(module) if mechanism_changed else set()
+    load, skipped, fresh = {}, [], []
     for name, value in own.items():
         source = pretrained.get(name)
-        if isinstance(source, torch.Tensor) and isinstance(value, torch.Tensor) and source.dim() == value.dim() \
-                and source.shape[1:] == value.shape[1:] and name in ("embed.weight", "positions.weight") \
+        if not continuing and name in ("embed.weight", "positions.weight") and isinstance(source, torch.Tensor) \
+                and source.dim() == value.dim() and source.shape[1:] == value.shape[1:] \
                 and source.shape[0] >= value.shape[0]:
             source = source[:value.shape[0]]  # the ids (or positions) this run has, which mean the same here
         if source is None or (isinstance(source, torch.Tensor) and source.shape != value.shape):
-            skipped.append(name)
+            (fresh if name in fresh_allowed else skipped).append(name)
         else:
             load[name] = source
     if skipped and not config.init_partial:
-        raise ValueError(f"--init: the pretrained encoder lacks or shapes differently {', '.join(skipped[:8])}; pass "
+        raise ValueError(f"--init: the pretrained model lacks or shapes differently {', '.join(skipped[:8])}; pass "
                          "--init-partial to transfer only what matches")
-    encoder.load_state_dict({**own, **load})
+    module.load_state_dict({**own, **load})
     unused = sorted(set(pretrained) - set(load))  # the pretrained run's tensors this model has no place for
-    return {"path": str(config.init), "transferred": len(load), "skipped": skipped, "unused": unused,
-            "differences": differences, "pretrained_step": state.get("step")}
+    return {"path": str(config.init), "kind": "continue" if continuing else "encoder", "transferred": len(load),
+            "skipped": skipped, "fresh": fresh, "unused": unused, "differences": differences,
+            "pretrained_step": state.get("step"), "pretrained_max_len": saved_len,
+            "pretrained_attention": state["config"].get("attention")}
 
 
 def keys_per_query(model: torch.nn.Module, length: int, causal: bool) -> int | None:
