@@ -177,6 +177,8 @@ def test_init_continues_a_run_of_the_same_task_at_another_length_and_mechanism(t
     result = run_training(TrainConfig(attention="cluster-select", attention_options={"window": 16, "cluster_keys": 8},
                                       **dict(long, out=str(tmp_path / "long2"))))
     assert result["init"]["transferred"] == len(saved) and 0 <= result["metrics"]["accuracy"] <= 1
+    same = _set_up(TrainConfig(attention="full", **dict(long, out=str(tmp_path / "long3"))), None)  # length only
+    assert same.init_report["skipped"] == same.init_report["fresh"] == [] == same.init_report["unused"]
 
     with pytest.raises(ValueError, match="dim: pretrained 32, here 48"):
         _set_up(TrainConfig(attention="full", **dict(long, dim=48)), None)

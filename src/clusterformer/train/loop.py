@@ -622,13 +622,16 @@ def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) ->
         state["config"].get("attention") != config.attention
         or _comparable(state["config"].get("attention_options", {})) != _comparable(config.attention_options))
     fresh_allowed = _mechanism_state(module) if mechanism_changed else set()
-    load, skipped, fresh = {}, [], []
+    load, skipped, fresh, empty = {}, [], [], set()
     for name, value in own.items():
         source = pretrained.get(name)
         if not continuing and name in ("embed.weight", "positions.weight") and isinstance(source, torch.Tensor) \
                 and source.dim() == value.dim() and source.shape[1:] == value.shape[1:] \
                 and source.shape[0] >= value.shape[0]:
             source = source[:value.shape[0]]  # the ids (or positions) this run has, which mean the same here
+        if name in pretrained and source is None and value is None:
+            empty.add(name)  # an empty extra state on both sides (a mechanism without a generator): nothing to load
+            continue
         if source is None or (isinstance(source, torch.Tensor) and source.shape != value.shape):
             (fresh if name in fresh_allowed else skipped).append(name)
         else:
@@ -637,7 +640,7 @@ def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) ->
         raise ValueError(f"--init: the pretrained model lacks or shapes differently {', '.join(skipped[:8])}; pass "
                          "--init-partial to transfer only what matches")
     module.load_state_dict({**own, **load})
-    unused = sorted(set(pretrained) - set(load))  # the pretrained run's tensors this model has no place for
+    unused = sorted(set(pretrained) - set(load) - empty)  # the pretrained run's tensors this model has no place for
     return {"path": str(config.init), "kind": "continue" if continuing else "encoder", "transferred": len(load),
             "skipped": skipped, "fresh": fresh, "unused": unused, "differences": differences,
             "pretrained_step": state.get("step"), "pretrained_max_len": saved_len,
