@@ -1,15 +1,19 @@
 """How much of dense attention's mass cluster retrieval's selected keys hold, per layer (docs/results.md, "Why 8k
 misses").
 
-One 8k multi-key NIAH prompt for SmolLM2: the context is prefilled densely into a cache, then the ~25 question
-tokens run through a registered attention function that computes dense attention and, beside it, the key set each
-selection rule would choose at 10 % and 20 % budgets: clusters ranked per key/value group (the default), per query
-head, and an oracle that keeps the keys of highest dense weight. Printed per (budget, rule): the dense mass on the
-chosen keys and the share of the answer's needle tokens' mass kept, averaged over layers, heads and question tokens.
+One multi-key NIAH prompt for SmolLM2 (about 8k tokens, or the length given): the context is prefilled densely into
+a cache, then the ~25 question tokens run through a registered attention function that computes dense attention
+and, beside it, the key set each selection rule would choose at 10 % and 20 % budgets: clusters ranked per
+key/value group (the default), per query head, an oracle that keeps the keys of highest dense weight, and Quest
+(pages of 16 ranked by their min/max bound, :func:`clusterformer.ops.topk_cache.quest_attention`, whose read set is
+recovered exactly by giving it one-hot values in float64). Printed per (budget, rule): the dense mass on the chosen
+keys and the share of the answer's needle tokens' mass kept, averaged over layers, heads and question tokens.
 
-Run from the checkout (about 3 minutes on one thread): ``python docs/scripts/longctx_attention_recall.py``.
+Run from the checkout (about 3 minutes on one thread at 8k): ``python docs/scripts/longctx_attention_recall.py
+[LENGTH]``.
 """
 import copy
+import sys
 
 import torch
 import transformers
@@ -18,11 +22,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from clusterformer import hf
 from clusterformer.apps.longctx import _chat_ids
+from clusterformer.attention.retrieval import ClusterRetrievalOptions
 from clusterformer.data.ruler import INSTRUCTION, haystack_sentences, make_sample
-from clusterformer.ops.retrieval import KeyClusterIndex, RetrievalOptions, build_index
+from clusterformer.ops.retrieval import KeyClusterIndex, build_index, keys_allowed_count
+from clusterformer.ops.topk_cache import quest_attention
 
 BUDGETS = (0.1, 0.2)
-RULES = ("group", "head", "oracle")
+RULES = ("group", "head", "oracle", "quest")
+QUEST_PAGE = 16
 
 
 def cluster_of_each_key(index: KeyClusterIndex, n: int) -> torch.Tensor:
@@ -35,14 +42,26 @@ def cluster_of_each_key(index: KeyClusterIndex, n: int) -> torch.Tensor:
     return assign
 
 
-def selected_keys(rule: str, q: torch.Tensor, probs: torch.Tensor, index: KeyClusterIndex, opts: RetrievalOptions,
-                  end: int, scaling: float) -> torch.Tensor:
-    """(1, H, Lq, n) keys each query sees under ``rule``: sink, window, and retrieved keys up to the budget."""
+def quest_read(q: torch.Tensor, k: torch.Tensor, budget: float) -> torch.Tensor:
+    """(1, H, Lq, n) keys Quest's queries read: its output for one-hot values is each query's weight on each key,
+    nonzero exactly where it reads (float64: no weight underflows)."""
+    kv_groups, n = k.shape[1], k.shape[2]
+    one_hot = torch.eye(n, dtype=torch.float64).expand(1, kv_groups, n, n)
+    weights = quest_attention(q.double(), k.double(), one_hot, None, budget, QUEST_PAGE, 1.0)
+    return weights > 0
+
+
+def selected_keys(rule: str, q: torch.Tensor, k: torch.Tensor, probs: torch.Tensor, index: KeyClusterIndex,
+                  opts: ClusterRetrievalOptions, end: int, scaling: float) -> torch.Tensor:
+    """(1, H, Lq, n) keys each query sees under ``rule``: sink, window, and retrieved keys up to the budget (Quest:
+    its own page and whole pages up to the budget)."""
+    if rule == "quest":
+        return quest_read(q, k, opts.budget)
     _, heads, lq, dim = q.shape
     n = probs.shape[-1]
     kv_groups, clusters = index.counts.shape
     rep = heads // kv_groups
-    retrieved = max(0, opts.keys_allowed_count(n) - opts.sink - (n - end))
+    retrieved = max(0, keys_allowed_count(opts.budget, n) - opts.sink - (n - end))
     chosen = torch.zeros(1, heads, lq, n, dtype=torch.bool)
     chosen[..., :opts.sink] = True
     chosen[..., end:] = True
@@ -69,7 +88,8 @@ def main() -> None:
     def count(text: str) -> int:
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
-    sample = make_sample("niah-multikey", 7900, sentences, count, seed=1)
+    length = int(sys.argv[1]) if len(sys.argv) > 1 else 7900
+    sample = make_sample("niah-multikey", length, sentences, count, seed=1)
     context, question = _chat_ids(tok, INSTRUCTION["niah-multikey"], sample.context, sample.question)
     print("tokens", len(context) + len(question), "answer", sample.answers)
     answer = tok(" " + sample.answers[0], add_special_tokens=False)["input_ids"]
@@ -81,7 +101,7 @@ def main() -> None:
     with torch.no_grad():
         model(input_ids=torch.tensor([context]), past_key_values=cache)
 
-    results: dict[tuple[float, str], list[tuple[int, float, float]]] = {}
+    results: dict[tuple[float, str], list[tuple[int, float, float, float]]] = {}
 
     def diagnostic_attention(module, q, k, v, mask, dropout=0.0, scaling=None, **kwargs):
         heads, lq = q.shape[1], q.shape[2]
@@ -92,15 +112,16 @@ def main() -> None:
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)  # (1, H, Lq, n)
         needle_mass = probs[..., needle].sum(-1)
         for budget in BUDGETS:
-            opts = RetrievalOptions(budget=budget)
+            opts = ClusterRetrievalOptions(budget=budget)
             end = n - max(opts.window, lq)
             index = build_index(k, v, None, end, opts)
             for rule in RULES:
-                chosen = selected_keys(rule, q, probs, index, opts, end, scaling)
+                chosen = selected_keys(rule, q, k, probs, index, opts, end, scaling)
                 mass = (probs * chosen).sum(-1).mean().item()
                 kept = (probs[..., needle] * chosen[..., needle]).sum(-1)
                 share = (kept.sum() / needle_mass.sum().clamp(min=1e-12)).item()
-                results.setdefault((budget, rule), []).append((module.layer_idx, mass, share))
+                keys = chosen.sum(-1).double().mean().item()
+                results.setdefault((budget, rule), []).append((module.layer_idx, mass, share, keys))
         out = probs @ v.repeat_interleave(rep, 1)
         return out.transpose(1, 2).contiguous(), None
 
@@ -112,8 +133,10 @@ def main() -> None:
     for (budget, rule), rows in results.items():
         mass = sum(r[1] for r in rows) / len(rows)
         share = sum(r[2] for r in rows) / len(rows)
+        count = sum(r[3] for r in rows) / len(rows)
         print(f"budget {budget:.0%} {rule}: mean recall of attention mass {mass:.3f}, needle mass captured "
-              f"{share:.3f}; worst layers {sorted(rows, key=lambda r: r[1])[:3]}")
+              f"{share:.3f}, keys read per query {count:.0f}; worst layers "
+              f"{[(r[0], round(r[1], 3)) for r in sorted(rows, key=lambda r: r[1])[:3]]}")
 
 
 if __name__ == "__main__":
