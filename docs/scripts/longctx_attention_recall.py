@@ -99,7 +99,7 @@ def main() -> None:
 
     cache = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([context]), past_key_values=cache)
+        model(input_ids=torch.tensor([context]), cache=cache)
 
     results: dict[tuple[float, str], list[tuple[int, float, float, float]]] = {}
 
@@ -129,7 +129,7 @@ def main() -> None:
     AttentionMaskInterface.register("diag", sdpa_mask)
     model.set_attn_implementation("diag")
     with torch.no_grad():
-        model(input_ids=torch.tensor([question]), past_key_values=copy.deepcopy(cache))
+        model(input_ids=torch.tensor([question]), cache=copy.deepcopy(cache))
     for (budget, rule), rows in results.items():
         mass = sum(r[1] for r in rows) / len(rows)
         share = sum(r[2] for r in rows) / len(rows)
