@@ -6,8 +6,10 @@ a cache, then the ~25 question tokens run through a registered attention functio
 and, beside it, the key set each selection rule would choose at 10 % and 20 % budgets: clusters ranked per
 key/value group (the default), per query head, an oracle that keeps the keys of highest dense weight, and Quest
 (pages of 16 ranked by their min/max bound, :func:`clusterformer.ops.topk_cache.quest_attention`, whose read set is
-recovered exactly by giving it one-hot values in float64). Printed per (budget, rule): the dense mass on the chosen
-keys and the share of the answer's needle tokens' mass kept, averaged over layers, heads and question tokens.
+recovered exactly by giving it one-hot values in float64), and a page oracle (the same pages of 16 ranked by their
+true dense mass: the best any page-granular selection at the budget can do). Printed per (budget, rule): the dense
+mass on the chosen keys and the share of the answer's needle tokens' mass kept, averaged over layers, heads and
+question tokens.
 
 Run from the checkout (about 3 minutes on one thread at 8k): ``python docs/scripts/longctx_attention_recall.py
 [LENGTH]``.
@@ -28,7 +30,7 @@ from clusterformer.ops.retrieval import KeyClusterIndex, build_index, keys_allow
 from clusterformer.ops.topk_cache import quest_attention
 
 BUDGETS = (0.1, 0.2)
-RULES = ("group", "head", "oracle", "quest")
+RULES = ("group", "head", "oracle", "quest", "page-oracle")
 QUEST_PAGE = 16
 
 
@@ -51,12 +53,24 @@ def quest_read(q: torch.Tensor, k: torch.Tensor, budget: float) -> torch.Tensor:
     return weights > 0
 
 
+def page_oracle(probs: torch.Tensor, allowed: int) -> torch.Tensor:
+    """(1, H, Lq, n): the allowed // 16 pages of 16 keys (cut from position 0) holding the most dense mass."""
+    n = probs.shape[-1]
+    pages = -(-n // QUEST_PAGE)
+    mass = torch.nn.functional.pad(probs, (0, pages * QUEST_PAGE - n)).unflatten(-1, (pages, QUEST_PAGE)).sum(-1)
+    top = mass.topk(min(pages, allowed // QUEST_PAGE), -1).indices
+    taken = torch.zeros_like(mass, dtype=torch.bool).scatter_(-1, top, True)
+    return taken.repeat_interleave(QUEST_PAGE, -1)[..., :n]
+
+
 def selected_keys(rule: str, q: torch.Tensor, k: torch.Tensor, probs: torch.Tensor, index: KeyClusterIndex,
                   opts: ClusterRetrievalOptions, end: int, scaling: float) -> torch.Tensor:
     """(1, H, Lq, n) keys each query sees under ``rule``: sink, window, and retrieved keys up to the budget (Quest:
     its own page and whole pages up to the budget)."""
     if rule == "quest":
         return quest_read(q, k, opts.budget)
+    if rule == "page-oracle":
+        return page_oracle(probs, keys_allowed_count(opts.budget, probs.shape[-1]))
     _, heads, lq, dim = q.shape
     n = probs.shape[-1]
     kv_groups, clusters = index.counts.shape
