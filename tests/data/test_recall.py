@@ -174,6 +174,7 @@ def test_init_continues_a_run_of_the_same_task_at_another_length_and_mechanism(t
     assert report["kind"] == "continue" and report["pretrained_max_len"] == 64 and report["skipped"] == []
     assert sorted(report["fresh"]) == sorted(set(state) - set(saved)) and report["fresh"]
     assert all(name.endswith(("centroids", "_extra_state")) for name in report["fresh"])  # centroids, generator
+    assert report["unused"] == []  # full attention's empty extra state is nothing left behind
     result = run_training(TrainConfig(attention="cluster-select", attention_options={"window": 16, "cluster_keys": 8},
                                       **dict(long, out=str(tmp_path / "long2"))))
     assert result["init"]["transferred"] == len(saved) and 0 <= result["metrics"]["accuracy"] <= 1

@@ -640,7 +640,8 @@ def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) ->
         raise ValueError(f"--init: the pretrained model lacks or shapes differently {', '.join(skipped[:8])}; pass "
                          "--init-partial to transfer only what matches")
     module.load_state_dict({**own, **load})
-    unused = sorted(set(pretrained) - set(load) - empty)  # the pretrained run's tensors this model has no place for
+    # the pretrained run's tensors this model has no place for (an empty extra state holds nothing to miss)
+    unused = sorted(name for name in set(pretrained) - set(load) - empty if pretrained[name] is not None)
     return {"path": str(config.init), "kind": "continue" if continuing else "encoder", "transferred": len(load),
             "skipped": skipped, "fresh": fresh, "unused": unused, "differences": differences,
             "pretrained_step": state.get("step"), "pretrained_max_len": saved_len,
