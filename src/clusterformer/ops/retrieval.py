@@ -63,8 +63,8 @@ from ..clustering.kmeans import cluster_sums, euclidean_kmeans
 from ..masks import allow_empty_rows, real_tokens
 from .layouts import group_ranks
 
-__all__ = ["JOIN_BATCH", "KeyClusterIndex", "RetrievalSettings", "build_index", "extend_index", "keys_allowed",
-           "keys_allowed_count", "retrieval_attention"]
+__all__ = ["JOIN_BATCH", "KeyClusterIndex", "RetrievalSettings", "build_index", "extend_index", "gather_positions",
+           "keys_allowed", "keys_allowed_count", "retrieval_attention"]
 
 
 class RetrievalSettings(Protocol):
@@ -308,8 +308,8 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
     sink_count, cap = _split_budget(allowed, options.sink, 0)
     sinks, sink_ok = _first_real(real, options.sink, B, n, q.device)
     start = max(0, n - Lq - (cap if isinstance(cap, int) else int(cap.max())) + 1)
-    keys = torch.cat([_gather_positions(k, sinks), k[:, :, start:]], 2)  # (B, Hkv, S + W, D)
-    values = torch.cat([_gather_positions(v, sinks), v[:, :, start:]], 2)
+    keys = torch.cat([gather_positions(k, sinks), k[:, :, start:]], 2)  # (B, Hkv, S + W, D)
+    values = torch.cat([gather_positions(v, sinks), v[:, :, start:]], 2)
     logits = qg @ keys.transpose(-1, -2)  # (B, Hkv, Q, S + W)
     query_pos = (n - Lq + torch.arange(Lq, device=q.device)).repeat(rep)  # (Q,): queries in (head, position) order
     ok = _read_mask(query_pos, sinks, sink_ok, sink_count, start, n, cap, real)  # (B, Q, S + W)
@@ -410,7 +410,7 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
         ok.append(((slots < cum[..., -1:]) & (slots < row_budget)) if needs_mask else None)
     positions = torch.cat(positions, -1)  # (B, Hkv, U, K)
     K = positions.shape[-1]
-    keys, values = _gather_positions(k, positions), _gather_positions(v, positions)  # (B, Hkv, U, K, D)
+    keys, values = gather_positions(k, positions), gather_positions(v, positions)  # (B, Hkv, U, K, D)
     mask = None
     if any(mk is not None for mk in ok):
         mask = torch.cat([(torch.ones(1, 1, U, w, dtype=torch.bool, device=dev) if mk is None else mk).expand(
@@ -446,7 +446,7 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)
 
 
-def _gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """x (B, Hkv, n, E); positions (B, S) shared by the heads or (B, Hkv, *S) per head -> (B, Hkv, *S, E)."""
     B, Hkv, n, E = x.shape
     if positions.dim() == 2:

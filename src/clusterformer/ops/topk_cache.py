@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..masks import AttentionMask, allow_empty_rows, real_tokens
-from .retrieval import keys_allowed
+from .retrieval import gather_positions, keys_allowed
 
 __all__ = ["oracle_attention", "quest_attention"]
 
@@ -51,10 +51,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: tor
 def _gather(x: torch.Tensor, positions: torch.Tensor, rep: int) -> torch.Tensor:
     """x (B, Hkv, n, E), positions (B, H, Lq, K) with H = rep Hkv -> (B, H, Lq, K, E): query head h reads key/value
     head h // rep."""
-    B, Hkv, n, E = x.shape
-    H = positions.shape[1]
-    rows = (torch.arange(B * Hkv, device=x.device).repeat_interleave(rep) * n).view(B, H, 1, 1)
-    return x.reshape(B * Hkv * n, E).index_select(0, (positions + rows).reshape(-1)).view(*positions.shape, E)
+    B, H = positions.shape[:2]
+    grouped = positions.view(B, H // rep, rep, *positions.shape[2:])  # the query heads of each key/value head
+    return gather_positions(x, grouped).view(*positions.shape, x.shape[-1])
 
 
 def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
