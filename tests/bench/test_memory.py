@@ -1,5 +1,6 @@
 """The exact tensor-memory counter used by the CPU benchmark."""
 
+import pytest
 import torch
 
 from clusterformer.bench.memory import TensorMemoryTracker
@@ -30,3 +31,18 @@ def test_sees_the_backward_pass():
     # forward: x @ w and its relu (512 KiB each); backward: at least the gradient of w (256 KiB)
     assert m.peak_bytes >= 2 * 512 * 256 * 4
     assert m.current_bytes >= 256 * 256 * 4  # w.grad stays alive
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_counts_a_sparse_tensors_index_and_value_storages():
+    """A CSR matrix has no storage of its own (ops/key_lists.py builds them): the tracker counts its row pointers,
+    column indices and values, and does not fail on it."""
+    with TensorMemoryTracker() as m:
+        dense = torch.eye(512, dtype=torch.float64)  # 2 MiB
+        matrix = dense.to_sparse_csr()  # 513 row pointers, 512 columns, 512 values: 8 bytes each
+        del dense
+    assert m.peak_bytes >= 2 * MIB
+    parts = {part.untyped_storage().data_ptr(): part.untyped_storage().nbytes()
+             for part in (matrix.crow_indices(), matrix.col_indices(), matrix.values())}
+    assert m.current_bytes == sum(parts.values()) >= (513 + 512 + 512) * 8  # an index may view a larger storage
+    assert matrix.values().sum().item() == 512

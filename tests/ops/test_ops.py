@@ -291,3 +291,11 @@ def test_selected_cluster_attention_with_summaries_gradcheck(kernel, causal):
         return out[:, :, :-1]
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_cluster_select_auto_kernel_is_the_dense_mask_to_256_positions_and_banded_beyond():
+    from clusterformer.ops.selected import resolve_kernel
+
+    assert [resolve_kernel("auto", n) for n in (1, 256, 257, 4096)] == ["dense-mask", "dense-mask", "banded", "banded"]
+    assert [resolve_kernel(k, 10) for k in ("gather", "banded")] == ["gather", "banded"]
+    assert resolve_kernel("dense-mask", 10**6) == "dense-mask"

@@ -32,12 +32,12 @@ the own-cluster rule in that a query meets the keys that *score* highest against
 what a trained attention wants to read.
 
 Keys per query: window + select * cluster_keys (+ num_clusters summaries) at any length. Cost, with the banded
-kernel (``kernel="auto"`` beyond N = 8 (window + select * cluster_keys)): O(N C D) for the assignment, the
-selection and the summaries (per-chunk prefix sums), O(N (2 window + select * cluster_keys) D) for the attention
-(the window by chunk-band matmuls, the cluster keys gathered), plus one sort of the keys per head; below that length
-the dense-mask kernel's O(N^2 D) matmuls are faster on a CPU. Groups
-published: the key clusters, (B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``): the last ``window``
-keys, each cluster's last ``cluster_keys`` members outside the window and the sums of all its members there, per head.
+kernel (``kernel="auto"`` beyond N = 256): O(N C D) for the assignment, the selection and the summaries (per-chunk
+prefix sums), O(N (2 window + select * cluster_keys) D) for the attention (the window by chunk-band matmuls, the
+cluster keys as sparse key lists, ops/key_lists.py), plus one sort of the keys per head and one of the listed keys;
+to N = 256 the dense-mask kernel's O(N^2 D) matmuls are faster on a CPU. Groups published: the key clusters,
+(B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``): the last ``window`` keys, each cluster's last
+``cluster_keys`` members outside the window and the sums of all its members there, per head.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class ClusterSelectOptions(SeededOptions):
             "summaries": the clusters whose summary (below) of every member outside the window has the largest
             logit q . mean / sqrt(D) + log n -- the clusters that would draw most weight; needs ``summaries``.
         kernel: "auto" (default), "gather", "dense-mask" or "banded": how the same keys are attended
-            (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 8 M,
-            M = window + select * cluster_keys, and the banded kernel (linear in N) beyond.
+            (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 256
+            and the banded kernel (linear in N) beyond (:func:`clusterformer.ops.selected.resolve_kernel`).
         grouping: "kmeans" (default): a key's cluster is its nearest centroid; "position": the ablation with
             contiguous groups -- position j is in group (j // page) mod num_clusters, pages of ``page_size``
             positions (Quest's pages). "random": the ablation with random groups of the same expected size --
@@ -194,7 +194,7 @@ class ClusterSelectAttention(InnerAttention):
             return masked_sdpa(q, k, v, allowed, dropout_p=self.dropout_p)
         key_ids = ids.masked_fill(~real, o.num_clusters)
         layout = cluster_layout(key_ids, num_clusters=o.num_clusters, window=o.window, causal=causal)
-        kernel = resolve_kernel(o.kernel, N, o.window + o.select * o.cluster_keys)  # one choice for both steps
+        kernel = resolve_kernel(o.kernel, N)  # one choice for the selection and the attention
         selected = self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,

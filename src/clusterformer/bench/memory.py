@@ -37,17 +37,36 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {storage.data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+                  for storage in _storages(t)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
-            storage = t.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-            if size == 0 or key in self._live or key in inputs:  # a view, an in-place op, an out= argument
-                continue
-            self._live[key] = size
-            self.current_bytes += size
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-            weakref.finalize(storage, self._freed, key)
+            for storage in _storages(t):
+                self._created(storage, inputs)
         return out
+
+    def _created(self, storage: torch.UntypedStorage, inputs: set[int]) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self._live or key in inputs:  # a view, an in-place op, an out= argument
+            return
+        self._live[key] = size
+        self.current_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        weakref.finalize(storage, self._freed, key)
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind a tensor: its own, or a sparse tensor's index and value tensors' (a sparse tensor has
+    no storage of its own; ops/key_lists.py builds CSR matrices)."""
+    if t.layout == torch.strided:
+        return [t.untyped_storage()]
+    if t.layout == torch.sparse_coo:
+        parts = [t._indices(), t._values()]
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [t.crow_indices(), t.col_indices(), t.values()]
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = [t.ccol_indices(), t.row_indices(), t.values()]
+    else:
+        return []
+    return [part.untyped_storage() for part in parts]

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..masks import masked_sdpa, real_tokens
+from .key_lists import key_lists, listed_scores, listed_sum
 
 __all__ = ["KERNELS", "cluster_layout", "cluster_summaries", "resolve_kernel", "selected_cluster_attention",
            "selected_positions", "summary_counts", "summary_selection"]
@@ -303,17 +304,20 @@ def _log_count(n: torch.Tensor) -> torch.Tensor:
 KERNELS = ("auto", "gather", "dense-mask", "banded")
 
 
-def resolve_kernel(kernel: str, length: int, keys_per_query: int) -> str:
+DENSE_MASK_UP_TO = 256  # "auto" takes the dense mask to this length, the banded kernel beyond
+
+
+def resolve_kernel(kernel: str, length: int) -> str:
     """The kernel that ``kernel`` names at this length: "gather", "dense-mask" or "banded" as given; "auto" takes the
-    dense mask while N <= 8 M (M: keys per query read alone, window included) and the banded kernel beyond. On the
-    CPU (one thread, forward and backward) the dense mask was faster at N = 256 with M = 48 (0.27x the banded
-    kernel's time) and N = 1,024 with M = 240 (0.17x), the banded kernel at N = 1,024 with M = 48 (0.67x the dense
-    mask's) and at N = 1,500 with M = 112, head size 16, without a causal mask (0.33x); at N = 512 with M = 48, just
-    above the line, the banded kernel took 1.3x the dense mask's time. The gather kernel was slower than one of
-    them at every length (docs/benchmarks.md, "cluster-select's banded kernel")."""
+    dense mask while N <= 256 and the banded kernel beyond. Measured on the CPU (one thread, a layer's forward and
+    backward, docs/benchmarks.md "cluster-select's sparse key lists") since the banded kernel reads its selected keys
+    as sparse key lists: the dense mask took 0.77x the banded kernel's time at N = 256 (causal, 64 keys) and 0.97x
+    at N = 256 (non-causal, 144 keys); the banded kernel took 0.47x the dense mask's at N = 384, 0.37x at 512,
+    0.26-0.45x at 1,024, 0.09x at 1,500 and 0.10x at 4,096. The gather kernel (every key, window included, listed
+    per query) is the reference form; it is slower than one of them at every length measured."""
     if kernel != "auto":
         return kernel
-    return "dense-mask" if length <= 8 * keys_per_query else "banded"
+    return "dense-mask" if length <= DENSE_MASK_UP_TO else "banded"
 
 
 def _weights(scores: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -334,7 +338,7 @@ def selected_cluster_attention(
     distinct cluster ids. ``kernel``: "gather" (the keys each query reads, gathered: O(N M D)), "banded" (the
     window from chunk bands, the cluster keys gathered, the summaries from per-chunk prefix sums: O(N (M + C) D),
     no (N, N) or (N, C, D) tensor), "dense-mask" (the same set as an (N, N) boolean mask for one SDPA call: O(N^2 D)
-    but matmul-shaped, faster while N is a few times M), or "auto" (:func:`resolve_kernel`).
+    but matmul-shaped, faster at a few hundred positions), or "auto" (:func:`resolve_kernel`).
     ``summaries``: also one summary per cluster of the members not read alone outside the window, in the same
     softmax (:func:`cluster_summaries`). ``layout``: :func:`cluster_layout` of ``key_ids``, if the caller has it.
     Returns (B, H, N, D); a query without any key gets 0."""
@@ -346,7 +350,7 @@ def selected_cluster_attention(
                                             layout=layout)
     M = positions.shape[-1]
     scale = D ** -0.5
-    kernel = resolve_kernel(kernel, N, M)
+    kernel = resolve_kernel(kernel, N)
     if kernel == "banded":  # the cluster part only: the band holds the window
         alone = M - window
         return _banded_attention(q * scale, k, v, key_ids, selected, positions[..., :alone], allowed[..., :alone],
@@ -360,17 +364,15 @@ def selected_cluster_attention(
             n = summary_counts(layout, selected, cluster_keys=cluster_keys, causal=causal).to(q.dtype)
             return _dense_with_summaries(q * scale, k, v, key_ids, mask, n, window, causal, dropout_p)
         return masked_sdpa(q, k, v, mask, dropout_p=dropout_p)
-    index = positions.reshape(B, H, N * M, 1).expand(B, H, N * M, D)
-    keys = k.gather(2, index).view(B, H, N, M, D)
-    values = v.gather(2, index).view(B, H, N, M, D)
-    scores = torch.einsum("bhnd,bhnmd->bhnm", q * scale, keys).masked_fill(~allowed, float("-inf"))
-    if summaries:
-        summary_keys, summary_values, log_n = cluster_summaries(k, v, layout, selected, cluster_keys=cluster_keys,
-                                                                causal=causal)
-        summary_scores = torch.einsum("bhnd,bhncd->bhnc", q * scale, summary_keys) + log_n
-        scores = torch.cat([scores, summary_scores], dim=-1)
-        values = torch.cat([values, summary_values], dim=3)
-    return torch.einsum("bhnm,bhnmd->bhnd", _weights(scores, dropout_p), values)
+    lists = key_lists(positions)  # the keys each query reads, as sparse key lists (ops/key_lists.py)
+    scores = listed_scores(q * scale, k, lists).masked_fill(~allowed, float("-inf"))
+    if not summaries:
+        return listed_sum(_weights(scores, dropout_p), v, lists)
+    summary_keys, summary_values, log_n = cluster_summaries(k, v, layout, selected, cluster_keys=cluster_keys,
+                                                            causal=causal)
+    summary_scores = torch.einsum("bhnd,bhncd->bhnc", q * scale, summary_keys) + log_n
+    weights = _weights(torch.cat([scores, summary_scores], dim=-1), dropout_p)
+    return listed_sum(weights[..., :M], v, lists) + torch.einsum("bhnc,bhncd->bhnd", weights[..., M:], summary_values)
 
 
 def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
@@ -382,15 +384,13 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     without its window columns), the summaries from :meth:`_Band.summary_dots` less the keys read alone -- one
     softmax over the three, normalised by the row's largest logit without concatenating them. q is already
     scaled; a row without keys gets 0."""
-    B, H, N, D = q.shape
+    B, H, N, _ = q.shape
     C = layout.total.shape[-1]
     band = _band(q, k, v, key_ids, key_padding_mask, num_clusters=C, window=window, causal=causal)
     L = band.scores.shape[3]
-    # the keys read alone, (B, H, N, M, D), by one index_select of the flattened rows, and matmuls with a unit
-    # dimension: on the CPU both faster than gather and einsum (whose bmm has B H N tiny products)
-    rows = (positions + N * torch.arange(B * H, device=q.device).view(B, H, 1, 1)).reshape(-1)
-    alone_keys, alone_values = (x.reshape(B * H * N, D).index_select(0, rows).view(*positions.shape, D) for x in (k, v))
-    alone_raw = (alone_keys @ q.unsqueeze(-1)).squeeze(-1)  # (B, H, N, M)
+    # the keys read alone as sparse key lists (ops/key_lists.py): no (B, H, N, M, D) gather
+    lists = key_lists(positions)
+    alone_raw = listed_scores(q, k, lists)  # (B, H, N, M)
     alone_scores = alone_raw.masked_fill(~allowed, float("-inf"))
 
     window_scores = _from_chunks(band.scores.masked_fill(~band.window, float("-inf")), N)
@@ -413,17 +413,16 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     in_window, alone = F.dropout(in_window / total, dropout_p), F.dropout(alone / total, dropout_p)
 
     band_weights = _to_chunks(in_window, L)
-    out_alone = (alone.unsqueeze(-2) @ alone_values).squeeze(-2)
     if not summaries:
-        return _from_chunks(band_weights @ band.values, N) + out_alone
+        return _from_chunks(band_weights @ band.values, N) + listed_sum(alone, v, lists)
     # a summary's weight spreads over its members as w / n: those in whole chunks beyond the band through the
     # chunk sums, those in the band through the band weights, less the members read alone
     share = F.dropout(summary / total, dropout_p) / n.clamp(min=1)  # (B, H, N, C)
     share_chunks = _to_chunks(share, L)
     band_weights = band_weights + (share_chunks @ band.members.transpose(-1, -2)) * band.outside
-    out = _from_chunks(band_weights @ band.values + share_chunks @ band.beyond_values, N) + out_alone
     taken = share.gather(-1, selected).repeat_interleave(cluster_keys, dim=-1) * allowed  # (B, H, N, M)
-    return out - (taken.unsqueeze(-2) @ alone_values).squeeze(-2)
+    return _from_chunks(band_weights @ band.values + share_chunks @ band.beyond_values, N) + listed_sum(
+        alone - taken, v, lists)
 
 
 def _dense_with_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, mask: torch.Tensor,

@@ -1,0 +1,153 @@
+"""Attention over an explicit list of keys per query, as sparse matrices: no (B, H, N, M, D) gather.
+
+A mechanism that reads, for each query n, the keys at ``positions[n, 0..M)`` (cluster-select's selected cluster
+members, issue #31) needs two products over those lists:
+
+* the scores  s[n, m] = q_n . k_{positions[n, m]}        -- a sampled dense-dense product (SDDMM);
+* the output  o_n = sum_m w[n, m] v_{positions[n, m]}    -- a sparse-dense product (SpMM).
+
+Gathering the keys and values per query materialises (B, H, N, M, D) tensors (and their gradients, and an index
+scatter-add in the backward): on a CPU at N = 1,024, M = 96, D = 64, batch 16 and 2 heads, 800 MB each and about
+1.3 s for the scores alone. Here the lists are one CSR matrix of B H N rows (row n holds the M flat positions
+``b h N + position``), and the four products of the forward and backward are ``torch.sparse.sampled_addmm`` and
+CSR x dense matmuls over its B H N M entries:
+
+    scores:   s = SDDMM(q, k)          ds -> dq = S(ds) k,  dk = S(ds)^T q
+    output:   o = S(w) v               do -> dw = SDDMM(do, v),  dv = S(w)^T do
+
+S^T comes from one stable sort of the column indices per call of :func:`key_lists` (shared by every product of a
+layer's forward and backward), so no CSR transpose is converted per product. An entry's value is computed alone,
+so repeated or clamped positions are fine: a caller masks the entries it does not read (weight 0, score ignored).
+Cost O(B H N M D) time for each product, O(B H N M) memory. Measured against the gather in docs/benchmarks.md
+("cluster-select's sparse key lists").
+
+The sparse path runs where CSR products exist for the dtype: float32 and float64 on the CPU; elsewhere (CUDA, half
+precision, or lists longer than B H N) the same functions gather (:func:`uses_sparse`), with the same values and
+gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["KeyLists", "key_lists", "listed_scores", "listed_sum", "uses_sparse"]
+
+
+class KeyLists(NamedTuple):
+    """Each query's keys as a CSR pattern over the flattened (B H N) rows of q, k and v.
+
+    shape: (B, H, N, M) of the lists; columns: (B H N M,) flat key row of every entry, in (row, m) order;
+    crow: (B H N + 1,) row pointers (M per row); order: (B H N M,) entries sorted by column (the transpose's
+    entry order); crow_t: (B H N + 1,) row pointers of the transpose; columns_t: (B H N M,) the query row of
+    every entry of the transpose."""
+
+    shape: tuple[int, int, int, int]
+    columns: torch.Tensor
+    crow: torch.Tensor
+    order: torch.Tensor
+    crow_t: torch.Tensor
+    columns_t: torch.Tensor
+
+
+def key_lists(positions: torch.Tensor) -> KeyLists:
+    """(B, H, N, M) key positions in [0, N) per query -> their :class:`KeyLists` (one sort of B H N M columns)."""
+    if positions.dim() != 4:
+        raise ValueError(f"positions must be (B, H, N, M); got shape {tuple(positions.shape)}")
+    B, H, N, M = positions.shape
+    rows = B * H * N
+    device = positions.device
+    # int32 indices while they fit: the sort and the CSR products take about half the time of int64's on a CPU
+    index = torch.int32 if rows * M < 2**31 else torch.long
+    columns = (positions + N * torch.arange(B * H, device=device).view(B, H, 1, 1)).reshape(-1).to(index)
+    crow = torch.arange(0, rows * M + 1, max(M, 1), device=device, dtype=index)[: rows + 1]
+    order = torch.sort(columns, stable=True).indices.to(index)
+    crow_t = torch.zeros(rows + 1, dtype=index, device=device)
+    crow_t[1:] = torch.bincount(columns, minlength=rows).cumsum(0)
+    return KeyLists((B, H, N, M), columns, crow, order, crow_t, torch.div(order, max(M, 1), rounding_mode="floor"))
+
+
+def uses_sparse(x: torch.Tensor, lists: KeyLists) -> bool:
+    """Whether the CSR products serve tensors like ``x`` (float32 / float64 on the CPU) with these lists, else the
+    gather does. ``sampled_addmm`` refuses a pattern with more entries than the dense matrix has cells, which lists
+    longer than B H N (tiny inputs, clamped repeats) would make."""
+    B, H, N, M = lists.shape
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and M <= B * H * N
+
+
+def _matrix(lists: KeyLists, values: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """The (B H N, B H N) CSR matrix with ``values`` in entry order (``transpose``: values already in the
+    transpose's order)."""
+    rows = lists.crow.numel() - 1
+    crow, columns = (lists.crow_t, lists.columns_t) if transpose else (lists.crow, lists.columns)
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state": once per process, not ours
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(crow, columns, values, (rows, rows), check_invariants=False)
+
+
+def _sampled(lists: KeyLists, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B H N M,) entry values a[row] . b[column] for rows a, b (B H N, D)."""
+    pattern = _matrix(lists, a.new_zeros(lists.columns.shape))
+    return torch.sparse.sampled_addmm(pattern, a, b.t(), beta=0.0).values()
+
+
+class _Scores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, lists: KeyLists) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(q, k)
+        ctx.lists = lists
+        return _sampled(lists, q, k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        q, k = ctx.saved_tensors
+        lists = ctx.lists
+        grad = grad.contiguous()
+        dq = _matrix(lists, grad) @ k if ctx.needs_input_grad[0] else None
+        dk = _matrix(lists, grad[lists.order], transpose=True) @ q if ctx.needs_input_grad[1] else None
+        return dq, dk, None
+
+
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, v: torch.Tensor, lists: KeyLists) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(w, v)
+        ctx.lists = lists
+        return _matrix(lists, w) @ v
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        w, v = ctx.saved_tensors
+        lists = ctx.lists
+        grad = grad.contiguous()
+        dw = _sampled(lists, grad, v) if ctx.needs_input_grad[0] else None
+        dv = _matrix(lists, w[lists.order], transpose=True) @ grad if ctx.needs_input_grad[1] else None
+        return dw, dv, None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, D) -> (B H N, D), contiguous."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _gathered(x: torch.Tensor, lists: KeyLists) -> torch.Tensor:
+    """(B, H, N, D) -> (B, H, N, M, D): the rows each query lists (the fallback path)."""
+    return _rows(x).index_select(0, lists.columns).view(*lists.shape, x.shape[-1])
+
+
+def listed_scores(q: torch.Tensor, k: torch.Tensor, lists: KeyLists) -> torch.Tensor:
+    """q (B, H, N, D), k (B, H, N, D) -> (B, H, N, M): q_n . k at each listed position (differentiable in both)."""
+    if uses_sparse(q, lists):
+        return _Scores.apply(_rows(q), _rows(k), lists).view(lists.shape)
+    return (_gathered(k, lists) @ q.unsqueeze(-1)).squeeze(-1)
+
+
+def listed_sum(w: torch.Tensor, v: torch.Tensor, lists: KeyLists) -> torch.Tensor:
+    """w (B, H, N, M), v (B, H, N, D) -> (B, H, N, D): sum_m w[..., m] v at the m-th listed position
+    (differentiable in both)."""
+    if uses_sparse(v, lists):
+        B, H, N, _ = lists.shape
+        return _Sum.apply(w.reshape(-1).contiguous(), _rows(v), lists).view(B, H, N, v.shape[-1])
+    return (w.unsqueeze(-2) @ _gathered(v, lists)).squeeze(-2)
