@@ -32,6 +32,7 @@ import warnings
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["KeyLists", "key_lists", "listed_scores", "listed_sum", "uses_sparse"]
 
@@ -101,6 +102,7 @@ class _Scores(torch.autograd.Function):
         return _sampled(lists, q, k)
 
     @staticmethod
+    @once_differentiable  # the backward's sparse products are not differentiated again: a clear error, not zeros
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         q, k = ctx.saved_tensors
         lists = ctx.lists
@@ -118,6 +120,7 @@ class _Sum(torch.autograd.Function):
         return _matrix(lists, w) @ v
 
     @staticmethod
+    @once_differentiable  # the backward's sparse products are not differentiated again: a clear error, not zeros
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         w, v = ctx.saved_tensors
         lists = ctx.lists

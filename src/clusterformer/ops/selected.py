@@ -12,9 +12,10 @@ counts once. Nothing here depends on later positions under ``causal``, or on oth
 
 Implementation. Keys sorted by (cluster, position) with one stable sort; a prefix count of each cluster's
 members, (B, H, N + 1, C), gives the rank range of every (query, selected cluster) pair; the ranks map to slots of
-the sorted order and then to positions. The keys and values at those positions are gathered, (B, H, N, M, D) with
-M = S * cluster_keys + window, and attended with explicit scores: O(N M D) time and memory, no loop over tokens,
-clusters or queries.
+the sorted order and then to positions. The keys at those positions, M = S * cluster_keys + window per query, are
+read as sparse key lists (:mod:`clusterformer.ops.key_lists`: the scores by a sampled product, the output by a CSR
+product, no (B, H, N, M, D) gather) and attended with explicit scores: O(N M D) time, O(N M) memory, no loop over
+tokens, clusters or queries.
 
 Cluster summaries (``summaries=True``; NSA's compressed branch, Yuan et al. 2025, with clusters for blocks). Each
 query also reads, in the same softmax, one summary per cluster of the members it does not read individually and
@@ -31,8 +32,8 @@ sees its whole window inside the *band* of chunks i - 1 .. i (causal) or i - 1 .
 band lies outside the window. A summary is then the members in whole chunks beyond the band -- one row of
 per-chunk prefix sums of the clusters' keys and values, (B, H, N / L + 1, C, D) -- plus the members in the band
 outside the window, read from the band's own scores through the band's one-hot clusters, less the members the
-query reads alone (their scores and values are gathered anyway). Only those gathered keys, (B, H, N, S *
-cluster_keys, D), are per query.
+query reads alone (their scores are computed anyway). Only those keys, S * cluster_keys per query, are listed per
+query, as sparse key lists.
 """
 
 from __future__ import annotations
@@ -335,10 +336,11 @@ def selected_cluster_attention(
     """Softmax attention of each query over its window and its selected clusters' keys (module docstring).
 
     q, k, v: (B, H, N, D); key_ids (B, H, N) in [0, num_clusters] (num_clusters: padding); selected (B, H, N, S)
-    distinct cluster ids. ``kernel``: "gather" (the keys each query reads, gathered: O(N M D)), "banded" (the
-    window from chunk bands, the cluster keys gathered, the summaries from per-chunk prefix sums: O(N (M + C) D),
-    no (N, N) or (N, C, D) tensor), "dense-mask" (the same set as an (N, N) boolean mask for one SDPA call: O(N^2 D)
-    but matmul-shaped, faster at a few hundred positions), or "auto" (:func:`resolve_kernel`).
+    distinct cluster ids. ``kernel``: "gather" (every key each query reads as sparse key lists: O(N M D); the name
+    is the historical one), "banded" (the window from chunk bands, the cluster keys listed, the summaries from
+    per-chunk prefix sums: O(N (M + C) D), no (N, N) or (N, C, D) tensor), "dense-mask" (the same set as an (N, N)
+    boolean mask for one SDPA call: O(N^2 D) but matmul-shaped, faster at a few hundred positions), or "auto"
+    (:func:`resolve_kernel`).
     ``summaries``: also one summary per cluster of the members not read alone outside the window, in the same
     softmax (:func:`cluster_summaries`). ``layout``: :func:`cluster_layout` of ``key_ids``, if the caller has it.
     Returns (B, H, N, D); a query without any key gets 0."""
@@ -379,8 +381,8 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
                       selected: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, layout: ClusterLayout, *,
                       window: int, cluster_keys: int, causal: bool, key_padding_mask: torch.Tensor | None,
                       summaries: bool, dropout_p: float) -> torch.Tensor:
-    """The ``"banded"`` kernel (module docstring): the window from the chunk bands, the selected clusters' keys
-    gathered ((B, H, N, M) ``positions`` / ``allowed`` of the keys read alone, from :func:`selected_positions`
+    """The ``"banded"`` kernel (module docstring): the window from the chunk bands, the selected clusters' keys as
+    sparse key lists ((B, H, N, M) ``positions`` / ``allowed`` of the keys read alone, from :func:`selected_positions`
     without its window columns), the summaries from :meth:`_Band.summary_dots` less the keys read alone -- one
     softmax over the three, normalised by the row's largest logit without concatenating them. q is already
     scaled; a row without keys gets 0."""
