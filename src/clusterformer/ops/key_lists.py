@@ -95,6 +95,8 @@ def _sampled(lists: KeyLists, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class _Scores(torch.autograd.Function):
+    """s = SDDMM(q, k) over the lists, (B H N M,); backward: dq = S(ds) k, dk = S(ds)^T q (the dual of _Sum)."""
+
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, lists: KeyLists) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(q, k)
@@ -113,6 +115,8 @@ class _Scores(torch.autograd.Function):
 
 
 class _Sum(torch.autograd.Function):
+    """o = S(w) v, (B H N, D); backward: dw = SDDMM(do, v), dv = S(w)^T do (the dual of _Scores)."""
+
     @staticmethod
     def forward(ctx, w: torch.Tensor, v: torch.Tensor, lists: KeyLists) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(w, v)
