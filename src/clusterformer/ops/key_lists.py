@@ -15,9 +15,10 @@ CSR x dense matmuls over its B H N M entries:
     scores:   s = SDDMM(q, k)          ds -> dq = S(ds) k,  dk = S(ds)^T q
     output:   o = S(w) v               do -> dw = SDDMM(do, v),  dv = S(w)^T do
 
-S^T comes from one stable sort of the column indices per call of :func:`key_lists` (shared by every product of a
-layer's forward and backward), so no CSR transpose is converted per product. An entry's value is computed alone,
-so repeated or clamped positions are fine: a caller masks the entries it does not read (weight 0, score ignored).
+S^T comes from one stable sort of the column indices per :class:`KeyLists`, made at its first backward and shared
+by every product of a layer's backward, so no CSR transpose is converted per product. An entry's value is computed
+alone, so repeated or clamped positions are fine: a caller masks the entries it does not read (weight 0, score
+ignored).
 Cost O(B H N M D) time for each product, O(B H N M) memory. Measured against the gather in docs/benchmarks.md
 ("cluster-select's sparse key lists").
 
@@ -37,24 +38,50 @@ from torch.autograd.function import once_differentiable
 __all__ = ["KeyLists", "key_lists", "listed_scores", "listed_sum", "uses_sparse"]
 
 
-class KeyLists(NamedTuple):
-    """Each query's keys as a CSR pattern over the flattened (B H N) rows of q, k and v.
-
-    shape: (B, H, N, M) of the lists; columns: (B H N M,) flat key row of every entry, in (row, m) order;
-    crow: (B H N + 1,) row pointers (M per row); order: (B H N M,) entries sorted by column (the transpose's
-    entry order); crow_t: (B H N + 1,) row pointers of the transpose; columns_t: (B H N M,) the query row of
-    every entry of the transpose."""
-
-    shape: tuple[int, int, int, int]
-    columns: torch.Tensor
-    crow: torch.Tensor
+class _Transpose(NamedTuple):
     order: torch.Tensor
     crow_t: torch.Tensor
     columns_t: torch.Tensor
 
 
+class KeyLists:
+    """Each query's keys as a CSR pattern over the flattened (B H N) rows of q, k and v.
+
+    shape: (B, H, N, M) of the lists; columns: (B H N M,) flat key row of every entry, in (row, m) order;
+    crow: (B H N + 1,) row pointers (M per row). The transpose, which only a backward reads, is sorted on first use
+    and kept (the scores' and the output's backward share it; a forward without gradients never sorts): order:
+    (B H N M,) entries sorted by column (the transpose's entry order); crow_t: (B H N + 1,) row pointers of the
+    transpose; columns_t: (B H N M,) the query row of every entry of the transpose."""
+
+    def __init__(self, shape: tuple[int, int, int, int], columns: torch.Tensor, crow: torch.Tensor) -> None:
+        self.shape, self.columns, self.crow = shape, columns, crow
+        self._transpose: _Transpose | None = None
+
+    def transpose(self) -> _Transpose:
+        if self._transpose is None:
+            rows, M = self.crow.numel() - 1, self.shape[-1]
+            order = torch.sort(self.columns, stable=True).indices.to(self.columns.dtype)
+            crow_t = torch.zeros_like(self.crow)
+            crow_t[1:] = torch.bincount(self.columns, minlength=rows).cumsum(0)
+            self._transpose = _Transpose(order, crow_t, torch.div(order, max(M, 1), rounding_mode="floor"))
+        return self._transpose
+
+    @property
+    def order(self) -> torch.Tensor:
+        return self.transpose().order
+
+    @property
+    def crow_t(self) -> torch.Tensor:
+        return self.transpose().crow_t
+
+    @property
+    def columns_t(self) -> torch.Tensor:
+        return self.transpose().columns_t
+
+
 def key_lists(positions: torch.Tensor) -> KeyLists:
-    """(B, H, N, M) key positions in [0, N) per query -> their :class:`KeyLists` (one sort of B H N M columns)."""
+    """(B, H, N, M) key positions in [0, N) per query -> their :class:`KeyLists` (the transpose's sort deferred to
+    the first backward)."""
     if positions.dim() != 4:
         raise ValueError(f"positions must be (B, H, N, M); got shape {tuple(positions.shape)}")
     B, H, N, M = positions.shape
@@ -63,11 +90,8 @@ def key_lists(positions: torch.Tensor) -> KeyLists:
     # int32 indices while they fit: the sort and the CSR products take about half the time of int64's on a CPU
     index = torch.int32 if rows * M < 2**31 else torch.long
     columns = (positions + N * torch.arange(B * H, device=device).view(B, H, 1, 1)).reshape(-1).to(index)
-    crow = torch.arange(0, rows * M + 1, max(M, 1), device=device, dtype=index)[: rows + 1]
-    order = torch.sort(columns, stable=True).indices.to(index)
-    crow_t = torch.zeros(rows + 1, dtype=index, device=device)
-    crow_t[1:] = torch.bincount(columns, minlength=rows).cumsum(0)
-    return KeyLists((B, H, N, M), columns, crow, order, crow_t, torch.div(order, max(M, 1), rounding_mode="floor"))
+    crow = torch.arange(rows + 1, device=device, dtype=index) * M
+    return KeyLists((B, H, N, M), columns, crow)
 
 
 def uses_sparse(x: torch.Tensor, lists: KeyLists) -> bool:
