@@ -435,6 +435,52 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
         assert (y - plain(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "summaries must count"
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 5])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cluster_select_banded_chunks_shorter_than_the_window_match_dense_reference(chunk, causal, monkeypatch):
+    """The banded kernel with chunks shorter than the window (production: at most ``BAND_CHUNK`` = 128 positions,
+    against windows of 512 and more): bands of several chunks, the keys outside the window in one or two column
+    spans of the band (chunk 4 against a window of 10: a span that crosses into the second chunk; chunk 5: one that
+    does not; chunk 1: the band is the window and no span holds any), with and without summaries, against the
+    definitions above."""
+    from clusterformer.ops import selected
+    monkeypatch.setattr(selected, "BAND_CHUNK", chunk)
+    assert selected.band_chunk(10, causal) == chunk
+    options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 10}
+    test_cluster_select_matches_dense_reference(37, options, causal, "banded")
+    test_cluster_select_summaries_match_dense_reference(37, options, "summaries", "kmeans", causal, "banded")
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cluster_select_kernels_give_one_gradient(chunk, causal, monkeypatch):
+    """The layer's gradients (input and every weight) are the same through the banded and dense-mask kernels as
+    through the gather kernel, which lists every key a query reads: the banded kernel builds one chunk band per call
+    for the summaries' selection (no gradient) and the attention (the gradient), so a band built without the
+    gradient, or read from the selection's detached copy, changes them. Float64, padding, summaries; chunk 4: bands
+    of several chunks against a window of 10."""
+    from clusterformer.ops import selected
+    if chunk is not None:
+        monkeypatch.setattr(selected, "BAND_CHUNK", chunk)
+    options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 10}
+    N = 37
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    pad[1, -5:] = True
+    grads = {}
+    state = _layer("cluster-select", **options).state_dict()
+    for kernel in ("gather", "dense-mask", "banded"):
+        layer = _layer("cluster-select", **options, kernel=kernel).eval()  # eval: the centroids stay put
+        layer.load_state_dict(state)
+        xi = x.clone().requires_grad_()
+        y = layer(xi, key_padding_mask=pad, causal=causal)
+        (y[~pad] * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
+        grads[kernel] = [xi.grad] + [p.grad for p in layer.parameters()]
+    for kernel in ("dense-mask", "banded"):
+        for a, b in zip(grads[kernel], grads["gather"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_cluster_select_summaries_options():
     """The defaults; budget: the summaries are num_clusters more keys per query; ``selection="summaries"`` needs
     them."""

@@ -270,15 +270,22 @@ def test_chunk_size_larger_than_the_sequence_is_clamped(causal_layout):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
+@pytest.mark.parametrize(("kernel", "chunk"), [("gather", None), ("dense-mask", None), ("banded", None),
+                                               ("banded", 4)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_selected_cluster_attention_with_summaries_gradcheck(kernel, causal):
+def test_selected_cluster_attention_with_summaries_gradcheck(kernel, chunk, causal, monkeypatch):
     """The summaries' prefix-sum differences (gather), matmuls (dense-mask) and chunk sums less the keys read alone
-    (banded: 9 positions are 5 chunks causal, 9 non-causal, so whole chunks lie beyond every band) have the
-    gradients of their values: gradcheck in float64 with padding, on q, k and v."""
-    from clusterformer.ops import selected_cluster_attention
+    (banded: 9 positions are 5 chunks causal, 9 non-causal, so whole chunks lie beyond every band; chunk 4: a
+    window of 10 in bands of three or four chunks of 4 and 3, whose keys outside the window span more than a chunk,
+    21 positions) have the gradients of their values: gradcheck in float64 with padding, on q, k and v."""
+    from clusterformer.ops import selected, selected_cluster_attention
+    if chunk is not None:
+        monkeypatch.setattr(selected, "BAND_CHUNK", chunk)
     torch.manual_seed(fixed_seed())
     B, H, N, D, C = 1, 2, 9, 3, 3
+    window = 2
+    if chunk is not None:
+        N, window = 21, 10
     q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
     key_ids = torch.randint(0, C, (B, H, N))
     key_ids[..., -1] = C  # padding
@@ -286,8 +293,9 @@ def test_selected_cluster_attention_with_summaries_gradcheck(kernel, causal):
     selected = torch.stack([torch.randperm(C)[:2] for _ in range(B * H * N)]).view(B, H, N, 2)
 
     def fn(q, k, v):
-        out = selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=C, cluster_keys=1, window=2,
-                                         causal=causal, key_padding_mask=pad, kernel=kernel, summaries=True)
+        out = selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=C, cluster_keys=1,
+                                         window=window, causal=causal, key_padding_mask=pad, kernel=kernel,
+                                         summaries=True)
         return out[:, :, :-1]
 
     assert torch.autograd.gradcheck(fn, (q, k, v))

@@ -53,7 +53,9 @@ from ..masks import AttentionMask, masked_sdpa, real_tokens
 from ..ops.decode import SelectionCache
 from ..ops.selected import (
     KERNELS,
+    ChunkBand,
     ClusterLayout,
+    chunk_band,
     cluster_layout,
     resolve_kernel,
     selected_cluster_attention,
@@ -195,27 +197,33 @@ class ClusterSelectAttention(InnerAttention):
         key_ids = ids.masked_fill(~real, o.num_clusters)
         layout = cluster_layout(key_ids, num_clusters=o.num_clusters, window=o.window, causal=causal)
         kernel = resolve_kernel(o.kernel, N)  # one choice for the selection and the attention
-        selected = self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel)
+        band = None  # the banded kernel's chunk bands, built once for the summaries' selection and the attention
+        if kernel == "banded":
+            band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, key_padding_mask, num_clusters=o.num_clusters,
+                              window=o.window, causal=causal, summaries=o.summaries)
+        selected = self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel, band)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
-                                          kernel=kernel, summaries=o.summaries, layout=layout)
+                                          kernel=kernel, summaries=o.summaries, layout=layout, band=band)
 
     def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
         """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid."""
         return torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
 
     def _choose(self, q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout,
-                causal: bool, key_padding_mask: torch.Tensor | None, kernel: str) -> torch.Tensor:
+                causal: bool, key_padding_mask: torch.Tensor | None, kernel: str, band: ChunkBand | None
+                ) -> torch.Tensor:
         """The ``select`` clusters each query reads, (B, H, N, S), by the option ``selection`` (``kernel``: the
-        resolved kernel, whose way the summaries' logits are computed)."""
+        resolved kernel, whose way the summaries' logits are computed; ``band``: the banded kernel's chunk bands,
+        which hold them)."""
         o = self.options
         B, H, N, _ = q.shape
         if o.selection == "scores":
             return self._select(q)
         if o.selection == "summaries":
             return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
-                                     kernel=kernel, key_padding_mask=key_padding_mask)
+                                     kernel=kernel, key_padding_mask=key_padding_mask, band=band)
         return self._random_selection(B, H, N, q.device)
 
     def _pages(self, positions: torch.Tensor) -> torch.Tensor:

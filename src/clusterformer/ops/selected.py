@@ -26,14 +26,16 @@ selected or not, gets the task's gradient through its summary. The sums come fro
 values in sorted (cluster, position) order, (B, H, N + 1, D): a rank range of a cluster is a difference of two
 rows. :func:`summary_selection` ranks the clusters by the same logits over all their members outside the window.
 
-The ``"banded"`` kernel computes the same softmax from matmuls over chunks, O(N (L + M + C) D) without any (N, N)
-or (N, C, D) tensor. Positions are cut into chunks of L = window (causal) or window / 2 keys; query t in chunk i
-sees its whole window inside the *band* of chunks i - 1 .. i (causal) or i - 1 .. i + 1, and every other key of the
-band lies outside the window. A summary is then the members in whole chunks beyond the band -- one row of
+The ``"banded"`` kernel computes the same softmax from matmuls over chunks, O(N (window + L + M + C) D) without any
+(N, N) or (N, C, D) tensor. Positions are cut into chunks of L <= 128 keys (:func:`band_chunk`); query t in chunk i
+sees its whole window inside the *band* of the fewest chunks around i that hold every window of the chunk (causal:
+i - ceil((window - 1) / L) .. i), and every other key of the band lies outside the window, in the band's first
+chunk or two (and last, non-causal). A summary is then the members in whole chunks beyond the band -- one row of
 per-chunk prefix sums of the clusters' keys and values, (B, H, N / L + 1, C, D) -- plus the members in the band
-outside the window, read from the band's own scores through the band's one-hot clusters, less the members the
-query reads alone (their scores are computed anyway). Only those keys, S * cluster_keys per query, are listed per
-query, as sparse key lists.
+outside the window, read from the band's own scores through the band's one-hot clusters on those columns only,
+less the members the query reads alone (their scores are computed anyway). Only those keys, S * cluster_keys per
+query, are listed per query, as sparse key lists. One band per layer call (:func:`chunk_band`) serves the
+summaries' selection and the attention.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ import torch.nn.functional as F
 from ..masks import masked_sdpa, real_tokens
 from .key_lists import key_lists, listed_scores, listed_sum
 
-__all__ = ["KERNELS", "cluster_layout", "cluster_summaries", "resolve_kernel", "selected_cluster_attention",
-           "selected_positions", "summary_counts", "summary_selection"]
+__all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "chunk_band", "cluster_layout", "cluster_summaries",
+           "resolve_kernel", "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection"]
 
 
 class ClusterLayout(NamedTuple):
@@ -191,46 +193,66 @@ def _from_chunks(x: torch.Tensor, N: int) -> torch.Tensor:
     return x.flatten(2, 3)[:, :, :N]
 
 
-class _Band(NamedTuple):
-    """The chunk bands of the ``"banded"`` kernel (module docstring), with Np = chunks * L >= N padded positions.
+BAND_CHUNK = 128  # the banded kernel's chunk length, at most (smaller windows: the window's own span)
 
-    scores: (B, H, chunks, L, R) q . k / sqrt(D) of each query against its band of R = (2 or 3) L keys (q as given:
-    scaled by the caller); window: (B, H, chunks, L, R) bool, the band key is in the query's window and real;
-    outside: (L, R) 1 where the band key is outside the window and not after the query (causal), else 0, in q's
-    dtype; members: (B, H, chunks, R, C) the band keys' one-hot clusters (padding in none); values: (B, H, chunks, R,
-    D), or None when no values were given (a selection only scores);
-    beyond_keys, beyond_values: (B, H, chunks, C, D) per query chunk, the sums of each cluster's members in the
-    whole chunks outside its band (causal: before it; otherwise before and after)."""
+
+def band_chunk(window: int, causal: bool) -> int:
+    """The chunk length L of the ``"banded"`` kernel: the keys a query's window holds on its past side (causal:
+    ``window``; otherwise ``window / 2``), at most :data:`BAND_CHUNK` = 128. A band spans the window plus less than
+    one chunk, (window + L) keys per query rather than 2 window, while the per-chunk cluster sums, (N / L, C, D),
+    grow as L shrinks. Measured on one CPU thread (one causal layer's forward and backward, 64 clusters, 96 keys
+    read alone; docs/benchmarks.md): with a window of 512 at N = 4,096, chunks of 128 took 0.64x the time of
+    chunks of 512 (64: 0.78x, 256: 0.60-0.67x, the machine shared); with a window of 96 at N = 1,024, chunks of 96
+    were faster than 48 or 32."""
+    return min(window if causal else window // 2, BAND_CHUNK)
+
+
+class ChunkBand(NamedTuple):
+    """The chunk bands of the ``"banded"`` kernel (module docstring; :func:`chunk_band`), with Np = chunks * L >= N
+    padded positions and R = (before + 1 + after) L band keys per chunk.
+
+    scores: (B, H, chunks, L, R) q . k / sqrt(D) of each query against its band (q as given: scaled by the caller);
+    window: (B, H, chunks, L, R) bool, the band key is in the query's window and real; outside: (L, R) 1 where the
+    band key is outside the window and not after the query (causal), else 0, in q's dtype; spans: the (start, stop)
+    column ranges of the band that hold any such key (one causal, two otherwise) -- the summaries' products read
+    only those; members: (B, H, chunks, R, C) the band keys' one-hot clusters (padding in none); values: (B, H,
+    chunks, R, D), or None when no values were given (a selection only scores); beyond_keys, beyond_values: (B, H,
+    chunks, C, D) per query chunk, the sums of each cluster's members in the whole chunks outside its band (causal:
+    before it; otherwise before and after); summary_dots: (B, H, N, C) q . (sum of each cluster's members outside
+    the window), or None when the band was built without summaries."""
 
     scores: torch.Tensor
     window: torch.Tensor
     outside: torch.Tensor
+    spans: tuple[tuple[int, int], ...]
     members: torch.Tensor
     values: torch.Tensor | None
     beyond_keys: torch.Tensor
     beyond_values: torch.Tensor | None
-
-    def summary_dots(self, q: torch.Tensor) -> torch.Tensor:
-        """q . (sum of each cluster's members outside the window), (B, H, N, C): the whole chunks beyond the band
-        by one (L, D) x (D, C) product per chunk, the band's own members from its scores."""
-        q_chunks = _to_chunks(q, self.scores.shape[3])
-        dots = q_chunks @ self.beyond_keys.transpose(-1, -2) + (self.scores * self.outside) @ self.members
-        return _from_chunks(dots, q.shape[2])
+    summary_dots: torch.Tensor | None
 
 
-def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: torch.Tensor,
-          key_padding_mask: torch.Tensor | None, *, num_clusters: int, window: int, causal: bool) -> _Band:
-    """The bands of chunks around every query chunk (:class:`_Band`); q already scaled. Chunks of L = window
-    (causal) or window / 2 positions; the band of chunk i is chunks i - 1 .. i (causal) or i - 1 .. i + 1."""
+def chunk_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: torch.Tensor,
+               key_padding_mask: torch.Tensor | None, *, num_clusters: int, window: int, causal: bool,
+               summaries: bool) -> ChunkBand:
+    """The bands of chunks around every query chunk (:class:`ChunkBand`); q already scaled. Chunks of L =
+    :func:`band_chunk` positions; the band of chunk i is chunks i - before .. i + after, the fewest that hold every
+    query's window. Built once per layer call, it serves both the summaries' selection and the attention
+    (``summaries``: also the summaries' dots, with the gradient when q and k have one)."""
     B, N = key_ids.shape[0], key_ids.shape[2]
     C = num_clusters
-    L = window if causal else window // 2
-    after = 0 if causal else 1  # band chunks after the query's own
+    L = band_chunk(window, causal)
+    half = window // 2
+    # query t = i L + a reads (t - window, t] (causal) or [t - half, t + window - half): the band must reach
+    # window - 1 (or half) positions before a = 0 and window - half - 1 after a = L - 1
+    before = -(-(window - 1) // L) if causal else -(-half // L)
+    after = 0 if causal else -(-(window - half - 1) // L)
+    width = before + 1 + after
     chunks = -(-N // L)
 
     def band(x: torch.Tensor) -> torch.Tensor:  # (B, H, chunks, L, X) -> (B, H, chunks, R, X)
-        shifted = F.pad(x, (0, 0, 0, 0, 1, after))
-        return torch.cat([shifted[:, :, s:s + chunks] for s in range(2 + after)], dim=3)
+        shifted = F.pad(x, (0, 0, 0, 0, before, after))
+        return torch.cat([shifted[:, :, s:s + chunks] for s in range(width)], dim=3)
 
     members = _to_chunks(F.one_hot(key_ids, C + 1)[..., :C].to(q.dtype), L)  # padding (id C): in no cluster
     real = real_tokens(key_padding_mask, B, N, q.device)
@@ -238,37 +260,56 @@ def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: tor
     keys = _to_chunks(k, L)
     scores = _to_chunks(q, L) @ band(keys).transpose(-1, -2)  # (B, H, chunks, L, R)
 
-    # key j = (i - 1) L + r of the band against query t = i L + a: j - t = r - L - a, the same in every chunk
+    # key j = (i - before) L + r of the band against query t = i L + a: j - t = r - before L - a, in every chunk
     a = torch.arange(L, device=q.device)[:, None]
-    offset = torch.arange((2 + after) * L, device=q.device)[None, :] - L - a  # (L, R)
+    offset = torch.arange(width * L, device=q.device)[None, :] - before * L - a  # (L, R)
     if causal:
         in_window, outside = (offset > -window) & (offset <= 0), offset <= -window
+        # offset <= -window somewhere in column r: r <= before L - window + (L - 1)
+        spans = ((0, before * L - window + L),)
     else:
-        half = window // 2
-        in_window, outside = (offset >= -half) & (offset < window - half), (offset < -half) | (offset >= window - half)
+        in_window = (offset >= -half) & (offset < window - half)
+        outside = ~in_window
+        # offset < -half somewhere in column r: r < before L - half + L - 1; offset >= window - half: r >= before
+        # L + window - half
+        spans = ((0, before * L - half + L - 1), (before * L + window - half, width * L))
+    spans = tuple((lo, hi) for lo, hi in spans if hi > lo)
 
-    # per-chunk sums of each cluster's keys and values, prefix-summed over chunks: prefix[m] = chunks before m
+    # per-chunk sums of each cluster's keys and values, summed over chunks: upto[m] = chunks 0 .. m; shifted by
+    # slices (an index would scatter in its backward)
     def beyond(x: torch.Tensor) -> torch.Tensor:
-        prefix = F.pad((members.transpose(-1, -2) @ x).cumsum(2), (0, 0, 0, 0, 1, 0))  # (B, H, chunks + 1, C, D)
-        i = torch.arange(chunks, device=q.device)
-        sums = prefix[:, :, (i - 1).clamp(min=0)]  # chunks before i - 1
-        if not causal:  # and chunks after i + 1
-            sums = sums + prefix[:, :, chunks:] - prefix[:, :, (i + 2).clamp(max=chunks)]
+        upto = (members.transpose(-1, -2) @ x).cumsum(2)  # (B, H, chunks, C, D)
+        sums = F.pad(upto, (0, 0, 0, 0, before + 1, 0))[:, :, :chunks]  # row i: the chunks before i - before
+        if not causal:  # and the chunks after i + after: all, less upto[min(i + after, chunks - 1)]
+            last = upto[:, :, -1:]
+            reach = torch.cat([upto[:, :, after:], last.expand(-1, -1, min(after, chunks), -1, -1)], dim=2)
+            sums = sums + (last - reach)
         return sums
 
-    values = None if v is None else _to_chunks(v, L)
-    return _Band(scores, in_window & band_real.unsqueeze(-2), outside.to(q.dtype), band(members),
-                 None if v is None else band(values), beyond(keys), None if v is None else beyond(values))
+    outside = outside.to(q.dtype)
+    band_members = band(members)
+    beyond_keys = beyond(keys)
+    dots = None
+    if summaries:  # the whole chunks beyond the band by one (L, D) x (D, C) product per chunk, the band's own
+        # members outside the window from its scores, over the spans that hold any
+        dots = _to_chunks(q, L) @ beyond_keys.transpose(-1, -2)
+        for lo, hi in spans:
+            dots = dots + (scores[..., lo:hi] * outside[:, lo:hi]) @ band_members[..., lo:hi, :]
+        dots = _from_chunks(dots, N)
+    return ChunkBand(scores, in_window & band_real.unsqueeze(-2), outside, spans, band_members,
+                     None if v is None else band(_to_chunks(v, L)), beyond_keys,
+                     None if v is None else beyond(_to_chunks(v, L)), dots)
 
 
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
                       select: int, window: int, causal: bool, kernel: str,
-                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      key_padding_mask: torch.Tensor | None = None, band: ChunkBand | None = None) -> torch.Tensor:
     """The ``select`` clusters (B, H, N, S) whose summary of every member outside the window scores highest for
     each query: q . mean / sqrt(D) + log n, the logit the summary would have in the softmax. No gradient (an
     argmax); clusters without such members rank last. ``kernel`` (one of :func:`resolve_kernel`'s answers):
-    "dense-mask" from the (N, N) scores by two matmuls, "banded" from chunk bands and per-chunk prefix sums,
-    "gather" from :func:`cluster_summaries`."""
+    "dense-mask" from the (N, N) scores by two matmuls, "banded" from chunk bands and per-chunk prefix sums (``band``:
+    the layer's :func:`chunk_band` of the same q / sqrt(D) and k, built with summaries, whose dots the attention
+    reads too; otherwise one is built here), "gather" from :func:`cluster_summaries`."""
     with torch.no_grad():
         q, k = q.detach() * q.shape[-1] ** -0.5, k.detach()
         if kernel in ("dense-mask", "banded"):  # every member outside the window
@@ -279,9 +320,10 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
             outside = _outside_window(key_ids.shape[-1], window, causal, q.device).to(q.dtype)
             logits = ((q @ k.transpose(-1, -2)) * outside) @ members / n.clamp(min=1) + _log_count(n)
         elif kernel == "banded":
-            band = _band(q, k, None, key_ids, key_padding_mask, num_clusters=layout.total.shape[-1], window=window,
-                         causal=causal)
-            logits = band.summary_dots(q) / n.clamp(min=1) + _log_count(n)
+            if band is None or band.summary_dots is None:
+                band = chunk_band(q, k, None, key_ids, key_padding_mask, num_clusters=layout.total.shape[-1],
+                                  window=window, causal=causal, summaries=True)
+            logits = band.summary_dots / n.clamp(min=1) + _log_count(n)
         else:
             keys, _, log_n = cluster_summaries(k, k, layout, None, cluster_keys=0, causal=causal)
             logits = torch.einsum("bhnd,bhncd->bhnc", q, keys) + log_n
@@ -332,6 +374,7 @@ def selected_cluster_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, selected: torch.Tensor, *,
     num_clusters: int, cluster_keys: int, window: int, causal: bool, key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0, kernel: str = "auto", summaries: bool = False, layout: ClusterLayout | None = None,
+    band: ChunkBand | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over its window and its selected clusters' keys (module docstring).
 
@@ -342,7 +385,9 @@ def selected_cluster_attention(
     boolean mask for one SDPA call: O(N^2 D) but matmul-shaped, faster at a few hundred positions), or "auto"
     (:func:`resolve_kernel`).
     ``summaries``: also one summary per cluster of the members not read alone outside the window, in the same
-    softmax (:func:`cluster_summaries`). ``layout``: :func:`cluster_layout` of ``key_ids``, if the caller has it.
+    softmax (:func:`cluster_summaries`). ``layout``: :func:`cluster_layout` of ``key_ids``, if the caller has it;
+    ``band``: with the banded kernel, the layer's :func:`chunk_band` of q / sqrt(D), k and v (with summaries when
+    ``summaries``), if the caller has it (the summaries' selection reads the same band).
     Returns (B, H, N, D); a query without any key gets 0."""
     B, H, N, D = q.shape
     if layout is None:
@@ -357,7 +402,8 @@ def selected_cluster_attention(
         alone = M - window
         return _banded_attention(q * scale, k, v, key_ids, selected, positions[..., :alone], allowed[..., :alone],
                                  layout, window=window, cluster_keys=cluster_keys, causal=causal,
-                                 key_padding_mask=key_padding_mask, summaries=summaries, dropout_p=dropout_p)
+                                 key_padding_mask=key_padding_mask, summaries=summaries, dropout_p=dropout_p,
+                                 band=band)
     if kernel == "dense-mask":
         # scatter True at every allowed position; the entries that are not allowed go to an extra column, dropped
         index = torch.where(allowed, positions, N)
@@ -380,15 +426,17 @@ def selected_cluster_attention(
 def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
                       selected: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, layout: ClusterLayout, *,
                       window: int, cluster_keys: int, causal: bool, key_padding_mask: torch.Tensor | None,
-                      summaries: bool, dropout_p: float) -> torch.Tensor:
+                      summaries: bool, dropout_p: float, band: ChunkBand | None) -> torch.Tensor:
     """The ``"banded"`` kernel (module docstring): the window from the chunk bands, the selected clusters' keys as
     sparse key lists ((B, H, N, M) ``positions`` / ``allowed`` of the keys read alone, from :func:`selected_positions`
-    without its window columns), the summaries from :meth:`_Band.summary_dots` less the keys read alone -- one
+    without its window columns), the summaries from the band's ``summary_dots`` less the keys read alone -- one
     softmax over the three, normalised by the row's largest logit without concatenating them. q is already
     scaled; a row without keys gets 0."""
     B, H, N, _ = q.shape
     C = layout.total.shape[-1]
-    band = _band(q, k, v, key_ids, key_padding_mask, num_clusters=C, window=window, causal=causal)
+    if band is None:
+        band = chunk_band(q, k, v, key_ids, key_padding_mask, num_clusters=C, window=window, causal=causal,
+                          summaries=summaries)
     L = band.scores.shape[3]
     # the keys read alone as sparse key lists (ops/key_lists.py): no (B, H, N, M, D) gather
     lists = key_lists(positions)
@@ -400,7 +448,7 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     if summaries:  # q . (sum of the members outside the window, less those read alone) / n + log n
         n = summary_counts(layout, selected, cluster_keys=cluster_keys, causal=causal).to(q.dtype)
         read_alone = alone_raw.masked_fill(~allowed, 0.0).view(B, H, N, -1, cluster_keys).sum(-1)  # (B, H, N, S)
-        dots = band.summary_dots(q).scatter_add(-1, selected, -read_alone)
+        dots = band.summary_dots.scatter_add(-1, selected, -read_alone)
         summary_scores = dots / n.clamp(min=1) + _log_count(n)
         m = torch.maximum(m, summary_scores.amax(-1, keepdim=True))
     # the shift cancels in the ratio, so it needs no gradient; -inf (a row without keys) becomes 0 to keep exp finite
@@ -421,10 +469,12 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     # chunk sums, those in the band through the band weights, less the members read alone
     share = F.dropout(summary / total, dropout_p) / n.clamp(min=1)  # (B, H, N, C)
     share_chunks = _to_chunks(share, L)
-    band_weights = band_weights + (share_chunks @ band.members.transpose(-1, -2)) * band.outside
+    out = band_weights @ band.values + share_chunks @ band.beyond_values
+    for lo, hi in band.spans:  # the band's members outside the window: only these columns hold any
+        members, values = band.members[..., lo:hi, :], band.values[..., lo:hi, :]
+        out = out + ((share_chunks @ members.transpose(-1, -2)) * band.outside[:, lo:hi]) @ values
     taken = share.gather(-1, selected).repeat_interleave(cluster_keys, dim=-1) * allowed  # (B, H, N, M)
-    return _from_chunks(band_weights @ band.values + share_chunks @ band.beyond_values, N) + listed_sum(
-        alone - taken, v, lists)
+    return _from_chunks(out, N) + listed_sum(alone - taken, v, lists)
 
 
 def _dense_with_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, mask: torch.Tensor,
