@@ -103,7 +103,8 @@ def test_summary_table_and_plot_from_records(tmp_path):
                "perplexity": {"1024/0": {"dense": 2.0, "sink-window": 3.0}}}
     results["summary"] = summarize(results)
     accuracy = results["summary"]["accuracy"]["passkey"]
-    assert accuracy["1024"]["dense"] == {"mean": 0.5, "n": 2} and accuracy["2048"]["sink-window"]["mean"] == 1.0
+    assert {k: accuracy["1024"]["dense"][k] for k in ("mean", "n", "correct")} == {"mean": 0.5, "n": 2, "correct": 1}
+    assert accuracy["2048"]["sink-window"]["mean"] == 1.0
     table = markdown(results["summary"], ["dense", "sink-window"])
     assert "| passkey (n=2) | 1024 | 50 | 0 |" in table and "| wikitext-2 test | 1024 | 7.39 | 20.09 |" in table
     plot(results, ["dense", "sink-window"], tmp_path / "p.png")

@@ -102,27 +102,42 @@ def test_demo_runs_end_to_end_on_a_tiny_budget(tmp_path):
     assert torch.equal(labels, (a > b).long()) and (a != b).all() and (a >= 1).all() and (b >= 1).all()
     lines = []
     summary = run_demo(tmp_path, DemoConfig(length=32, train_steps=2, batch=4, eval_examples=8, dim=16,
-                                            bench_lengths=(32,)), log=lines.append)
+                                            bench_lengths=(32,), also=()), log=lines.append)
     assert {r["attention"] for r in summary["training"]} == {"full", "neural-clustering"}
     assert [r["keys_per_query"] for r in summary["training"]] == [32, 12]  # k = 6: two chunks of 6
     assert (tmp_path / "demo.json").exists() and (tmp_path / "bench.png").exists()
-    assert any("speed-up" in line for line in lines)
+    table = "\n".join(lines).splitlines()
+    assert any(line.split()[:1] == ["32"] and line.count("x)") == 2 and "(1.00x)" in line for line in table)
     below = summary["training"][1]["accuracy"] < summary["training"][0]["accuracy"] - 0.02
     assert below == any("Why neural-clustering is below full here" in line for line in lines)
 
 
-def test_demo_with_cluster_select_trains_it_with_summaries(tmp_path, capsys):
+def test_demo_trains_cluster_select_with_summaries_by_default(tmp_path, monkeypatch):
+    """cluster-select is in the demo by default (benchmark, training, and a line that says whether it reached full's
+    accuracy, decided by the numbers); ``--with ""`` leaves it out; an unknown name is refused."""
+    from clusterformer.apps import demo
     from clusterformer.apps.demo import DemoConfig, run_demo
 
+    lines = []
     summary = run_demo(tmp_path, DemoConfig(length=160, train_steps=2, batch=2, eval_examples=4, dim=16,
-                                            bench_lengths=(32,), also=("cluster-select",)), log=lambda _: None)
+                                            bench_lengths=(32,)), log=lines.append)
     runs = summary["training"]
     assert [r["attention"] for r in runs] == ["full", "neural-clustering", "cluster-select"]
+    assert {r["name"] for r in summary["benchmark"]} == {"full", "neural-clustering", "cluster-select"}
     assert runs[2]["keys_per_query"] == 64 + 2 * 32 + 16  # window, 2 clusters x 32 keys and the 16 summaries
+    reached = runs[2]["accuracy"] >= runs[0]["accuracy"] - 0.02
+    verdict = [line for line in "\n".join(lines).splitlines() if line.startswith("cluster-select reads")]
+    assert len(verdict) == 1 and ("at full's accuracy" in verdict[0]) == reached
+    assert ("below full's here" in verdict[0]) == (not reached)
     with pytest.raises(ValueError, match="the demo can add"):
         DemoConfig(also=("lsh",))
     with pytest.raises(SystemExit, match="--with"):
         main(["demo", "--out", str(tmp_path / "x"), "--with", "lsh"])
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda out, config, log: seen.append(config))
+    main(["demo", "--out", str(tmp_path / "y"), "--with", ""])
+    main(["demo", "--out", str(tmp_path / "z")])
+    assert [config.also for config in seen] == [(), ("cluster-select",)]
 
 
 def test_every_command_has_its_own_module_and_help():

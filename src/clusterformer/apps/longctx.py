@@ -242,19 +242,54 @@ def _window_nll(model: torch.nn.Module, methods: _Methods, window: torch.Tensor,
     return out
 
 
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a proportion correct / n (95% by default); (0, 1) without samples."""
+    if n == 0:
+        return 0.0, 1.0
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_exact_p(lost: int, gained: int) -> float:
+    """Two-sided exact McNemar test (a sign test on the discordant pairs): the probability, under "the method and
+    dense are equally likely to be the one right", of a split of lost + gained at least as uneven as this one."""
+    n = lost + gained
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
-    """Mean score per task / length / method (and relative to dense), perplexity per length / method, and the
-    mean decoding time per generated token."""
-    table: dict[str, dict[str, dict[str, list[float]]]] = {}
+    """Per task / length / method: the mean score, the samples answered exactly (score 1: every answer found) with
+    their 95% Wilson interval, and -- beside dense, sample by sample -- how many of dense's exact answers the method
+    kept, how many it gained where dense missed, and the exact McNemar p-value of the difference. Also perplexity
+    per length / method and the mean decoding time per generated token."""
+    table: dict[str, dict[str, dict[str, dict[str, float]]]] = {}  # task -> length -> method -> sample -> score
     timing: dict[str, dict[str, list[float]]] = {}
     for key, record in results.get("samples", {}).items():
-        task, length, _ = key.split("/")
+        task, length, sample = key.split("/")
         for label, r in record["methods"].items():
-            table.setdefault(task, {}).setdefault(length, {}).setdefault(label, []).append(r["score"])
+            table.setdefault(task, {}).setdefault(length, {}).setdefault(label, {})[sample] = r["score"]
             timing.setdefault(length, {}).setdefault(label, []).append(r["s_per_token"])
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    accuracy = {t: {n: {m: {"mean": mean(v), "n": len(v)} for m, v in ms.items()} for n, ms in ls.items()}
-                for t, ls in table.items()}
+    accuracy: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for task, by_length in table.items():
+        for length, by_method in by_length.items():
+            dense = {s for s, v in by_method.get("dense", {}).items() if v == 1.0}
+            for label, scores in by_method.items():
+                exact = {s for s, v in scores.items() if v == 1.0}
+                row: dict[str, Any] = {"mean": mean(list(scores.values())), "n": len(scores),
+                                       "correct": len(exact), "wilson": wilson_interval(len(exact), len(scores))}
+                if label != "dense" and "dense" in by_method:
+                    shared = set(scores) & set(by_method["dense"])  # samples both ran
+                    kept, dense_here = exact & dense & shared, dense & shared
+                    gained = (exact - dense) & shared
+                    row.update({"dense_correct": len(dense_here), "kept": len(kept), "gained": len(gained),
+                                "mcnemar_p": mcnemar_exact_p(len(dense_here) - len(kept), len(gained))})
+                accuracy.setdefault(task, {}).setdefault(length, {})[label] = row
     ppl: dict[str, dict[str, float]] = {}
     nll: dict[str, dict[str, list[float]]] = {}
     for key, per_method in results.get("perplexity", {}).items():
@@ -268,7 +303,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(summary: dict[str, Any], methods: Sequence[str]) -> str:
-    """The summary as markdown tables: accuracy (%) per task and length, perplexity per length."""
+    """The summary as markdown tables: mean score (%) per task and length; samples answered exactly with their 95%
+    Wilson interval, and dense's exact answers each method kept (McNemar p against dense); perplexity per length."""
     lines = ["| task | tokens | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
     for task, by_length in summary["accuracy"].items():
         for length in sorted(by_length, key=int):
@@ -276,6 +312,24 @@ def markdown(summary: dict[str, Any], methods: Sequence[str]) -> str:
             cells = [f"{100 * row[m]['mean']:.0f}" if m in row else "" for m in methods]
             n = max(r["n"] for r in row.values())
             lines.append(f"| {task} (n={n}) | {length} | " + " | ".join(cells) + " |")
+    lines += ["", "| exact answers (95% Wilson); of dense's, kept (McNemar p) | tokens | " + " | ".join(methods) + " |",
+              "|---|---|" + "---|" * len(methods)]
+    for task, by_length in summary["accuracy"].items():
+        for length in sorted(by_length, key=int):
+            row = by_length[length]
+            cells = []
+            for m in methods:
+                r = row.get(m)
+                if r is None or "correct" not in r:
+                    cells.append("")
+                    continue
+                lo, hi = r["wilson"]
+                cell = f"{r['correct']}/{r['n']} ({100 * lo:.0f}-{100 * hi:.0f}%)"
+                if "kept" in r:
+                    cell += f"; {r['kept']} of {r['dense_correct']}" + (f" +{r['gained']}" if r["gained"] else "")
+                    cell += f" (p {r['mcnemar_p']:.2g})"
+                cells.append(cell)
+            lines.append(f"| {task} | {length} | " + " | ".join(cells) + " |")
     if summary["perplexity"]:
         lines += ["", "| perplexity | tokens | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
         for length in sorted(summary["perplexity"], key=int):
