@@ -14,7 +14,7 @@ Commands, one module each (each adds its own parser, as ``transformers/cli`` doe
   approx    clustered attention inside a pretrained model, no retraining    (:mod:`.approx`)
   longctx   long-context tasks of a pretrained decoder: cluster retrieval   (:mod:`.longctx`)
   cluster   the stand-alone clustering experiment                           (:mod:`.cluster`)
-  demo      benchmark + short training of full vs neural-clustering         (:mod:`.demo`)
+  demo      benchmark + training: full, neural-clustering, cluster-select   (:mod:`.demo`)
 """
 
 from __future__ import annotations
