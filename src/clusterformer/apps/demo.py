@@ -24,7 +24,7 @@ from ..models import EncoderConfig, SequenceClassifier
 
 # Mechanisms the demo trains beside full and neural-clustering (``clusterformer demo --with NAMES``), with the options
 # it uses. cluster-select is in by default since issue #31's eleventh session: on this task it reached full's accuracy
-# (3 seeds, docs/results.md, Demo) at about 2.3x full's step on the CPU.
+# (mean of 3 seeds, docs/results.md, Demo) at 2.3-2.9x full's step on the CPU.
 OPTIONAL = {"cluster-select": {"summaries": True, "selection": "summaries"}}
 
 FILLER = range(3, 40)  # ids 1-2 are unused, 0 is padding

@@ -10,7 +10,7 @@ from ._args import int_list, log
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="benchmark + short training of full, neural-clustering and cluster-select "
-                                    "(CPU, < 5 min)")
+                                    "(CPU, minutes)")
     p.add_argument("--out", default="out/demo", help="output directory")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--length", type=int, default=512)

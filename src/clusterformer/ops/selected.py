@@ -296,9 +296,10 @@ def chunk_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids
         for lo, hi in spans:
             dots = dots + (scores[..., lo:hi] * outside[:, lo:hi]) @ band_members[..., lo:hi, :]
         dots = _from_chunks(dots, N)
+    values = None if v is None else _to_chunks(v, L)
     return ChunkBand(scores, in_window & band_real.unsqueeze(-2), outside, spans, band_members,
-                     None if v is None else band(_to_chunks(v, L)), beyond_keys,
-                     None if v is None else beyond(_to_chunks(v, L)), dots)
+                     None if values is None else band(values), beyond_keys,
+                     None if values is None else beyond(values), dots)
 
 
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
