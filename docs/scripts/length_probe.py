@@ -15,22 +15,22 @@ import sys
 
 import torch
 
-from clusterformer.train.loop import _prepare, build_model, evaluate, load_run
+from clusterformer.train.config import TrainConfig
+from clusterformer.train.loop import evaluate, load_trained
 
 TEST_SEQUENCES = 64
 
 
 def length_probe(run: str, length: int, min_gap: int) -> str:
-    state, config = load_run(run)
-    if config.task != "mqar":
-        raise ValueError(f"{run}: a run of task {config.task!r}; this probe evaluates MQAR runs")
-    config.max_len = length
-    config.task_options = {**config.task_options, "min_gap": min_gap, "test_sequences": TEST_SEQUENCES,
-                           "recall_sequences": 8}
-    task = _prepare(config, tokenizer_state=state.get("tokenizer"))
-    model = build_model(config, task)
-    model.load_state_dict(state["model"])
-    metrics = evaluate(model.eval(), task, config, torch.device("cpu"))
+    def at_length(config: TrainConfig) -> None:
+        if config.task != "mqar":
+            raise ValueError(f"{run}: a run of task {config.task!r}; this probe evaluates MQAR runs")
+        config.max_len = length
+        config.task_options = {**config.task_options, "min_gap": min_gap, "test_sequences": TEST_SEQUENCES,
+                               "recall_sequences": 8}
+
+    model, task, config, _ = load_trained(run, adjust=at_length)
+    metrics = evaluate(model, task, config, torch.device("cpu"))
     recall = metrics.get("key_recall", {})
     argmax = " / ".join(f"{layer['key_argmax']:.2f}" for layer in recall.values())
     return (f"{run}: {config.attention} {config.attention_options} at N = {length}, min_gap {min_gap}: accuracy "

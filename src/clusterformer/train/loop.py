@@ -45,6 +45,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -662,13 +663,17 @@ def load_run(path: str | Path) -> tuple[dict[str, Any], TrainConfig]:
     return state, TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
 
 
-def load_trained(path: str | Path, data_dir: str | None = None, device: str = "cpu"
+def load_trained(path: str | Path, data_dir: str | None = None, device: str = "cpu",
+                 adjust: Callable[[TrainConfig], None] | None = None
                  ) -> tuple[torch.nn.Module, Task, TrainConfig, int]:
     """The model of a checkpoint (run directory or file) with its trained weights, in evaluation mode on ``device``
-    ("auto": CUDA when there is one), its prepared task, its config and its step."""
+    ("auto": CUDA when there is one), its prepared task, its config and its step. ``adjust`` may change the config
+    before the task is prepared (another length or test set, as ``docs/scripts/length_probe.py`` does)."""
     state, config = load_run(path)
     if data_dir is not None:
         config.data_dir = data_dir
+    if adjust is not None:
+        adjust(config)
     task = _prepare(config, tokenizer_state=state.get("tokenizer"))
     model = build_model(config, task).to(_device(device, 0))
     model.load_state_dict(state["model"])
