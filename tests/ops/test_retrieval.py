@@ -100,14 +100,22 @@ def reference_attention(q, k, v, real, index, opts, scale):
                     group = [h]
                 best = {c: max(float(q[b, hh, i] * scale @ mu) for hh in group) for c, (mu, _) in clusters.items()}
                 ranked = sorted(clusters, key=lambda c: (-best[c], c))
-                left = retrieved
+                rerank = getattr(opts, "rerank", 1)
+                left = retrieved * rerank  # candidates: the ranked clusters' first members
+                candidates = []
                 for c in ranked:
                     mu, members = clusters[c]
                     take = members[:left]
                     left -= len(take)
-                    logits += [float(qi @ k[b, g, p]) for p in take]
-                    values += [v[b, g, p] for p in take]
-                    rest = len(members) - len(take)
+                    candidates += take
+                if rerank > 1:  # the `retrieved` candidates of highest exact score (best over the unit's heads)
+                    exact = {p: max(float(q[b, hh, i] * scale @ k[b, g, p]) for hh in group) for p in candidates}
+                    candidates = sorted(candidates, key=lambda p: -exact[p])[:retrieved]
+                logits += [float(qi @ k[b, g, p]) for p in candidates]
+                values += [v[b, g, p] for p in candidates]
+                for c in ranked:
+                    mu, members = clusters[c]
+                    rest = len([p for p in members if p not in candidates])
                     if estimate and rest > 0:
                         logits.append(float(qi @ mu) + math.log(rest))
                         values.append(v[b, g, list(members)].mean(0))
@@ -126,13 +134,14 @@ def _cache(seed, B=2, Hkv=2, n=70, D=8, pad=(0, 9)):
     return k, v, real, g
 
 
-@pytest.mark.parametrize("budget,estimate,selection", [(0.3, False, "group"), (0.3, True, "group"),
-                                                       (23, True, "group"), (9, False, "group"), (0.3, True, "head"),
-                                                       (9, False, "head")])
-def test_retrieval_matches_reference_through_steps(budget, estimate, selection):
+@pytest.mark.parametrize("budget,estimate,selection,rerank", [
+    (0.3, False, "group", 1), (0.3, True, "group", 1), (23, True, "group", 1), (9, False, "group", 1),
+    (0.3, True, "head", 1), (9, False, "head", 1), (0.3, False, "group", 3), (9, False, "group", 2),
+    (0.3, False, "head", 2), (9, False, "head", 4)])
+def test_retrieval_matches_reference_through_steps(budget, estimate, selection, rerank):
     """Prefill-sized cache, then steps of 1 and 3 queries (index built, keys joining, a refresh), float64."""
     opts = ClusterRetrievalOptions(budget=budget, num_clusters=5, sink=2, window=6, refresh=7, iterations=3,
-                            estimate_remainder=estimate, selection=selection)
+                                   estimate_remainder=estimate, selection=selection, rerank=rerank)
     k_all, v_all, real_all, g = _cache(fixed_seed(), n=70)
     H, scale = 4, 0.37
     n, index, ref_index = 50, None, None
@@ -199,7 +208,8 @@ def test_no_future_key_and_batch_invariance():
 
 def test_options_are_validated():
     for bad in ({"budget": 0.0}, {"budget": 1.5}, {"budget": 0}, {"budget": True}, {"num_clusters": 0},
-                {"refresh": 0}, {"estimate_remainder": 1}, {"selection": "query"}):
+                {"refresh": 0}, {"estimate_remainder": 1}, {"selection": "query"}, {"rerank": 0},
+                {"rerank": 2, "estimate_remainder": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ClusterRetrievalOptions(**bad)
     for bad in ({"budget": 2.0}, {"sink": -1}, {"dense_layers": -1}):
@@ -223,8 +233,9 @@ def test_no_padding_path_equals_an_all_real_mask(estimate):
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 5, 9, 0.1, 0.25])
-@pytest.mark.parametrize("estimate,selection", [(False, "group"), (True, "group"), (True, "head")])
-def test_every_key_and_centroid_read_counts_against_the_budget(budget, estimate, selection):
+@pytest.mark.parametrize("estimate,selection,rerank", [(False, "group", 1), (True, "group", 1), (True, "head", 1),
+                                                       (False, "group", 3), (False, "head", 2)])
+def test_every_key_and_centroid_read_counts_against_the_budget(budget, estimate, selection, rerank):
     """Count what each query reads: values one-hot per position (a key read puts weight on its own coordinate)
     and, for the centroid terms, the index's value means one-hot on extra coordinates (one per cluster). Every
     query, of every head and sequence, in prefill-sized chunks and single steps, with sinks (4) that a small
@@ -232,7 +243,7 @@ def test_every_key_and_centroid_read_counts_against_the_budget(budget, estimate,
     sequence, and a budget of a few keys is used whole (no query reads fewer keys than it may and than exist)."""
     C, sink = 3, 4
     opts = ClusterRetrievalOptions(budget=budget, num_clusters=C, sink=sink, window=6, refresh=100, iterations=2,
-                                   estimate_remainder=estimate, selection=selection)
+                                   estimate_remainder=estimate, selection=selection, rerank=rerank)
     k, _v, real, g = _cache(fixed_seed(), n=64, pad=(0, 20))
     n = k.shape[2]
     v = torch.zeros(2, 2, n, n + C, dtype=torch.float64)

@@ -140,6 +140,12 @@ class ClusterRetrievalOptions(SinkWindowOptions):
         selection: ``"group"``: the query heads that share a key/value head share one ranking of the clusters
             (their best score) and one set of keys; ``"head"``: every query head ranks and gathers its own (more
             precise, ``rep`` times the gathering under grouped-query attention).
+        rerank: candidates per retrieved key. ``1``: the retrieved keys are the ranked clusters' first members up
+            to the budget. ``f > 1``: the ranked clusters fill ``f`` times that many candidate slots, and each
+            unit (a query, or under ``"group"`` a position with the best score over its query heads) keeps the
+            candidates of highest exact ``q . k``. The keys *attended* stay within the budget; the candidates
+            are *scored* (one dot product each, no value read), ``f`` times the retrieved keys, the price of a
+            choice closer to the oracle's (docs/results.md). Not with ``estimate_remainder``.
     """
 
     ALIASES: ClassVar[dict[str, str]] = {"clusters": "num_clusters"}
@@ -150,6 +156,7 @@ class ClusterRetrievalOptions(SinkWindowOptions):
     iterations: int = 8
     estimate_remainder: bool = False
     selection: str = "group"
+    rerank: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,6 +166,10 @@ class ClusterRetrievalOptions(SinkWindowOptions):
         check_int("iterations", self.iterations, minimum=0)
         check_bool("estimate_remainder", self.estimate_remainder)
         check_choice("selection", self.selection, ("group", "head"))
+        check_int("rerank", self.rerank, minimum=1)
+        if self.rerank > 1 and self.estimate_remainder:
+            raise ValueError("rerank > 1 and estimate_remainder=True do not combine: the remainder of a cluster "
+                             "is what its first members leave, which re-ranking no longer keeps")
 
 
 class CacheReadingAttention(FullAttention):

@@ -80,6 +80,7 @@ class RetrievalSettings(Protocol):
     iterations: int
     estimate_remainder: bool
     selection: str
+    rerank: int
 
 
 def keys_allowed(budget: float | int, lengths: torch.Tensor) -> torch.Tensor:
@@ -400,14 +401,20 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, U, C).gather(-1, perm)
     cum = sizes.cumsum(-1)
     if R > 0:
-        slots = torch.arange(R, device=dev).expand(B, Hkv, U, R).contiguous()
+        # The candidates: rerank x R slots filled by the ranked clusters (R without re-ranking).
+        Rc = R * options.rerank
+        slots = torch.arange(Rc, device=dev).expand(B, Hkv, U, Rc).contiguous()
         r = torch.searchsorted(cum, slots, right=True).clamp_(max=C - 1)  # the ranked cluster of each slot
         within = (slots - (cum - sizes).gather(-1, r)).clamp_(max=capacity - 1)  # past a row's keys: masked
         g = (torch.arange(B * Hkv, device=dev) * C).view(B, Hkv, 1, 1)
         flat = ((g + perm.gather(-1, r)) * capacity + within).view(-1)
-        positions.append(index.members.view(-1).index_select(0, flat).view(B, Hkv, U, R))
-        needs_mask = index.fewest < R or real is not None  # rows with fewer keys or a smaller budget
-        ok.append(((slots < cum[..., -1:]) & (slots < row_budget)) if needs_mask else None)
+        candidates = index.members.view(-1).index_select(0, flat).view(B, Hkv, U, Rc)
+        needs_mask = index.fewest < Rc or real is not None  # rows with fewer keys or a smaller budget
+        valid = (slots < cum[..., -1:]) & (slots < row_budget * options.rerank) if needs_mask else None
+        if options.rerank > 1:
+            candidates, valid = _rerank(q5, k, candidates, valid, row_budget, R, per_head)
+        positions.append(candidates)
+        ok.append(valid)
     positions = torch.cat(positions, -1)  # (B, Hkv, U, K)
     K = positions.shape[-1]
     keys, values = gather_positions(k, positions), gather_positions(v, positions)  # (B, Hkv, U, K, D)
@@ -444,6 +451,31 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     if per_head:  # units are (rep, Lq) in head order
         return out.view(B, H, Lq, -1)
     return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)
+
+
+def _rerank(q5: torch.Tensor, k: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor | None,
+            row_budget: torch.Tensor | int, R: int, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keep each unit's R candidates of highest exact score (``rerank``): q5 (B, Hkv, rep, Lq, D) scaled queries,
+    candidates (B, Hkv, U, Rc) positions, valid (B, Hkv, U, Rc) or None (all valid). A unit's score of a key is
+    its query's q . k (per head) or the best over the group's query heads (as the clusters are ranked). Returns
+    the kept positions (B, Hkv, U, R) in descending score and which are valid: a real candidate among the first
+    ``row_budget`` of its sequence."""
+    B, Hkv, _rep, _Lq, D = q5.shape
+    U = candidates.shape[2]
+    keys = gather_positions(k, candidates)  # (B, Hkv, U, Rc, D)
+    if per_head:  # units in (head, position) order, one query each
+        scores = (keys @ q5.reshape(B, Hkv, U, D, 1)).squeeze(-1)  # (B, Hkv, U, Rc)
+    else:  # units are positions; the group's rep query heads score every candidate, the best counts
+        scores = (keys @ q5.permute(0, 1, 3, 4, 2)).amax(-1)  # (B, Hkv, Lq, Rc, D) @ (B, Hkv, Lq, D, rep)
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    top = scores.topk(R, dim=-1, sorted=True)
+    kept = candidates.gather(-1, top.indices)
+    if valid is None:
+        return kept, None
+    rank = torch.arange(R, device=k.device)
+    limit = row_budget if isinstance(row_budget, int) else row_budget.view(B, 1, 1, 1)
+    return kept, (top.values > float("-inf")) & (rank < limit)
 
 
 def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
