@@ -322,3 +322,90 @@ def test_what_cannot_be_honoured_is_refused():
                  is_causal=False)
     with pytest.raises(ValueError, match="cannot be set for 'cluster-retrieval' in a pretrained model"):
         hf.register_attention("cluster-retrieval", name="test-bad", dropout=0.1)
+
+
+# The sparse prefill (option prefill_block, issue #32 section 4): the prompt's own attention read block by block
+# under the budget.
+
+PREFILL_MECHANISMS = [("cluster-retrieval", {"clusters": 4, "sink": 2, "window": 4}), ("sink-window", {"sink": 2}),
+                      ("oracle", {}), ("quest", {"page_size": 4})]
+
+
+def _prefill_logits(model, batch):
+    """The prompt's logits, positions counted from each sequence's first real token (as generate() counts them:
+    the keys, rotated by position, are then the same alone and left-padded)."""
+    mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(**batch, position_ids=positions, cache=transformers.DynamicCache(config=model.config)
+                     ).logits
+
+
+@pytest.mark.parametrize(("mechanism", "options"), PREFILL_MECHANISMS)
+def test_sparse_prefill_is_batch_invariant_causal_and_dense_when_covered(mechanism, options):
+    """Prompts of 70 and 45 tokens (left-padded together): the shorter one's prefill logits are the same alone;
+    a token changed at position 50 leaves every earlier position's logits unchanged; the budget bites (the logits
+    move from dense's), and a covering budget is dense attention exactly."""
+    model = _llama()
+    batch = _prompts([70, 45], fixed_seed())
+    dense = _prefill_logits(model, batch)
+    _with(model, hf.register_attention(mechanism, name=f"test-prefill-{mechanism}", budget=0.2, prefill_block=8,
+                                       **options))
+    together = _prefill_logits(model, batch)
+    alone = _prefill_logits(model, {key: value[1:, 25:] for key, value in batch.items()})
+    torch.testing.assert_close(alone[0], together[1, 25:], rtol=0, atol=1e-10)
+    assert (together - dense)[batch["attention_mask"].bool()].abs().max() > 1e-6  # the budget bites
+    assert torch.equal(together[:, :8], _prefill_logits(model, {k: v[:, :8] for k, v in batch.items()}))
+    changed = {key: value[:1].clone() for key, value in batch.items()}
+    changed["input_ids"][0, 50] = 3 if changed["input_ids"][0, 50] != 3 else 4
+    moved = _prefill_logits(model, changed)
+    torch.testing.assert_close(moved[0, :50], together[0, :50], rtol=0, atol=0)
+    assert not torch.allclose(moved[0, 50:], together[0, 50:])
+    _with(model, hf.register_attention(mechanism, name=f"test-prefill-{mechanism}-all", budget=1.0, prefill_block=8,
+                                       **options))
+    torch.testing.assert_close(_prefill_logits(model, batch), dense, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(("mechanism", "options"), PREFILL_MECHANISMS[1:])
+def test_sparse_prefill_is_the_prompt_fed_in_blocks_through_the_cache(mechanism, options):
+    """Without an index to carry, a sparse prefill in blocks of 8 is the prompt fed to the model 8 tokens at a time
+    over its growing cache (the cached path, which generate() uses), to rounding."""
+    model = _llama()
+    ids = _prompts([61], fixed_seed())["input_ids"]
+    name = hf.register_attention(mechanism, name=f"test-blocks-{mechanism}", budget=0.2, **options)
+    _with(model, name)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        fed = torch.cat([model(input_ids=ids[:, s:s + 8], cache=cache).logits for s in range(0, 61, 8)], 1)
+    _with(model, hf.register_attention(mechanism, name=f"test-blocks-{mechanism}-p", budget=0.2, prefill_block=8,
+                                       **options))
+    torch.testing.assert_close(_prefill_logits(model, {"input_ids": ids}), fed, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(("mechanism", "options"), PREFILL_MECHANISMS)
+@pytest.mark.parametrize("budget", [0.15, 6])
+def test_sparse_prefill_reads_at_most_the_budget(mechanism, options, budget):
+    """Values one-hot per position (a query's output is its weight on every key): past the first block, a query
+    of the block ending at e reads at most the budget of a cache of e real keys of its sequence; the first block
+    is dense (at most its P keys); no padding key is read."""
+    from clusterformer.attention.registry import build_inner
+    from clusterformer.masks import AttentionMask
+    from clusterformer.ops.retrieval import keys_allowed
+
+    P, n, H, D = 8, 53, 4, 8
+    g = torch.Generator().manual_seed(fixed_seed())
+    q = torch.randn(2, H, n, D, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, n, D, generator=g, dtype=torch.float64)
+    v = torch.eye(n, dtype=torch.float64).expand(2, 2, n, n)
+    padding = torch.zeros(2, n, dtype=torch.bool)
+    padding[1, :11] = True
+    inner = build_inner(mechanism, dim=H * D, heads=H, budget=budget, prefill_block=P, **options)
+    out, _ = inner.attend_cache(q, k, v, AttentionMask(padding, causal=True), 0.4)
+    read = (out > 0).sum(-1)  # (B, H, n): keys read per query
+    assert bool((out.masked_fill(~padding.view(2, 1, 1, n), 0) == 0).all())  # no padding key
+    for b, pad in enumerate((0, 11)):
+        ranks = torch.arange(n - pad)  # the sequence's own positions (its real tokens, in order)
+        block_end = torch.minimum((ranks // P + 1) * P, torch.tensor(n - pad))
+        allowed = torch.where(ranks < P, torch.tensor(P), keys_allowed(budget, block_end))
+        assert bool((read[b, :, pad:] <= allowed).all()), (b, read[b, :, pad:], allowed)
+        assert bool((read[b, :, pad:][..., P:] < ranks[P:] + 1).any())  # past the first block, fewer than causal

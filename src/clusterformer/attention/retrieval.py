@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 
 from .._checks import check_bool, check_choice, check_int
-from ..masks import AttentionMask, cache_sdpa
+from ..masks import AttentionMask, cache_sdpa, real_lengths
 from ..ops.retrieval import (
     JOIN_BATCH,
     KeyClusterIndex,
@@ -68,12 +68,20 @@ class CacheBudgetOptions(AttentionOptions):
             their cache densely, as Quest and ClusterKV do: the lowest layers' attention is the least sparse
             (docs/results.md). Keys read then average ``(dense_layers + (L - dense_layers) * budget) / L`` of the
             cache over L layers.
+        prefill_block: ``0`` (the default): a prefill -- queries over their own keys, nothing cached before them
+            -- is dense, as in the papers, which make only the reading of the cache sparse. ``P > 0``: a *sparse
+            prefill* (:meth:`CacheReadingAttention.attend_cache`): the prompt is read in blocks of P queries, in
+            order, the first densely and each later one as a cached call on the keys up to its end, under the same
+            budget (that of the cache at the block's end) and selection, cluster retrieval's index carried from
+            block to block (re-clustered whenever its keys have doubled). The cache itself is unchanged (every
+            key and value is stored; only the prompt's attention reads fewer keys).
     """
 
     ATTENTION_DROPOUT: ClassVar[bool] = False
 
     budget: float | int = 0.1
     dense_layers: int = 0
+    prefill_block: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,6 +92,7 @@ class CacheBudgetOptions(AttentionOptions):
         if isinstance(self.budget, int) and self.budget < 1:
             raise ValueError(f"budget as an int is a count of keys and must be >= 1; got {self.budget}")
         check_int("dense_layers", self.dense_layers, minimum=0)
+        check_int("prefill_block", self.prefill_block, minimum=0)
 
     def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
         """(B,) real cached keys -> (B,) keys a query may attend to under the budget (at most the cache)."""
@@ -206,9 +215,54 @@ class CacheReadingAttention(FullAttention):
         if (not mask.causal and Lq > 1) or mask.window is not None:
             raise ValueError("a cache is read causally, without a window: the mask must be key padding + causal")
         lengths = mask.lengths(1 if mask.padding is None else k.shape[0], n, k.device)
-        if Lq == n or self.options.covers(lengths) or (layer is not None and layer < self.options.dense_layers):
+        if self.options.covers(lengths) or (layer is not None and layer < self.options.dense_layers):
+            return cache_sdpa(q, k, v, mask, scale=scale), index
+        if Lq == n:
+            if 0 < self.options.prefill_block < n:
+                return self._prefill_in_blocks(q, k, v, mask.padding, scale)
             return cache_sdpa(q, k, v, mask, scale=scale), index
         return self._read(q, k, v, mask.padding, scale, index)
+
+    def _prefill_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None,
+                           scale: float) -> tuple[torch.Tensor, KeyClusterIndex | None]:
+        """The sparse prefill (option ``prefill_block`` = P): queries 0 .. P - 1 densely, then each block of P
+        queries as a cached call on the keys up to the block's end (:meth:`_read`, or densely where the budget
+        covers them), the index carried from block to block and rebuilt from scratch whenever the keys it holds
+        have doubled since its last clustering (K-means over n keys about twice in all).
+
+        A padded batch is read in each sequence's own token order: its real tokens first (a stable sort by
+        padding; left padding becomes right padding), so that every block starts at the same token of a sequence
+        as when that sequence is prefilled alone, and its outputs do not depend on the batch. The index is then
+        in that order, not the cache's, and is not kept (None: the first cached call builds one). The blocks are
+        a loop: a block's index must hold exactly the keys before it, which the previous block completes."""
+        B, _, n, _ = q.shape
+        P = self.options.prefill_block
+        order = None
+        if padding is not None:  # rank -> cache position: the real tokens first, each sequence in its own order
+            order = torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices
+            q, k, v = (x.gather(2, order[:, None, :, None].expand(*x.shape[:2], n, x.shape[-1])) for x in (q, k, v))
+            padding, original = padding.gather(1, order), padding
+        blocks = [cache_sdpa(q[:, :, :P], k[:, :, :P], v[:, :, :P],
+                             AttentionMask(None if padding is None else padding[:, :P], causal=True), scale=scale)]
+        index = None
+        for start in range(P, n, P):
+            end = min(n, start + P)
+            block_padding = None if padding is None else padding[:, :end]
+            keys, values = k[:, :, :end], v[:, :, :end]
+            if self.options.covers(real_lengths(block_padding, B, end, q.device)):
+                blocks.append(cache_sdpa(q[:, :, start:end], keys, values, AttentionMask(block_padding, causal=True),
+                                         scale=scale))
+                continue
+            if index is not None and index.joined >= index.end - index.joined:  # its keys have doubled
+                index = None
+            out, index = self._read(q[:, :, start:end], keys, values, block_padding, scale, index)
+            blocks.append(out)
+        out = torch.cat(blocks, 2)
+        if order is None:
+            return out, index
+        back = torch.argsort(order, dim=1)  # cache position -> rank
+        out = out.gather(2, back[:, None, :, None].expand(*out.shape[:2], n, out.shape[-1]))
+        return out.masked_fill(original[:, None, :, None], 0.0), None
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
               scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, KeyClusterIndex | None]:

@@ -26,14 +26,16 @@ centroid ownership -- are refused). By mode:
   computed densely.
 * ``"cache"`` (``cluster-retrieval``, ``sink-window``; :mod:`clusterformer.attention.retrieval`): long-context
   decoding over the model's cache. A prefill (no cached keys before the queries) is dense; every call with
-  cached keys (``generate()``'s steps, or a prompt fed in chunks) reads the cache sparsely. Cluster retrieval's
+  cached keys (``generate()``'s steps, or a prompt fed in chunks) reads the cache sparsely; with the option
+  ``prefill_block`` the prefill too is read sparsely, block by block (the sparse prefill; its key index is kept
+  for the steps that follow). Cluster retrieval's
   key index belongs to the cache it indexes: it is kept in a table keyed (weakly) by the ``transformers`` cache
   object and by the registered name and attention module, so it dies with the cache, and two models, prompts or
   option sets never see each other's index. To know a call's cache, the first call on an attention module adds
   a forward pre-hook to it that passes the ``cache`` (``past_key_values``) argument of each call to this module's
   function for that call only; a call whose cache is unknown (the module's very first call, when it is not a
   prefill) builds an index for that call alone. Without a cache (``generate(use_cache=False)``) every call is a
-  prefill, hence dense.
+  prefill, hence dense (or, with ``prefill_block``, a sparse prefill).
 
 Decoders: grouped-query attention (fewer key/value heads than query heads, ``module.num_key_value_groups``) is
 handled without repeating the cache (queries are grouped by their key/value head); RoPE is already in Q and K;
@@ -291,15 +293,17 @@ class _Runner:
             raise ValueError(f"{self.mechanism.name!r} attends causally over a decoder's cache; this call is "
                              "bidirectional (an encoder): use 'full', 'clustered' or 'improved-clustered'")
         _watch(module)
-        cache = _CALL_CACHE.get(module) if Lq < n else None
+        cache = _CALL_CACHE.get(module)
         table = None if cache is None else _CACHE_STATE.setdefault(cache, {})
         key = (id(self), id(module))
         layer = getattr(module, "layer_idx", None)
+        previous = None if table is None or Lq == n else table.get(key)  # a prefill starts the cache afresh
         out, state = self.inner(module, q.shape[1], q.shape[3]).attend_cache(
-            q, k, v, mask, scale, None if table is None else table.get(key),
-            None if layer is None else int(layer))
+            q, k, v, mask, scale, previous, None if layer is None else int(layer))
         if table is not None and state is not None:
             table[key] = state
+        elif table is not None and Lq == n:  # a dense prefill leaves no index: none from an earlier prompt either
+            table.pop(key, None)
         return out
 
 
