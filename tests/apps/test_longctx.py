@@ -54,13 +54,18 @@ def test_longctx_passkey_answered_by_dense_and_resumed(smollm2, tmp_path, monkey
     monkeypatch.setattr(hf, "load_pretrained", lambda name: smollm2)
     data = _haystack(tmp_path)
     out = tmp_path / "lc.json"
-    config = LongContextConfig(methods=["dense", "cluster-retrieval:clusters=8,window=16", "sink-window"],
+    config = LongContextConfig(methods=["dense", "cluster-retrieval:clusters=8,window=16", "sink-window",
+                                        "sink-window:prefill_block=128"],
                                budget=0.25, lengths=[400], tasks=["passkey"], samples=1, data_dir=str(data),
                                json=str(out), ppl_lengths=[300], ppl_windows=1, scored=64, chunk=16)
     results = run_longctx(config, progress=False)
     record = results["samples"]["passkey/400/0"]
     assert record["methods"]["dense"]["score"] == 1.0, record["methods"]["dense"]["output"]
-    assert set(record["methods"]) == {"dense", "cluster-retrieval:clusters=8,window=16", "sink-window"}
+    assert set(record["methods"]) == {"dense", "cluster-retrieval:clusters=8,window=16", "sink-window",
+                                      "sink-window:prefill_block=128"}
+    # the sparse prefill prefilled the context itself (its own time recorded); the others read dense's prefill
+    assert [m for m, r in record["methods"].items() if "prefill_s" in r] == ["sink-window:prefill_block=128"]
+    assert set(results["summary"]["prefill_s"]["400"]) == {"dense", "sink-window:prefill_block=128"}
     ppl = results["summary"]["perplexity"]["300"]
     assert set(ppl) == set(record["methods"]) and all(1 < p < 1e4 for p in ppl.values())
     saved = json.loads(out.read_text())
@@ -86,7 +91,8 @@ def test_method_specs_and_bad_arguments(tmp_path):
         LongContextConfig(model="minilm")
     with pytest.raises(ValueError, match="ppl lengths"):
         LongContextConfig(ppl_lengths=[200], scored=256)
-    assert summarize({"samples": {}, "perplexity": {}}) == {"accuracy": {}, "perplexity": {}, "s_per_token": {}}
+    assert summarize({"samples": {}, "perplexity": {}}) == {"accuracy": {}, "perplexity": {}, "s_per_token": {},
+                                                            "prefill_s": {}}
     with pytest.raises(SystemExit) as exit_info:
         main(["longctx", "--tasks", "passkey", "--lengths", "64", "--json", str(tmp_path / "x.json")])
     assert exit_info.value.code == 2
@@ -96,8 +102,9 @@ def test_summary_table_and_plot_from_records(tmp_path):
     """summarize / markdown / plot on hand-made records: means per task, length and method."""
     from clusterformer.apps.longctx import markdown, plot
 
-    record = lambda a, b: {"methods": {"dense": {"score": a, "s_per_token": 0.1},  # noqa: E731
-                                       "sink-window": {"score": b, "s_per_token": 0.05}}}
+    record = lambda a, b: {"prefill_s": 2.0, "methods": {"dense": {"score": a, "s_per_token": 0.1},  # noqa: E731
+                                                         "sink-window": {"score": b, "s_per_token": 0.05,
+                                                                         "prefill_s": 1.0}}}
     results = {"samples": {"passkey/1024/0": record(1.0, 0.0), "passkey/1024/1": record(0.0, 0.0),
                            "passkey/2048/0": record(1.0, 1.0)},
                "perplexity": {"1024/0": {"dense": 2.0, "sink-window": 3.0}}}
@@ -107,5 +114,6 @@ def test_summary_table_and_plot_from_records(tmp_path):
     assert accuracy["2048"]["sink-window"]["mean"] == 1.0
     table = markdown(results["summary"], ["dense", "sink-window"])
     assert "| passkey (n=2) | 1024 | 50 | 0 |" in table and "| wikitext-2 test | 1024 | 7.39 | 20.09 |" in table
+    assert "| context | 1024 | 2.00 | 1.00 |" in table  # a sparse prefill's own time beside dense's
     plot(results, ["dense", "sink-window"], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000

@@ -6,7 +6,8 @@ question (through the chat template, one chunk of tokens) and the answer is deco
 the method's attention. So the methods differ exactly where a long-context cache is read: the question's and
 the answer's attention over the cached context (the setting of ClusterKV and Squeezed Attention; the prefill
 itself stays dense). ``dense`` is the same path with SDPA, so every accuracy has its dense reference in the
-same run, on the same prompts.
+same run, on the same prompts. A method with the option ``prefill_block`` (the sparse prefill) prefills the
+context itself, through its own attention, into its own cache; its record then holds its own prefill time.
 
 Perplexity (``--ppl-lengths``): windows of WikiText-2 *test* of each length; the first ``length - scored`` tokens
 are prefilled densely, the last ``scored`` are fed in chunks of ``chunk`` tokens through each method, which
@@ -98,8 +99,11 @@ class _Methods:
         from .. import hf
 
         self.names: dict[str, str] = {}
+        self.own_prefill: set[str] = set()  # methods with a sparse prefill: they prefill the context themselves
         for index, spec in enumerate(config.methods):
             label, mechanism, options = parse_method(spec, config.budget)
+            if options.get("prefill_block"):
+                self.own_prefill.add(label)
             if mechanism == "dense":
                 if options:
                     raise ValueError("the dense method takes no options")
@@ -190,10 +194,19 @@ def run_longctx(config: LongContextConfig, progress: bool = True) -> dict[str, A
                                   "prefill_s": round(time.perf_counter() - start, 3), "methods": {}}
         for label in methods.names:
             methods.use(model, label)
-            tokens, per_token = _answer(model, copy.deepcopy(cache), question_ids, MAX_NEW_TOKENS[task], stop)
+            own: dict[str, float] = {}
+            if label in methods.own_prefill:
+                method_cache = transformers.DynamicCache(config=model.config)
+                start = time.perf_counter()
+                with torch.no_grad():
+                    model(input_ids=torch.tensor([context_ids]), cache=method_cache)
+                own["prefill_s"] = round(time.perf_counter() - start, 3)
+            else:
+                method_cache = copy.deepcopy(cache)
+            tokens, per_token = _answer(model, method_cache, question_ids, MAX_NEW_TOKENS[task], stop)
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             record["methods"][label] = {"output": text, "score": score(text, sample.answers),
-                                        "s_per_token": round(per_token, 5)}
+                                        "s_per_token": round(per_token, 5), **own}
         results["samples"][key] = record
         save()
         if progress:
@@ -266,14 +279,19 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Per task / length / method: the mean score, the samples answered exactly (score 1: every answer found) with
     their 95% Wilson interval, and -- beside dense, sample by sample -- how many of dense's exact answers the method
     kept, how many it gained where dense missed, and the exact McNemar p-value of the difference. Also perplexity
-    per length / method and the mean decoding time per generated token."""
+    per length / method, the mean decoding time per generated token, and the mean prefill time (dense's shared
+    prefill, and each sparse prefill's own)."""
     table: dict[str, dict[str, dict[str, dict[str, float]]]] = {}  # task -> length -> method -> sample -> score
     timing: dict[str, dict[str, list[float]]] = {}
+    prefill: dict[str, dict[str, list[float]]] = {}  # length -> method -> seconds (dense's: the shared prefill)
     for key, record in results.get("samples", {}).items():
         task, length, sample = key.split("/")
         for label, r in record["methods"].items():
             table.setdefault(task, {}).setdefault(length, {}).setdefault(label, {})[sample] = r["score"]
             timing.setdefault(length, {}).setdefault(label, []).append(r["s_per_token"])
+            seconds = record.get("prefill_s") if label == "dense" else r.get("prefill_s")
+            if seconds is not None:
+                prefill.setdefault(length, {}).setdefault(label, []).append(seconds)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     accuracy: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for task, by_length in table.items():
@@ -299,7 +317,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     for length, ms in nll.items():
         ppl[length] = {m: math.exp(mean(v)) for m, v in ms.items()}
     return {"accuracy": accuracy, "perplexity": ppl,
-            "s_per_token": {n: {m: mean(v) for m, v in ms.items()} for n, ms in timing.items()}}
+            "s_per_token": {n: {m: mean(v) for m, v in ms.items()} for n, ms in timing.items()},
+            "prefill_s": {n: {m: mean(v) for m, v in ms.items()} for n, ms in prefill.items()}}
 
 
 def markdown(summary: dict[str, Any], methods: Sequence[str]) -> str:
@@ -336,6 +355,13 @@ def markdown(summary: dict[str, Any], methods: Sequence[str]) -> str:
             row = summary["perplexity"][length]
             lines.append(f"| wikitext-2 test | {length} | " + " | ".join(f"{row[m]:.2f}" if m in row else ""
                                                                          for m in methods) + " |")
+    if any(len(row) > 1 for row in summary.get("prefill_s", {}).values()):  # a sparse prefill beside dense's
+        lines += ["", "| prefill, s (mean) | tokens | " + " | ".join(methods) + " |",
+                  "|---|---|" + "---|" * len(methods)]
+        for length in sorted(summary["prefill_s"], key=int):
+            row = summary["prefill_s"][length]
+            lines.append(f"| context | {length} | " + " | ".join(f"{row[m]:.2f}" if m in row else "--"
+                                                                 for m in methods) + " |")
     return "\n".join(lines)
 
 
