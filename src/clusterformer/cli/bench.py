@@ -1,4 +1,4 @@
-"""``clusterformer bench {attention,decode,retrieval,reversible,report}``: time and memory benchmarks
+"""``clusterformer bench {attention,decode,retrieval,prefill,reversible,report}``: time and memory benchmarks
 (docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -70,6 +70,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.set_defaults(func=run_retrieval)
+
+    p = bench_sub.add_parser("prefill", help="whole-model prefill time of a pretrained decoder: dense vs sparse "
+                                             "prefills (prefill_block), and the model without attention")
+    p.add_argument("--lengths", type=int_list, default=[4096, 8192])
+    p.add_argument("--methods", default="cluster-retrieval:prefill_block=256;sink-window:prefill_block=256",
+                   help="';'-separated cache readers NAME[:key=value,...] (dense and the no-attention floor are "
+                        "always timed)")
+    p.add_argument("--budget", type=float, default=0.1, help="fraction (<= 1) or count (> 1) of keys per query")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round; medians")
+    p.add_argument("--no-floor", action="store_true", help="skip the model with attention replaced by zeros")
+    p.add_argument("--data-dir", default="../shared/data")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the records here (default: stdout)")
+    p.set_defaults(func=run_prefill)
 
     p = bench_sub.add_parser("reversible", help="peak memory of an encoder against depth, reversible or not")
     p.add_argument("--depths", type=int_list, default=[1, 2, 4, 8])
@@ -147,6 +162,20 @@ def run_retrieval(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_prefill(args: argparse.Namespace) -> int:
+    from .._specs import split_specs
+    from ..bench.prefill import PrefillBenchConfig, prefill_table, run_prefill_benchmark
+
+    budget = args.budget if args.budget <= 1 else int(args.budget)
+    config = PrefillBenchConfig(lengths=args.lengths, methods=split_specs(args.methods), budget=budget,
+                                model=args.model, repeats=args.repeats, floor=not args.no_floor,
+                                data_dir=args.data_dir, threads=args.threads)
+    records = run_prefill_benchmark(config, progress=log)
+    emit_json(records, args.json, log=log)
+    log(prefill_table(records))
+    return 0
+
+
 def run_reversible(args: argparse.Namespace) -> int:
     from ..bench.reversible import ReversibleBenchConfig, run_reversible_benchmark
 
@@ -167,6 +196,11 @@ def run_report(args: argparse.Namespace) -> int:
     if not isinstance(records, list) or not records or not isinstance(records[0], dict):
         raise ValueError(f"{args.json} must hold a non-empty list of benchmark records")
     reversible = "depth" in records[0]
+    if "speedup_vs_dense" in records[0] and "median_s" in records[0]:
+        from ..bench.prefill import prefill_table
+
+        print(prefill_table(records))
+        return 0
     if "amortized_ms" in records[0]:
         from ..bench.retrieval import retrieval_table
 
