@@ -66,7 +66,7 @@ class ReferenceIndex:
         self.end = end
 
 
-def reference_attention(q, k, v, real, index, opts, scale):
+def reference_attention(q, k, v, real, index, opts, scale, ranking=None):
     B, H, Lq, _D = q.shape
     Hkv, n = k.shape[1], k.shape[2]
     out = torch.zeros(B, H, Lq, v.shape[-1], dtype=q.dtype)
@@ -96,9 +96,17 @@ def reference_attention(q, k, v, real, index, opts, scale):
                 logits = [float(qi @ k[b, h_kv, p]) for p in keys for h_kv in [g]]
                 values = [v[b, g, p] for p in keys]
                 group = range(g * (H // Hkv), (g + 1) * (H // Hkv))  # heads sharing the key/value head g
-                if getattr(opts, "selection", "group") == "head":
+                positions = [i]
+                selection = getattr(opts, "selection", "group")
+                if selection == "head":
                     group = [h]
-                best = {c: max(float(q[b, hh, i] * scale @ mu) for hh in group) for c, (mu, _) in clusters.items()}
+                elif selection == "block":  # those heads at every position of the call
+                    positions = range(Lq)
+                rank_q = q if ranking is None else ranking  # the queries that rank: the call's, or those given
+                if ranking is not None:
+                    positions = range(ranking.shape[2])
+                best = {c: max(float(rank_q[b, hh, ii] * scale @ mu) for hh in group for ii in positions)
+                        for c, (mu, _) in clusters.items()}
                 ranked = sorted(clusters, key=lambda c: (-best[c], c))
                 rerank = getattr(opts, "rerank", 1)
                 left = retrieved * rerank  # candidates: the ranked clusters' first members
@@ -109,7 +117,8 @@ def reference_attention(q, k, v, real, index, opts, scale):
                     left -= len(take)
                     candidates += take
                 if rerank > 1:  # the `retrieved` candidates of highest exact score (best over the unit's heads)
-                    exact = {p: max(float(q[b, hh, i] * scale @ k[b, g, p]) for hh in group) for p in candidates}
+                    exact = {p: max(float(rank_q[b, hh, ii] * scale @ k[b, g, p]) for hh in group
+                                        for ii in positions) for p in candidates}
                     candidates = sorted(candidates, key=lambda p: -exact[p])[:retrieved]
                 logits += [float(qi @ k[b, g, p]) for p in candidates]
                 values += [v[b, g, p] for p in candidates]
@@ -137,7 +146,7 @@ def _cache(seed, B=2, Hkv=2, n=70, D=8, pad=(0, 9)):
 @pytest.mark.parametrize("budget,estimate,selection,rerank", [
     (0.3, False, "group", 1), (0.3, True, "group", 1), (23, True, "group", 1), (9, False, "group", 1),
     (0.3, True, "head", 1), (9, False, "head", 1), (0.3, False, "group", 3), (9, False, "group", 2),
-    (0.3, False, "head", 2), (9, False, "head", 4)])
+    (0.3, False, "head", 2), (9, False, "head", 4), (0.3, True, "block", 1), (9, False, "block", 3)])
 def test_retrieval_matches_reference_through_steps(budget, estimate, selection, rerank):
     """Prefill-sized cache, then steps of 1 and 3 queries (index built, keys joining, a refresh), float64."""
     opts = ClusterRetrievalOptions(budget=budget, num_clusters=5, sink=2, window=6, refresh=7, iterations=3,
@@ -159,6 +168,23 @@ def test_retrieval_matches_reference_through_steps(budget, estimate, selection, 
         want = reference_attention(q, k, v, real, ref_index, opts, scale)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     assert index.joined == ref_index.joined < n - opts.window - 45  # fewer than all the joins: a rebuild happened
+
+
+@pytest.mark.parametrize("rerank", [1, 3])
+def test_block_selection_ranked_by_other_queries_matches_reference(rerank):
+    """selection="block" with ``ranking``: the clusters (and re-ranked candidates) chosen by the best scores of
+    5 given queries -- the sparse prefill's block before -- for all 4 queries of the call, float64."""
+    opts = ClusterRetrievalOptions(budget=0.4, num_clusters=5, sink=2, window=4, iterations=3, rerank=rerank,
+                                   selection="block")
+    k, v, real, g = _cache(fixed_seed(), n=60)
+    q = torch.randn(2, 4, 4, 8, generator=g, dtype=torch.float64)
+    before = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64)
+    index = build_index(k, v, ~real, 60 - 4, opts)
+    got = retrieval_attention(q, k, v, ~real, index, opts, 0.4, "block", before)
+    want = reference_attention(q, k, v, real, ReferenceIndex(k, real, 60 - 4, opts), opts, 0.4, ranking=before)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    own = retrieval_attention(q, k, v, ~real, index, opts, 0.4, "block")
+    assert (own - got).abs().max() > 1e-6  # the ranking queries decide
 
 
 @pytest.mark.parametrize("pad", [(0, 9), (0, 60)])
@@ -234,7 +260,8 @@ def test_no_padding_path_equals_an_all_real_mask(estimate):
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 5, 9, 0.1, 0.25])
 @pytest.mark.parametrize("estimate,selection,rerank", [(False, "group", 1), (True, "group", 1), (True, "head", 1),
-                                                       (False, "group", 3), (False, "head", 2)])
+                                                       (False, "group", 3), (False, "head", 2),
+                                                       (True, "block", 1), (False, "block", 2)])
 def test_every_key_and_centroid_read_counts_against_the_budget(budget, estimate, selection, rerank):
     """Count what each query reads: values one-hot per position (a key read puts weight on its own coordinate)
     and, for the centroid terms, the index's value means one-hot on extra coordinates (one per cluster). Every

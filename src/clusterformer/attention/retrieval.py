@@ -72,9 +72,10 @@ class CacheBudgetOptions(AttentionOptions):
             -- is dense, as in the papers, which make only the reading of the cache sparse. ``P > 0``: a *sparse
             prefill* (:meth:`CacheReadingAttention.attend_cache`): the prompt is read in blocks of P queries, in
             order, the first densely and each later one as a cached call on the keys up to its end, under the same
-            budget (that of the cache at the block's end) and selection, cluster retrieval's index carried from
-            block to block (re-clustered whenever its keys have doubled). The cache itself is unchanged (every
-            key and value is stored; only the prompt's attention reads fewer keys).
+            budget (that of the cache at the block's end; cluster retrieval ranks its clusters once per block
+            by the queries of the block before, ``"block"`` selection), its index carried from block to block.
+            The cache itself is unchanged (every key and value is stored; only the prompt's attention reads
+            fewer keys), and the cached calls that follow read it as after a dense prefill.
     """
 
     ATTENTION_DROPOUT: ClassVar[bool] = False
@@ -148,7 +149,9 @@ class ClusterRetrievalOptions(SinkWindowOptions):
         estimate_remainder: add the unretrieved keys of every cluster, estimated from its centroid and size.
         selection: ``"group"``: the query heads that share a key/value head share one ranking of the clusters
             (their best score) and one set of keys; ``"head"``: every query head ranks and gathers its own (more
-            precise, ``rep`` times the gathering under grouped-query attention).
+            precise, ``rep`` times the gathering under grouped-query attention); ``"block"``: those heads at
+            every position of a call share one (a chunk of Lq queries gathers once; a decoding step is "group").
+            The sparse prefill's blocks always use ``"block"``.
         rerank: candidates per retrieved key. ``1``: the retrieved keys are the ranked clusters' first members up
             to the budget. ``f > 1``: the ranked clusters fill ``f`` times that many candidate slots, and each
             unit (a query, or under ``"group"`` a position with the best score over its query heads) keeps the
@@ -174,11 +177,14 @@ class ClusterRetrievalOptions(SinkWindowOptions):
         check_int("refresh", self.refresh, minimum=1)
         check_int("iterations", self.iterations, minimum=0)
         check_bool("estimate_remainder", self.estimate_remainder)
-        check_choice("selection", self.selection, ("group", "head"))
+        check_choice("selection", self.selection, ("group", "head", "block"))
         check_int("rerank", self.rerank, minimum=1)
         if self.rerank > 1 and self.estimate_remainder:
             raise ValueError("rerank > 1 and estimate_remainder=True do not combine: the remainder of a cluster "
                              "is what its first members leave, which re-ranking no longer keeps")
+
+
+PREFILL_REGROWTH = 4  # the sparse prefill re-clusters its index when its keys have grown this many times over
 
 
 class CacheReadingAttention(FullAttention):
@@ -227,14 +233,17 @@ class CacheReadingAttention(FullAttention):
                            scale: float) -> tuple[torch.Tensor, KeyClusterIndex | None]:
         """The sparse prefill (option ``prefill_block`` = P): queries 0 .. P - 1 densely, then each block of P
         queries as a cached call on the keys up to the block's end (:meth:`_read`, or densely where the budget
-        covers them), the index carried from block to block and rebuilt from scratch whenever the keys it holds
-        have doubled since its last clustering (K-means over n keys about twice in all).
+        covers them; cluster retrieval ranks the clusters once per block and key/value head, ``"block"``
+        selection, by the best scores of the block before it: a query's keys never depend on a later query),
+        the index carried from block to block and rebuilt from scratch whenever the keys it holds
+        have grown :data:`PREFILL_REGROWTH`-fold since its last clustering (K-means over about 4/3 n keys in
+        all). The prefill's index is not kept: the first cached call after it builds one on every key, as after a
+        dense prefill, so that the sparse prefill changes the prompt's attention only.
 
         A padded batch is read in each sequence's own token order: its real tokens first (a stable sort by
         padding; left padding becomes right padding), so that every block starts at the same token of a sequence
-        as when that sequence is prefilled alone, and its outputs do not depend on the batch. The index is then
-        in that order, not the cache's, and is not kept (None: the first cached call builds one). The blocks are
-        a loop: a block's index must hold exactly the keys before it, which the previous block completes."""
+        as when that sequence is prefilled alone, and its outputs do not depend on the batch. The blocks are a
+        loop: a block's index must hold exactly the keys before it, which the previous block completes."""
         B, _, n, _ = q.shape
         P = self.options.prefill_block
         order = None
@@ -253,20 +262,23 @@ class CacheReadingAttention(FullAttention):
                 blocks.append(cache_sdpa(q[:, :, start:end], keys, values, AttentionMask(block_padding, causal=True),
                                          scale=scale))
                 continue
-            if index is not None and index.joined >= index.end - index.joined:  # its keys have doubled
-                index = None
-            out, index = self._read(q[:, :, start:end], keys, values, block_padding, scale, index)
+            if index is not None and index.joined >= (PREFILL_REGROWTH - 1) * (index.end - index.joined):
+                index = None  # its keys have grown PREFILL_REGROWTH-fold since it was clustered: cluster afresh
+            out, index = self._read(q[:, :, start:end], keys, values, block_padding, scale, index,
+                                    before=q[:, :, start - P:start])
             blocks.append(out)
         out = torch.cat(blocks, 2)
         if order is None:
-            return out, index
+            return out, None
         back = torch.argsort(order, dim=1)  # cache position -> rank
         out = out.gather(2, back[:, None, :, None].expand(*out.shape[:2], n, out.shape[-1]))
         return out.masked_fill(original[:, None, :, None], 0.0), None
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
-        """The sparse reading of the cache: (out, the index to keep, or None)."""
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, KeyClusterIndex | None]:
+        """The sparse reading of the cache: (out, the index to keep, or None). ``before``: the call is a block of
+        the sparse prefill, and these are the queries of the block before it (which may choose its keys)."""
         raise NotImplementedError
 
 
@@ -278,7 +290,8 @@ class SinkWindowAttention(CacheReadingAttention):
     (:func:`clusterformer.ops.retrieval.retrieval_attention` without an index)."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, None]:
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, None]:
         return retrieval_attention(q, k, v, key_padding_mask, None, self.options, scale), None
 
 
@@ -290,7 +303,8 @@ class OracleAttention(CacheReadingAttention):
     methods that must choose their keys without computing every score."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, None]:
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, None]:
         return oracle_attention(q, k, v, key_padding_mask, self.options.budget, scale), None
 
 
@@ -302,7 +316,8 @@ class QuestAttention(CacheReadingAttention):
     """Quest's cache reading (:func:`clusterformer.ops.topk_cache.quest_attention`)."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, None]:
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, None]:
         return quest_attention(q, k, v, key_padding_mask, self.options.budget, self.options.page_size, scale), None
 
 
@@ -313,9 +328,13 @@ class ClusterRetrievalAttention(CacheReadingAttention):
     """ClusterKV-style cache reading; see the module docstring and :meth:`CacheReadingAttention.attend_cache`."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None) -> tuple[torch.Tensor, KeyClusterIndex]:
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, KeyClusterIndex]:
         index = self._index(k, v, key_padding_mask, index, q.shape[2])
-        return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale), index
+        if before is None:
+            return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale), index
+        # a prefill block gathers its retrieved keys once, chosen by the queries of the block before (causal)
+        return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale, "block", before), index
 
     def _index(self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                index: KeyClusterIndex | None, queries: int) -> KeyClusterIndex:

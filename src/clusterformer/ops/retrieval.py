@@ -276,7 +276,8 @@ def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, key_p
 
 
 def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-                        index: KeyClusterIndex | None, options: RetrievalSettings, scale: float) -> torch.Tensor:
+                        index: KeyClusterIndex | None, options: RetrievalSettings, scale: float,
+                        selection: str | None = None, ranking: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the last Lq positions of a cache to it, by sinks + window + retrieved clusters.
 
     Args:
@@ -288,10 +289,18 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
             sinks + window only, the window taking what the sinks leave of the budget (sink-window).
         options: the budget and its parts.
         scale: softmax scale.
+        selection: who shares a ranking of the clusters and one set of retrieved keys: ``"head"`` (each query),
+            ``"group"`` (the query heads of a key/value head, per position), ``"block"`` (those heads at all Lq
+            positions: the sparse prefill's blocks); None: ``options.selection``.
+        ranking: with ``"block"``, the queries (B, H, Lr, D) whose best scores rank the clusters and the
+            re-ranked candidates, in place of the call's own real queries. The sparse prefill passes the block
+            before: then no query's keys depend on a later query of its block (strict causality).
 
     Returns:
         (B, H, Lq, D).
     """
+    if selection is not None and selection not in ("head", "group", "block"):
+        raise ValueError(f"selection must be 'head', 'group' or 'block'; got {selection!r}")
     B, H, Lq, D = q.shape
     Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
@@ -303,7 +312,8 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
     else:
         allowed = keys_allowed(options.budget, real.sum(1))  # (B,)
     if index is not None:
-        return _attend_retrieved(q, k, v, real, index, options, scale, allowed)
+        return _attend_retrieved(q, k, v, real, index, options, scale, allowed, selection or options.selection,
+                                 ranking)
     # Sinks + window (StreamingLLM): the sinks shared by every query of a group, each query's window its own most
     # recent positions, up to the budget with the sinks.
     sink_count, cap = _split_budget(allowed, options.sink, 0)
@@ -351,19 +361,25 @@ def _read_mask(query_pos: torch.Tensor, sinks: torch.Tensor, sink_ok: torch.Tens
 
 def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
                       index: KeyClusterIndex, options: RetrievalSettings, scale: float,
-                      allowed: torch.Tensor | int) -> torch.Tensor:
+                      allowed: torch.Tensor | int, selection: str,
+                      ranking: torch.Tensor | None = None) -> torch.Tensor:
     """The index path of :func:`retrieval_attention`. A *unit* chooses one set of key positions -- sinks, window
     (every position from ``index.end``), retrieved slots -- gathered once for keys and once for values and
-    attended in one fused SDPA call: per key/value head and query position (``selection="group"``: the group's
-    query heads share it) or per query head and position (``"head"``)."""
+    attended in one fused SDPA call by its m queries: per query head and position (``selection="head"``, m = 1),
+    per key/value head and position (``"group"``: the group's query heads, m = rep), or per key/value head for
+    all Lq positions of the call (``"block"``, m = rep x Lq: one gather for the whole block, each query masked to
+    its own causal window)."""
     B, H, Lq, D = q.shape
     Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
     dev = q.device
     q5 = (q * scale).view(B, Hkv, rep, Lq, D)
-    per_head = options.selection == "head"
-    U, m = (rep * Lq, 1) if per_head else (Lq, rep)  # units per group, queries per unit
-    unit_pos = n - Lq + (torch.arange(Lq, device=dev).repeat(rep) if per_head else torch.arange(Lq, device=dev))
+    U, m = {"head": (rep * Lq, 1), "group": (Lq, rep), "block": (1, rep * Lq)}[selection]
+    # (B, Hkv, U, m, D): "group"'s units are positions, their queries the heads; otherwise (head, position) order
+    unit_queries = q5.permute(0, 1, 3, 2, 4) if selection == "group" else q5.reshape(B, Hkv, U, m, D)
+    # (U, m): the cache position of each query of each unit
+    query_pos = n - Lq + (torch.arange(Lq, device=dev).view(Lq, 1).expand(Lq, rep) if selection == "group"
+                          else torch.arange(Lq, device=dev).repeat(rep).view(U, m))
     start = index.end
     W = n - start
     S = index.sinks.shape[1]
@@ -373,31 +389,49 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     # the retrieved keys, which fill what the last query's window leaves of the cap.
     sink_count, cap = _split_budget(allowed, options.sink, 0)
     reserved: torch.Tensor | int = 0
+    # The window a sequence's last real query reads: W positions, fewer where padding ends the sequence early (the
+    # sparse prefill reads padded batches with their padding last; left padding never reaches a window that
+    # holds keys the index does not).
+    window_read = W if real is None else real[:, start:].sum(1)
     if options.estimate_remainder:  # needed where the cap cannot retrieve every key a head of the sequence holds
         held = index.counts.sum(-1).view(B, Hkv).amax(1)  # (B,)
         if isinstance(allowed, int):
             needed = cap - W < int(held.max()) and allowed - sink_count - 1 >= C
             reserved = C if needed else 0
         else:
-            reserved = torch.where((cap - W < held) & (allowed - sink_count - 1 >= C), C, 0)
+            reserved = torch.where((cap - window_read < held) & (allowed - sink_count - 1 >= C), C, 0)
         sink_count, cap = _split_budget(allowed, options.sink, reserved)
     if isinstance(cap, int):
         retrieved: torch.Tensor | int = max(0, cap - W)
         R, row_budget = retrieved, retrieved
     else:
-        retrieved = (cap - W).clamp(min=0)
+        retrieved = (cap - window_read).clamp(min=0)
         R, row_budget = int(retrieved.max()), retrieved.view(B, 1, 1, 1)
     positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, U, S),
                  torch.arange(start, n, device=dev).view(1, 1, 1, W).expand(B, Hkv, U, W)]
-    read = _read_mask(unit_pos, index.sinks, index.sink_live, sink_count, start, n, cap, real)  # (B, U, S + W)
-    # (B, 1, U, width), or None where every position is read: SDPA's unmasked path is the faster one
-    ok = [None if bool(part.all()) else part.unsqueeze(1) for part in (read[..., :S], read[..., S:])]
+    read = _read_mask(query_pos.reshape(-1), index.sinks, index.sink_live, sink_count, start, n, cap, real)
+    read = read.view(B, 1, U, m, S + W)
+    if selection == "group":  # the queries of a unit share a position, hence a mask
+        read = read[:, :, :, :1]
+    # (B, 1, U, m or 1, width), or None where every position is read: SDPA's unmasked path is the faster one
+    ok = [None if bool(part.all()) else part for part in (read[..., :S], read[..., S:])]
 
-    # Clusters ranked per unit: by its query's score, or the best score among the group's query heads (they read
-    # the same cache, so the group gathers its keys once).
+    # Clusters ranked per unit: by its query's score, or the best score among its queries (they read the same
+    # cache, so the unit gathers its keys once).
     head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
-    scores = head_scores.reshape(B, Hkv, U, C) if per_head else head_scores.amax(2)  # (B, Hkv, U, C)
-    perm = scores.sort(dim=-1, descending=True, stable=True).indices
+    if selection == "head":
+        scores = head_scores.reshape(B, Hkv, U, C)
+    elif selection == "group":
+        scores = head_scores.amax(2)
+    elif ranking is not None:  # the block's ranking queries (B, H, Lr, D), not its own
+        ranking = (ranking * scale).reshape(B, Hkv, 1, -1, D)  # (B, Hkv, 1, rep x Lr, D): one unit
+        scores = ranking @ index.centroids_t.view(B, Hkv, 1, D, C)
+        scores = scores.amax(3)  # (B, Hkv, 1, C)
+    else:  # a padding query (past a short sequence's end) ranks nothing
+        if real is not None:
+            head_scores = head_scores.masked_fill(~real[:, n - Lq:].view(B, 1, 1, Lq, 1), float("-inf"))
+        scores = head_scores.amax((2, 3)).unsqueeze(2)
+    perm = scores.sort(dim=-1, descending=True, stable=True).indices  # (B, Hkv, U, C)
     sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, U, C).gather(-1, perm)
     cum = sizes.cumsum(-1)
     if R > 0:
@@ -412,16 +446,21 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
         needs_mask = index.fewest < Rc or real is not None  # rows with fewer keys or a smaller budget
         valid = (slots < cum[..., -1:]) & (slots < row_budget * options.rerank) if needs_mask else None
         if options.rerank > 1:
-            candidates, valid = _rerank(q5, k, candidates, valid, row_budget, R, per_head)
+            query_ok = None  # padding queries score nothing (as above)
+            if selection == "block" and ranking is None and real is not None:
+                query_ok = real[:, n - Lq:].repeat(1, rep).view(B, 1, 1, m)
+            candidates, valid = _rerank(unit_queries if ranking is None else ranking, k, candidates, valid,
+                                        row_budget, R, query_ok)
         positions.append(candidates)
-        ok.append(valid)
+        ok.append(None if valid is None else valid.unsqueeze(-2))
     positions = torch.cat(positions, -1)  # (B, Hkv, U, K)
     K = positions.shape[-1]
     keys, values = gather_positions(k, positions), gather_positions(v, positions)  # (B, Hkv, U, K, D)
     mask = None
     if any(mk is not None for mk in ok):
-        mask = torch.cat([(torch.ones(1, 1, U, w, dtype=torch.bool, device=dev) if mk is None else mk).expand(
-            B, Hkv, U, w) for mk, w in zip(ok, [S, W, R][:len(ok)], strict=True)], -1)  # (B, Hkv, U, K)
+        rows = max(1 if mk is None else mk.shape[-2] for mk in ok)
+        mask = torch.cat([(torch.ones(1, 1, U, 1, w, dtype=torch.bool, device=dev) if mk is None else mk).expand(
+            B, Hkv, U, rows, w) for mk, w in zip(ok, [S, W, R][:len(ok)], strict=True)], -1)  # (B, Hkv, U, rows, K)
     if options.estimate_remainder and not (isinstance(reserved, int) and reserved == 0):
         # every cluster's unretrieved keys as one key mu_c with logit bias log n'_c
         taken = (row_budget - (cum - sizes)).clamp(min=0)
@@ -432,41 +471,41 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
         keys = torch.cat([keys, index.centroids.to(q.dtype).view(B, Hkv, 1, C, D).expand(B, Hkv, U, C, D)], 3)
         means = (index.value_sums / index.counts.clamp(min=1).unsqueeze(-1)).to(q.dtype).view(B, Hkv, 1, C, -1)
         values = torch.cat([values, means.expand(B, Hkv, U, C, means.shape[-1])], 3)
-        zeros = torch.zeros(B, Hkv, U, K, dtype=q.dtype, device=dev)
+        zeros = torch.zeros(B, Hkv, U, 1 if mask is None else mask.shape[-2], K, dtype=q.dtype, device=dev)
         if mask is not None:
             zeros = zeros.masked_fill(~mask, float("-inf"))
-        mask = torch.cat([zeros, bias], -1)  # additive
+        mask = torch.cat([zeros, bias.unsqueeze(-2).expand(*zeros.shape[:-1], C)], -1)  # additive
     no_key = None
     if mask is not None:  # a query with no key at all (a padded row): zeros, by the library's rule
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         allowed, no_key = allow_empty_rows(allowed)
         mask = allowed if mask.dtype == torch.bool else mask.masked_fill(no_key, 0.0)
     # One fused attention per (sequence, key/value head, unit): its m queries on its keys.
-    units = q5.reshape(B, Hkv, U, 1, D) if per_head else q5.permute(0, 1, 3, 2, 4)  # (B, Hkv, U, m, D)
     out = F.scaled_dot_product_attention(
-        units.reshape(B, Hkv * U, m, D), keys.view(B, Hkv * U, -1, D), values.view(B, Hkv * U, -1, values.shape[-1]),
-        attn_mask=None if mask is None else mask.view(B, Hkv * U, 1, -1), scale=1.0)  # q is already scaled
+        unit_queries.reshape(B, Hkv * U, m, D), keys.view(B, Hkv * U, -1, D),
+        values.view(B, Hkv * U, -1, values.shape[-1]),
+        attn_mask=None if mask is None else mask.view(B, Hkv * U, mask.shape[-2], -1), scale=1.0)  # q is scaled
     if no_key is not None:
-        out = out.masked_fill(no_key.view(B, Hkv * U, 1, 1), 0.0)
-    if per_head:  # units are (rep, Lq) in head order
-        return out.view(B, H, Lq, -1)
-    return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)
+        out = out.masked_fill(no_key.view(B, Hkv * U, no_key.shape[-2], 1), 0.0)
+    if selection == "group":  # units are positions, their queries heads
+        return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)
+    return out.view(B, H, Lq, -1)  # (head, position) order
 
 
-def _rerank(q5: torch.Tensor, k: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor | None,
-            row_budget: torch.Tensor | int, R: int, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Keep each unit's R candidates of highest exact score (``rerank``): q5 (B, Hkv, rep, Lq, D) scaled queries,
+def _rerank(unit_queries: torch.Tensor, k: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor | None,
+            row_budget: torch.Tensor | int, R: int, query_ok: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Keep each unit's R candidates of highest exact score (``rerank``): unit_queries (B, Hkv, U, m, D) scaled,
     candidates (B, Hkv, U, Rc) positions, valid (B, Hkv, U, Rc) or None (all valid). A unit's score of a key is
-    its query's q . k (per head) or the best over the group's query heads (as the clusters are ranked). Returns
-    the kept positions (B, Hkv, U, R) in descending score and which are valid: a real candidate among the first
-    ``row_budget`` of its sequence."""
-    B, Hkv, _rep, _Lq, D = q5.shape
-    U = candidates.shape[2]
+    the best q . k over its m queries (as the clusters are ranked; over those ``query_ok`` (B, 1, U, m) admits,
+    if given). Returns the kept positions (B, Hkv, U, R) in descending score and which are valid: a real
+    candidate among the first ``row_budget`` of its sequence."""
+    B = candidates.shape[0]
     keys = gather_positions(k, candidates)  # (B, Hkv, U, Rc, D)
-    if per_head:  # units in (head, position) order, one query each
-        scores = (keys @ q5.reshape(B, Hkv, U, D, 1)).squeeze(-1)  # (B, Hkv, U, Rc)
-    else:  # units are positions; the group's rep query heads score every candidate, the best counts
-        scores = (keys @ q5.permute(0, 1, 3, 4, 2)).amax(-1)  # (B, Hkv, Lq, Rc, D) @ (B, Hkv, Lq, D, rep)
+    scores = keys @ unit_queries.transpose(-1, -2)  # (B, Hkv, U, Rc, m)
+    if query_ok is not None:
+        scores = scores.masked_fill(~query_ok.unsqueeze(-2), float("-inf"))
+    scores = scores.amax(-1)  # (B, Hkv, U, Rc)
     if valid is not None:
         scores = scores.masked_fill(~valid, float("-inf"))
     top = scores.topk(R, dim=-1, sorted=True)
