@@ -234,11 +234,11 @@ def test_no_future_key_and_batch_invariance():
 
 def test_options_are_validated():
     for bad in ({"budget": 0.0}, {"budget": 1.5}, {"budget": 0}, {"budget": True}, {"num_clusters": 0},
-                {"refresh": 0}, {"estimate_remainder": 1}, {"selection": "query"}, {"rerank": 0},
+                {"refresh": 0}, {"estimate_remainder": 1}, {"selection": "query"}, {"rerank": 0}, {"rerank": 2.0},
                 {"rerank": 2, "estimate_remainder": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ClusterRetrievalOptions(**bad)
-    for bad in ({"budget": 2.0}, {"sink": -1}, {"dense_layers": -1}):
+    for bad in ({"budget": 2.0}, {"sink": -1}, {"dense_layers": -1}, {"prefill_block": -1}, {"prefill_block": 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SinkWindowOptions(**bad)
 
