@@ -418,7 +418,8 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
 
     # Clusters ranked per unit: by its query's score, or the best score among its queries (they read the same
     # cache, so the unit gathers its keys once).
-    head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
+    if ranking is None or selection != "block":
+        head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
     if selection == "head":
         scores = head_scores.reshape(B, Hkv, U, C)
     elif selection == "group":
@@ -476,7 +477,8 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
             zeros = zeros.masked_fill(~mask, float("-inf"))
         mask = torch.cat([zeros, bias.unsqueeze(-2).expand(*zeros.shape[:-1], C)], -1)  # additive
     no_key = None
-    if mask is not None:  # a query with no key at all (a padded row): zeros, by the library's rule
+    if mask is not None and real is not None:  # a query with no key at all (a padded row): zeros, by the rule
+        # (without padding every query reads at least its own key)
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         allowed, no_key = allow_empty_rows(allowed)
         mask = allowed if mask.dtype == torch.bool else mask.masked_fill(no_key, 0.0)
