@@ -152,12 +152,14 @@ class ClusterRetrievalOptions(SinkWindowOptions):
             precise, ``rep`` times the gathering under grouped-query attention); ``"block"``: those heads at
             every position of a call share one (a chunk of Lq queries gathers once; a decoding step is "group").
             The sparse prefill's blocks always use ``"block"``.
-        rerank: candidates per retrieved key. ``1``: the retrieved keys are the ranked clusters' first members up
-            to the budget. ``f > 1``: the ranked clusters fill ``f`` times that many candidate slots, and each
+        rerank: candidates per retrieved key (default 4: the best measured, docs/results.md, issue #32). ``1``:
+            the retrieved keys are the ranked clusters' first members up to the budget (ClusterKV's rule).
+            ``f > 1``: the ranked clusters fill ``f`` times that many candidate slots, and each
             unit (a query, or under ``"group"`` a position with the best score over its query heads) keeps the
             candidates of highest exact ``q . k``. The keys *attended* stay within the budget; the candidates
             are *scored* (one dot product each, no value read), ``f`` times the retrieved keys, the price of a
-            choice closer to the oracle's (docs/results.md). Not with ``estimate_remainder``.
+            choice closer to the oracle's (docs/results.md). With ``estimate_remainder`` a cluster's remainder is
+            its members that were not kept.
     """
 
     ALIASES: ClassVar[dict[str, str]] = {"clusters": "num_clusters"}
@@ -168,7 +170,7 @@ class ClusterRetrievalOptions(SinkWindowOptions):
     iterations: int = 8
     estimate_remainder: bool = False
     selection: str = "group"
-    rerank: int = 1
+    rerank: int = 4
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -179,9 +181,6 @@ class ClusterRetrievalOptions(SinkWindowOptions):
         check_bool("estimate_remainder", self.estimate_remainder)
         check_choice("selection", self.selection, ("group", "head", "block"))
         check_int("rerank", self.rerank, minimum=1)
-        if self.rerank > 1 and self.estimate_remainder:
-            raise ValueError("rerank > 1 and estimate_remainder=True do not combine: the remainder of a cluster "
-                             "is what its first members leave, which re-ranking no longer keeps")
 
 
 PREFILL_REGROWTH = 4  # the sparse prefill re-clusters its index when its keys have grown this many times over

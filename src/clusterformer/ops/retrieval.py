@@ -435,6 +435,7 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     perm = scores.sort(dim=-1, descending=True, stable=True).indices  # (B, Hkv, U, C)
     sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, U, C).gather(-1, perm)
     cum = sizes.cumsum(-1)
+    kept_cluster = torch.zeros(0)  # (rerank with estimate_remainder) the cluster of each kept key
     if R > 0:
         # The candidates: rerank x R slots filled by the ranked clusters (R without re-ranking).
         Rc = R * options.rerank
@@ -450,8 +451,9 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
             query_ok = None  # padding queries score nothing (as above)
             if selection == "block" and ranking is None and real is not None:
                 query_ok = real[:, n - Lq:].repeat(1, rep).view(B, 1, 1, m)
-            candidates, valid = _rerank(unit_queries if ranking is None else ranking, k, candidates, valid,
-                                        row_budget, R, query_ok)
+            candidates, valid, chosen = _rerank(unit_queries if ranking is None else ranking, k, candidates,
+                                                valid, row_budget, R, query_ok)
+            kept_cluster = perm.gather(-1, r).gather(-1, chosen)  # (B, Hkv, U, R): the cluster of each kept key
         positions.append(candidates)
         ok.append(None if valid is None else valid.unsqueeze(-2))
     positions = torch.cat(positions, -1)  # (B, Hkv, U, K)
@@ -464,8 +466,12 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
             B, Hkv, U, rows, w) for mk, w in zip(ok, [S, W, R][:len(ok)], strict=True)], -1)  # (B, Hkv, U, rows, K)
     if options.estimate_remainder and not (isinstance(reserved, int) and reserved == 0):
         # every cluster's unretrieved keys as one key mu_c with logit bias log n'_c
-        taken = (row_budget - (cum - sizes)).clamp(min=0)
-        left = torch.zeros_like(sizes).scatter_(-1, perm, sizes - torch.minimum(taken, sizes))  # cluster order
+        if options.rerank > 1 and R > 0:  # the kept keys are any members: count them per cluster
+            kept = torch.ones_like(kept_cluster) if valid is None else valid.long()
+            left = index.counts.view(B, Hkv, 1, C) - torch.zeros_like(sizes).scatter_add_(-1, kept_cluster, kept)
+        else:  # the retrieved keys are each ranked cluster's first members
+            taken = (row_budget - (cum - sizes)).clamp(min=0)
+            left = torch.zeros_like(sizes).scatter_(-1, perm, sizes - torch.minimum(taken, sizes))  # cluster order
         bias = torch.log(left.to(q.dtype))  # log 0 = -inf: nothing left, no term
         if not isinstance(reserved, int):  # the rows whose budget leaves no room for the centroid terms
             bias = bias.masked_fill((reserved == 0).view(B, 1, 1, 1), float("-inf"))
@@ -496,7 +502,7 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
 
 def _rerank(unit_queries: torch.Tensor, k: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor | None,
             row_budget: torch.Tensor | int, R: int, query_ok: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Keep each unit's R candidates of highest exact score (``rerank``): unit_queries (B, Hkv, U, m, D) scaled,
     candidates (B, Hkv, U, Rc) positions, valid (B, Hkv, U, Rc) or None (all valid). A unit's score of a key is
     the best q . k over its m queries (as the clusters are ranked; over those ``query_ok`` (B, 1, U, m) admits,
@@ -513,10 +519,10 @@ def _rerank(unit_queries: torch.Tensor, k: torch.Tensor, candidates: torch.Tenso
     top = scores.topk(R, dim=-1, sorted=True)
     kept = candidates.gather(-1, top.indices)
     if valid is None:
-        return kept, None
+        return kept, None, top.indices
     rank = torch.arange(R, device=k.device)
     limit = row_budget if isinstance(row_budget, int) else row_budget.view(B, 1, 1, 1)
-    return kept, (top.values > float("-inf")) & (rank < limit)
+    return kept, (top.values > float("-inf")) & (rank < limit), top.indices
 
 
 def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
