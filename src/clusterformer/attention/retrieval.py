@@ -229,7 +229,7 @@ class CacheReadingAttention(FullAttention):
         return self._read(q, k, v, mask.padding, scale, index)
 
     def _prefill_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None,
-                           scale: float) -> tuple[torch.Tensor, KeyClusterIndex | None]:
+                           scale: float) -> tuple[torch.Tensor, None]:
         """The sparse prefill (option ``prefill_block`` = P): queries 0 .. P - 1 densely, then each block of P
         queries as a cached call on the keys up to the block's end (:meth:`_read`, or densely where the budget
         covers them; cluster retrieval ranks the clusters once per block and key/value head, ``"block"``
