@@ -18,6 +18,8 @@ decoding of pretrained LLMs (ClusterKV, Squeezed Attention; StreamingLLM; Quest)
 
 A sequence attending to itself -- a prefill, or training -- is exact softmax attention (:meth:`forward` is
 ``"full"``'s): these papers leave the prompt's own attention dense and make the *reading of the cache* sparse.
+Option ``prefill_block`` (beyond them; issue #32) makes a prefill through :meth:`attend_cache` sparse too, read in
+blocks as cached calls (:class:`CacheBudgetOptions`).
 :meth:`CacheReadingAttention.attend_cache` is that reading: the last Lq positions of a cache of n keys, with
 cluster retrieval's key index (:class:`clusterformer.ops.retrieval.KeyClusterIndex`) that belongs to that cache,
 returned to the caller, which keeps it beside the cache (:mod:`clusterformer.hf` keys it by the ``transformers``
@@ -283,7 +285,7 @@ class CacheReadingAttention(FullAttention):
 
 @register("sink-window", SinkWindowOptions,
           "StreamingLLM for a decoder's cache (hf): first sink tokens + the most recent ones, up to a budget; a "
-          "sequence's attention to itself (prefill) is full")
+          "sequence's attention to itself (prefill) is full unless prefill_block is set")
 class SinkWindowAttention(CacheReadingAttention):
     """StreamingLLM's cache reading: the first ``sink`` real tokens and the most recent ones, ``budget`` in all
     (:func:`clusterformer.ops.retrieval.retrieval_attention` without an index)."""
@@ -296,7 +298,8 @@ class SinkWindowAttention(CacheReadingAttention):
 
 @register("oracle", CacheBudgetOptions,
           "the upper bound of any selection of a decoder's cache (hf): per query and head, the budget's keys of "
-          "largest q . k; computes every score; a sequence's attention to itself (prefill) is full")
+          "largest q . k; computes every score; a sequence's attention to itself (prefill) is full unless "
+          "prefill_block is set")
 class OracleAttention(CacheReadingAttention):
     """The oracle's cache reading (:func:`clusterformer.ops.topk_cache.oracle_attention`): a yardstick for the
     methods that must choose their keys without computing every score."""
@@ -310,7 +313,7 @@ class OracleAttention(CacheReadingAttention):
 @register("quest", QuestOptions,
           "Quest for a decoder's cache (hf; Tang et al. 2024): pages of page_size keys ranked by the upper bound of "
           "q . k from their per-channel min and max, whole pages up to a budget; a sequence's attention to itself "
-          "(prefill) is full")
+          "(prefill) is full unless prefill_block is set")
 class QuestAttention(CacheReadingAttention):
     """Quest's cache reading (:func:`clusterformer.ops.topk_cache.quest_attention`)."""
 
@@ -322,7 +325,8 @@ class QuestAttention(CacheReadingAttention):
 
 @register("cluster-retrieval", ClusterRetrievalOptions,
           "clustered key retrieval for a decoder's cache (hf; ClusterKV): sinks + window + the keys of the best "
-          "K-means clusters, up to a budget; a sequence's attention to itself (prefill) is full")
+          "K-means clusters (candidates re-ranked by exact score, rerank), up to a budget; a sequence's attention "
+          "to itself (prefill) is full unless prefill_block is set")
 class ClusterRetrievalAttention(CacheReadingAttention):
     """ClusterKV-style cache reading; see the module docstring and :meth:`CacheReadingAttention.attend_cache`."""
 
