@@ -21,7 +21,9 @@ and that the index does not hold yet, are not read: the budget is a bound, not a
 
 1. Scores q . mu_c; clusters in descending score order fill the R slots (the last one possibly in part), by
    position within a cluster. Under grouped-query attention the query heads that share a key/value head share
-   the ranking (by their best score): one gather of keys per group.
+   the ranking (by their best score): one gather of keys per group. ``rerank`` = f > 1 (beyond ClusterKV): the
+   clusters fill f x R slots with candidates, and the R candidates of highest exact q . k (the best over the
+   queries that share the ranking) are the retrieved keys -- f x R keys scored, R attended.
 2. Exact softmax attention over the union of the sink keys, the window (causal), and the retrieved keys.
 3. ``estimate_remainder=True`` (beyond ClusterKV): the keys of each cluster that were *not* retrieved, n'_c of
    them, enter the same softmax as one term with logit q . mu_c + log n'_c and value nu_c -- the cluster seen
@@ -40,9 +42,9 @@ by their mean). :func:`extend_index` lets each key that leaves the window join i
 running means move with it); after ``refresh`` joins the index is rebuilt from all its keys. Members are kept
 per cluster in a slot array (G, C, capacity) that grows by doubling, so a join is O(C D), not a re-sort.
 
-Cost per query and head: O(C D) to score the centroids, O(R log C) to find the slots, O((sink + window + R) D)
-to attend -- against O(n D) for dense attention over n cached keys. Clustering: O(iterations n C D) per
-rebuild, amortised over ``refresh`` tokens.
+Cost per query and head: O(C D) to score the centroids, O(f R log C) to find the slots, O(f R D) to re-rank
+(f = ``rerank``), O((sink + window + R) D) to attend -- against O(n D) for dense attention over n cached keys.
+Clustering: O(iterations n C D) per rebuild, amortised over ``refresh`` tokens.
 
 Padding: ``key_padding_mask`` (B, n), True = padding (the library's one mask value, :mod:`clusterformer.masks`;
 left padding, as Hugging Face batches prompts for generation); inside, its view ``real`` marks the real keys.
