@@ -58,16 +58,17 @@ class PrefillBenchConfig:
                 raise ValueError(f"methods: {name!r} is always timed; list the sparse methods only")
 
 
-def _prompt(tokenizer: Any, data_dir: str, length: int) -> torch.Tensor:
+def _text_ids(tokenizer: Any, data_dir: str, lengths: list[int]) -> list[int]:
+    """WikiText-2 valid, detokenised, as the model's token ids (enough for the longest of ``lengths``)."""
     from ..data.ruler import detokenize_wikitext
 
     path = Path(data_dir) / "wikitext-2" / "wiki.valid.tokens"
     if not path.is_file():
         raise ValueError(f"data_dir: {path} does not exist (WikiText-2, see ../shared/data/README.md)")
     ids = tokenizer(detokenize_wikitext(path.read_text(encoding="utf-8")), add_special_tokens=False)["input_ids"]
-    if len(ids) < length:
-        raise ValueError(f"lengths: WikiText-2 valid holds {len(ids)} tokens, fewer than {length}")
-    return torch.tensor([ids[:length]])
+    if len(ids) < max(lengths):
+        raise ValueError(f"lengths: WikiText-2 valid holds {len(ids)} tokens, fewer than {max(lengths)}")
+    return ids
 
 
 def _register_floor() -> str:
@@ -101,9 +102,10 @@ def run_prefill_benchmark(config: PrefillBenchConfig, progress: Any = None) -> l
         names[spec] = hf.register_attention(mechanism, name=f"clusterformer-bench-prefill-{index}", **options)
     if config.floor:
         names[FLOOR] = _register_floor()
+    text = _text_ids(tokenizer, config.data_dir, config.lengths)  # tokenised once, cut to each length
     records = []
     for length in config.lengths:
-        ids = _prompt(tokenizer, config.data_dir, length)
+        ids = torch.tensor([text[:length]])
         times: dict[str, list[float]] = {label: [] for label in names}
         for repeat in range(config.repeats + 1):  # the first round warms up and is not counted
             for label, name in names.items():

@@ -379,8 +379,8 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     U, m = {"head": (rep * Lq, 1), "group": (Lq, rep), "block": (1, rep * Lq)}[selection]
     # (B, Hkv, U, m, D): "group"'s units are positions, their queries the heads; otherwise (head, position) order
     unit_queries = q5.permute(0, 1, 3, 2, 4) if selection == "group" else q5.reshape(B, Hkv, U, m, D)
-    # (U, m): the cache position of each query of each unit
-    query_pos = n - Lq + (torch.arange(Lq, device=dev).view(Lq, 1).expand(Lq, rep) if selection == "group"
+    # (U, m) the cache position of each query of each unit; (U, 1) for "group", whose queries share a position
+    query_pos = n - Lq + (torch.arange(Lq, device=dev).view(Lq, 1) if selection == "group"
                           else torch.arange(Lq, device=dev).repeat(rep).view(U, m))
     start = index.end
     W = n - start
@@ -412,9 +412,7 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, U, S),
                  torch.arange(start, n, device=dev).view(1, 1, 1, W).expand(B, Hkv, U, W)]
     read = _read_mask(query_pos.reshape(-1), index.sinks, index.sink_live, sink_count, start, n, cap, real)
-    read = read.view(B, 1, U, m, S + W)
-    if selection == "group":  # the queries of a unit share a position, hence a mask
-        read = read[:, :, :, :1]
+    read = read.view(B, 1, U, query_pos.shape[1], S + W)
     # (B, 1, U, m or 1, width), or None where every position is read: SDPA's unmasked path is the faster one
     ok = [None if bool(part.all()) else part for part in (read[..., :S], read[..., S:])]
 
@@ -455,7 +453,8 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
                 query_ok = real[:, n - Lq:].repeat(1, rep).view(B, 1, 1, m)
             candidates, valid, chosen = _rerank(unit_queries if ranking is None else ranking, k, candidates,
                                                 valid, row_budget, R, query_ok)
-            kept_cluster = perm.gather(-1, r).gather(-1, chosen)  # (B, Hkv, U, R): the cluster of each kept key
+            if options.estimate_remainder:  # (B, Hkv, U, R): the cluster of each kept key
+                kept_cluster = perm.gather(-1, r).gather(-1, chosen)
         positions.append(candidates)
         ok.append(None if valid is None else valid.unsqueeze(-2))
     positions = torch.cat(positions, -1)  # (B, Hkv, U, K)
