@@ -507,17 +507,21 @@ def _rerank(unit_queries: torch.Tensor, k: torch.Tensor, candidates: torch.Tenso
     """Keep each unit's R candidates of highest exact score (``rerank``): unit_queries (B, Hkv, U, m, D) scaled,
     candidates (B, Hkv, U, Rc) positions, valid (B, Hkv, U, Rc) or None (all valid). A unit's score of a key is
     the best q . k over its m queries (as the clusters are ranked; over those ``query_ok`` (B, 1, U, m) admits,
-    if given). Returns the kept positions (B, Hkv, U, R) in descending score and which are valid: a real
-    candidate among the first ``row_budget`` of its sequence."""
+    if given). Returns the kept positions (B, Hkv, U, R) (in descending score where ``row_budget`` differs per
+    sequence; else in any order), which are valid (a real candidate among the first ``row_budget`` of its
+    sequence) and the kept candidates' indices."""
     B = candidates.shape[0]
     keys = gather_positions(k, candidates)  # (B, Hkv, U, Rc, D)
-    scores = keys @ unit_queries.transpose(-1, -2)  # (B, Hkv, U, Rc, m)
+    # (m, D) @ (D, Rc), not (Rc, D) @ (D, m): the long side last is the faster product for a few queries, and
+    # the best over the queries is then a reduction over rows
+    scores = unit_queries @ keys.transpose(-1, -2)  # (B, Hkv, U, m, Rc)
     if query_ok is not None:
-        scores = scores.masked_fill(~query_ok.unsqueeze(-2), float("-inf"))
-    scores = scores.amax(-1)  # (B, Hkv, U, Rc)
+        scores = scores.masked_fill(~query_ok.unsqueeze(-1), float("-inf"))
+    scores = scores.amax(-2)  # (B, Hkv, U, Rc)
     if valid is not None:
         scores = scores.masked_fill(~valid, float("-inf"))
-    top = scores.topk(R, dim=-1, sorted=True)
+    # the softmax does not need the kept keys in order; rows whose budgets differ keep their best row_budget
+    top = scores.topk(R, dim=-1, sorted=not isinstance(row_budget, int))
     kept = candidates.gather(-1, top.indices)
     if valid is None:
         return kept, None, top.indices
