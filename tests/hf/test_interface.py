@@ -366,6 +366,39 @@ def test_sparse_prefill_is_batch_invariant_causal_and_dense_when_covered(mechani
     torch.testing.assert_close(_prefill_logits(model, batch), dense, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize(("mechanism", "options"), PREFILL_MECHANISMS)
+def test_prefill_budget_reads_the_prefill_by_its_own_budget_and_decoding_by_budget(mechanism, options):
+    """prefill_budget covering every key: the prefill is dense attention exactly, though budget bites; a cached
+    call (decoding) reads by budget, as without prefill_budget."""
+    from clusterformer.attention.registry import build_inner
+    from clusterformer.masks import AttentionMask
+
+    model = _llama()
+    batch = _prompts([70, 45], fixed_seed())
+    dense = _prefill_logits(model, batch)
+    _with(model, hf.register_attention(mechanism, name=f"test-prefill-budget-{mechanism}", budget=0.2,
+                                       prefill_block=8, prefill_budget=1.0, **options))
+    torch.testing.assert_close(_prefill_logits(model, batch), dense, rtol=0, atol=1e-10)
+    g = torch.Generator().manual_seed(fixed_seed())
+    q, k, v = (torch.randn(1, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((4, 3), (2, 90), (2, 90)))
+    step = [build_inner(mechanism, dim=32, heads=4, budget=0.2, prefill_block=8, **extra, **options).attend_cache(
+        q, k, v, AttentionMask(None, causal=True), 0.3)[0] for extra in ({}, {"prefill_budget": 1.0})]
+    torch.testing.assert_close(step[1], step[0], rtol=0, atol=0)
+    covering = build_inner(mechanism, dim=32, heads=4, budget=1.0, **options).attend_cache(
+        q, k, v, AttentionMask(None, causal=True), 0.3)[0]
+    assert (step[1] - covering).abs().max() > 1e-6  # the decoding budget bites
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, 0, True, "all"])
+def test_prefill_budget_is_checked(bad):
+    from clusterformer.attention.registry import make_options
+
+    with pytest.raises(ValueError, match="prefill_budget"):
+        make_options("cluster-retrieval", {"prefill_block": 8, "prefill_budget": bad})
+    with pytest.raises(ValueError, match=r"prefill_budget .*prefill_block"):
+        make_options("sink-window", {"prefill_budget": 0.5})
+
+
 @pytest.mark.parametrize(("mechanism", "options"), PREFILL_MECHANISMS[1:])
 def test_sparse_prefill_is_the_prompt_fed_in_blocks_through_the_cache(mechanism, options):
     """Without an index to carry, a sparse prefill in blocks of 8 is the prompt fed to the model 8 tokens at a time
@@ -383,11 +416,12 @@ def test_sparse_prefill_is_the_prompt_fed_in_blocks_through_the_cache(mechanism,
 
 
 @pytest.mark.parametrize(("mechanism", "options"), PREFILL_MECHANISMS)
-@pytest.mark.parametrize("budget", [0.15, 6])
-def test_sparse_prefill_reads_at_most_the_budget(mechanism, options, budget):
+@pytest.mark.parametrize(("budget", "prefill_budget"), [(0.15, None), (6, None), (2, 0.15), (0.05, 6)])
+def test_sparse_prefill_reads_at_most_the_budget(mechanism, options, budget, prefill_budget):
     """Values one-hot per position (a query's output is its weight on every key): past the first block, a query
-    of the block ending at e reads at most the budget of a cache of e real keys of its sequence; the first block
-    is dense (at most its P keys); no padding key is read."""
+    of the block ending at e reads at most the prefill's budget (``prefill_budget``, else ``budget``) of a cache
+    of e real keys of its sequence, and some query reads more than ``budget`` where that is the smaller; the
+    first block is dense (at most its P keys); no padding key is read."""
     from clusterformer.attention.registry import build_inner
     from clusterformer.masks import AttentionMask
     from clusterformer.ops.retrieval import keys_allowed
@@ -399,13 +433,17 @@ def test_sparse_prefill_reads_at_most_the_budget(mechanism, options, budget):
     v = torch.eye(n, dtype=torch.float64).expand(2, 2, n, n)
     padding = torch.zeros(2, n, dtype=torch.bool)
     padding[1, :11] = True
-    inner = build_inner(mechanism, dim=H * D, heads=H, budget=budget, prefill_block=P, **options)
+    inner = build_inner(mechanism, dim=H * D, heads=H, budget=budget, prefill_block=P, prefill_budget=prefill_budget,
+                        **options)
     out, _ = inner.attend_cache(q, k, v, AttentionMask(padding, causal=True), 0.4)
     read = (out > 0).sum(-1)  # (B, H, n): keys read per query
     assert bool((out.masked_fill(~padding.view(2, 1, 1, n), 0) == 0).all())  # no padding key
+    prefill = budget if prefill_budget is None else prefill_budget
     for b, pad in enumerate((0, 11)):
         ranks = torch.arange(n - pad)  # the sequence's own positions (its real tokens, in order)
         block_end = torch.minimum((ranks // P + 1) * P, torch.tensor(n - pad))
-        allowed = torch.where(ranks < P, torch.tensor(P), keys_allowed(budget, block_end))
+        allowed = torch.where(ranks < P, torch.tensor(P), keys_allowed(prefill, block_end))
         assert bool((read[b, :, pad:] <= allowed).all()), (b, read[b, :, pad:], allowed)
+        if prefill_budget is not None and bool((keys_allowed(budget, block_end) < allowed).any()):
+            assert bool((read[b, :, pad:][..., P:] > keys_allowed(budget, block_end)[P:]).any())
         assert bool((read[b, :, pad:][..., P:] < ranks[P:] + 1).any())  # past the first block, fewer than causal

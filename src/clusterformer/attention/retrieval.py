@@ -33,8 +33,8 @@ oracle O(n D), as dense.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -55,6 +55,15 @@ from .registry import register
 
 __all__ = ["CacheBudgetOptions", "CacheReadingAttention", "ClusterRetrievalAttention", "ClusterRetrievalOptions",
            "OracleAttention", "QuestAttention", "QuestOptions", "SinkWindowAttention", "SinkWindowOptions"]
+
+
+def _check_budget(name: str, budget: Any) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"{name} must be a fraction in (0, 1] or a count >= 1; got {budget!r}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"{name} as a float is a fraction of the cache and must be in (0, 1]; got {budget}")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"{name} as an int is a count of keys and must be >= 1; got {budget}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,10 @@ class CacheBudgetOptions(AttentionOptions):
             by the queries of the block before, ``"block"`` selection), its index carried from block to block.
             The cache itself is unchanged (every key and value is stored; only the prompt's attention reads
             fewer keys), and the cached calls that follow read it as after a dense prefill.
+        prefill_budget: the budget of the sparse prefill's blocks, as ``budget`` (a fraction or a count); None
+            (the default): ``budget``. A prefill errs where decoding does not: every later layer's keys and values
+            of the prompt are computed from the sparse attention below it, so a prefill may want more keys than
+            the decoding steps that read its cache (docs/results.md, issue #32).
     """
 
     ATTENTION_DROPOUT: ClassVar[bool] = False
@@ -85,17 +98,22 @@ class CacheBudgetOptions(AttentionOptions):
     budget: float | int = 0.1
     dense_layers: int = 0
     prefill_block: int = 0
+    prefill_budget: float | int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
-            raise ValueError(f"budget must be a fraction in (0, 1] or a count >= 1; got {self.budget!r}")
-        if isinstance(self.budget, float) and not 0.0 < self.budget <= 1.0:
-            raise ValueError(f"budget as a float is a fraction of the cache and must be in (0, 1]; got {self.budget}")
-        if isinstance(self.budget, int) and self.budget < 1:
-            raise ValueError(f"budget as an int is a count of keys and must be >= 1; got {self.budget}")
+        _check_budget("budget", self.budget)
         check_int("dense_layers", self.dense_layers, minimum=0)
         check_int("prefill_block", self.prefill_block, minimum=0)
+        if self.prefill_budget is not None:
+            _check_budget("prefill_budget", self.prefill_budget)
+            if self.prefill_block == 0:
+                raise ValueError("prefill_budget is the budget of the sparse prefill: it needs prefill_block > 0 "
+                                 "(without it the prefill is dense)")
+
+    def for_prefill(self) -> CacheBudgetOptions:
+        """These options with the sparse prefill's budget (``prefill_budget``, where set) as ``budget``."""
+        return self if self.prefill_budget is None else replace(self, budget=self.prefill_budget)
 
     def keys_allowed(self, lengths: torch.Tensor) -> torch.Tensor:
         """(B,) real cached keys -> (B,) keys a query may attend to under the budget (at most the cache)."""
@@ -247,6 +265,7 @@ class CacheReadingAttention(FullAttention):
         loop: a block's index must hold exactly the keys before it, which the previous block completes."""
         B, _, n, _ = q.shape
         P = self.options.prefill_block
+        options = self.options.for_prefill()
         order = None
         if padding is not None:  # rank -> cache position: the real tokens first, each sequence in its own order
             order = torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices
@@ -259,14 +278,14 @@ class CacheReadingAttention(FullAttention):
             end = min(n, start + P)
             block_padding = None if padding is None else padding[:, :end]
             keys, values = k[:, :, :end], v[:, :, :end]
-            if self.options.covers(real_lengths(block_padding, B, end, q.device)):
+            if options.covers(real_lengths(block_padding, B, end, q.device)):
                 blocks.append(cache_sdpa(q[:, :, start:end], keys, values, AttentionMask(block_padding, causal=True),
                                          scale=scale))
                 continue
             if index is not None and index.joined >= (PREFILL_REGROWTH - 1) * (index.end - index.joined):
                 index = None  # its keys have grown PREFILL_REGROWTH-fold since it was clustered: cluster afresh
             out, index = self._read(q[:, :, start:end], keys, values, block_padding, scale, index,
-                                    before=q[:, :, start - P:start])
+                                    before=q[:, :, start - P:start], options=options)
             blocks.append(out)
         out = torch.cat(blocks, 2)
         if order is None:
@@ -276,10 +295,11 @@ class CacheReadingAttention(FullAttention):
         return out.masked_fill(original[:, None, :, None], 0.0), None
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, KeyClusterIndex | None]:
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
+              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
         """The sparse reading of the cache: (out, the index to keep, or None). ``before``: the call is a block of
-        the sparse prefill, and these are the queries of the block before it (which may choose its keys)."""
+        the sparse prefill, and these are the queries of the block before it (which may choose its keys);
+        ``options``: the options to read by (the prefill's budget), None: the mechanism's own."""
         raise NotImplementedError
 
 
@@ -291,9 +311,9 @@ class SinkWindowAttention(CacheReadingAttention):
     (:func:`clusterformer.ops.retrieval.retrieval_attention` without an index)."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, None]:
-        return retrieval_attention(q, k, v, key_padding_mask, None, self.options, scale), None
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
+              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, None]:
+        return retrieval_attention(q, k, v, key_padding_mask, None, options or self.options, scale), None
 
 
 @register("oracle", CacheBudgetOptions,
@@ -305,9 +325,9 @@ class OracleAttention(CacheReadingAttention):
     methods that must choose their keys without computing every score."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, None]:
-        return oracle_attention(q, k, v, key_padding_mask, self.options.budget, scale), None
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
+              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, None]:
+        return oracle_attention(q, k, v, key_padding_mask, (options or self.options).budget, scale), None
 
 
 @register("quest", QuestOptions,
@@ -318,9 +338,10 @@ class QuestAttention(CacheReadingAttention):
     """Quest's cache reading (:func:`clusterformer.ops.topk_cache.quest_attention`)."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, None]:
-        return quest_attention(q, k, v, key_padding_mask, self.options.budget, self.options.page_size, scale), None
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
+              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, None]:
+        return quest_attention(q, k, v, key_padding_mask, (options or self.options).budget, self.options.page_size,
+                               scale), None
 
 
 @register("cluster-retrieval", ClusterRetrievalOptions,
@@ -331,13 +352,14 @@ class ClusterRetrievalAttention(CacheReadingAttention):
     """ClusterKV-style cache reading; see the module docstring and :meth:`CacheReadingAttention.attend_cache`."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, KeyClusterIndex]:
+              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
+              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, KeyClusterIndex]:
         index = self._index(k, v, key_padding_mask, index, q.shape[2])
+        options = options or self.options
         if before is None:
-            return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale), index
+            return retrieval_attention(q, k, v, key_padding_mask, index, options, scale), index
         # a prefill block gathers its retrieved keys once, chosen by the queries of the block before (causal)
-        return retrieval_attention(q, k, v, key_padding_mask, index, self.options, scale, "block", before), index
+        return retrieval_attention(q, k, v, key_padding_mask, index, options, scale, "block", before), index
 
     def _index(self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                index: KeyClusterIndex | None, queries: int) -> KeyClusterIndex:
