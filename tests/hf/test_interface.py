@@ -387,6 +387,14 @@ def test_prefill_budget_reads_the_prefill_by_its_own_budget_and_decoding_by_budg
     covering = build_inner(mechanism, dim=32, heads=4, budget=1.0, **options).attend_cache(
         q, k, v, AttentionMask(None, causal=True), 0.3)[0]
     assert (step[1] - covering).abs().max() > 1e-6  # the decoding budget bites
+    # the other way round: a sparse prefill before dense decoding
+    sparse_prefill = build_inner(mechanism, dim=32, heads=4, budget=1.0, prefill_block=8, prefill_budget=0.2,
+                                 **options)
+    torch.testing.assert_close(sparse_prefill.attend_cache(q, k, v, AttentionMask(None, causal=True), 0.3)[0],
+                               covering, rtol=0, atol=0)
+    _with(model, hf.register_attention(mechanism, name=f"test-prefill-budget-{mechanism}-dense-decoding",
+                                       budget=1.0, prefill_block=8, prefill_budget=0.2, **options))
+    assert (_prefill_logits(model, batch) - dense)[batch["attention_mask"].bool()].abs().max() > 1e-6
 
 
 @pytest.mark.parametrize("bad", [0.0, 1.5, 0, True, "all"])

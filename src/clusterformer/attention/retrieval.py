@@ -240,11 +240,13 @@ class CacheReadingAttention(FullAttention):
         if (not mask.causal and Lq > 1) or mask.window is not None:
             raise ValueError("a cache is read causally, without a window: the mask must be key padding + causal")
         lengths = mask.lengths(1 if mask.padding is None else k.shape[0], n, k.device)
-        if self.options.covers(lengths) or (layer is not None and layer < self.options.dense_layers):
+        if layer is not None and layer < self.options.dense_layers:
             return cache_sdpa(q, k, v, mask, scale=scale), index
-        if Lq == n:
-            if 0 < self.options.prefill_block < n:
+        if Lq == n:  # a prefill: sparse by its own budget (a dense decoding budget may follow a sparse prefill)
+            if 0 < self.options.prefill_block < n and not self.options.for_prefill().covers(lengths):
                 return self._prefill_in_blocks(q, k, v, mask.padding, scale)
+            return cache_sdpa(q, k, v, mask, scale=scale), index
+        if self.options.covers(lengths):
             return cache_sdpa(q, k, v, mask, scale=scale), index
         return self._read(q, k, v, mask.padding, scale, index)
 
