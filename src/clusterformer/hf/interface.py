@@ -27,7 +27,8 @@ centroid ownership -- are refused). By mode:
 * ``"cache"`` (``cluster-retrieval``, ``sink-window``; :mod:`clusterformer.attention.retrieval`): long-context
   decoding over the model's cache. A prefill (no cached keys before the queries) is dense; every call with
   cached keys (``generate()``'s steps, or a prompt fed in chunks) reads the cache sparsely; with the option
-  ``prefill_block`` the prefill too is read sparsely, block by block (the sparse prefill). Cluster retrieval's
+  ``prefill_block`` the prefill too is read sparsely, block by block (the sparse prefill; under its own budget
+  with ``prefill_budget``). Cluster retrieval's
   key index belongs to the cache it indexes: it is kept in a table keyed (weakly) by the ``transformers`` cache
   object and by the registered name and attention module, so it dies with the cache, and two models, prompts or
   option sets never see each other's index. To know a call's cache, the first call on an attention module adds
