@@ -243,15 +243,16 @@ class CacheReadingAttention(FullAttention):
         if layer is not None and layer < self.options.dense_layers:
             return cache_sdpa(q, k, v, mask, scale=scale), index
         if Lq == n:  # a prefill: sparse by its own budget (a dense decoding budget may follow a sparse prefill)
-            if 0 < self.options.prefill_block < n and not self.options.for_prefill().covers(lengths):
-                return self._prefill_in_blocks(q, k, v, mask.padding, scale)
+            prefill = self.options.for_prefill()
+            if 0 < self.options.prefill_block < n and not prefill.covers(lengths):
+                return self._prefill_in_blocks(q, k, v, mask.padding, scale, prefill)
             return cache_sdpa(q, k, v, mask, scale=scale), index
         if self.options.covers(lengths):
             return cache_sdpa(q, k, v, mask, scale=scale), index
-        return self._read(q, k, v, mask.padding, scale, index)
+        return self._read(q, k, v, mask.padding, scale, index, self.options)
 
     def _prefill_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None,
-                           scale: float) -> tuple[torch.Tensor, None]:
+                           scale: float, options: CacheBudgetOptions) -> tuple[torch.Tensor, None]:
         """The sparse prefill (option ``prefill_block`` = P): queries 0 .. P - 1 densely, then each block of P
         queries as a cached call on the keys up to the block's end (:meth:`_read`, or densely where the budget
         covers them; cluster retrieval ranks the clusters once per block and key/value head, ``"block"``
@@ -267,7 +268,6 @@ class CacheReadingAttention(FullAttention):
         loop: a block's index must hold exactly the keys before it, which the previous block completes."""
         B, _, n, _ = q.shape
         P = self.options.prefill_block
-        options = self.options.for_prefill()
         order = None
         if padding is not None:  # rank -> cache position: the real tokens first, each sequence in its own order
             order = torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices
@@ -286,8 +286,8 @@ class CacheReadingAttention(FullAttention):
                 continue
             if index is not None and index.joined >= (PREFILL_REGROWTH - 1) * (index.end - index.joined):
                 index = None  # its keys have grown PREFILL_REGROWTH-fold since it was clustered: cluster afresh
-            out, index = self._read(q[:, :, start:end], keys, values, block_padding, scale, index,
-                                    before=q[:, :, start - P:start], options=options)
+            out, index = self._read(q[:, :, start:end], keys, values, block_padding, scale, index, options,
+                                    before=q[:, :, start - P:start])
             blocks.append(out)
         out = torch.cat(blocks, 2)
         if order is None:
@@ -297,11 +297,11 @@ class CacheReadingAttention(FullAttention):
         return out.masked_fill(original[:, None, :, None], 0.0), None
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
-              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
-        """The sparse reading of the cache: (out, the index to keep, or None). ``before``: the call is a block of
-        the sparse prefill, and these are the queries of the block before it (which may choose its keys);
-        ``options``: the options to read by (the prefill's budget), None: the mechanism's own."""
+              scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
+              before: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
+        """The sparse reading of the cache by ``options`` (the mechanism's own, or with the prefill's budget):
+        (out, the index to keep, or None). ``before``: the call is a block of the sparse prefill, and these are the
+        queries of the block before it (which may choose its keys)."""
         raise NotImplementedError
 
 
@@ -313,9 +313,9 @@ class SinkWindowAttention(CacheReadingAttention):
     (:func:`clusterformer.ops.retrieval.retrieval_attention` without an index)."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
-              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, None]:
-        return retrieval_attention(q, k, v, key_padding_mask, None, options or self.options, scale), None
+              scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
+              before: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        return retrieval_attention(q, k, v, key_padding_mask, None, options, scale), None
 
 
 @register("oracle", CacheBudgetOptions,
@@ -327,9 +327,9 @@ class OracleAttention(CacheReadingAttention):
     methods that must choose their keys without computing every score."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
-              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, None]:
-        return oracle_attention(q, k, v, key_padding_mask, (options or self.options).budget, scale), None
+              scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
+              before: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        return oracle_attention(q, k, v, key_padding_mask, options.budget, scale), None
 
 
 @register("quest", QuestOptions,
@@ -340,10 +340,9 @@ class QuestAttention(CacheReadingAttention):
     """Quest's cache reading (:func:`clusterformer.ops.topk_cache.quest_attention`)."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
-              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, None]:
-        return quest_attention(q, k, v, key_padding_mask, (options or self.options).budget, self.options.page_size,
-                               scale), None
+              scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
+              before: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        return quest_attention(q, k, v, key_padding_mask, options.budget, options.page_size, scale), None
 
 
 @register("cluster-retrieval", ClusterRetrievalOptions,
@@ -354,10 +353,9 @@ class ClusterRetrievalAttention(CacheReadingAttention):
     """ClusterKV-style cache reading; see the module docstring and :meth:`CacheReadingAttention.attend_cache`."""
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-              scale: float, index: KeyClusterIndex | None, before: torch.Tensor | None = None,
-              options: CacheBudgetOptions | None = None) -> tuple[torch.Tensor, KeyClusterIndex]:
+              scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
+              before: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyClusterIndex]:
         index = self._index(k, v, key_padding_mask, index, q.shape[2])
-        options = options or self.options
         if before is None:
             return retrieval_attention(q, k, v, key_padding_mask, index, options, scale), index
         # a prefill block gathers its retrieved keys once, chosen by the queries of the block before (causal)

@@ -28,14 +28,14 @@ centroid ownership -- are refused). By mode:
   decoding over the model's cache. A prefill (no cached keys before the queries) is dense; every call with
   cached keys (``generate()``'s steps, or a prompt fed in chunks) reads the cache sparsely; with the option
   ``prefill_block`` the prefill too is read sparsely, block by block (the sparse prefill; under its own budget
-  with ``prefill_budget``). Cluster retrieval's
-  key index belongs to the cache it indexes: it is kept in a table keyed (weakly) by the ``transformers`` cache
-  object and by the registered name and attention module, so it dies with the cache, and two models, prompts or
-  option sets never see each other's index. To know a call's cache, the first call on an attention module adds
-  a forward pre-hook to it that passes the ``cache`` (``past_key_values``) argument of each call to this module's
-  function for that call only; a call whose cache is unknown (the module's very first call, when it is not a
-  prefill) builds an index for that call alone. Without a cache (``generate(use_cache=False)``) every call is a
-  prefill, hence dense (or, with ``prefill_block``, a sparse prefill).
+  with ``prefill_budget``). Cluster retrieval's key index belongs to the cache it indexes: it is kept in a table
+  keyed (weakly) by the ``transformers`` cache object and by the registered name and attention module, so it dies
+  with the cache, and two models, prompts or option sets never see each other's index. To know a call's cache,
+  the first call on an attention module adds a forward pre-hook to it that passes the ``cache``
+  (``past_key_values``) argument of each call to this module's function for that call only; a call whose cache
+  is unknown (the module's very first call, when it is not a prefill) builds an index for that call alone.
+  Without a cache (``generate(use_cache=False)``) every call is a prefill, hence dense (or, with
+  ``prefill_block``, a sparse prefill).
 
 Decoders: grouped-query attention (fewer key/value heads than query heads, ``module.num_key_value_groups``) is
 handled without repeating the cache (queries are grouped by their key/value head); RoPE is already in Q and K;
