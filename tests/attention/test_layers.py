@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clusterformer.attention import build, collect_aux_losses, describe, names
+from clusterformer.attention import build, collect_aux_losses, describe, names, record_groups
 from reference import cluster_causal_allowed, groups_of, masked_softmax_attention, run_recorded, sorted_chunk_allowed
 from seeds import fixed_seed
 
@@ -274,6 +274,15 @@ def test_neural_clustering_dense_training_attends_to_every_key(mode, cluster_on,
     assert (y - clustered)[~pad].abs().max() > 1e-3, "the case must tell every key from the clusters"
 
 
+def _key_clusters(layer, k, h):
+    """Head h's key clusters from the definition: the largest cosine to a unit centroid, plus the cluster's
+    load-balancing bias where the layer has one (option ``balance``). k (N, D)."""
+    cosines = F.normalize(k, dim=-1) @ layer.inner.centroids[h].T
+    if layer.options.balance:
+        cosines = cosines + layer.inner.balance_bias[h]
+    return cosines.argmax(-1)
+
+
 def _cluster_select_allowed(layer, q, k, real, causal):
     """Per head, the (N, N) keys each query reads under ``"cluster-select"``, from its definition: key clusters by
     the nearest unit centroid, each query's ``select`` clusters by the largest q . mu, its window, and from each
@@ -284,7 +293,7 @@ def _cluster_select_allowed(layer, q, k, real, causal):
     masks = []
     for h in range(H):
         mu = layer.inner.centroids[h]
-        ids = (F.normalize(k[h], dim=-1) @ mu.T).argmax(-1)
+        ids = _key_clusters(layer, k[h], h)
         allowed = torch.zeros(N, N, dtype=torch.bool)
         for t in range(N):
             window = range(t - o.window + 1, t + 1) if causal else range(t - o.window // 2, t + o.window // 2)
@@ -315,10 +324,14 @@ def _cluster_select_allowed(layer, q, k, real, causal):
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
-def test_cluster_select_matches_dense_reference(N, options, causal, kernel):
+def test_cluster_select_matches_dense_reference(N, options, causal, kernel, balance_bias=None):
     """``"cluster-select"`` against the masked softmax over the keys its definition names, padding at the end and
-    in the middle of a sequence (never read, never counted in a cluster); both kernels."""
-    layer = _layer("cluster-select", **options, kernel=kernel, summaries=False)
+    in the middle of a sequence (never read, never counted in a cluster); both kernels. ``balance_bias``: a layer
+    with option ``balance`` and that bias (H, C)."""
+    balance = {} if balance_bias is None else {"balance": 0.1}
+    layer = _layer("cluster-select", **options, kernel=kernel, summaries=False, **balance)
+    if balance_bias is not None:
+        layer.inner.balance_bias.copy_(balance_bias)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)
@@ -332,8 +345,7 @@ def test_cluster_select_matches_dense_reference(N, options, causal, kernel):
         q, k, v = _heads(layer, x[b] * real[:, None])
         masks = _cluster_select_allowed(layer, q, k, real, causal)
         for h in range(layer.heads):  # the published groups are the key clusters
-            nearest = (F.normalize(k[h], dim=-1) @ layer.inner.centroids[h].T).argmax(-1)
-            assert torch.equal(groups[layer.inner][b, h][real], nearest[real])
+            assert torch.equal(groups[layer.inner][b, h][real], _key_clusters(layer, k[h], h)[real])
         heads = torch.stack([masked_softmax_attention(q[h], k[h], v[h], masks[h]) for h in range(layer.heads)])
         ref = heads.transpose(0, 1).reshape(N, layer.dim) @ layer.to_out.weight.T + layer.to_out.bias
         torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
@@ -354,7 +366,7 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     for h in range(H):
         mu = layer.inner.centroids[h]
         if o.grouping == "kmeans":
-            ids = (F.normalize(k[h], dim=-1) @ mu.T).argmax(-1)
+            ids = _key_clusters(layer, k[h], h)
         elif o.grouping == "position":  # pages
             ids = torch.arange(N) // (o.page_size or o.cluster_keys) % o.num_clusters
         else:  # "random": floor(C h(j) / 2^32), h(j) = (j + 1) 2654435761 mod 2^32, one position at a time
@@ -406,14 +418,17 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                                                     ("summaries", "random")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
-def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel):
+def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel,
+                                                       balance_bias=None):
     """``summaries=True`` (and ``selection="summaries"``, ``grouping="position"``) against the softmax its
     definition names, one query at a time: every key outside the window counts once, alone or in its cluster's
-    summary; padding in no summary."""
+    summary; padding in no summary. ``balance_bias``: a layer with option ``balance`` and that bias (H, C)."""
     pages = {"page_size": 5} if grouping == "position-5" else {}  # pages longer than cluster_keys
     grouping = grouping.removesuffix("-5")
     layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
-                   grouping=grouping, **pages)
+                   grouping=grouping, **pages, **({} if balance_bias is None else {"balance": 0.1}))
+    if balance_bias is not None:
+        layer.inner.balance_bias.copy_(balance_bias)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
     pad = torch.zeros(B, N, dtype=torch.bool)
@@ -421,7 +436,8 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
         pad[1, -3:] = True
         pad[2, 2:4] = True
     plain = _layer("cluster-select", **options, kernel=kernel, grouping=grouping, **pages, summaries=False,
-                   selection="scores" if grouping == "kmeans" else "random")
+                   selection="scores" if grouping == "kmeans" else "random",
+                   **({} if balance_bias is None else {"balance": 0.1}))
     plain.load_state_dict(layer.state_dict())
     y = layer(x, key_padding_mask=pad, causal=causal)
     for b in range(B):
@@ -506,6 +522,78 @@ def test_cluster_select_summaries_options():
         ClusterSelectOptions(page_size=8)
     with pytest.raises(ValueError, match="summaries"):
         ClusterSelectOptions(num_clusters=16, summaries=True).for_budget(18, 1024)
+
+
+@pytest.mark.parametrize(("N", "options"), [
+    (23, {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 4}),
+    (30, {"num_clusters": 5, "select": 2, "cluster_keys": 2, "window": 6})])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
+def test_cluster_select_balance_bias_matches_dense_reference(N, options, causal, kernel):
+    """Option ``balance``: a key's cluster is the largest cosine plus its cluster's bias -- the dense references
+    above with a bias that moves keys between clusters."""
+    bias = torch.randn(2, options["num_clusters"], dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(fixed_seed()))
+    layer = _layer("cluster-select", **options)
+    k = _heads(layer, torch.randn(N, layer.dim, dtype=torch.float64))[1]
+    moved = [(_key_clusters(layer, k[h], h) != (F.normalize(k[h], dim=-1) @ layer.inner.centroids[h].T + bias[h])
+              .argmax(-1)).any() for h in range(2)]
+    assert any(moved), "the bias must move keys between clusters"
+    test_cluster_select_matches_dense_reference(N, options, causal, kernel, balance_bias=bias)
+    test_cluster_select_summaries_match_dense_reference(N, options, "summaries", "kmeans", causal, kernel,
+                                                       balance_bias=bias)
+
+
+def test_cluster_select_balance_step_moves_each_bias_towards_the_mean_load():
+    """One step of the load-balancing bias, by hand: loads (3, 1, 0, 2) over the real keys (mean 1.5) move the
+    biases by (-r, +r, +r, -r); a padded key counts in no load; loads at the mean leave the bias alone."""
+    from clusterformer.attention.cluster_select import balance_step
+
+    bias = torch.tensor([[0.5, 0.0, -0.25, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    ids = torch.tensor([[[0, 0, 0, 1, 3, 3, 2], [0, 1, 2, 3, 0, 1, 2]]])  # (B=1, H=2, N=7)
+    real = torch.tensor([True] * 6 + [False]).view(1, 1, 7).expand(1, 2, 7)  # the last key (cluster 2) is padding
+    step = balance_step(bias, ids, real, 0.25)
+    torch.testing.assert_close(step[0], bias[0] + 0.25 * torch.tensor([-1.0, 1.0, 1.0, -1.0], dtype=torch.float64),
+                               rtol=0, atol=1e-15)
+    # head 1: loads (2, 2, 1, 1), mean 1.5
+    torch.testing.assert_close(step[1], 0.25 * torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64),
+                               rtol=0, atol=1e-15)
+    even = torch.tensor([[[0, 1, 2, 3], [3, 2, 1, 0]]])
+    assert torch.equal(balance_step(bias, even, torch.ones(1, 2, 4, dtype=torch.bool), 0.25), bias)
+
+
+def test_cluster_select_balance_spreads_crowded_keys():
+    """Training forwards on keys of which most point one way: without ``balance`` one cluster takes most of them;
+    with it the largest cluster of each head holds at most 0.4 (8 clusters)."""
+    def largest_share(balance):
+        torch.manual_seed(fixed_seed())
+        layer = build("cluster-select", dim=32, heads=2, num_clusters=8, select=2, cluster_keys=4, window=4,
+                      balance=balance)
+        g = torch.Generator().manual_seed(fixed_seed())
+        crowd = torch.randn(32, generator=g)
+        for _ in range(60):
+            x = crowd + 0.3 * torch.randn(4, 64, 32, generator=g)
+            x[:, ::8] = torch.randn(4, 8, 32, generator=g)
+            layer(x, causal=True)
+        with torch.no_grad(), record_groups() as groups:
+            layer.eval()(x, causal=True)
+        ids = groups[layer.inner]
+        return max(float(torch.bincount(ids[:, h].reshape(-1), minlength=8).max()) / ids[:, h].numel()
+                   for h in range(2))
+
+    assert largest_share(0.0) > 0.6, "the case must crowd the keys"
+    assert largest_share(0.05) < 0.4
+
+
+def test_cluster_select_balance_options():
+    from clusterformer.attention.cluster_select import ClusterSelectOptions
+
+    with pytest.raises(ValueError, match="balance"):
+        ClusterSelectOptions(balance=-0.1)
+    with pytest.raises(ValueError, match="balance"):
+        ClusterSelectOptions(balance=0.1, grouping="position")
+    assert "balance_bias" not in build("cluster-select", dim=16, heads=2).state_dict(), \
+        "without balance the state is what earlier checkpoints hold"
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -30,7 +30,24 @@ def _prompt_batch(x: torch.Tensor, prompt_lengths: list[int]) -> tuple[torch.Ten
 def test_layer_steps_equal_the_causal_forward(name, options, dtype):
     seed = 1234
     torch.manual_seed(seed)
-    layer = build(name, dim=24, heads=3, **options).to(dtype).eval()
+    _check_steps(build(name, dim=24, heads=3, **options).to(dtype).eval(), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("summaries", [False, True])
+def test_cluster_select_steps_with_a_balance_bias_equal_the_causal_forward(dtype, summaries):
+    """Option ``balance``: the cache assigns each new key with the cluster biases the forward uses."""
+    seed = 4321
+    torch.manual_seed(seed)
+    layer = build("cluster-select", dim=24, heads=3, num_clusters=4, select=2, cluster_keys=2, window=4,
+                  summaries=summaries, balance=0.1).to(dtype).eval()
+    layer.inner.balance_bias.copy_(torch.randn(3, 4))  # keys move between clusters (as the layer test asserts)
+    _check_steps(layer, dtype, seed)
+
+
+def _check_steps(layer, dtype, seed):
+    """Prefill prompts of 1, 13 and 6 tokens (right-padded in one batch) and step to 61 tokens: every output equals
+    the causal forward of each sequence alone."""
     B, N = 3, 61
     x = torch.randn(B, N, 24, dtype=dtype)
     prompt_lengths = [1, 13, 6]

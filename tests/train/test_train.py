@@ -255,8 +255,8 @@ def _run_ddp(argv: list[str]) -> None:
     # stateful: EMA centroids (all-reduced statistics), commitment loss on
     ("routing", '{"window_size": 4, "num_clusters": 3, "decay": 0.5}', []),
     ("kmeans", '{"bucket_size": 4, "num_clusters": 3, "decay": 0.5}', []),
-    ("cluster-select", '{"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "decay": 0.5}',
-     ["--dense-warmup-steps", "3"]),  # EMA key centroids; dense, then selected steps
+    ("cluster-select", '{"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "decay": 0.5, '
+     '"balance": 0.5}', ["--dense-warmup-steps", "3"]),  # EMA key centroids, balance biases; dense, then selected
     ("cluster-select", '{"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "decay": 0.5}',
      ["--max-steps", "24", "--dense-warmup-steps", "30", "--dense-warmup-loss", "1e6"]),  # the loss ends it (20)
     # stateful: memory bank gathered from both ranks, centroids recomputed every 3 steps

@@ -10,8 +10,9 @@ selected keys + a 32-key window) kept 0.995 of the answers where a 64-key window
 trains with it from the start, strictly causal:
 
 1. q, k, v = x W^Q, x W^K, x W^V per head (separate projections: the selection is asymmetric).
-2. Per head, ``num_clusters`` unit centroids mu (a buffer): key j's cluster is argmax_c k_j/|k_j| . mu_c -- it
-   depends on key j alone, so later tokens cannot change it (strict causality, prefix invariance).
+2. Per head, ``num_clusters`` unit centroids mu (a buffer): key j's cluster is argmax_c k_j/|k_j| . mu_c (+ b_c,
+   a load-balancing bias, with option ``balance``) -- it depends on key j alone, so later tokens cannot change it
+   (strict causality, prefix invariance).
 3. Query t selects the ``select`` clusters with the largest q_t . mu_c.
 4. It reads, in one softmax (:func:`clusterformer.ops.selected_cluster_attention`), its window of ``window``
    positions (causal: (t - window, t]) and from each selected cluster the ``cluster_keys`` members nearest to it
@@ -49,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_int
+from ..distributed import all_reduce_sum
 from ..masks import AttentionMask, masked_sdpa, real_tokens
 from ..ops.decode import SelectionCache
 from ..ops.selected import (
@@ -65,6 +67,18 @@ from .aux import publish_groups, publish_losses
 from .base import InnerAttention, SeededOptions
 from .registry import register
 from .routing import follow_tokens
+
+
+def balance_step(bias: torch.Tensor, ids: torch.Tensor, real: torch.Tensor, rate: float) -> torch.Tensor:
+    """One step of auxiliary-loss-free load balancing (Wang et al. 2024): the bias (H, C) of each cluster moves by
+    ``rate`` towards the mean load -- up for a cluster with fewer keys than the mean, down for one with more, not at
+    all at the mean. ids (B, H, N) key clusters, real (B, H, N) bool; the loads are summed over DDP ranks, so every
+    rank takes the same step. Returns the new bias."""
+    H, C = bias.shape
+    rows = (ids + C * torch.arange(H, device=ids.device).view(1, H, 1))[real]
+    loads = all_reduce_sum(torch.zeros(H * C, dtype=bias.dtype, device=bias.device).index_add_(
+        0, rows, torch.ones(rows.shape, dtype=bias.dtype, device=bias.device)).view(H, C))
+    return bias + rate * torch.sign(loads.mean(-1, keepdim=True) - loads)
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,13 @@ class ClusterSelectOptions(SeededOptions):
             no seed of two learned recall in 2,000 steps; with them two of three from scratch by 4,000 steps, and
             both seeds tried (0.998, 0.997) after a dense warm-up (docs/results.md). ``summaries=False`` is the
             configuration of the third session's runs.
+        balance: grouping="kmeans": the step of a per-cluster bias added to the key-centroid cosines before the
+            argmax (auxiliary-loss-free load balancing, Wang et al. 2024, as DeepSeek-V3 routes to experts): after
+            each training forward, b_c += balance * sign(mean load - load_c), the loads counted over the real keys
+            of the batch (summed over DDP ranks). Overfull clusters lose keys to empty ones, so a selected cluster's
+            ``cluster_keys`` most recent members reach further back. 0 (default) = off: the nearest centroid. The
+            bias is a buffer (``balance_bias``, (H, C)), fixed in evaluation and decoding, so a key's cluster still
+            depends on the key alone.
     """
 
     num_clusters: int = 16
@@ -115,6 +136,7 @@ class ClusterSelectOptions(SeededOptions):
     summaries: bool = True
     grouping: str = "kmeans"
     page_size: int = 0
+    balance: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -141,6 +163,10 @@ class ClusterSelectOptions(SeededOptions):
         if self.grouping != "kmeans" and self.selection == "scores":
             raise ValueError(f"grouping={self.grouping!r} has no trained centroids to score: use "
                              "selection='summaries' (with summaries=True) or 'random'")
+        check_float("balance", self.balance, minimum=0.0)
+        if self.balance and self.grouping != "kmeans":
+            raise ValueError(f"balance={self.balance} balances the centroids' clusters: it needs grouping='kmeans' "
+                             f"(got {self.grouping!r})")
         if self.selection == "summaries" and not self.summaries:
             raise ValueError("selection='summaries' ranks clusters by the summaries' logits: set summaries=True")
 
@@ -175,6 +201,8 @@ class ClusterSelectAttention(InnerAttention):
         super().__init__(dim, heads, options)
         init = torch.randn(heads, options.num_clusters, self.head_dim, generator=self.generator)
         self.register_buffer("centroids", F.normalize(init, dim=-1))  # (H, C, D) unit vectors
+        if options.balance:  # only then: checkpoints of runs without it keep their keys
+            self.register_buffer("balance_bias", torch.zeros(heads, options.num_clusters))  # (H, C)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
@@ -190,6 +218,8 @@ class ClusterSelectAttention(InnerAttention):
             unit = F.normalize(k, dim=-1)
             ids = self._nearest(unit)  # (B, H, N) key clusters
             follow_tokens(self, unit, ids, real, o.decay)  # the commitment loss and the EMA centroids, as routing's
+            if o.balance and self.updates_state():
+                self.pending["balance_bias"] = balance_step(self.balance_bias, ids, real, o.balance)
         publish_groups(self, ids)
         if self.dense_training and self.training:  # train --dense-warmup-steps
             allowed = AttentionMask(key_padding_mask, causal).allowed(N, N, q.device)
@@ -208,8 +238,13 @@ class ClusterSelectAttention(InnerAttention):
                                           kernel=kernel, summaries=o.summaries, layout=layout, band=band)
 
     def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
-        """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid."""
-        return torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
+        """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid (with ``balance``: the
+        largest cosine plus the cluster's bias)."""
+        cosines = torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype))
+        if self.options.balance:
+            H, C = self.balance_bias.shape
+            cosines = cosines + self.balance_bias.to(unit.dtype).view(H, *[1] * (cosines.dim() - 3), C)
+        return cosines.argmax(-1)
 
     def _choose(self, q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout,
                 causal: bool, key_padding_mask: torch.Tensor | None, kernel: str, band: ChunkBand | None
@@ -283,4 +318,4 @@ class ClusterSelectAttention(InnerAttention):
     def extra_repr(self) -> str:
         o = self.options
         return (f"num_clusters={o.num_clusters}, select={o.select}, cluster_keys={o.cluster_keys}, "
-                f"window={o.window}")
+                f"window={o.window}" + (f", balance={o.balance}" if o.balance else ""))
