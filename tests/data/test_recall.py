@@ -180,6 +180,16 @@ def test_init_continues_a_run_of_the_same_task_at_another_length_and_mechanism(t
     assert result["init"]["transferred"] == len(saved) and 0 <= result["metrics"]["accuracy"] <= 1
     same = _set_up(TrainConfig(attention="full", **dict(long, out=str(tmp_path / "long3"))), None)  # length only
     assert same.init_report["skipped"] == same.init_report["fresh"] == [] == same.init_report["unused"]
+    # mixed layers: the Cluster-Former stack (cluster_layers) and a layer-wise mix continue the same checkpoint
+    for mix in ({"attention": "cluster-former", "cluster_layers": (-1,), "allow_non_strict_causal": True,
+                 "attention_options": {"window": 16, "stride": 8, "num_clusters": 2}},
+                {"attention": "full", "layer_attention": {1: ["cluster-select", {"window": 16, "cluster_keys": 8}]}}):
+        mixed = _set_up(TrainConfig(**mix, **dict(long, out=str(tmp_path / "mixed"))), None)
+        state = mixed.model.state_dict()
+        for name, value in saved.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0)
+        assert mixed.init_report["skipped"] == [] and mixed.init_report["fresh"], mix
+        assert all(".1." in name for name in mixed.init_report["fresh"]), "only the changed layer starts fresh"
 
     with pytest.raises(ValueError, match="dim: pretrained 32, here 48"):
         _set_up(TrainConfig(attention="full", **dict(long, dim=48)), None)

@@ -170,8 +170,13 @@ def test_pretrain_then_fine_tune_from_the_checkpoint(tmp_path):
                                        init=str(pre), init_partial=True, **fine))
     assert partial["init"]["transferred"] > 0 and not partial["init"]["skipped"]
     assert any("centroids" in name for name in partial["init"]["unused"])  # neural-clustering's, which full lacks
+    with pytest.raises(ValueError, match="continuing a run of this task"):  # an MLM encoder is taken as trained
+        run_training(TrainConfig(task="mr", out=str(tmp_path / "bad5"), attention="neural-clustering", max_steps=1,
+                                 init=str(pre), layer_attention={1: ["full", {}]}, **fine))
     with pytest.raises(ValueError, match="neither"):
         TrainConfig(task="mr", out="x", max_steps=1, init=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cluster_layers cannot rebuild"):  # a pretrained model's own layers
+        TrainConfig(task="mr", out="x", max_steps=1, init="minilm", attention="cluster-former", cluster_layers=(1,))
     with pytest.raises(ValueError, match="task 'listops' is not one"):  # an MLM encoder fine-tunes text tasks
         run_training(TrainConfig(task="listops", out=str(tmp_path / "bad4"), max_steps=1, init=str(pre),
                                  **dict(fine, vocab_size=3000)))

@@ -129,9 +129,8 @@ class ModelConfig:
         if self.tied and not self.reversible:
             raise ValueError("tied is the tied connection between reversible streams: it needs reversible")
         if self.cluster_layers is not None:
-            if self.attention != "cluster-former" or self.init:
-                raise ValueError("cluster_layers builds the Cluster-Former stack: it needs attention='cluster-former' "
-                                 "and no init")
+            if self.attention != "cluster-former":
+                raise ValueError("cluster_layers builds the Cluster-Former stack: it needs attention='cluster-former'")
             if not self.cluster_layers:
                 raise ValueError("cluster_layers must name at least one layer")
             for layer in self.cluster_layers:
@@ -297,9 +296,8 @@ def _check_init(config: TrainConfig) -> None:
         raise ValueError(f"init must be one of {', '.join(PRETRAINED_ENCODERS)} or the checkpoint (file or run "
                          f"directory) of a `train --task mlm` run or of a run of this task; {config.init!r} is "
                          "neither")
-    if config.cluster_layers is not None or config.layer_attention or config.centroid_flow:
-        raise ValueError("--init PATH takes the pretrained encoder as it is: cluster_layers, layer_attention and "
-                         "centroid_flow cannot be combined with it")
+    if config.centroid_flow:
+        raise ValueError("--init PATH takes the pretrained encoder as it is: centroid_flow cannot be combined with it")
 
 
 def _check_causal(config: TrainConfig) -> None:
@@ -318,10 +316,14 @@ def _check_causal(config: TrainConfig) -> None:
 
 
 def _check_layer_mix(config: TrainConfig) -> None:
-    """``layer_attention`` builds a new encoder of mixed layers: nothing else may build the layers."""
-    if config.layer_attention and (config.init or config.cluster_layers is not None or config.centroid_flow
+    """``layer_attention`` builds a new encoder of mixed layers: nothing else may build the layers (a checkpoint of
+    this task may initialise it: :func:`clusterformer.train.loop.load_pretrained` refuses the others)."""
+    if (config.layer_attention or config.cluster_layers is not None) and pretrained_model(config.init):
+        raise ValueError(f"--init {config.init} is a pretrained model of its own architecture: layer_attention and "
+                         "cluster_layers cannot rebuild its layers")
+    if config.layer_attention and (config.cluster_layers is not None or config.centroid_flow
                                    or TASK_SPECS[config.task].kind == "translation"):
-        raise ValueError("layer_attention builds a new encoder of mixed layers: it cannot be combined with init, "
+        raise ValueError("layer_attention builds a new encoder of mixed layers: it cannot be combined with "
                          "cluster_layers, centroid_flow or task multi30k")
 
 

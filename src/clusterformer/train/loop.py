@@ -589,9 +589,10 @@ def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) ->
     * An **MLM checkpoint**: its encoder goes into ``model.encoder``. The mechanism, its options and the encoder's
       size must match the pretraining run's.
     * A checkpoint of **this task**: the whole model (encoder and head) continues -- a length curriculum (train
-      short, continue long) or a change of mechanism (train dense, continue sparse). The sizes must match; the
-      mechanism and the length may differ: tensors of the new mechanism that the checkpoint lacks start fresh
-      (reported as ``fresh``), the old mechanism's are left (``unused``).
+      short, continue long) or a change of mechanism (train dense, continue sparse, or continue as a stack of
+      mixed layers by ``cluster_layers`` or ``layer_attention``). The sizes must match; the mechanism and the
+      length may differ: tensors of the new mechanism that the checkpoint lacks start fresh (reported as
+      ``fresh``), the old mechanism's are left (``unused``).
 
     Otherwise ``ValueError`` names each difference -- unless ``config.init_partial``, which transfers every tensor
     whose name and shape match and reports the rest. A longer ``max_len`` is a difference only for a learned
@@ -604,6 +605,10 @@ def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) ->
     module = model if continuing else getattr(model, "encoder", None)
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"--init PATH loads a pretrained encoder; this task's model ({type(model).__name__}) has none")
+    mixed = config.cluster_layers is not None or bool(config.layer_attention)
+    if mixed and not continuing:
+        raise ValueError("--init: a pretrained (MLM) encoder is taken as it was trained; cluster_layers and "
+                         "layer_attention rebuild the layers only when continuing a run of this task")
     fields = _ARCHITECTURE_FIELDS if continuing else _ENCODER_FIELDS
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     saved = {name: state["config"].get(name, defaults[name]) for name in fields}  # older runs: defaults
@@ -621,7 +626,8 @@ def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) ->
     pretrained = {k[len(prefix):]: v for k, v in state["model"].items() if k.startswith(prefix)}
     mechanism_changed = continuing and (
         state["config"].get("attention") != config.attention
-        or _comparable(state["config"].get("attention_options", {})) != _comparable(config.attention_options))
+        or any(_comparable(state["config"].get(name, defaults[name])) != _comparable(getattr(config, name))
+               for name in ("attention_options", "cluster_layers", "layer_attention")))
     fresh_allowed = _mechanism_state(module) if mechanism_changed else set()
     load, skipped, fresh, empty = {}, [], [], set()
     for name, value in own.items():
