@@ -626,8 +626,8 @@ def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) ->
     pretrained = {k[len(prefix):]: v for k, v in state["model"].items() if k.startswith(prefix)}
     mechanism_changed = continuing and (
         state["config"].get("attention") != config.attention
-        or any(_comparable(state["config"].get(name, defaults[name])) != _comparable(getattr(config, name))
-               for name in ("attention_options", "cluster_layers", "layer_attention")))
+        or any(_comparable(state["config"].get(name, unset)) != _comparable(getattr(config, name))
+               for name, unset in (("attention_options", {}), ("cluster_layers", None), ("layer_attention", {}))))
     fresh_allowed = _mechanism_state(module) if mechanism_changed else set()
     load, skipped, fresh, empty = {}, [], [], set()
     for name, value in own.items():
