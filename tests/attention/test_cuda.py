@@ -243,3 +243,24 @@ def test_cuda_cached_decoding_matches_the_cpu_float64_causal_forward(name, optio
         assert errors.max().item() <= 1e-3, f"max token error {errors.max().item():.2e}"
     else:
         assert errors.median().item() <= 2e-2, f"median token error {errors.median().item():.2e}"
+
+
+GRAPHED = ["full", "sliding-window", "neural-clustering", "cluster-select", "kmeans", "routing"]
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replay_matches_the_eager_training_step(name, dtype):
+    """The training step (forward, backward of the output's sum, pending state updates) captured in a CUDA graph:
+    two replays give the outputs, gradients and state of two eager steps from the same state (bench attention
+    --cuda-graph times these replays). A host round trip fails the capture; a number drawn on the host at capture
+    or an update the graph did not record fails the comparison (tests/bench/test_graphs.py checks that the
+    comparison catches those on CPU)."""
+    from clusterformer.bench.graphs import replay_matches_eager
+
+    torch.manual_seed(SEED)
+    dt = getattr(torch, dtype)
+    layer = build(name, dim=DIM, heads=HEADS).to("cuda", dt)
+    x = torch.randn(B, 1000, DIM, device="cuda", dtype=dt, requires_grad=True)
+    check = replay_matches_eager(layer, x)
+    assert max(check.values()) <= (1e-5 if dtype == "float32" else 1e-2), check

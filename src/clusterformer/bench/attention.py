@@ -10,6 +10,11 @@ Timing: ``warmup`` untimed runs, then the median of ``repeats`` timed runs, for
   parameters), the layer-level training cost;
 * ``fwd_bwd_aux_ms``: the same with the layer's auxiliary losses (e.g. clustering L1 and centroid
   sorting L2) added to the backward, as in training with mu = nu = 1; null for mechanisms without any.
+``cuda_graph`` (CUDA only): the same two steps again, each captured once in a CUDA graph and replayed
+(:mod:`clusterformer.bench.graphs`), ``fwd_graph_ms`` and ``fwd_bwd_graph_ms`` (the training step there also
+applies pending state updates), with ``graph_check``: the largest relative difference between two replays and
+two eager steps from one state (output, gradients, state), or ``graph_error`` when the step cannot be captured
+(a host round trip, e.g. a shape read from a tensor). The eager numbers come first, so a failed capture keeps them.
 ``peak_mem_mb``: peak memory of one forward + backward pass above what was allocated before it
 (parameters and input included in the baseline): the resident-set high-water mark on CPU (noisy: tens of MB
 between identical runs), ``torch.cuda.max_memory_allocated`` on CUDA. ``peak_tensor_mb``: the most bytes
@@ -59,9 +64,13 @@ class BenchConfig:
     seed: int = 0
     padding: float = 0.0  # right padding, a fraction of N: sequence b padded by padding * N * b / (batch - 1)
     causal: bool = False  # call the layers with causal=True (strict causal chunking: causal_chunk_size, ...)
+    cuda_graph: bool = False  # also time the eval forward and the training step replayed from CUDA graphs
 
     def __post_init__(self) -> None:
         check_float("padding", self.padding, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        if self.cuda_graph and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graph needs device='cuda' (a CUDA graph replays GPU kernels); got device="
+                             f"{self.device!r}")
 
 
 def padding_mask(batch: int, length: int, padding: float):
@@ -113,8 +122,19 @@ def run_attention_benchmark(config: BenchConfig, progress: Callable[[str], None]
                     f"fwd+bwd {record['fwd_bwd_ms']:.1f} ms"
                     + (f" ({aux:.1f} ms with aux losses)" if aux is not None else "")
                     + f", peak {record['peak_mem_mb']:.0f} MB ({time.perf_counter() - started:.0f} s)"
+                    + _graph_progress(record)
                 )
     return records
+
+
+def _graph_progress(record: dict) -> str:
+    if "graph_error" not in record:
+        return ""
+    if record["graph_error"]:
+        return f"; CUDA graph: {record['graph_error']}"
+    check = record["graph_check"]
+    return (f"; CUDA graph: fwd {record['fwd_graph_ms']:.2f} ms, fwd+bwd {record['fwd_bwd_graph_ms']:.2f} ms "
+            f"(replay vs eager: output {check['output']:.1e}, grads {check['grads']:.1e}, state {check['state']:.1e})")
 
 
 def _median_ms(fn: Callable[[], None], warmup: int, repeats: int, sync: Callable[[], None],
@@ -242,7 +262,7 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
 
     has_aux = bool(layer.inner.aux_losses)
     warmup, repeats = job["warmup"], job["repeats"]
-    return {
+    record = {
         "name": job["name"],
         "length": job["length"],
         "batch": job["batch"],
@@ -266,6 +286,41 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         "warmup": warmup,
         "repeats": repeats,
     }
+    if job.get("cuda_graph"):
+        record.update(_graph_timings(job, layer, x, pad, warmup, repeats, sync))
+    return record
+
+
+def _graph_timings(job: dict, layer, x, pad, warmup: int, repeats: int, sync) -> dict:
+    """The eval forward and the training step replayed from CUDA graphs, and the replay-against-eager check;
+    ``graph_error`` instead where the capture or the check fails."""
+    import torch
+
+    from .graphs import capture, replay_matches_eager
+
+    result: dict = {"fwd_graph_ms": None, "fwd_bwd_graph_ms": None, "graph_check": None, "graph_error": None}
+    try:
+        def fwd() -> torch.Tensor:
+            layer.eval()
+            with torch.no_grad():
+                return layer(x, key_padding_mask=pad, causal=job["causal"])
+
+        eager = fwd().clone()
+        graph, static = capture(fwd)
+        graph.replay()
+        sync()
+        forward_check = float((static.double() - eager.double()).norm() / eager.double().norm().clamp(min=1e-30))
+        result["fwd_graph_ms"] = _median_ms(graph.replay, warmup, repeats, sync, True)
+        del graph, static
+        check = replay_matches_eager(layer, x, pad, job["causal"])
+        result["graph_check"] = {"eval_output": forward_check, **check}
+        from .graphs import training_step
+
+        graph, _ = capture(training_step(layer, x, pad, job["causal"]))
+        result["fwd_bwd_graph_ms"] = _median_ms(graph.replay, warmup, repeats, sync, True)
+    except Exception as error:  # recorded, not raised: the eager numbers above stand
+        result["graph_error"] = f"{type(error).__name__}: {error}"[:300]
+    return result
 
 
 if __name__ == "__main__":

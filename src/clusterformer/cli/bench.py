@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "padding * N * b / (batch - 1) tokens (the only sequence, with --batch 1); 0 = no mask")
     p.add_argument("--options", default=None,
                    help='per-mechanism options as JSON, e.g. {"neural-clustering": {"look_back": 2}}')
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="CUDA: also time the eval forward and the training step replayed from CUDA graphs, "
+                        "checked against the eager steps (fwd_graph_ms, fwd_bwd_graph_ms, graph_check)")
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.add_argument("--plot", default=None, help="write a log-log time/memory plot here (PNG)")
     p.set_defaults(func=run_attention)
@@ -122,7 +125,7 @@ def run_attention(args: argparse.Namespace) -> int:
         names=args.names, lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), warmup=args.warmup,
         repeats=args.repeats, threads=args.threads, options=options, padding=args.padding,
-        causal=args.causal,
+        causal=args.causal, cuda_graph=args.cuda_graph,
     )
     records = run_attention_benchmark(config, progress=log)
     emit_json(records, args.json, log=log)

@@ -1,0 +1,110 @@
+"""CUDA graphs of an attention layer's step, and the check that a replay computes what the eager step computes
+(issue #35: on a GPU a short step is bound by Python and kernel launches, not by the device).
+
+A captured graph replays the recorded kernels on the same memory without running Python, so it is only right
+when the step has no host round trip (no ``.item()``, no shape read from a tensor, no copy from host memory) and
+draws no random numbers on the host: a number drawn on the host at capture would be replayed as a constant.
+:func:`replay_matches_eager` finds both kinds of fault: it runs two eager steps and two replays from the same
+state and compares the outputs, the gradients and the state they leave. Capture itself raises on a host round
+trip. A mechanism that keeps state updates pending (EMA centroids, :attr:`InnerAttention.pending`) has them
+applied inside the step, so each replay leaves the state that the next one reads, as the training loop does
+after each optimiser step.
+
+Measured on one H200 (docs/benchmarks.md, "CUDA graphs"); on CPU nothing here runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["capture", "replay_matches_eager", "training_step"]
+
+
+def training_step(layer: Any, x: Any, key_padding_mask: Any = None, causal: bool = False) -> Callable[[], Any]:
+    """The layer-level training step the benchmark times: gradients cleared (to None, so the captured backward
+    allocates them in the graph's memory), forward in train mode, backward of ``output.sum()``, pending state
+    updates applied. Returns the function; each call returns the output."""
+    import torch
+
+    from ..attention import apply_pending_updates
+
+    def step() -> torch.Tensor:
+        layer.train()
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        out = layer(x, key_padding_mask=key_padding_mask, causal=causal)
+        out.sum().backward()
+        apply_pending_updates(layer)
+        return out
+
+    return step
+
+
+def capture(step: Callable[[], Any], warmup: int = 3) -> tuple[Any, Any]:
+    """Run ``step`` ``warmup`` times on a side stream (lazy state, autotuning and the allocator settle there, as
+    PyTorch asks), then capture one call in a ``torch.cuda.CUDAGraph``. Returns (graph, what the captured call
+    returned): tensors that every ``graph.replay()`` overwrites in place."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("capture needs CUDA: a CUDA graph records kernels of a GPU stream")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
+def _relative(a: Any, b: Any) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def replay_matches_eager(layer: Any, x: Any, key_padding_mask: Any = None, causal: bool = False,
+                         steps: int = 2) -> dict[str, float]:
+    """Capture :func:`training_step` of ``layer``, then from one saved state run ``steps`` eager steps and
+    ``steps`` replays, and compare. Two steps, so a random number drawn on the host at capture (replayed as a
+    constant) or a state update that does not carry from one replay to the next shows as a difference.
+
+    Returns the largest relative difference ``||replay - eager|| / ||eager||`` over the steps, for the output
+    (``output``), the gradients of x and of every parameter (``grads``) and every floating-point tensor of the
+    state after the steps (``state``; buffers and parameters). Exact kernels give 0; atomics in a backward
+    (``index_add_``) may give rounding-level differences."""
+    import copy
+
+    import torch
+
+    step = training_step(layer, x, key_padding_mask, causal)
+    graph, static_out = capture(step)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    static_grads = [x.grad, *(p.grad for p in params)]  # the graph's own gradient tensors
+    start = copy.deepcopy(layer.state_dict())
+
+    eager = []
+    for _ in range(steps):
+        out = step()
+        grads = [None if g is None else g.detach().clone() for g in (x.grad, *(p.grad for p in params))]
+        eager.append((out.detach().clone(), grads))
+    eager_state = {k: v.clone() for k, v in layer.state_dict().items() if torch.is_tensor(v)}
+    layer.load_state_dict(start)  # copies into the same tensors, which the graph reads
+    worst = {"output": 0.0, "grads": 0.0, "state": 0.0}
+    for out, grads in eager:
+        graph.replay()
+        if static_out.is_cuda:
+            torch.cuda.synchronize()
+        worst["output"] = max(worst["output"], _relative(static_out, out))
+        for static, grad in zip(static_grads, grads, strict=True):
+            if (static is None) != (grad is None):
+                raise RuntimeError("the replay and the eager step disagree on which tensors get a gradient")
+            if static is not None:
+                worst["grads"] = max(worst["grads"], _relative(static, grad))
+    for name, value in layer.state_dict().items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            worst["state"] = max(worst["state"], _relative(value, eager_state[name]))
+    return worst

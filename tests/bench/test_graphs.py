@@ -1,0 +1,92 @@
+"""The CUDA-graph check (clusterformer.bench.graphs) on CPU, with stand-in graphs: one that recomputes the step into
+the captured tensors (what a faithful replay does) and one that replays nothing new (what a graph does with a number
+drawn on the host at capture, or a state update it did not record). The check must pass the first and catch the
+second wherever the step's result changes from one step to the next. On CUDA the real capture runs in
+tests/attention/test_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clusterformer.attention import build
+from clusterformer.bench import graphs
+from clusterformer.bench.attention import BenchConfig
+from clusterformer.bench.graphs import replay_matches_eager, training_step
+
+
+class _Graph:
+    """A stand-in CUDA graph: ``faithful`` replays recompute the step and copy its results into the tensors the
+    capture returned (as a graph writes into its own memory); otherwise a replay leaves them as captured."""
+
+    def __init__(self, step, static, tensors, faithful: bool):
+        self.step, self.static, self.tensors, self.faithful = step, static, tensors, faithful
+
+    def replay(self) -> None:
+        if not self.faithful:
+            return
+        out = self.step()
+        self.static.copy_(out)
+        for static, fresh in zip(self.tensors(), self.fresh(), strict=True):
+            if static is not None:
+                static.copy_(fresh)
+
+
+def _fake_capture(faithful: bool, layer, x):
+    def capture(step, warmup: int = 3):
+        for _ in range(warmup):
+            step()
+        static = step()
+        grads = [x.grad, *(p.grad for p in layer.parameters() if p.requires_grad)]
+        graph = _Graph(step, static, lambda: grads, faithful)
+        graph.fresh = lambda: [x.grad, *(p.grad for p in layer.parameters() if p.requires_grad)]
+        return graph, static
+
+    return capture
+
+
+def _layer_and_input(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    layer = build(name, dim=32, heads=4, **({"seed": 3} if name == "clustered" else {}))
+    x = torch.randn(2, 96, 32, requires_grad=True)
+    return layer, x
+
+
+@pytest.mark.parametrize("name", ["neural-clustering", "kmeans", "clustered"])
+def test_a_faithful_replay_matches_the_eager_steps(monkeypatch, name):
+    layer, x = _layer_and_input(name)
+    monkeypatch.setattr(graphs, "capture", _fake_capture(True, layer, x))
+    check = replay_matches_eager(layer, x)
+    assert check == {"output": 0.0, "grads": 0.0, "state": 0.0}
+
+
+@pytest.mark.parametrize(("name", "caught"), [
+    ("kmeans", "state"),  # EMA centroids: a replay that does not record the update leaves the state behind
+    ("clustered", "output"),  # hash planes drawn on the host in every training forward
+])
+def test_a_frozen_replay_is_caught(monkeypatch, name, caught):
+    layer, x = _layer_and_input(name)
+    monkeypatch.setattr(graphs, "capture", _fake_capture(False, layer, x))
+    check = replay_matches_eager(layer, x)
+    assert check[caught] > 1e-3, check
+
+
+def test_the_training_step_applies_pending_updates_and_clears_gradients():
+    layer, x = _layer_and_input("kmeans")
+    before = layer.inner.centroids.clone()
+    out = training_step(layer, x)()
+    assert not layer.inner.pending  # applied inside the step, so a replay leaves the state the next one reads
+    assert not torch.equal(layer.inner.centroids, before)
+    assert x.grad is not None and out.shape == x.shape
+    first = x.grad.clone()
+    training_step(layer, x)()
+    assert x.grad.abs().sum() < 1.5 * first.abs().sum()  # the second step's gradient alone, not the sum of two
+
+
+def test_capture_and_the_graph_option_need_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="capture needs CUDA"):
+        graphs.capture(lambda: None)
+    with pytest.raises(ValueError, match="cuda_graph needs device='cuda'"):
+        BenchConfig(names=["full"], lengths=[64], cuda_graph=True)
