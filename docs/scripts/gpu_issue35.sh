@@ -1,52 +1,56 @@
 #!/usr/bin/env bash
 # Issue #35's device checks in one call (docs/benchmarks.md, "CUDA graphs"): run from the repository root on a
 # machine with one CUDA GPU, the image's python3 holding torch and triton, the package from src/.
-#   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_issue35.sh
-# DATA holds imdb/ (a copy of ../shared/data/imdb) for the training-time runs. Each stage has its own time limit,
-# so one slow stage cannot starve the rest; everything lands in /tmp/gpu and is packed into $OUT/gpu.tgz after
-# every stage (what finished comes back even if the call is cut off).
+#   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_issue35.sh [STAGE ...]
+# Stages (default: all, in this order): bench32k tests bench128k decode imdb. The second call of 2026-11-26 ran
+# `NAMES32K=neural-clustering,kmeans,routing,cluster-select IMDB="sliding-window full" IMDB_LIMIT=200 ... bench32k
+# tests imdb`. DATA holds imdb/ (a copy of ../shared/data/imdb) for the training-time runs. Each stage has its own
+# time limit, so one slow stage cannot starve the rest; everything lands in /tmp/gpu and is packed into
+# $OUT/gpu.tgz after every stage (what finished comes back even if the call is cut off).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 DATA=${DATA:-.gpu-data}
+NAMES32K=${NAMES32K:-full,neural-clustering,improved-clustered,lsh,cluster-select,sliding-window,kmeans,routing,clustered}
+IMDB=${IMDB:-full neural-clustering}
+IMDB_LIMIT=${IMDB_LIMIT:-75}
 W=/tmp/gpu
 mkdir -p "$W"
-cf() { python3 -m clusterformer "$@"; }
 pack() { tar czf "$OUT/gpu.tgz" -C /tmp gpu; }
 stage() { echo "=== $(date -u +%T) $1"; }
+STAGES=${*:-bench32k tests bench128k decode imdb}
 
 stage "machine"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-stage "bench attention 32k, eager and CUDA graphs"
-timeout 200 python3 -m clusterformer bench attention --device cuda --dtype bf16 --lengths 32768 --cuda-graph \
-    --names full,neural-clustering,improved-clustered,lsh,cluster-select,sliding-window,kmeans,routing,clustered \
-    --repeats 10 --warmup 3 --json $W/bench-graph-32k.json 2>&1 | tee $W/bench-graph-32k.log
-pack
-
-stage "CUDA graph tests"
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/attention/test_cuda.py -k graph tests/bench/test_graphs.py \
-    2>&1 | tail -25 | tee $W/pytest-graph.log
-pack
-
-stage "bench attention 128k, eager and CUDA graphs"
-timeout 80 python3 -m clusterformer bench attention --device cuda --dtype bf16 --lengths 131072 --cuda-graph \
-    --names full,neural-clustering,cluster-select --repeats 10 --warmup 3 --json $W/bench-graph-128k.json \
-    2>&1 | tee $W/bench-graph-128k.log
-pack
-
-stage "bench decode 16k-128k"
-timeout 50 python3 -m clusterformer bench decode --device cuda --dtype bfloat16 --names full,neural-clustering \
-    --contexts 16384,65536,131072 --json $W/decode-cuda.json 2>&1 | tee $W/decode-cuda.log
-pack
-
-stage "IMDB-4K training time on the GPU (seed 0, full and neural-clustering)"
-for name in full neural-clustering; do
-    timeout 75 python3 -m clusterformer compare --tasks imdb --attention "$name" --seeds 0 --out $W/imdb-4k-gpu -- \
-        --max-len 4000 --limit 2500 --epochs 2 --dim 64 --depth 2 --heads 4 --batch-size 8 --lr 1e-3 \
-        --warmup-steps 100 --checkpoint-every 100 --data-dir "$DATA" 2>&1 | tail -4
-    find $W/imdb-4k-gpu -name "*.pt" -delete
-    pack
-done
-grep -h "seconds_per_epoch\|accuracy\|peak_device_mb\|\"amp\"" $W/imdb-4k-gpu/imdb/*/seed0/metrics.json 2>/dev/null
+for s in $STAGES; do case $s in
+bench32k)
+    stage "bench attention 32k, eager and CUDA graphs"
+    timeout 200 python3 -m clusterformer bench attention --device cuda --dtype bf16 --lengths 32768 --cuda-graph \
+        --names "$NAMES32K" --repeats 10 --warmup 3 --json $W/bench-graph-32k.json 2>&1 | tee $W/bench-graph-32k.log ;;
+tests)
+    stage "CUDA graph tests"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/attention/test_cuda.py -k graph tests/bench/test_graphs.py \
+        2>&1 | tail -25 | tee $W/pytest-graph.log ;;
+bench128k)
+    stage "bench attention 128k, eager and CUDA graphs"
+    timeout 80 python3 -m clusterformer bench attention --device cuda --dtype bf16 --lengths 131072 --cuda-graph \
+        --names full,neural-clustering,cluster-select --repeats 10 --warmup 3 --json $W/bench-graph-128k.json \
+        2>&1 | tee $W/bench-graph-128k.log ;;
+decode)
+    stage "bench decode 16k-128k"
+    timeout 50 python3 -m clusterformer bench decode --device cuda --dtype bfloat16 --names full,neural-clustering \
+        --contexts 16384,65536,131072 --json $W/decode-cuda.json 2>&1 | tee $W/decode-cuda.log ;;
+imdb)
+    stage "IMDB-4K training time on the GPU (seed 0: $IMDB)"
+    for name in $IMDB; do
+        timeout "$IMDB_LIMIT" python3 -m clusterformer compare --tasks imdb --attention "$name" --seeds 0 \
+            --out $W/imdb-4k-gpu -- --max-len 4000 --limit 2500 --epochs 2 --dim 64 --depth 2 --heads 4 \
+            --batch-size 8 --lr 1e-3 --warmup-steps 100 --checkpoint-every 100 --data-dir "$DATA" 2>&1 | tail -4
+        find $W/imdb-4k-gpu -name "*.pt" -delete
+        pack
+    done
+    grep -h "seconds_per_epoch\|accuracy\|peak_device_mb" $W/imdb-4k-gpu/imdb/*/seed0/metrics.json 2>/dev/null ;;
+*) echo "unknown stage $s"; exit 2 ;;
+esac; pack; done
 stage "done"

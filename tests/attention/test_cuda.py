@@ -255,7 +255,9 @@ def test_cuda_graph_replay_matches_the_eager_training_step(name, dtype):
     two replays give the outputs, gradients and state of two eager steps from the same state (bench attention
     --cuda-graph times these replays). A host round trip fails the capture; a number drawn on the host at capture
     or an update the graph did not record fails the comparison (tests/bench/test_graphs.py checks that the
-    comparison catches those on CPU)."""
+    comparison catches those on CPU). Where the eager step does not repeat itself exactly (atomics in an EMA update
+    of kmeans and routing move a centroid by rounding, and in bf16 that moves some keys to another cluster), the
+    replay must stay within 3x the eager step's own spread, measured in the same call."""
     from clusterformer.bench.graphs import replay_matches_eager
 
     torch.manual_seed(SEED)
@@ -263,4 +265,6 @@ def test_cuda_graph_replay_matches_the_eager_training_step(name, dtype):
     layer = build(name, dim=DIM, heads=HEADS).to("cuda", dt)
     x = torch.randn(B, 1000, DIM, device="cuda", dtype=dt, requires_grad=True)
     check = replay_matches_eager(layer, x)
-    assert max(check.values()) <= (1e-5 if dtype == "float32" else 1e-2), check
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for key in ("output", "grads", "state"):
+        assert check[key] <= max(tol, 3 * check[f"eager_{key}"]), (key, check)

@@ -13,7 +13,8 @@ Timing: ``warmup`` untimed runs, then the median of ``repeats`` timed runs, for
 ``cuda_graph`` (CUDA only): the same two steps again, each captured once in a CUDA graph and replayed
 (:mod:`clusterformer.bench.graphs`), ``fwd_graph_ms`` and ``fwd_bwd_graph_ms`` (the training step there also
 applies pending state updates), with ``graph_check``: the largest relative difference between two replays and
-two eager steps from one state (output, gradients, state), or ``graph_error`` when the step cannot be captured
+two eager steps from one state (output, gradients, state), beside the eager step's own spread (a second eager
+run against the first), or ``graph_error`` when the step cannot be captured
 (a host round trip, e.g. a shape read from a tensor). The eager numbers come first, so a failed capture keeps them.
 ``peak_mem_mb``: peak memory of one forward + backward pass above what was allocated before it
 (parameters and input included in the baseline): the resident-set high-water mark on CPU (noisy: tens of MB
@@ -134,7 +135,8 @@ def _graph_progress(record: dict) -> str:
         return f"; CUDA graph: {record['graph_error']}"
     check = record["graph_check"]
     return (f"; CUDA graph: fwd {record['fwd_graph_ms']:.2f} ms, fwd+bwd {record['fwd_bwd_graph_ms']:.2f} ms "
-            f"(replay vs eager: output {check['output']:.1e}, grads {check['grads']:.1e}, state {check['state']:.1e})")
+            f"(replay vs eager: output {check['output']:.1e}, grads {check['grads']:.1e}, state {check['state']:.1e}; "
+            f"eager vs eager: {check['eager_output']:.1e}, {check['eager_grads']:.1e}, {check['eager_state']:.1e})")
 
 
 def _median_ms(fn: Callable[[], None], warmup: int, repeats: int, sync: Callable[[], None],
@@ -319,7 +321,7 @@ def _graph_timings(job: dict, layer, x, pad, warmup: int, repeats: int, sync) ->
         graph, _ = capture(training_step(layer, x, pad, job["causal"]))
         result["fwd_bwd_graph_ms"] = _median_ms(graph.replay, warmup, repeats, sync, True)
     except Exception as error:  # recorded, not raised: the eager numbers above stand
-        result["graph_error"] = f"{type(error).__name__}: {error}"[:300]
+        result["graph_error"] = " ".join(f"{type(error).__name__}: {error}".split())[:300]
     return result
 
 

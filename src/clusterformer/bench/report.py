@@ -48,12 +48,12 @@ def _graph_table(records: list[dict], base: dict[int, dict]) -> str:
     """The CUDA-graph columns (bench attention --cuda-graph): replayed times, their speed-up over the eager step
     and over the baseline's replayed and eager steps, and the replay-against-eager check."""
     lines = ["| mechanism | N | fwd ms (graph) | fwd+bwd ms (eager) | fwd+bwd ms (graph) | graph / eager | "
-             "vs full graph | vs full eager | replay vs eager (output, grads, state) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "vs full graph | vs full eager | replay vs eager (output, grads, state) | eager vs eager |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in records if "graph_error" in r), key=lambda r: (r["length"], r["name"])):
         if r["graph_error"]:
             lines.append(f"| {r['name']} | {r['length']} | - | {_fmt(r['fwd_bwd_ms'])} | not captured: "
-                         f"{r['graph_error'][:120]} | | | | |")
+                         f"{r['graph_error'][:120]} | | | | | |")
             continue
         b, check = base.get(r["length"], {}), r["graph_check"]
         graph = r["fwd_bwd_graph_ms"]
@@ -61,7 +61,9 @@ def _graph_table(records: list[dict], base: dict[int, dict]) -> str:
             f"| {r['name']} | {r['length']} | {_fmt(r['fwd_graph_ms'])} | {_fmt(r['fwd_bwd_ms'])} | "
             f"{_fmt(graph)} | {_ratio(r['fwd_bwd_ms'], graph)} | "
             f"{_ratio(b.get('fwd_bwd_graph_ms'), graph)} | {_ratio(b.get('fwd_bwd_ms'), graph)} | "
-            f"{check['output']:.1e}, {check['grads']:.1e}, {check['state']:.1e} |"
+            f"{check['output']:.1e}, {check['grads']:.1e}, {check['state']:.1e} | "
+            + (f"{check['eager_output']:.1e}, {check['eager_grads']:.1e}, {check['eager_state']:.1e} |"
+               if "eager_output" in check else "- |")
         )
     return "\n".join(lines)
 
