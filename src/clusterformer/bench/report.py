@@ -53,7 +53,7 @@ def _graph_table(records: list[dict], base: dict[int, dict]) -> str:
     for r in sorted((r for r in records if "graph_error" in r), key=lambda r: (r["length"], r["name"])):
         if r["graph_error"]:
             lines.append(f"| {r['name']} | {r['length']} | - | {_fmt(r['fwd_bwd_ms'])} | not captured: "
-                         f"{r['graph_error'][:120]} | | | | | |")
+                         f"{' '.join(r['graph_error'].split())[:120]} | | | | | |")
             continue
         b, check = base.get(r["length"], {}), r["graph_check"]
         graph = r["fwd_bwd_graph_ms"]
