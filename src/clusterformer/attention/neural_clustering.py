@@ -88,6 +88,7 @@ from ..clustering.neural import assignment_scores, nearest_centroid, neural_clus
 from ..masks import AttentionMask, masked_sdpa, real_lengths, real_tokens, self_only_when_alone
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
 from ..ops.layouts import ChunkLayout, cluster_causal_layout, sorted_layout
+from ..ops.recompute import recompute_saved
 from ..ops.windows import windowed_attention, windowed_attention_lse
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, QKVProjection, SeededOptions
@@ -411,12 +412,14 @@ class NeuralClusteringAttention(InnerAttention):
         points = self._cluster_input(x, projection)
         if self.shared_qk:  # the losses move the centroids, not the attention's keys (see the module docstring)
             points = points.detach()
-        clustering = neural_clustering(
-            points, self._centroids(flow, n_clusters, B, strict),
-            key_padding_mask=key_padding_mask,
-            similarity=self.options.similarity, scale=self.options.similarity_scale,
-            assign=self.options.causal_assign if strict else "subordinate", num_clusters=per_sequence,
-        )
+        # P is one projection of x, which the graph keeps anyway: redo it in the backward rather than keep it
+        with recompute_saved(points, lambda: self._cluster_input(x, projection)):
+            clustering = neural_clustering(
+                points, self._centroids(flow, n_clusters, B, strict),
+                key_padding_mask=key_padding_mask,
+                similarity=self.options.similarity, scale=self.options.similarity_scale,
+                assign=self.options.causal_assign if strict else "subordinate", num_clusters=per_sequence,
+            )
         publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
         if self.options.explore and self.training and bool(
                 torch.rand((), generator=self.draw_generator()) < self.options.explore):
@@ -575,10 +578,12 @@ class NeuralClusteringAttention(InnerAttention):
         (H, N, head_dim) ones, and the key windows are views."""
         H, D = self.heads, self.head_dim
         x_rows = x.reshape(-1, self.dim).index_select(0, layout.rows)  # (R, dim) in buffer order
-        q = projection.project_rows(layout.query_rows(x_rows), "q")
+        # the projections' backward needs the sorted rows: gather them again from x then instead of keeping a copy
+        with recompute_saved(x_rows, lambda: x.reshape(-1, self.dim).index_select(0, layout.rows)):
+            q = projection.project_rows(layout.query_rows(x_rows), "q")
+            k = self._keys(projection.project_rows(x_rows, "k").view(-1, H, D))
+            v = projection.project_rows(x_rows, "v").view(-1, H, D)
         q = q.view(layout.num_windows, layout.chunk_size, H, D).transpose(1, 2)
-        k = self._keys(projection.project_rows(x_rows, "k").view(-1, H, D))
-        v = projection.project_rows(x_rows, "v").view(-1, H, D)
         if local is not None or self.shared_qk:  # explicit scores: the local predicate, the shared-QK self rule
             out, lse = windowed_attention_lse(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
                                               dropout_p=self.dropout_p, local=local, exclude_self=self.shared_qk)

@@ -1,0 +1,102 @@
+"""Recompute a cheap tensor in the backward instead of keeping it from the forward (issue #35 §2).
+
+Autograd keeps every tensor an op needs for its backward until the backward runs. For some of them that is a waste:
+neural clustering sorts the hidden states into buffer order (one gather, ``index_select``) before projecting
+queries, keys and values, and it projects the hidden states for the clustering (``x W^C``); the backward of those
+projections needs the gathered rows and the projection again, and both are cheap to redo from ``x``, which is kept
+anyway. :func:`recompute_saved` swaps every saved tensor that lives in a given tensor's memory for a recipe while
+its block runs (``torch.autograd.graph.saved_tensors_hooks``) and reruns the recipe when the backward first needs it.
+The gradients are the same, bit for bit, as long as the recipe computes the same values (same op, same inputs, same
+autocast state; the hooks capture the autocast state at entry).
+
+Cost: the recipe once per backward (the first unpack computes it; the other tensors saved from it reuse it, and it
+is dropped at the last one), against its output's memory from the forward to the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["recompute_saved"]
+
+
+class _Recipe:
+    """What a saved view of the recomputed tensor needs: the shared recomputation and the view's geometry."""
+
+    __slots__ = ("offset", "shape", "shared", "stride")
+
+    def __init__(self, shared: _Shared, view: torch.Tensor) -> None:
+        self.shared = shared
+        self.shape, self.stride, self.offset = view.shape, view.stride(), view.storage_offset()
+
+
+class _Shared:
+    """One recomputation, run at the first unpack and kept only until every view saved from the tensor has been
+    unpacked (then the backward holds what it still needs, and a second backward recomputes)."""
+
+    __slots__ = ("autocast", "device_type", "pending", "recompute", "saved", "value")
+
+    def __init__(self, recompute: Callable[[], torch.Tensor], device_type: str) -> None:
+        self.recompute, self.device_type, self.value = recompute, device_type, None
+        self.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        self.saved = self.pending = 0  # views packed; views not yet unpacked in this backward
+
+    def get(self) -> torch.Tensor:
+        value = self.value
+        if value is None:
+            enabled, dtype = self.autocast
+            with torch.autocast(self.device_type, dtype=dtype, enabled=enabled):
+                value = self.recompute()
+            self.pending = self.saved
+        self.pending -= 1
+        self.value = value if self.pending > 0 else None
+        return value
+
+
+def _outer_hooks_active() -> bool:
+    """Whether saved-tensor hooks are already installed (a private query of PyTorch's; assume none without it)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+@contextmanager
+def recompute_saved(source: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Iterator[None]:
+    """Inside this block, autograd keeps no tensor that shares ``source``'s memory: it keeps a recipe and calls
+    ``recompute()`` (which must return a tensor equal to ``source``, laid out the same) in the backward.
+
+    Args:
+        source: the tensor not to keep (its views and detached aliases are covered too).
+        recompute: rebuilds it from tensors the graph keeps anyway. Runs under the autocast state of the block's
+            entry, and under the backward's grad mode (so a ``create_graph`` backward still differentiates it).
+
+    Under saved-tensor hooks installed by the caller (``torch.utils.checkpoint``'s, say) the block does nothing:
+    those hooks decide what is kept.
+    """
+    if source.numel() == 0 or _outer_hooks_active():
+        # An empty tensor has no memory to save (and its address may be any other's). Under hooks of the caller's
+        # (torch.utils.checkpoint, offloading to the CPU) the innermost hooks would replace the caller's for every
+        # tensor saved in this block, so the block leaves the saving to them.
+        yield
+        return
+    # Only the address and the device: autograd keeps the hooks with every saved tensor, so a hook that referred
+    # to ``source`` itself would keep it alive as long as the graph, the very thing this block is meant to avoid.
+    # The address cannot be reused inside the block, where the caller still holds ``source``.
+    storage, device = source.untyped_storage().data_ptr(), source.device
+    shared = _Shared(recompute, device.type)
+
+    def pack(saved: torch.Tensor) -> torch.Tensor | _Recipe:
+        if saved.device == device and saved.untyped_storage().data_ptr() == storage:
+            shared.saved += 1
+            return _Recipe(shared, saved)
+        return saved
+
+    def unpack(packed: torch.Tensor | _Recipe) -> torch.Tensor:
+        if isinstance(packed, _Recipe):
+            return packed.shared.get().as_strided(packed.shape, packed.stride, packed.offset)
+        return packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

@@ -1,0 +1,138 @@
+"""recompute_saved (clusterformer.ops.recompute): gradients bit for bit as without it, the tensor it covers freed
+after the forward, one recomputation per backward, the autocast state of the forward, and the caller's own
+saved-tensor hooks left in charge."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import clusterformer.attention.neural_clustering as neural_clustering_module
+from clusterformer.attention import build
+from clusterformer.bench.memory import TensorMemoryTracker
+from clusterformer.ops.recompute import recompute_saved
+
+SEED = 20261126
+
+
+def _inputs(dtype=torch.float64):
+    g = torch.Generator().manual_seed(SEED)
+    x = torch.randn(37, 6, generator=g, dtype=dtype).requires_grad_()
+    w = torch.randn(5, 6, generator=g, dtype=dtype).requires_grad_()
+    rows = torch.randint(0, 37, (41,), generator=g)
+    return x, w, rows
+
+
+def _loss(x, w, rows, recompute: bool, calls: list | None = None):
+    """Three consumers of one gathered tensor (a slice and the whole), as neural clustering projects q, k, v."""
+    gathered = x.index_select(0, rows)
+
+    def again():
+        if calls is not None:
+            calls.append(1)
+        return x.index_select(0, rows)
+
+    with (recompute_saved(gathered, again) if recompute else torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: t)):
+        q = F.linear(gathered[3:29], w)
+        k = F.linear(gathered, w).tanh()
+        v = gathered * gathered.sum(-1, keepdim=True)
+    return (q.pow(2).sum() + k.sum() + v.pow(3).sum()), weakref.ref(gathered)
+
+
+def test_gradients_are_bit_for_bit_those_without_recomputation():
+    grads = []
+    for recompute in (False, True):
+        x, w, rows = _inputs()
+        loss, _ = _loss(x, w, rows, recompute)
+        grads.append(torch.autograd.grad(loss, (x, w)))
+    for plain, recomputed in zip(*grads, strict=True):
+        assert torch.equal(plain, recomputed)
+
+
+def test_the_covered_tensor_is_freed_after_the_forward_and_recomputed_once_per_backward():
+    x, w, rows = _inputs()
+    calls = []
+    loss, gathered = _loss(x, w, rows, True, calls)
+    gc.collect()
+    assert gathered() is None  # nothing keeps it between the forward and the backward (the graph is alive: loss)
+    assert calls == []
+    loss.backward(retain_graph=True)
+    assert calls == [1]  # three saved views, one recomputation
+    first = x.grad.clone()
+    x.grad = None
+    loss.backward()
+    assert calls == [1, 1] and torch.equal(x.grad, first)  # a second backward recomputes
+
+
+def test_without_the_block_the_tensor_lives_until_the_backward():
+    """The control for the test above: the plain graph keeps the gathered rows."""
+    x, w, rows = _inputs()
+    _graph_alive, gathered = _loss(x, w, rows, False)
+    gc.collect()
+    assert gathered() is not None
+
+
+def test_recomputation_runs_under_the_forwards_autocast_state():
+    """The covered tensor is a projection made under bf16 autocast (as P = x W^C is in mixed-precision training);
+    the backward runs outside autocast, so the recipe must restore it to rebuild the same bf16 tensor."""
+    grads = []
+    for recompute in (False, True):
+        x, w, _ = _inputs(torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            p = F.linear(x, w)
+            assert p.dtype == torch.bfloat16
+            with (recompute_saved(p, lambda x=x, w=w: F.linear(x, w)) if recompute
+                  else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)):
+                loss = (p * p).sum() + (p.tanh() @ w).sum()
+        grads.append(torch.autograd.grad(loss.float(), (x, w)))
+    for plain, recomputed in zip(*grads, strict=True):
+        assert torch.equal(plain, recomputed)
+
+
+def test_the_callers_saved_tensor_hooks_stay_in_charge():
+    """Under torch.utils.checkpoint (its own hooks) the block steps aside; the gradients are unchanged."""
+    calls = []
+    x, w, rows = _inputs()
+    loss = torch.utils.checkpoint.checkpoint(lambda a, b: _loss(a, b, rows, True, calls)[0], x, w,
+                                             use_reentrant=False)
+    got = torch.autograd.grad(loss, (x, w))
+    x2, w2, _ = _inputs()
+    want = torch.autograd.grad(_loss(x2, w2, rows, False)[0], (x2, w2))
+    assert calls == []
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_an_empty_tensor_passes_through():
+    x = torch.zeros(0, 4, requires_grad=True)
+    with recompute_saved(x, lambda: pytest.fail("nothing to recompute")):
+        y = (x * x).sum()
+    y.backward()
+    assert x.grad.shape == (0, 4)
+
+
+def test_neural_clustering_keeps_neither_its_sorted_rows_nor_its_clustering_projection(monkeypatch):
+    """Bytes of tensors alive after a training forward (what the graph keeps for the backward, and the output):
+    with the recomputation at least 1.5x the input's bytes fewer (the sorted copy of x and P = x W^C, one x each);
+    both calls give the same gradients."""
+    def alive_after_forward():
+        torch.manual_seed(SEED)
+        layer = build("neural-clustering", dim=64, heads=4).train()
+        x = torch.randn(2, 500, 64, requires_grad=True)
+        with TensorMemoryTracker() as tracker:
+            out = layer(x)
+            alive = tracker.current_bytes
+        out.pow(2).sum().backward()
+        return alive, x.grad, x.numel() * x.element_size()
+
+    with_recompute, grad, x_bytes = alive_after_forward()
+    monkeypatch.setattr(neural_clustering_module, "recompute_saved",
+                        lambda source, recompute: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    without, grad_without, _ = alive_after_forward()
+    assert without - with_recompute >= 1.5 * x_bytes, (without, with_recompute, x_bytes)
+    assert torch.equal(grad, grad_without)
