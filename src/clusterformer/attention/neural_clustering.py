@@ -412,14 +412,12 @@ class NeuralClusteringAttention(InnerAttention):
         points = self._cluster_input(x, projection)
         if self.shared_qk:  # the losses move the centroids, not the attention's keys (see the module docstring)
             points = points.detach()
-        # P is one projection of x, which the graph keeps anyway: redo it in the backward rather than keep it
-        with recompute_saved(points, lambda: self._cluster_input(x, projection)):
-            clustering = neural_clustering(
-                points, self._centroids(flow, n_clusters, B, strict),
-                key_padding_mask=key_padding_mask,
-                similarity=self.options.similarity, scale=self.options.similarity_scale,
-                assign=self.options.causal_assign if strict else "subordinate", num_clusters=per_sequence,
-            )
+        clustering = neural_clustering(
+            points, self._centroids(flow, n_clusters, B, strict),
+            key_padding_mask=key_padding_mask,
+            similarity=self.options.similarity, scale=self.options.similarity_scale,
+            assign=self.options.causal_assign if strict else "subordinate", num_clusters=per_sequence,
+        )
         publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
         if self.options.explore and self.training and bool(
                 torch.rand((), generator=self.draw_generator()) < self.options.explore):
@@ -578,12 +576,16 @@ class NeuralClusteringAttention(InnerAttention):
         (H, N, head_dim) ones, and the key windows are views."""
         H, D = self.heads, self.head_dim
         x_rows = x.reshape(-1, self.dim).index_select(0, layout.rows)  # (R, dim) in buffer order
-        # the projections' backward needs the sorted rows: gather them again from x then instead of keeping a copy
+        # The projections' backward needs the sorted rows: gather them again from x then instead of keeping a copy.
+        # Only the projections in the block: every tensor saved inside passes through the hooks, and an op that
+        # saves its own output there (a norm, a softmax) would make a reference cycle that outlives the graph.
         with recompute_saved(x_rows, lambda: x.reshape(-1, self.dim).index_select(0, layout.rows)):
             q = projection.project_rows(layout.query_rows(x_rows), "q")
-            k = self._keys(projection.project_rows(x_rows, "k").view(-1, H, D))
-            v = projection.project_rows(x_rows, "v").view(-1, H, D)
+            k = projection.project_rows(x_rows, "k")
+            v = projection.project_rows(x_rows, "v")
         q = q.view(layout.num_windows, layout.chunk_size, H, D).transpose(1, 2)
+        k = self._keys(k.view(-1, H, D))
+        v = v.view(-1, H, D)
         if local is not None or self.shared_qk:  # explicit scores: the local predicate, the shared-QK self rule
             out, lse = windowed_attention_lse(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
                                               dropout_p=self.dropout_p, local=local, exclude_self=self.shared_qk)

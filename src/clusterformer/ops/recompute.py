@@ -2,10 +2,10 @@
 
 Autograd keeps every tensor an op needs for its backward until the backward runs. For some of them that is a waste:
 neural clustering sorts the hidden states into buffer order (one gather, ``index_select``) before projecting
-queries, keys and values, and it projects the hidden states for the clustering (``x W^C``); the backward of those
-projections needs the gathered rows and the projection again, and both are cheap to redo from ``x``, which is kept
-anyway. :func:`recompute_saved` swaps every saved tensor that lives in a given tensor's memory for a recipe while
-its block runs (``torch.autograd.graph.saved_tensors_hooks``) and reruns the recipe when the backward first needs it.
+queries, keys and values, and the backward of those projections needs the gathered rows, which are cheap to gather
+again from ``x`` (kept anyway). :func:`recompute_saved` swaps every saved tensor that lives in a given tensor's
+memory for a recipe while its block runs (``torch.autograd.graph.saved_tensors_hooks``) and reruns the recipe when
+the backward first needs it.
 The gradients are the same, bit for bit, as long as the recipe computes the same values (same op, same inputs, same
 autocast state; the hooks capture the autocast state at entry).
 
@@ -71,6 +71,10 @@ def recompute_saved(source: torch.Tensor, recompute: Callable[[], torch.Tensor])
         source: the tensor not to keep (its views and detached aliases are covered too).
         recompute: rebuilds it from tensors the graph keeps anyway. Runs under the autocast state of the block's
             entry, and under the backward's grad mode (so a ``create_graph`` backward still differentiates it).
+
+    Keep the block to the ops that save ``source``: every tensor saved inside passes through these hooks, and an op
+    that saves its own output there (a norm, a softmax) forms a reference cycle, output -> its node -> the packed
+    output, that Python's collector cannot see, so that part of the graph outlives its use.
 
     Under saved-tensor hooks installed by the caller (``torch.utils.checkpoint``'s, say) the block does nothing:
     those hooks decide what is kept.
