@@ -4,7 +4,7 @@
 #   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_issue35.sh [STAGE ...]
 # Stages (default: all, in this order): bench32k tests bench128k decode imdb. The second call of 2026-11-26 ran
 # `NAMES32K=neural-clustering,kmeans,routing,cluster-select IMDB="sliding-window full" IMDB_LIMIT=200 ... bench32k
-# tests imdb`. DATA holds imdb/ (a copy of ../shared/data/imdb) for the training-time runs. Each stage has its own
+# tests imdb`; its decode stage ran before `--cuda-graph` existed (eager only, full and neural-clustering). DATA holds imdb/ (a copy of ../shared/data/imdb) for the training-time runs. Each stage has its own
 # time limit, so one slow stage cannot starve the rest; everything lands in /tmp/gpu and is packed into
 # $OUT/gpu.tgz after every stage (what finished comes back even if the call is cut off).
 set -u
@@ -39,7 +39,8 @@ bench128k)
         2>&1 | tee $W/bench-graph-128k.log ;;
 decode)
     stage "bench decode 16k-128k"
-    timeout 50 python3 -m clusterformer bench decode --device cuda --dtype bfloat16 --names full,neural-clustering \
+    timeout 90 python3 -m clusterformer bench decode --device cuda --dtype bfloat16 --cuda-graph \
+        --names "${DECODE_NAMES:-full,neural-clustering,sliding-window,cluster-select}" \
         --contexts 16384,65536,131072 --json $W/decode-cuda.json 2>&1 | tee $W/decode-cuda.log ;;
 imdb)
     stage "IMDB-4K training time on the GPU (seed 0: $IMDB)"

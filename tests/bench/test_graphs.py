@@ -91,3 +91,85 @@ def test_capture_and_the_graph_option_need_cuda():
         graphs.capture(lambda: None)
     with pytest.raises(ValueError, match="cuda_graph needs device='cuda'"):
         BenchConfig(names=["full"], lengths=[64], cuda_graph=True)
+
+
+def _decode_fixture():
+    torch.manual_seed(5)
+    layer = build("neural-clustering", dim=24, heads=3, causal_chunk_size=3, causal_clusters=3).eval()
+    with torch.no_grad():
+        _, cache = layer.prefill(torch.randn(2, 60, 24))
+    tokens = torch.randn(12, 2, 24)
+    return layer, cache, tokens
+
+
+class _StepGraph:
+    """A stand-in graph of a decoding step: a faithful replay runs the step on the captured cache and writes its
+    output into the captured tensor; a frozen one leaves it."""
+
+    def __init__(self, fn, out, faithful):
+        self.fn, self.out, self.faithful = fn, out, faithful
+
+    def replay(self):
+        if self.faithful:
+            self.out.copy_(self.fn())
+
+
+@pytest.mark.parametrize("faithful", [True, False])
+def test_the_decoding_graph_is_checked_against_eager_steps(monkeypatch, faithful):
+    from clusterformer.bench.decode import DecodeBenchConfig, _graph_step
+
+    def fake_capture(fn, warmup: int = 3):
+        for _ in range(warmup):
+            fn()
+        out = fn()
+        return _StepGraph(fn, out, faithful), out
+
+    monkeypatch.setattr(graphs, "capture", fake_capture)
+    layer, cache, tokens = _decode_fixture()
+    config = DecodeBenchConfig(names=["neural-clustering"], contexts=[60], steps=3, repeats=2)
+    with torch.no_grad():
+        result = _graph_step(layer, cache, tokens, config, lambda: None)
+    assert result["graph_error"] is None and result["ms_per_token_graph"] > 0
+    if faithful:
+        assert result["graph_check"] == 0.0
+    else:
+        assert result["graph_check"] > 1e-3
+
+
+def test_a_decoding_step_that_cannot_be_captured_is_recorded(monkeypatch):
+    from clusterformer.bench.decode import DecodeBenchConfig, _graph_step
+
+    def failing_capture(fn, warmup: int = 3):
+        raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    monkeypatch.setattr(graphs, "capture", failing_capture)
+    layer, cache, tokens = _decode_fixture()
+    config = DecodeBenchConfig(names=["neural-clustering"], contexts=[60])
+    with torch.no_grad():
+        result = _graph_step(layer, cache, tokens, config, lambda: None)
+    assert result == {"ms_per_token_graph": None, "graph_check": None,
+                      "graph_error": "RuntimeError: operation not permitted when stream is capturing second line"}
+    with pytest.raises(ValueError, match="cuda_graph needs device='cuda'"):
+        DecodeBenchConfig(names=["full"], contexts=[64], cuda_graph=True)
+
+
+def test_the_reports_show_the_graph_columns():
+    from clusterformer.bench.report import attention_table, decode_table
+
+    decode = [{"name": "full", "context": 64, "ms_per_token": 0.5, "prefill_ms": 1.0, "cache_mb": 1.0,
+               "ms_per_token_graph": None, "graph_check": None, "graph_error": "RuntimeError: grows"},
+              {"name": "neural-clustering", "context": 64, "ms_per_token": 0.9, "prefill_ms": 1.0, "cache_mb": 0.5,
+               "ms_per_token_graph": 0.05, "graph_check": 0.0, "graph_error": None}]
+    table = decode_table(decode)
+    assert "| full | 64 | 0.500 | 1.0x | 1 | 1.00 | not captured: RuntimeError: grows | | |" in table
+    assert "| neural-clustering | 64 | 0.900 | 0.6x | 1 | 0.50 | 0.050 | 10.0x | 0.0e+00 |" in table
+    layer = [{"name": "full", "length": 64, "fwd_ms": 2.0, "fwd_bwd_ms": 6.0, "peak_mem_mb": 1.0,
+              "fwd_graph_ms": 1.0, "fwd_bwd_graph_ms": 4.0, "graph_error": None,
+              "graph_check": {"output": 0.0, "grads": 0.0, "state": 0.0, "eager_output": 0.0, "eager_grads": 0.0,
+                              "eager_state": 0.0}},
+             {"name": "lsh", "length": 64, "fwd_ms": 2.0, "fwd_bwd_ms": 3.0, "peak_mem_mb": 1.0, "fwd_graph_ms": None,
+              "fwd_bwd_graph_ms": None, "graph_check": None, "graph_error": "RuntimeError: a\nb"}]
+    table = attention_table(layer)
+    zeros = "0.0e+00, 0.0e+00, 0.0e+00"
+    assert f"| full | 64 | 1.0 | 6.0 | 4.0 | 1.5x | 1.0x | 1.5x | {zeros} | {zeros} |" in table
+    assert "| lsh | 64 | - | 3.0 | not captured: RuntimeError: a b | | | | | |" in table  # one line

@@ -213,3 +213,48 @@ def test_one_softmax_over_two_key_sets_with_an_empty_row():
     scores = (keys @ q.unsqueeze(-1)).squeeze(-1) * 0.5
     weights = torch.softmax(scores.masked_fill(~(first | second), float("-inf")), dim=-1)
     torch.testing.assert_close(merged, (weights.unsqueeze(1) @ values).squeeze(1), rtol=1e-12, atol=1e-12)
+
+
+# What a CUDA graph of a decoding step needs (bench decode --cuda-graph replays one): every tensor of the cache keeps
+# its memory from step to step (updates in place), and the step reads nothing back to the host. Not here: full (its
+# KV cache grows), lsh and the random groupings (each step draws a number on the host from the layer's generator;
+# in evaluation that number is the same every step, but this check cannot tell a host draw from a device read).
+GRAPH_SAFE = [(name, options) for name, options in STRICT if name not in ("full", "lsh")
+              and options.get("grouping") != "random"]
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _cache_tensors(cache, path: str = "cache") -> list[tuple[str, int, tuple]]:
+    """(field path, address, shape) of every tensor of a cache, nested caches included."""
+    import dataclasses
+
+    found = []
+    for field in dataclasses.fields(cache):
+        value = getattr(cache, field.name)
+        if isinstance(value, torch.Tensor):
+            found.append((f"{path}.{field.name}", value.data_ptr(), tuple(value.shape)))
+        elif dataclasses.is_dataclass(value):
+            found += _cache_tensors(value, f"{path}.{field.name}")
+    return found
+
+
+@pytest.mark.parametrize(("name", "options"), GRAPH_SAFE, ids=[f"{n}-{i}" for i, (n, _) in enumerate(GRAPH_SAFE)])
+def test_a_decoding_step_updates_its_cache_in_place_without_host_reads(name, options, monkeypatch):
+    torch.manual_seed(77)
+    layer = build(name, dim=24, heads=3, **options).eval()
+    with torch.no_grad():
+        _, cache = layer.prefill(torch.randn(2, 90, 24))  # long enough that every ring is at its full size
+        _, cache = layer.step(torch.randn(2, 24), cache)
+        before, lengths = _cache_tensors(cache), cache.lengths.clone()
+
+        def refuse(self, *args, **kwargs):
+            raise AssertionError("a decoding step read a tensor back to the host")
+
+        with monkeypatch.context() as patch:
+            for method in HOST_READS:
+                patch.setattr(torch.Tensor, method, refuse)
+            for _ in range(4):
+                _, stepped = layer.step(torch.randn(2, 24), cache)
+                assert stepped is cache
+        assert _cache_tensors(cache) == before
+        assert torch.equal(cache.lengths, lengths + 4)  # the steps did advance it, in place

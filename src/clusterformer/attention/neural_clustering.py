@@ -466,7 +466,8 @@ class NeuralClusteringAttention(InnerAttention):
             count = ClusterCount(self.options.strict_causal_clusters(), True)
             ids = self._fixed_groups(self.options.grouping, cache.lengths.unsqueeze(1), count, B)
         elif self._prefix_assign:  # ranked against the log-sum-exps of the earlier tokens, as the forward does
-            ids, joined.assign_lse = prefix_assignment_step(self._assignment_scores(x_t, projection), joined.assign_lse)
+            ids, assign_lse = prefix_assignment_step(self._assignment_scores(x_t, projection), joined.assign_lse)
+            joined.assign_lse.copy_(assign_lse)  # in place, as every cache update (CUDA graphs of the step)
             ids = ids.unsqueeze(1)
         else:  # the token's nearest centroid, as the strict forward assigns it
             centroids = self._centroids(None, self.options.strict_causal_clusters(), B, True)

@@ -4,7 +4,11 @@ For each (mechanism, context N): one attention layer (projections + mechanism, d
 mode prefills a random context of N tokens (``prefill_ms``, one run), then decodes one token at a time with its
 cache: ``warmup`` untimed steps, then ``repeats`` timed runs of ``steps`` consecutive steps; ``ms_per_token`` is
 the median run's time divided by ``steps`` (the context grows by ``steps`` tokens per run, which is noise next to
-N). ``cache_mb``: bytes held by the cache after the prefill (:meth:`clusterformer.ops.decode.DecodeCache.memory_bytes`;
+N). With ``cuda_graph`` (CUDA), the step is also captured once in a CUDA graph and replayed (``ms_per_token_graph``,
+the token copied into the graph's input buffer counted in), after three replays checked against eager steps on a
+copy of the cache (``graph_check``, the largest relative difference of the outputs), or ``graph_error`` where the
+step cannot be captured (full's KV cache grows; lsh draws its rotations on the host). ``cache_mb``: bytes held by
+the cache after the prefill (:meth:`clusterformer.ops.decode.DecodeCache.memory_bytes`;
 the full KV cache's capacity doubles, so it holds up to 2x the keys it uses). Everything runs in this process,
 the mechanisms of one context one after another, so ratios between mechanisms come from the same conditions.
 """
@@ -38,11 +42,15 @@ class DecodeBenchConfig:
     threads: int | None = None
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-mechanism build options
     seed: int = 0
+    cuda_graph: bool = False  # also time the step replayed from a CUDA graph
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "head_dim", "steps", "repeats"):
             check_int(name, getattr(self, name), minimum=1)
         check_int("warmup", self.warmup, minimum=0)
+        if self.cuda_graph and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graph needs device='cuda' (a CUDA graph replays GPU kernels); got device="
+                             f"{self.device!r}")
         for n in self.contexts:
             check_int("contexts entry", n, minimum=1)
 
@@ -93,9 +101,51 @@ def run_decode_benchmark(config: DecodeBenchConfig, progress: Callable[[str], No
                       f"{torch.get_num_threads()} threads", "options": config.options.get(name, {}),
                       "prefill_ms": prefill_ms, "ms_per_token": statistics.median(runs), "cache_mb": cache_mb,
                       "steps": config.steps, "repeats": config.repeats}
+            if config.cuda_graph:
+                with torch.no_grad():
+                    record.update(_graph_step(layer, cache, tokens, config, sync))
             records.append(record)
             if progress:
+                graph = ("" if not config.cuda_graph else f"; CUDA graph: {record['graph_error']}"
+                         if record["graph_error"] else f"; CUDA graph {record['ms_per_token_graph']:.3f} ms/token "
+                         f"(replay vs eager {record['graph_check']:.1e})")
                 progress(f"[{done}/{total}] {name} context={context}: {record['ms_per_token']:.3f} ms/token, "
-                         f"prefill {prefill_ms:.0f} ms, cache {cache_mb:.1f} MiB")
+                         f"prefill {prefill_ms:.0f} ms, cache {cache_mb:.1f} MiB{graph}")
             del layer, cache, x
     return records
+
+
+def _graph_step(layer, cache, tokens, config: DecodeBenchConfig, sync) -> dict:
+    """The decoding step captured in a CUDA graph (its cache updated in place, as tests/models/test_decoding.py
+    checks for the mechanisms that allow it): three replays against eager steps on a copy of the cache, then the
+    median of ``repeats`` runs of ``steps`` replays. ``graph_error`` where the capture or the check fails."""
+    import copy
+
+    from .graphs import capture
+
+    result: dict = {"ms_per_token_graph": None, "graph_check": None, "graph_error": None}
+    try:
+        static = tokens[0].clone()
+        graph, static_out = capture(lambda: layer.step(static, cache)[0])
+        twin = copy.deepcopy(cache)  # the same state: eager steps on it, replays on the graph's own cache
+        worst = 0.0
+        for t in range(3):
+            static.copy_(tokens[t])
+            graph.replay()
+            eager, twin = layer.step(tokens[t], twin)
+            sync()
+            worst = max(worst, float((static_out.double() - eager.double()).norm()
+                                     / eager.double().norm().clamp(min=1e-30)))
+        runs = []
+        for r in range(config.repeats):
+            sync()
+            start = time.perf_counter()
+            for t in range(config.steps):
+                static.copy_(tokens[(r * config.steps + t) % tokens.shape[0]])
+                graph.replay()
+            sync()
+            runs.append((time.perf_counter() - start) * 1000 / config.steps)
+        result.update(ms_per_token_graph=statistics.median(runs), graph_check=worst)
+    except Exception as error:  # recorded, not raised: the eager numbers stand
+        result["graph_error"] = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    return result

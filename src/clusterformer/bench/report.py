@@ -87,14 +87,24 @@ def decode_table(records: list[dict], baseline: str = "full") -> str:
     """Cached decoding: time per token, prefill time and cache memory per (mechanism, context), with the speed-up
     per token over ``baseline`` at the same context (same run)."""
     base = {r["context"]: r for r in records if r["name"] == baseline}
-    lines = ["| mechanism | context | ms / token | speed-up vs full | prefill ms | cache MiB |",
-             "|---|---|---|---|---|---|"]
+    graphs = any("graph_error" in r for r in records)
+    lines = ["| mechanism | context | ms / token | speed-up vs full | prefill ms | cache MiB |"
+             + (" ms / token (CUDA graph) | graph vs full eager | replay vs eager |" if graphs else ""),
+             "|---|---|---|---|---|---|" + ("---|---|---|" if graphs else "")]
     for name in dict.fromkeys(r["name"] for r in records):
         for r in sorted((r for r in records if r["name"] == name), key=lambda r: r["context"]):
             b = base.get(r["context"])
             speed = f"{b['ms_per_token'] / r['ms_per_token']:.1f}x" if b else "-"
-            lines.append(f"| {name} | {r['context']} | {r['ms_per_token']:.3f} | {speed} | "
-                         f"{_fmt(r['prefill_ms'], 0)} | {_fmt(r['cache_mb'], 2)} |")
+            line = (f"| {name} | {r['context']} | {r['ms_per_token']:.3f} | {speed} | "
+                    f"{_fmt(r['prefill_ms'], 0)} | {_fmt(r['cache_mb'], 2)} |")
+            if graphs and r.get("graph_error"):
+                line += f" not captured: {r['graph_error'][:80]} | | |"
+            elif graphs:
+                graph = r.get("ms_per_token_graph")
+                check = r.get("graph_check")
+                line += (f" {_fmt(graph, 3)} | {_ratio(b and b['ms_per_token'], graph)} | "
+                         f"{'-' if check is None else f'{check:.1e}'} |")
+            lines.append(line)
     growth = []
     for name in dict.fromkeys(r["name"] for r in records):
         rows = sorted((r for r in records if r["name"] == name), key=lambda r: r["context"])

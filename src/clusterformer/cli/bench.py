@@ -54,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--options", default=None, help="per-mechanism options as JSON")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="CUDA: also time the step replayed from a CUDA graph, checked against eager steps "
+                        "(ms_per_token_graph, graph_check)")
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.set_defaults(func=run_decode)
 
@@ -143,7 +146,8 @@ def run_decode(args: argparse.Namespace) -> int:
     options = json_object("--options", args.options, '{"neural-clustering": {"causal_chunk_size": 32}}')
     config = DecodeBenchConfig(names=args.names, contexts=args.contexts, batch=args.batch, heads=args.heads,
                                head_dim=args.head_dim, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-                               device=args.device, dtype=args.dtype, threads=args.threads, options=options)
+                               device=args.device, dtype=args.dtype, threads=args.threads, options=options,
+                               cuda_graph=args.cuda_graph)
     records = run_decode_benchmark(config, progress=log)
     emit_json(records, args.json, log=log)
     log(decode_table(records))

@@ -225,7 +225,7 @@ class GroupRingCache(DecodeCache):
         self.values[b, x, ids_t, slot] = v_t
         self.ranks[b, x, ids_t, slot] = rank
         self.counts[b, x, ids_t] += 1
-        self.lengths = self.lengths + 1
+        self.lengths += 1  # in place, as every update of a full ring: a CUDA graph of the step replays on this memory
         member = self.ranks[b, x, ids_t]  # (B, X, slots)
         first = (torch.div(rank, self.chunk_size, rounding_mode="floor") - self.look_back) * self.chunk_size
         allowed = (member >= first.unsqueeze(-1)) & (member >= 0) & (member <= rank.unsqueeze(-1))
@@ -262,12 +262,12 @@ class WindowCache(DecodeCache):
         """q_t, k_t, v_t (B, H, D) at position t = lengths[b] -> (B, H, D): the mean over the windows (starts
         j * stride with t - window < j * stride <= t) of attention to the keys from the window's start to t."""
         B, _, D = q_t.shape
-        t = self.lengths  # (B,)
+        t = self.lengths.clone()  # (B,)
         batch = torch.arange(B, device=q_t.device)
         slot = t % self.window
         self.keys[batch, :, slot] = k_t
         self.values[batch, :, slot] = v_t
-        self.lengths = t + 1
+        self.lengths += 1  # in place (a CUDA graph of the step replays on this memory)
         s = torch.arange(self.window, device=q_t.device)
         position = t.unsqueeze(1) - (t.unsqueeze(1) - s) % self.window  # (B, window), <= t
         most = -(-self.window // self.stride)  # windows holding a token: at most ceil(window / stride)
@@ -327,12 +327,12 @@ class LocalBlockCache(DecodeCache):
         """q_t, k_t, v_t (B, H, D) at position t = lengths[b], its group and rank (B,), and the first rank of its
         group window (B,) -> (out (B, H, D), log-sum-exp (B, H)) over its local keys outside the group window."""
         B, H, D = q_t.shape
-        t = self.lengths
+        t = self.lengths.clone()
         batch = torch.arange(B, device=q_t.device)
         slot = t % (2 * self.block)
         self.keys[batch, slot], self.values[batch, slot] = k_t, v_t
         self.positions[batch, slot], self.groups[batch, slot], self.ranks[batch, slot] = t, group_t, rank_t
-        self.lengths = t + 1
+        self.lengths += 1  # in place (a CUDA graph of the step replays on this memory)
         start = (torch.div(t, self.block, rounding_mode="floor") - 1) * self.block
         in_blocks = (self.positions >= start.unsqueeze(1)) & (self.positions >= 0)  # (B, span), all <= t
         in_group_window = (self.groups == group_t.unsqueeze(1)) & (self.ranks >= first_t.unsqueeze(1))
@@ -440,7 +440,7 @@ class SelectionCache(DecodeCache):
         self.value_sums[b, h, c] += gone * self.window_values[b, h, out_slot]
         self.window_keys[b, h, out_slot], self.window_values[b, h, out_slot] = k_t, v_t
         self.window_ids[b, h, out_slot] = id_t
-        self.lengths = self.lengths + 1
+        self.lengths += 1  # in place (a CUDA graph of the step replays on this memory)
 
     def summaries(self, selected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per cluster, the mean key and value (B, H, C, D) of the members that left the window, less the ring of
