@@ -6,6 +6,7 @@ so the tolerances are those of float64 (1e-10). On a GPU the same tests run comp
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -224,3 +225,33 @@ def test_fused_path_promotes_mixed_dtypes():
     promoted = windowed_attention(q.to(DTYPE), x[:, :, 1], x[:, :, 2], layout, causal=True, kernel="sdpa")
     assert fused.dtype == DTYPE
     assert (fused - promoted).abs().max() < TOL
+
+
+@pytest.mark.parametrize("kernel", ["fused", "sdpa"])
+def test_the_output_recipe_rebuilds_the_output_and_its_gradients(kernel):
+    """with_recipe: the recipe attached to the output (neural clustering's output projection keeps it instead of the
+    reordered copy) gives the output bit for bit, and a consumer that keeps the recipe gets the same gradients."""
+    from clusterformer.ops.recompute import recipe_of, recompute_saved
+
+    g = torch.Generator().manual_seed(52)
+    N, D, w, H = 45, 8, 8, 2
+    ids = torch.randint(0, 4, (2, N), generator=g).to(DEVICE)
+    layout = sorted_layout(ids, w, 1)
+    x = torch.randn(layout.rows.numel(), H, 3, D, generator=g, dtype=torch.float64).to(DEVICE, DTYPE)
+    weight = torch.randn(5, H * D, generator=g, dtype=torch.float64).to(DEVICE, DTYPE)
+    W = layout.num_windows
+    grads = []
+    for keep_recipe in (False, True):
+        xs = x.detach().requires_grad_()
+        q = layout.query_rows(xs[:, :, 0]).view(W, w, H, D).transpose(1, 2)
+        out = windowed_attention(q, xs[:, :, 1], xs[:, :, 2], layout, causal=True, kernel=kernel, with_recipe=True)
+        recipe = recipe_of(out)
+        assert torch.equal(recipe(), out)
+        flat = out.flatten(1)
+        with recompute_saved(flat, lambda recipe=recipe: recipe().flatten(1)) if keep_recipe else nullcontext():
+            y = torch.nn.functional.linear(flat, weight)
+        y.pow(2).sum().backward()
+        grads.append(xs.grad)
+    assert torch.equal(grads[0], grads[1])
+    plain = windowed_attention(q, x[:, :, 1], x[:, :, 2], layout, causal=True, kernel=kernel)
+    assert recipe_of(plain) is None  # only where asked

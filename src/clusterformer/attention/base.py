@@ -33,6 +33,7 @@ from torch import nn
 
 from .._checks import check_bool, check_float, check_int, check_padding_mask, check_tensor
 from ..ops.decode import DecodeCache, check_right_padded
+from ..ops.recompute import recipe_of, recompute_saved
 
 _REPLAYING: ContextVar[bool] = ContextVar("clusterformer_replaying", default=False)
 
@@ -511,7 +512,9 @@ def attend_padded(x: torch.Tensor, key_padding_mask: torch.Tensor | None,
     heads_out, extra = attend(x)
     y = heads_out.flatten(2)  # (B, N, H * D); also for an empty batch or sequence
     if project is not None:
-        y = project(y)
+        recipe = recipe_of(heads_out)  # rebuildable (neural clustering's reorder): keep the recipe, not the copy
+        with contextlib.nullcontext() if recipe is None else recompute_saved(y, lambda: recipe().flatten(2)):
+            y = project(y)
     if key_padding_mask is not None:
         y = y.masked_fill(key_padding_mask.unsqueeze(-1), 0.0)
     return y, extra

@@ -88,7 +88,7 @@ from ..clustering.neural import assignment_scores, nearest_centroid, neural_clus
 from ..masks import AttentionMask, masked_sdpa, real_lengths, real_tokens, self_only_when_alone
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
 from ..ops.layouts import ChunkLayout, cluster_causal_layout, sorted_layout
-from ..ops.recompute import recompute_saved
+from ..ops.recompute import attach_recipe, recipe_of, recompute_saved
 from ..ops.windows import windowed_attention, windowed_attention_lse
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, QKVProjection, SeededOptions
@@ -368,7 +368,9 @@ class NeuralClusteringAttention(InnerAttention):
             out = self._with_local_window(x, projection, layout, causal, count.strict, key_padding_mask)
         else:
             out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
-        return out.view(B, N, self.heads, self.head_dim)
+        heads = out.view(B, N, self.heads, self.head_dim)
+        recipe = recipe_of(out)  # the output is a reorder the output projection can redo in its backward
+        return heads if recipe is None else attach_recipe(heads, lambda: recipe().view(B, N, self.heads, self.head_dim))
 
     def _dense_attention(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None,
                          causal: bool) -> torch.Tensor:
@@ -592,7 +594,7 @@ class NeuralClusteringAttention(InnerAttention):
                                               dropout_p=self.dropout_p, local=local, exclude_self=self.shared_qk)
             return (out, lse) if local is not None else out
         return windowed_attention(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
-                                  dropout_p=self.dropout_p)
+                                  dropout_p=self.dropout_p, with_recipe=True)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -20,7 +20,22 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["recompute_saved"]
+__all__ = ["attach_recipe", "recipe_of", "recompute_saved"]
+
+_RECIPE = "_clusterformer_recipe"
+
+
+def attach_recipe(tensor: torch.Tensor, recipe: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Mark ``tensor`` as rebuildable by ``recipe()`` (from tensors the graph keeps anyway), so that whoever consumes
+    it can let autograd keep the recipe instead (:func:`recompute_saved`). Returns ``tensor``. Neural clustering
+    marks its output, a reorder of the attention's own saved output, and the layer's output projection uses it."""
+    setattr(tensor, _RECIPE, recipe)
+    return tensor
+
+
+def recipe_of(tensor: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """The recipe :func:`attach_recipe` put on ``tensor``, or None."""
+    return getattr(tensor, _RECIPE, None)
 
 
 class _Recipe:

@@ -27,6 +27,7 @@ from ..masks import (
     self_only_when_alone,
 )
 from .layouts import ChunkLayout
+from .recompute import attach_recipe
 
 __all__ = ["KERNELS", "use_fused_kernel", "windowed_attention", "windowed_attention_lse"]
 
@@ -71,6 +72,7 @@ def windowed_attention(
     key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     kernel: str = "auto",
+    with_recipe: bool = False,
 ) -> torch.Tensor:
     """Attention of every chunk's queries to its key window.
 
@@ -82,21 +84,28 @@ def windowed_attention(
         key_padding_mask: (blocks, N) bool, True marks padding.
         kernel: ``"auto"`` (the fused Triton kernel where :func:`use_fused_kernel` says so, else SDPA over
             key-window views), ``"fused"`` (require the kernel) or ``"sdpa"``.
+        with_recipe: mark the output with the recipe that rebuilds it from the attention's own saved output
+            (:func:`clusterformer.ops.recompute.attach_recipe`), for a consumer that would otherwise keep the
+            reordered copy (neural clustering's output projection).
 
     Returns:
         (blocks * N, H, D): each token's output, in flat token order.
     """
     W, H, w, D = q.shape
     if use_fused_kernel(q, dropout_p, kernel):
-        return _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, False, 1.0 / math.sqrt(D))[0]
+        return _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, False, 1.0 / math.sqrt(D),
+                               with_recipe)[0]
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
     attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self=False)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-    if no_key is not None:
-        out = out.masked_fill(no_key, 0.0)
-    out = out.transpose(1, 2).reshape(W * w, H, D)
-    return out.index_select(0, layout.out_rows)
+    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+
+    def in_token_order() -> torch.Tensor:  # from SDPA's output, which its backward keeps anyway
+        out = attended if no_key is None else attended.masked_fill(no_key, 0.0)
+        return out.transpose(1, 2).reshape(W * w, H, D).index_select(0, layout.out_rows)
+
+    out = in_token_order()
+    return attach_recipe(out, in_token_order) if with_recipe else out
 
 
 KERNELS = ("auto", "fused", "sdpa")
@@ -129,7 +138,7 @@ def use_fused_kernel(q: torch.Tensor, dropout_p: float, kernel: str = "auto") ->
 
 def _fused_windowed(
     q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, layout: ChunkLayout, causal: bool,
-    key_padding_mask: torch.Tensor | None, exclude_self: bool, scale: float,
+    key_padding_mask: torch.Tensor | None, exclude_self: bool, scale: float, with_recipe: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Windowed attention by the fused kernel: (out (blocks * N, H, D), lse (blocks * N, H)) in token order."""
     from .fused_chunked import fused_chunk_attention
@@ -147,7 +156,10 @@ def _fused_windowed(
         q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
         positions=positions, groups=layout.row_group, exclude_self=exclude_self, scale=scale,
     )
-    return out.index_select(0, layout.out_rows), lse.index_select(0, layout.out_rows)
+    reordered = out.index_select(0, layout.out_rows)
+    if with_recipe:  # the kernel's backward keeps ``out``: a consumer of the reordered copy can rebuild it from there
+        attach_recipe(reordered, lambda: out.index_select(0, layout.out_rows))
+    return reordered, lse.index_select(0, layout.out_rows)
 
 
 def _row_meta(
