@@ -2,7 +2,7 @@
 # Issue #35's device checks in one call (docs/benchmarks.md, "CUDA graphs"): run from the repository root on a
 # machine with one CUDA GPU, the image's python3 holding torch and triton, the package from src/.
 #   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_issue35.sh [STAGE ...]
-# Stages (default: all, in this order): bench32k tests bench128k decode imdb. The second call of 2026-11-26 ran
+# Stages (default: all, in this order): bench32k tests bench128k decode imdb; also compile (not in the default). The second call of 2026-11-26 ran
 # `NAMES32K=neural-clustering,kmeans,routing,cluster-select IMDB="sliding-window full" IMDB_LIMIT=200 ... bench32k
 # tests imdb`; its decode stage ran before `--cuda-graph` existed (eager only, full and neural-clustering). DATA holds imdb/ (a copy of ../shared/data/imdb) for the training-time runs. Each stage has its own
 # time limit, so one slow stage cannot starve the rest; everything lands in /tmp/gpu and is packed into
@@ -37,6 +37,13 @@ bench128k)
     timeout 80 python3 -m clusterformer bench attention --device cuda --dtype bf16 --lengths 131072 --cuda-graph \
         --names full,neural-clustering,cluster-select --repeats 10 --warmup 3 --json $W/bench-graph-128k.json \
         2>&1 | tee $W/bench-graph-128k.log ;;
+compile)
+    stage "bench attention 32k under torch.compile"
+    for mode in reduce-overhead max-autotune-no-cudagraphs; do
+        timeout 150 python3 -m clusterformer bench attention --device cuda --dtype bf16 --lengths 32768 \
+            --compile $mode --names full,neural-clustering --repeats 10 --warmup 3 --json $W/bench-compile-$mode.json \
+            2>&1 | tee $W/bench-compile-$mode.log
+    done ;;
 decode)
     stage "bench decode 16k-128k"
     timeout 90 python3 -m clusterformer bench decode --device cuda --dtype bfloat16 --cuda-graph \

@@ -173,3 +173,23 @@ def test_the_reports_show_the_graph_columns():
     zeros = "0.0e+00, 0.0e+00, 0.0e+00"
     assert f"| full | 64 | 1.0 | 6.0 | 4.0 | 1.5x | 1.0x | 1.5x | {zeros} | {zeros} |" in table
     assert "| lsh | 64 | - | 3.0 | not captured: RuntimeError: a b | | | | | |" in table  # one line
+
+
+def test_bench_attention_compiles_the_layer_when_asked(tmp_path, capsys):
+    """--compile eager (Dynamo's tracing without a compiler, so any machine runs it): the record says so and times
+    the first step; the dispatch-mode tensor tracker stays out of the compiled run."""
+    import json
+
+    from clusterformer.bench.attention import BenchConfig
+    from clusterformer.cli import main
+
+    out = tmp_path / "compiled.json"
+    assert main(["bench", "attention", "--names", "neural-clustering", "--lengths", "64", "--repeats", "1",
+                 "--warmup", "0", "--compile", "eager", "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())
+    assert record["compile"] == "eager" and record["first_step_s"] > 0 and record["peak_tensor_mb"] is None
+    assert record["fwd_bwd_ms"] > 0
+    with pytest.raises(ValueError, match="compile must be one of"):
+        BenchConfig(names=["full"], lengths=[64], compile="fast")
+    with pytest.raises(ValueError, match="time one at a time"):
+        BenchConfig(names=["full"], lengths=[64], device="cuda", compile="default", cuda_graph=True)

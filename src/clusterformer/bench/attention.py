@@ -10,6 +10,8 @@ Timing: ``warmup`` untimed runs, then the median of ``repeats`` timed runs, for
   parameters), the layer-level training cost;
 * ``fwd_bwd_aux_ms``: the same with the layer's auxiliary losses (e.g. clustering L1 and centroid
   sorting L2) added to the backward, as in training with mu = nu = 1; null for mechanisms without any.
+``compile``: the layer wrapped in ``torch.compile`` (a mode, or ``"eager"``: Dynamo's tracing alone) before any
+run; ``first_step_s`` is the first training step, the compilation included; no ``peak_tensor_mb`` then.
 ``cuda_graph`` (CUDA only): the same two steps again, each captured once in a CUDA graph and replayed
 (:mod:`clusterformer.bench.graphs`), ``fwd_graph_ms`` and ``fwd_bwd_graph_ms`` (the training step there also
 applies pending state updates), with ``graph_check``: the largest relative difference between two replays and
@@ -44,9 +46,12 @@ from typing import Any
 
 from .._checks import check_float
 
-__all__ = ["DTYPE_ALIASES", "BenchConfig", "run_attention_benchmark"]
+__all__ = ["COMPILE_MODES", "DTYPE_ALIASES", "BenchConfig", "run_attention_benchmark"]
 
 DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
+# torch.compile modes the benchmark takes; "eager" is Dynamo's tracing without a compiler (graph breaks show, any
+# machine runs it)
+COMPILE_MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -66,9 +71,15 @@ class BenchConfig:
     padding: float = 0.0  # right padding, a fraction of N: sequence b padded by padding * N * b / (batch - 1)
     causal: bool = False  # call the layers with causal=True (strict causal chunking: causal_chunk_size, ...)
     cuda_graph: bool = False  # also time the eval forward and the training step replayed from CUDA graphs
+    compile: str | None = None  # torch.compile the layer: a mode (COMPILE_MODES), or "eager" (Dynamo alone)
 
     def __post_init__(self) -> None:
         check_float("padding", self.padding, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        if self.compile is not None and self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)} or None; got {self.compile!r}")
+        if self.compile is not None and self.cuda_graph:
+            raise ValueError("compile and cuda_graph are two ways to remove the host's overhead: time one at a time "
+                             "(compile='reduce-overhead' captures CUDA graphs itself)")
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graph needs device='cuda' (a CUDA graph replays GPU kernels); got device="
                              f"{self.device!r}")
@@ -198,6 +209,10 @@ def _worker(job: dict) -> dict:
     dim = job["heads"] * job["head_dim"]
     layer = build(job["name"], dim=dim, heads=job["heads"], **job["options"].get(job["name"], {}))
     layer = layer.to(device=device, dtype=dtype)
+    if job.get("compile"):  # the module's own attributes (inner, options) stay reachable through the wrapper
+        mode = job["compile"]
+        layer = torch.compile(layer, backend="eager") if mode == "eager" else torch.compile(
+            layer, mode=None if mode == "default" else mode)
     x = torch.randn(job["batch"], job["length"], dim, device=device, dtype=dtype, requires_grad=True)
     pad = padding_mask(job["batch"], job["length"], job["padding"])
     if pad is not None:
@@ -239,8 +254,10 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         return run
 
     # Peak memory of one training pass, measured first, before timing loops grow allocator caches.
-    fwd_bwd(False)()  # build lazy state (kernels, thread pools) outside the measured pass
+    started = time.perf_counter()
+    fwd_bwd(False)()  # build lazy state (kernels, thread pools; the compilation) outside the measured pass
     sync()
+    first_step_s = time.perf_counter() - started
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -255,12 +272,15 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         hwm = _rss_mb("VmHWM")
         peak = (hwm - base) if (reset and hwm is not None and base is not None) else float("nan")
 
-    # Exact peak of live tensor bytes during one training pass (deterministic; see bench/memory.py).
+    # Exact peak of live tensor bytes during one training pass (deterministic; see bench/memory.py). Not under
+    # torch.compile: the tracker's dispatch mode would be traced into, or break, the compiled graph.
     from .memory import TensorMemoryTracker
 
-    with TensorMemoryTracker() as tracker:
-        fwd_bwd(False)()
-    sync()
+    tracker = None
+    if not job.get("compile"):
+        with TensorMemoryTracker() as tracker:
+            fwd_bwd(False)()
+        sync()
 
     has_aux = bool(layer.inner.aux_losses)
     warmup, repeats = job["warmup"], job["repeats"]
@@ -279,7 +299,9 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         "fwd_bwd_ms": _median_ms(fwd_bwd(False), warmup, repeats, sync, cuda),
         "fwd_bwd_aux_ms": _median_ms(fwd_bwd(True), warmup, repeats, sync, cuda) if has_aux else None,
         "peak_mem_mb": peak,
-        "peak_tensor_mb": tracker.peak_bytes / 2**20,
+        "peak_tensor_mb": None if tracker is None else tracker.peak_bytes / 2**20,
+        "compile": job.get("compile"),
+        "first_step_s": first_step_s,
         "sdpa_backend": sdpa_backend,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

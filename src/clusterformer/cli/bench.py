@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .._io import emit_json, read_json
+from ..bench.attention import COMPILE_MODES
 from ._args import int_list, json_object, log, mechanism, name_list
 
 
@@ -36,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graph", action="store_true",
                    help="CUDA: also time the eval forward and the training step replayed from CUDA graphs, "
                         "checked against the eager steps (fwd_graph_ms, fwd_bwd_graph_ms, graph_check)")
+    p.add_argument("--compile", default=None, choices=list(COMPILE_MODES),
+                   help="torch.compile each layer in this mode first ('eager': Dynamo's tracing alone, any machine); "
+                        "first_step_s records the first step, compilation included")
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.add_argument("--plot", default=None, help="write a log-log time/memory plot here (PNG)")
     p.set_defaults(func=run_attention)
@@ -128,7 +132,7 @@ def run_attention(args: argparse.Namespace) -> int:
         names=args.names, lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         device=args.device, dtype=DTYPE_ALIASES.get(args.dtype, args.dtype), warmup=args.warmup,
         repeats=args.repeats, threads=args.threads, options=options, padding=args.padding,
-        causal=args.causal, cuda_graph=args.cuda_graph,
+        causal=args.causal, cuda_graph=args.cuda_graph, compile=args.compile,
     )
     records = run_attention_benchmark(config, progress=log)
     emit_json(records, args.json, log=log)
