@@ -30,7 +30,7 @@ bench32k)
         --names "$NAMES32K" --repeats 10 --warmup 3 --json $W/bench-graph-32k.json 2>&1 | tee $W/bench-graph-32k.log ;;
 tests)
     stage "CUDA graph tests"
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/attention/test_cuda.py -k graph tests/bench/test_graphs.py \
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/attention/test_cuda.py -k graph tests/bench/test_graphs.py \
         2>&1 | tail -25 | tee $W/pytest-graph.log ;;
 bench128k)
     stage "bench attention 128k, eager and CUDA graphs"

@@ -268,3 +268,27 @@ def test_cuda_graph_replay_matches_the_eager_training_step(name, dtype):
     tol = 1e-5 if dtype == "float32" else 1e-2
     for key in ("output", "grads", "state"):
         assert check[key] <= max(tol, 3 * check[f"eager_{key}"]), (key, check)
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("neural-clustering", {}),
+    ("neural-clustering", {"causal_assign": "prefix", "local_window": 32}),
+    ("sliding-window", {}),
+    ("routing", {}),
+    ("kmeans", {}),
+    ("cluster-select", {}),
+])
+def test_cuda_graph_of_a_decoding_step_matches_eager_steps(name, options):
+    """bench decode --cuda-graph: the step captured once and replayed on the cache it updates in place gives what
+    eager steps give on a copy of that cache (float32), three steps running."""
+    from clusterformer.bench.decode import DecodeBenchConfig, _graph_step
+
+    torch.manual_seed(SEED)
+    layer = build(name, dim=DIM, heads=HEADS, **options).to("cuda").eval()
+    with torch.no_grad():
+        _, cache = layer.prefill(torch.randn(1, 8000, DIM, device="cuda"))  # every ring at its full size
+        tokens = torch.randn(8, 1, DIM, device="cuda")
+        config = DecodeBenchConfig(names=[name], contexts=[8000], steps=2, repeats=1, device="cuda", cuda_graph=True)
+        result = _graph_step(layer, cache, tokens, config, torch.cuda.synchronize)
+    assert result["graph_error"] is None, result
+    assert result["graph_check"] <= 1e-5, result
