@@ -40,6 +40,8 @@ summaries' selection and the attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 
 from ..masks import masked_sdpa, real_tokens
 from .key_lists import key_lists, listed_scores, listed_sum
+from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "chunk_band", "cluster_layout", "cluster_summaries",
            "resolve_kernel", "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection"]
@@ -230,6 +233,7 @@ class ChunkBand(NamedTuple):
     beyond_keys: torch.Tensor
     beyond_values: torch.Tensor | None
     summary_dots: torch.Tensor | None
+    values_recipe: Callable[[], torch.Tensor] | None = None  # rebuilds ``values`` from v (ops/recompute.py)
 
 
 def chunk_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: torch.Tensor,
@@ -258,7 +262,12 @@ def chunk_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids
     real = real_tokens(key_padding_mask, B, N, q.device)
     band_real = band(_to_chunks(real[:, None, :, None], L, False)).squeeze(-1)  # (B, 1, chunks, R)
     keys = _to_chunks(k, L)
-    scores = _to_chunks(q, L) @ band(keys).transpose(-1, -2)  # (B, H, chunks, L, R)
+    band_keys = band(keys)
+    # the product's backward needs the band's copy of the keys (width x K): shift them into it again then, from the
+    # chunked keys, which the cluster sums below keep anyway (a recipe on k itself would keep the fused QKV output)
+    with recompute_saved(band_keys, lambda: band(keys)):
+        scores = _to_chunks(q, L) @ band_keys.transpose(-1, -2)  # (B, H, chunks, L, R)
+    del band_keys
 
     # key j = (i - before) L + r of the band against query t = i L + a: j - t = r - before L - a, in every chunk
     a = torch.arange(L, device=q.device)[:, None]
@@ -299,7 +308,8 @@ def chunk_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids
     values = None if v is None else _to_chunks(v, L)
     return ChunkBand(scores, in_window & band_real.unsqueeze(-2), outside, spans, band_members,
                      None if values is None else band(values), beyond_keys,
-                     None if values is None else beyond(values), dots)
+                     None if values is None else beyond(values), dots,
+                     None if values is None else lambda: band(values))  # ``values``: kept by beyond(values)
 
 
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
@@ -464,16 +474,22 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     in_window, alone = F.dropout(in_window / total, dropout_p), F.dropout(alone / total, dropout_p)
 
     band_weights = _to_chunks(in_window, L)
+    # the products' backward needs the band's copy of the values (width x V): the recipe shifts v into it again
+    keep_values = (nullcontext() if band.values_recipe is None
+                   else recompute_saved(band.values, band.values_recipe))
     if not summaries:
-        return _from_chunks(band_weights @ band.values, N) + listed_sum(alone, v, lists)
+        with keep_values:
+            banded = band_weights @ band.values
+        return _from_chunks(banded, N) + listed_sum(alone, v, lists)
     # a summary's weight spreads over its members as w / n: those in whole chunks beyond the band through the
     # chunk sums, those in the band through the band weights, less the members read alone
     share = F.dropout(summary / total, dropout_p) / n.clamp(min=1)  # (B, H, N, C)
     share_chunks = _to_chunks(share, L)
-    out = band_weights @ band.values + share_chunks @ band.beyond_values
-    for lo, hi in band.spans:  # the band's members outside the window: only these columns hold any
-        members, values = band.members[..., lo:hi, :], band.values[..., lo:hi, :]
-        out = out + ((share_chunks @ members.transpose(-1, -2)) * band.outside[:, lo:hi]) @ values
+    with keep_values:  # matrix products only: none keeps its own output (ops/recompute.py)
+        out = band_weights @ band.values + share_chunks @ band.beyond_values
+        for lo, hi in band.spans:  # the band's members outside the window: only these columns hold any
+            members, values = band.members[..., lo:hi, :], band.values[..., lo:hi, :]
+            out = out + ((share_chunks @ members.transpose(-1, -2)) * band.outside[:, lo:hi]) @ values
     taken = share.gather(-1, selected).repeat_interleave(cluster_keys, dim=-1) * allowed  # (B, H, N, M)
     return _from_chunks(out, N) + listed_sum(alone - taken, v, lists)
 
