@@ -29,7 +29,8 @@ def attach_recipe(tensor: torch.Tensor, recipe: Callable[[], torch.Tensor]) -> t
     """Mark ``tensor`` as rebuildable by ``recipe()`` (from tensors the graph keeps anyway), so that whoever consumes
     it can let autograd keep the recipe instead (:func:`recompute_saved`). Returns ``tensor``. Neural clustering
     marks its output, a reorder of the attention's own saved output, and the layer's output projection uses it."""
-    setattr(tensor, _RECIPE, recipe)
+    if not torch.compiler.is_compiling():  # under torch.compile the compiler decides what to keep (see below)
+        setattr(tensor, _RECIPE, recipe)
     return tensor
 
 
@@ -91,13 +92,14 @@ def recompute_saved(source: torch.Tensor, recompute: Callable[[], torch.Tensor])
     that saves its own output there (a norm, a softmax) forms a reference cycle, output -> its node -> the packed
     output, that Python's collector cannot see, so that part of the graph outlives its use.
 
-    Under saved-tensor hooks installed by the caller (``torch.utils.checkpoint``'s, say) the block does nothing:
-    those hooks decide what is kept.
+    Under saved-tensor hooks installed by the caller (``torch.utils.checkpoint``'s, say) or under ``torch.compile``
+    the block does nothing: those hooks, or the compiler, decide what is kept.
     """
-    if source.numel() == 0 or _outer_hooks_active():
-        # An empty tensor has no memory to save (and its address may be any other's). Under hooks of the caller's
-        # (torch.utils.checkpoint, offloading to the CPU) the innermost hooks would replace the caller's for every
-        # tensor saved in this block, so the block leaves the saving to them.
+    if source.numel() == 0 or torch.compiler.is_compiling() or _outer_hooks_active():
+        # An empty tensor has no memory to save (and its address may be any other's). Under torch.compile the
+        # compiler's partitioner decides what to keep and what to recompute (and the hooks would break its graph).
+        # Under hooks of the caller's (torch.utils.checkpoint, offloading to the CPU) the innermost hooks would
+        # replace the caller's for every tensor saved in this block, so the block leaves the saving to them.
         yield
         return
     # Only the address and the device: autograd keeps the hooks with every saved tensor, so a hook that referred
