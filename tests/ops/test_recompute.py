@@ -118,14 +118,14 @@ def test_an_empty_tensor_passes_through():
     assert x.grad.shape == (0, 4)
 
 
-def _alive_after_forward(name: str):
+def _alive_after_forward(name: str, length: int = 484):
     """Bytes of tensors alive after a training forward (what the graph keeps for the backward, and the output), the
-    input's gradient after a backward, and the input's bytes."""
+    input's gradient after a backward, and the input's bytes. The default length, 484 = 22 clusters x chunks of 22,
+    leaves neural clustering no empty slot, so its CPU path needs no window mask (which SDPA keeps, and which the
+    fused GPU kernel does not build)."""
     torch.manual_seed(SEED)
     layer = build(name, dim=64, heads=4).train()
-    # 484 = 22 clusters x chunks of 22: no empty slot, so the CPU path needs no window mask (which SDPA keeps, and which
-    # the fused GPU kernel does not build)
-    x = torch.randn(2, 484, 64, requires_grad=True)
+    x = torch.randn(2, length, 64, requires_grad=True)
     with TensorMemoryTracker() as tracker:
         out = layer(x)
         gc.collect()
@@ -157,19 +157,8 @@ def test_cluster_select_keeps_neither_band_copy(monkeypatch):
     band kept fails this). Both give the same gradients."""
     import clusterformer.ops.selected as selected_module
 
-    def alive_and_grad():
-        torch.manual_seed(SEED)
-        layer = build("cluster-select", dim=64, heads=4).train()  # N > 256: the banded kernel
-        x = torch.randn(2, 600, 64, requires_grad=True)
-        with TensorMemoryTracker() as tracker:
-            out = layer(x)
-            gc.collect()
-            alive = tracker.current_bytes
-        out.pow(2).sum().backward()
-        return alive, x.grad, x.numel() * x.element_size()
-
-    with_recompute, grad, x_bytes = alive_and_grad()
+    with_recompute, grad, x_bytes = _alive_after_forward("cluster-select", 600)  # N > 256: the banded kernel
     monkeypatch.setattr(selected_module, "recompute_saved", lambda source, recompute: nullcontext())
-    without, grad_without, _ = alive_and_grad()
+    without, grad_without, _ = _alive_after_forward("cluster-select", 600)
     assert without - with_recompute >= 3 * x_bytes, (without, with_recompute, x_bytes)
     assert torch.equal(grad, grad_without)
