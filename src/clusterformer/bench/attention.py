@@ -80,9 +80,9 @@ class BenchConfig:
         if self.compile is not None and self.cuda_graph:
             raise ValueError("compile and cuda_graph are two ways to remove the host's overhead: time one at a time "
                              "(compile='reduce-overhead' captures CUDA graphs itself)")
-        if self.cuda_graph and not self.device.startswith("cuda"):
-            raise ValueError(f"cuda_graph needs device='cuda' (a CUDA graph replays GPU kernels); got device="
-                             f"{self.device!r}")
+        from .graphs import check_graph_device
+
+        check_graph_device(self.cuda_graph, self.device)
 
 
 def padding_mask(batch: int, length: int, padding: float):
@@ -320,7 +320,7 @@ def _graph_timings(job: dict, layer, x, pad, warmup: int, repeats: int, sync) ->
     ``graph_error`` instead where the capture or the check fails."""
     import torch
 
-    from .graphs import capture, replay_matches_eager
+    from .graphs import capture, error_line, relative_difference, replay_matches_eager, training_step
 
     result: dict = {"fwd_graph_ms": None, "fwd_bwd_graph_ms": None, "graph_check": None, "graph_error": None}
     try:
@@ -333,17 +333,15 @@ def _graph_timings(job: dict, layer, x, pad, warmup: int, repeats: int, sync) ->
         graph, static = capture(fwd)
         graph.replay()
         sync()
-        forward_check = float((static.double() - eager.double()).norm() / eager.double().norm().clamp(min=1e-30))
+        forward_check = relative_difference(static, eager)
         result["fwd_graph_ms"] = _median_ms(graph.replay, warmup, repeats, sync, True)
         del graph, static
         check = replay_matches_eager(layer, x, pad, job["causal"])
         result["graph_check"] = {"eval_output": forward_check, **check}
-        from .graphs import training_step
-
         graph, _ = capture(training_step(layer, x, pad, job["causal"]))
         result["fwd_bwd_graph_ms"] = _median_ms(graph.replay, warmup, repeats, sync, True)
     except Exception as error:  # recorded, not raised: the eager numbers above stand
-        result["graph_error"] = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        result["graph_error"] = error_line(error)
     return result
 
 

@@ -48,9 +48,9 @@ class DecodeBenchConfig:
         for name in ("batch", "heads", "head_dim", "steps", "repeats"):
             check_int(name, getattr(self, name), minimum=1)
         check_int("warmup", self.warmup, minimum=0)
-        if self.cuda_graph and not self.device.startswith("cuda"):
-            raise ValueError(f"cuda_graph needs device='cuda' (a CUDA graph replays GPU kernels); got device="
-                             f"{self.device!r}")
+        from .graphs import check_graph_device
+
+        check_graph_device(self.cuda_graph, self.device)
         for n in self.contexts:
             check_int("contexts entry", n, minimum=1)
 
@@ -121,7 +121,7 @@ def _graph_step(layer, cache, tokens, config: DecodeBenchConfig, sync) -> dict:
     median of ``repeats`` runs of ``steps`` replays. ``graph_error`` where the capture or the check fails."""
     import copy
 
-    from .graphs import capture
+    from .graphs import capture, error_line, relative_difference
 
     result: dict = {"ms_per_token_graph": None, "graph_check": None, "graph_error": None}
     try:
@@ -134,8 +134,7 @@ def _graph_step(layer, cache, tokens, config: DecodeBenchConfig, sync) -> dict:
             graph.replay()
             eager, twin = layer.step(tokens[t], twin)
             sync()
-            worst = max(worst, float((static_out.double() - eager.double()).norm()
-                                     / eager.double().norm().clamp(min=1e-30)))
+            worst = max(worst, relative_difference(static_out, eager))
         runs = []
         for r in range(config.repeats):
             sync()
@@ -147,5 +146,5 @@ def _graph_step(layer, cache, tokens, config: DecodeBenchConfig, sync) -> dict:
             runs.append((time.perf_counter() - start) * 1000 / config.steps)
         result.update(ms_per_token_graph=statistics.median(runs), graph_check=worst)
     except Exception as error:  # recorded, not raised: the eager numbers stand
-        result["graph_error"] = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        result["graph_error"] = error_line(error)
     return result

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["capture", "replay_matches_eager", "training_step"]
+__all__ = ["capture", "check_graph_device", "error_line", "relative_difference", "replay_matches_eager",
+           "training_step"]
 
 
 def training_step(layer: Any, x: Any, key_padding_mask: Any = None, causal: bool = False) -> Callable[[], Any]:
@@ -61,7 +62,19 @@ def capture(step: Callable[[], Any], warmup: int = 3) -> tuple[Any, Any]:
     return graph, result
 
 
-def _relative(a: Any, b: Any) -> float:
+def check_graph_device(cuda_graph: bool, device: str) -> None:
+    """The benchmarks' ``cuda_graph`` option: a ``ValueError`` unless the device is CUDA."""
+    if cuda_graph and not device.startswith("cuda"):
+        raise ValueError(f"cuda_graph needs device='cuda' (a CUDA graph replays GPU kernels); got device={device!r}")
+
+
+def error_line(error: Exception) -> str:
+    """An exception as one line of at most 300 characters, for a benchmark record (``graph_error``)."""
+    return " ".join(f"{type(error).__name__}: {error}".split())[:300]
+
+
+def relative_difference(a: Any, b: Any) -> float:
+    """``||a - b|| / ||b||`` in float64 (0 when both are zero)."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
@@ -107,16 +120,16 @@ def replay_matches_eager(layer: Any, x: Any, key_padding_mask: Any = None, causa
         graph.replay()
         if static_out.is_cuda:
             torch.cuda.synchronize()
-        worst["output"] = max(worst["output"], _relative(static_out, out))
-        spread["output"] = max(spread["output"], _relative(out_again, out))
+        worst["output"] = max(worst["output"], relative_difference(static_out, out))
+        spread["output"] = max(spread["output"], relative_difference(out_again, out))
         for static, grad, grad_again in zip(static_grads, grads, grads_again, strict=True):
             if (static is None) != (grad is None):
                 raise RuntimeError("the replay and the eager step disagree on which tensors get a gradient")
             if static is not None:
-                worst["grads"] = max(worst["grads"], _relative(static, grad))
-                spread["grads"] = max(spread["grads"], _relative(grad_again, grad))
+                worst["grads"] = max(worst["grads"], relative_difference(static, grad))
+                spread["grads"] = max(spread["grads"], relative_difference(grad_again, grad))
     for name, value in layer.state_dict().items():
         if torch.is_tensor(value) and value.is_floating_point():
-            worst["state"] = max(worst["state"], _relative(value, eager_state[name]))
-            spread["state"] = max(spread["state"], _relative(again_state[name], eager_state[name]))
+            worst["state"] = max(worst["state"], relative_difference(value, eager_state[name]))
+            spread["state"] = max(spread["state"], relative_difference(again_state[name], eager_state[name]))
     return {**worst, **{f"eager_{k}": v for k, v in spread.items()}}
