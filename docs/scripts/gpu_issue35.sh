@@ -2,7 +2,8 @@
 # Issue #35's device checks in one call (docs/benchmarks.md, "CUDA graphs"): run from the repository root on a
 # machine with one CUDA GPU, the image's python3 holding torch and triton, the package from src/.
 #   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_issue35.sh [STAGE ...]
-# Stages (default: all, in this order): bench32k tests bench128k decode imdb; also compile (not in the default). The second call of 2026-11-26 ran
+# Stages (default: all, in this order): bench32k tests bench128k decode imdb; also compile (COMPILE_MODES) and news
+# (20NEWS-1500, the CPU grid's configuration: NEWS, NEWS_SEEDS, NEWS_LIMIT), not in the default. The second call of 2026-11-26 ran
 # `NAMES32K=neural-clustering,kmeans,routing,cluster-select IMDB="sliding-window full" IMDB_LIMIT=200 ... bench32k
 # tests imdb`; its decode stage ran before `--cuda-graph` existed (eager only, full and neural-clustering). DATA holds imdb/ (a copy of ../shared/data/imdb) for the training-time runs. Each stage has its own
 # time limit, so one slow stage cannot starve the rest; everything lands in /tmp/gpu and is packed into
@@ -13,6 +14,9 @@ DATA=${DATA:-.gpu-data}
 NAMES32K=${NAMES32K:-full,neural-clustering,improved-clustered,lsh,cluster-select,sliding-window,kmeans,routing,clustered}
 IMDB=${IMDB:-full neural-clustering}
 IMDB_LIMIT=${IMDB_LIMIT:-75}
+NEWS=${NEWS:-full sliding-window neural-clustering}
+NEWS_SEEDS=${NEWS_SEEDS:-0}
+NEWS_LIMIT=${NEWS_LIMIT:-90}
 W=/tmp/gpu
 mkdir -p "$W"
 pack() { tar czf "$OUT/gpu.tgz" -C /tmp gpu; }
@@ -32,6 +36,9 @@ tests)
     stage "CUDA graph tests"
     timeout 90 python3 -m pytest -q -p no:cacheprovider tests/attention/test_cuda.py -k graph tests/bench/test_graphs.py \
         2>&1 | tail -25 | tee $W/pytest-graph.log ;;
+fused)
+    stage "fused kernel tests on CUDA"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_fused_kernel.py 2>&1 | tail -8 | tee $W/pytest-fused.log ;;
 bench128k)
     stage "bench attention 128k, eager and CUDA graphs"
     timeout 80 python3 -m clusterformer bench attention --device cuda --dtype bf16 --lengths 131072 --cuda-graph \
@@ -39,7 +46,7 @@ bench128k)
         2>&1 | tee $W/bench-graph-128k.log ;;
 compile)
     stage "bench attention 32k under torch.compile"
-    for mode in reduce-overhead max-autotune-no-cudagraphs; do
+    for mode in ${COMPILE_MODES:-reduce-overhead max-autotune-no-cudagraphs}; do
         timeout 150 python3 -m clusterformer bench attention --device cuda --dtype bf16 --lengths 32768 \
             --compile $mode --names full,neural-clustering --repeats 10 --warmup 3 --json $W/bench-compile-$mode.json \
             2>&1 | tee $W/bench-compile-$mode.log
@@ -59,6 +66,16 @@ imdb)
         pack
     done
     grep -h "seconds_per_epoch\|accuracy\|peak_device_mb" $W/imdb-4k-gpu/imdb/*/seed0/metrics.json 2>/dev/null ;;
+news)
+    stage "20NEWS-1500 training time on the GPU (seeds $NEWS_SEEDS: $NEWS)"
+    for name in $NEWS; do
+        timeout "$NEWS_LIMIT" python3 -m clusterformer compare --tasks 20news --attention "$name" --seeds "$NEWS_SEEDS" \
+            --out $W/20news-1500-gpu -- --max-len 1500 --max-steps 500 --dim 64 --depth 2 --heads 4 --batch-size 8 \
+            --lr 5e-3 --warmup-steps 100 --checkpoint-every 100 --data-dir "$DATA" 2>&1 | tail -4
+        find $W/20news-1500-gpu -name "*.pt" -delete
+        pack
+    done
+    grep -h "seconds_per_epoch\|accuracy\|peak_device_mb" $W/20news-1500-gpu/20news/*/seed*/metrics.json 2>/dev/null ;;
 *) echo "unknown stage $s"; exit 2 ;;
 esac; pack; done
 stage "done"

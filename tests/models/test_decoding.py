@@ -4,6 +4,8 @@ with prompts of different lengths in one batch; generation with and without the 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -216,11 +218,11 @@ def test_one_softmax_over_two_key_sets_with_an_empty_row():
 
 
 # What a CUDA graph of a decoding step needs (bench decode --cuda-graph replays one): every tensor of the cache keeps
-# its memory from step to step (updates in place), and the step reads nothing back to the host. Not here: full (its
-# KV cache grows), lsh and the random groupings (each step draws a number on the host from the layer's generator;
-# in evaluation that number is the same every step, but this check cannot tell a host draw from a device read).
-GRAPH_SAFE = [(name, options) for name, options in STRICT if name not in ("full", "lsh")
-              and options.get("grouping") != "random"]
+# its memory from step to step (updates in place), and the step reads nothing back to the host. Full's KV cache
+# grows, so it is checked after ``reserve`` (a static cache). Not here: lsh and the random groupings (each step draws
+# a number on the host from the layer's generator; in evaluation that number is the same every step, but this
+# check cannot tell a host draw from a device read).
+GRAPH_SAFE = [(name, options) for name, options in STRICT if name != "lsh" and options.get("grouping") != "random"]
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
 
@@ -245,6 +247,7 @@ def test_a_decoding_step_updates_its_cache_in_place_without_host_reads(name, opt
     with torch.no_grad():
         _, cache = layer.prefill(torch.randn(2, 90, 24))  # long enough that every ring is at its full size
         _, cache = layer.step(torch.randn(2, 24), cache)
+        cache.reserve(4)
         before, lengths = _cache_tensors(cache), cache.lengths.clone()
 
         def refuse(self, *args, **kwargs):
@@ -258,3 +261,24 @@ def test_a_decoding_step_updates_its_cache_in_place_without_host_reads(name, opt
                 assert stepped is cache
         assert _cache_tensors(cache) == before
         assert torch.equal(cache.lengths, lengths + 4)  # the steps did advance it, in place
+
+
+def test_a_reserved_kv_cache_steps_as_the_growing_one():
+    """Full attention's static cache (``reserve``, for CUDA graphs) gives the growing cache's outputs, over
+    sequences of different lengths, and refuses a negative reservation."""
+    torch.manual_seed(78)
+    layer = build("full", dim=24, heads=3).eval().double()
+    mask = torch.zeros(2, 21, dtype=torch.bool)
+    mask[1, 13:] = True  # padding: the second prompt is 13 tokens
+    tokens = torch.randn(40, 2, 24, dtype=torch.float64)
+    with torch.no_grad():
+        _, growing = layer.prefill(torch.randn(2, 21, 24, dtype=torch.float64), key_padding_mask=mask)
+        static = copy.deepcopy(growing)
+        static.reserve(40)
+        assert static.keys.shape[2] == 21 + 40  # the longest sequence plus the reservation, not the doubled capacity
+        for t in range(40):  # the growing cache doubles past 42 slots on the way
+            expected, growing = layer.step(tokens[t], growing)
+            out, static = layer.step(tokens[t], static)
+            torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="tokens"):
+        static.reserve(-1)

@@ -116,15 +116,17 @@ def run_decode_benchmark(config: DecodeBenchConfig, progress: Callable[[str], No
 
 
 def _graph_step(layer, cache, tokens, config: DecodeBenchConfig, sync) -> dict:
-    """The decoding step captured in a CUDA graph (its cache updated in place, as tests/models/test_decoding.py
-    checks for the mechanisms that allow it): three replays against eager steps on a copy of the cache, then the
-    median of ``repeats`` runs of ``steps`` replays. ``graph_error`` where the capture or the check fails."""
+    """The decoding step captured in a CUDA graph (its cache updated in place and, for full attention, reserved to a
+    fixed capacity first, as tests/models/test_decoding.py checks for the mechanisms that allow it): three replays
+    against eager steps on a copy of the cache, then the median of ``repeats`` runs of ``steps`` replays.
+    ``graph_error`` where the capture or the check fails."""
     import copy
 
     from .graphs import capture, error_line, relative_difference
 
     result: dict = {"ms_per_token_graph": None, "graph_check": None, "graph_error": None}
     try:
+        cache.reserve(6 + config.repeats * config.steps)  # capture warm-up, checks, timed replays: no growth
         static = tokens[0].clone()
         graph, static_out = capture(lambda: layer.step(static, cache)[0])
         twin = copy.deepcopy(cache)  # the same state: eager steps on it, replays on the graph's own cache

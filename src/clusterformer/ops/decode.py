@@ -89,6 +89,13 @@ class DecodeCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` more steps of every sequence, so that those steps read no host value and
+        allocate nothing (what capturing a step in a CUDA graph needs). The fixed-size caches need nothing;
+        :class:`KVCache` overrides it."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+
     def memory_bytes(self) -> int:
         """Bytes held by the cache's tensors."""
         return sum(v.numel() * v.element_size() for f in dataclasses.fields(self)
@@ -99,10 +106,13 @@ class DecodeCache:
 @dataclass
 class KVCache(DecodeCache):
     """Every key and value so far: keys/values (B, H, capacity, D); slots >= lengths[b] are unused.
-    The capacity doubles when full, so appending is amortised O(1) copies per token."""
+    The capacity doubles when full, so appending is amortised O(1) copies per token. After :meth:`reserve`
+    the capacity is fixed: a step reads every slot under a mask and no host value (a static cache, as
+    CUDA-graph decoding needs) until the reserved room is used; stepping beyond it is the caller's error."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    static: bool = False  # set by reserve(): fixed capacity, no host read per step
 
     @classmethod
     def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None) -> KVCache:
@@ -115,21 +125,33 @@ class KVCache(DecodeCache):
         keys[:, :, :N], values[:, :, :N] = k, v
         return cls(lengths, keys, values)
 
+    def reserve(self, tokens: int) -> None:
+        """Fix the capacity at the longest sequence plus ``tokens`` (one copy now, none per step)."""
+        super().reserve(tokens)
+        capacity = int(self.lengths.max()) + tokens
+        if capacity != self.keys.shape[2]:
+            keep = min(capacity, self.keys.shape[2])
+            keys = self.keys.new_zeros(*self.keys.shape[:2], capacity, self.keys.shape[-1])
+            values = torch.zeros_like(keys)
+            keys[:, :, :keep], values[:, :, :keep] = self.keys[:, :, :keep], self.values[:, :, :keep]
+            self.keys, self.values = keys, values
+        self.static = True
+
     def append(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
         """k_t, v_t (B, H, D): each sequence's new key and value, at its own position ``lengths[b]``."""
         B = self.batch_size
-        if int(self.lengths.max()) + 1 > self.keys.shape[2]:
+        if not self.static and int(self.lengths.max()) + 1 > self.keys.shape[2]:
             grow = self.keys.shape[2]
             self.keys = torch.cat([self.keys, torch.zeros_like(self.keys[:, :, :grow])], dim=2)
             self.values = torch.cat([self.values, torch.zeros_like(self.values[:, :, :grow])], dim=2)
         batch = torch.arange(B, device=k_t.device)
         self.keys[batch, :, self.lengths] = k_t
         self.values[batch, :, self.lengths] = v_t
-        self.lengths = self.lengths + 1
+        self.lengths += 1  # in place: a captured step advances the cache it was captured on
 
     def attend(self, q_t: torch.Tensor) -> torch.Tensor:
         """q_t (B, H, D) against every cached key of its sequence -> (B, H, D) (after :meth:`append`)."""
-        used = int(self.lengths.max())
+        used = self.keys.shape[2] if self.static else int(self.lengths.max())
         allowed = torch.arange(used, device=q_t.device) < self.lengths.unsqueeze(1)  # (B, used)
         out, _ = attend_allowed(q_t, self.keys[:, :, :used], self.values[:, :, :used], allowed.unsqueeze(1),
                                 q_t.shape[-1] ** -0.5)

@@ -122,7 +122,7 @@ if triton is not None:
             v = tl.load(V + n[:, None] * stride_vm + h * stride_vh + d[None, :], mask=kv_mask, other=0.0)
             allowed = _allowed(n, n_ok, self_row, m_ok, KEY_OK, POS, GRP, m_ok,
                                HAS_POS, HAS_GRP, EXCLUDE_SELF, False)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
+            s = (tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale).to(ACC)
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at zero
@@ -142,7 +142,7 @@ if triton is not None:
                              mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             v_self = tl.load(V + self_row[:, None] * stride_vm + h * stride_vh + d[None, :],
                              mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            s_self = tl.sum(q.to(ACC) * k_self.to(ACC), 1) * scale
+            s_self = (tl.sum(q.to(ACC) * k_self.to(ACC), 1) * scale).to(ACC)
             out = tl.where(fallback[:, None], v_self.to(ACC), out)
             lse = tl.where(fallback, s_self, lse)
             tl.store(SELF_ONLY + q_row * H + h, fallback.to(tl.int8), mask=m_ok)
@@ -183,12 +183,12 @@ if triton is not None:
             v = tl.load(V + n[:, None] * stride_vm + h * stride_vh + d[None, :], mask=kv_mask, other=0.0)
             allowed = _allowed(n, n_ok, self_row, m_ok, KEY_OK, POS, GRP, self_only,
                                HAS_POS, HAS_GRP, EXCLUDE_SELF, True)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
+            s = (tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale).to(ACC)
             p = tl.exp(tl.where(allowed, s, float("-inf")) - lse[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
-        dq = dq * scale
+        dq = (dq * scale).to(ACC)
         tl.store(DQ + q_row[:, None] * stride_gm + h * stride_gh + d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=qd_mask)
 
@@ -236,13 +236,13 @@ if triton is not None:
                     self_only = tl.load(SELF_ONLY + q_row * H + h, mask=m_ok, other=0) != 0
                 allowed = _allowed(n, n_in, self_row, m_ok, KEY_OK, POS, GRP, self_only,
                                    HAS_POS, HAS_GRP, EXCLUDE_SELF, True)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale
+                s = (tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale).to(ACC)
                 p = tl.exp(tl.where(allowed, s, float("-inf")) - lse[:, None])
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION, out_dtype=ACC)
                 dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
                 ds = p * (dp - delta[:, None])
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION, out_dtype=ACC)
-        dk = dk * scale
+        dk = (dk * scale).to(ACC)
         g_rows = n[:, None] * stride_gm + h * stride_gh + d[None, :]  # dK and dV share a contiguous layout
         tl.store(DK + g_rows, dk.to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(DV + g_rows, dv.to(DV.dtype.element_ty), mask=kv_mask)
