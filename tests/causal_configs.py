@@ -38,6 +38,10 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
                         "selection": "summaries", "grouping": "position", "page_size": 3}),
     ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "summaries": True,
                         "selection": "summaries", "grouping": "random"}),
+    ("cluster-select", {"num_clusters": 2, "select": 2, "cluster_keys": 2, "window": 4, "position_splits": 3,
+                        "split_size": 5}),
+    ("cluster-select", {"num_clusters": 2, "select": 1, "cluster_keys": 3, "window": 6, "position_splits": 2,
+                        "split_size": 7, "kernel": "banded"}),
     ("sliding-window", {"window": 8, "stride": 3}),
     ("sliding-window", {"window": 6, "stride": 6}),
 ]

@@ -46,6 +46,9 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
                                                              "window": 4, "summaries": True,
                                                              "selection": "summaries", "grouping": "random"},
                                              {"summaries": True, "selection": "summaries", "grouping": "random"}),
+            "cluster-select+position-splits": ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2,
+                                                               "window": 4, "position_splits": 2, "split_size": 5},
+                                               {"position_splits": 4, "split_size": 64}),
             "cluster-select+balance": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
                                                        "window": 4, "balance": 0.5},
                                        {"balance": 0.5}),  # one training step moves every cluster's bias by 0.5

@@ -359,14 +359,19 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     definition: the window, the selected clusters' nearest members outside it, and one summary per cluster of its
     other members outside the window (mean key, mean value, logit q . mean / sqrt(D) + log n), in one softmax.
     ``selection="summaries"`` ranks the clusters by that logit over all their members outside the window;
-    ``grouping="position"`` puts position j in group (j // cluster_keys) mod num_clusters."""
+    ``grouping="position"`` puts position j in group (j // cluster_keys) mod num_clusters; ``position_splits`` R puts
+    key j of cluster c in group c R + (j // split_size) mod R."""
     o = layer.options
     H, N, D = q.shape
+    groups = o.num_clusters * o.position_splits
     outputs = []
     for h in range(H):
         mu = layer.inner.centroids[h]
         if o.grouping == "kmeans":
             ids = _key_clusters(layer, k[h], h)
+            if o.position_splits > 1:
+                ids = torch.tensor([int(ids[j]) * o.position_splits + (j // o.split_size) % o.position_splits
+                                    for j in range(N)])
         elif o.grouping == "position":  # pages
             ids = torch.arange(N) // (o.page_size or o.cluster_keys) % o.num_clusters
         else:  # "random": floor(C h(j) / 2^32), h(j) = (j + 1) 2654435761 mod 2^32, one position at a time
@@ -376,7 +381,7 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
             window = [j for j in (range(t - o.window + 1, t + 1) if causal else
                                   range(t - o.window // 2, t + o.window // 2)) if 0 <= j < N and real[j]]
             outside = [j for j in range(N) if real[j] and j not in window and (not causal or j <= t - o.window)]
-            members = {c: [j for j in outside if ids[j] == c] for c in range(o.num_clusters)}
+            members = {c: [j for j in outside if ids[j] == c] for c in range(groups)}
 
             def logit(js):
                 return float(q[h, t] @ k[h, js].mean(0)) / math.sqrt(D) + math.log(len(js))
@@ -415,7 +420,7 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize(("selection", "grouping"), [("scores", "kmeans"), ("summaries", "kmeans"),
                                                     ("summaries", "position"), ("summaries", "position-5"),
-                                                    ("summaries", "random")])
+                                                    ("summaries", "random"), ("summaries", "kmeans-split")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel,
@@ -424,9 +429,10 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     definition names, one query at a time: every key outside the window counts once, alone or in its cluster's
     summary; padding in no summary. ``balance_bias``: a layer with option ``balance`` and that bias (H, C)."""
     pages = {"page_size": 5} if grouping == "position-5" else {}  # pages longer than cluster_keys
-    grouping = grouping.removesuffix("-5")
+    splits = {"position_splits": 2, "split_size": 4} if grouping == "kmeans-split" else {}  # clusters cut in spans
+    grouping = grouping.removesuffix("-5").removesuffix("-split")
     layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
-                   grouping=grouping, **pages, **({} if balance_bias is None else {"balance": 0.1}))
+                   grouping=grouping, **pages, **splits, **({} if balance_bias is None else {"balance": 0.1}))
     if balance_bias is not None:
         layer.inner.balance_bias.copy_(balance_bias)
     B = 3
@@ -449,6 +455,10 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
         torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
     if N > 6:
         assert (y - plain(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "summaries must count"
+    if splits and N > 6:  # the spans must split some cluster of the case, so that the groups differ from the clusters
+        whole = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection)
+        whole.load_state_dict(layer.state_dict())
+        assert (y - whole(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "the spans must count"
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 5])
@@ -522,6 +532,20 @@ def test_cluster_select_summaries_options():
         ClusterSelectOptions(page_size=8)
     with pytest.raises(ValueError, match="summaries"):
         ClusterSelectOptions(num_clusters=16, summaries=True).for_budget(18, 1024)
+    # position_splits: num_clusters x position_splits groups, each with its summary in the budget
+    split = ClusterSelectOptions(num_clusters=8, position_splits=4, split_size=128, select=4, cluster_keys=24,
+                                 window=32)
+    assert split.num_groups == 32 and split.keys_per_query(1024) == 32 + 4 * 24 + 32
+    assert split.for_budget(256, 1024) == {"window": 112, "cluster_keys": 28}
+    assert ClusterSelectOptions(num_clusters=4, position_splits=2, split_size=8, select=8).select == 8
+    for bad, message in (({"position_splits": 2}, "split_size"), ({"split_size": 8}, "position_splits > 1"),
+                         ({"position_splits": 0}, "position_splits"),
+                         ({"position_splits": 2, "split_size": 8, "summaries": False}, "selection='summaries'"),
+                         ({"position_splits": 2, "split_size": 8, "grouping": "position"}, "grouping='kmeans'"),
+                         ({"num_clusters": 4, "position_splits": 2, "split_size": 8, "select": 9},
+                          "x position_splits")):
+        with pytest.raises(ValueError, match=message):
+            ClusterSelectOptions(**bad)
 
 
 @pytest.mark.parametrize(("N", "options"), [

@@ -112,7 +112,7 @@ class ClusterSelectOptions(SeededOptions):
             num_clusters * page_size >= N every group is one page.
         summaries: also read one summary per cluster (its members outside the window that are not read alone: mean
             key, mean value, logit + log n) in the same softmax -- NSA's compressed branch with clusters for blocks:
-            every cluster gets the task's gradient, not only the selected ones. Adds num_clusters keys per query.
+            every cluster gets the task's gradient, not only the selected ones. Adds num_groups keys per query.
             On by default since the sixth session of issue #31: on causal MQAR at 64 keys per query, without them
             no seed of two learned recall in 2,000 steps; with them two of three from scratch by 4,000 steps, and
             both seeds tried (0.998, 0.997) after a dense warm-up (docs/results.md). ``summaries=False`` is the
@@ -125,6 +125,16 @@ class ClusterSelectOptions(SeededOptions):
             bias is a buffer (``balance_bias``, (H, C)), fixed in evaluation and decoding, so a key's cluster still
             depends on the key alone. Off by default: on the passkey at N = 1,024 (three seeds, fourteenth session
             of issue #31) it spread the clusters but left the accuracy level with the plain nearest centroid.
+        position_splits: grouping="kmeans": split every key cluster by position into this many groups (1, the
+            default: no split). Key j's group is c * position_splits + (j // split_size) mod position_splits, c its
+            cluster: the members of one cluster in one span of ``split_size`` positions (the spans wrap around
+            after position_splits of them). There are then num_clusters * position_splits groups, each with its
+            summary, and a query selects groups: a large cluster becomes several small groups, so a selected
+            group's ``cluster_keys`` most recent members reach back to a distant key of that cluster, which the
+            whole cluster's most recent members do not (the passkey's misses, fifteenth session of issue #31).
+            The group depends on the key and its position alone (strict causality and prefix invariance hold).
+            Needs selection="summaries" (the centroids cannot score a group's span).
+        split_size: positions per span of ``position_splits`` (required with position_splits > 1).
     """
 
     num_clusters: int = 16
@@ -138,13 +148,24 @@ class ClusterSelectOptions(SeededOptions):
     grouping: str = "kmeans"
     page_size: int = 0
     balance: float = 0.0
+    position_splits: int = 1
+    split_size: int = 0
+
+    @property
+    def num_groups(self) -> int:
+        """The groups the keys fall into: num_clusters * position_splits (each with one summary)."""
+        return self.num_clusters * self.position_splits
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("num_clusters", self.num_clusters, minimum=1)
         check_int("select", self.select, minimum=1)
-        if self.select > self.num_clusters:
-            raise ValueError(f"select must be at most num_clusters={self.num_clusters}; got {self.select}")
+        check_int("position_splits", self.position_splits, minimum=1)
+        check_int("split_size", self.split_size, minimum=0)
+        if self.select > self.num_groups:
+            raise ValueError(f"select must be at most num_clusters={self.num_clusters}"
+                             + (f" x position_splits={self.position_splits}" if self.position_splits > 1 else "")
+                             + f"; got {self.select}")
         check_int("cluster_keys", self.cluster_keys, minimum=1)
         check_int("window", self.window, minimum=2)
         if self.window % 2:
@@ -170,23 +191,34 @@ class ClusterSelectOptions(SeededOptions):
                              f"(got {self.grouping!r})")
         if self.selection == "summaries" and not self.summaries:
             raise ValueError("selection='summaries' ranks clusters by the summaries' logits: set summaries=True")
+        if self.position_splits > 1:
+            if self.grouping != "kmeans":
+                raise ValueError(f"position_splits={self.position_splits} splits the centroids' clusters: it needs "
+                                 f"grouping='kmeans' (got {self.grouping!r})")
+            if self.selection != "summaries":
+                raise ValueError(f"position_splits={self.position_splits} needs selection='summaries' (and "
+                                 f"summaries=True): the centroids cannot score a group's span of positions")
+            if not self.split_size:
+                raise ValueError(f"position_splits={self.position_splits} needs split_size, the positions per span")
+        elif self.split_size:
+            raise ValueError(f"split_size={self.split_size} needs position_splits > 1")
 
     def keys_per_query(self, length: int, causal: bool = False) -> int:
         check_int("length", length, minimum=1)
-        summaries = self.num_clusters if self.summaries else 0  # each summary is one more key in the softmax
+        summaries = self.num_groups if self.summaries else 0  # each summary is one more key in the softmax
         return min(length, self.window + self.select * self.cluster_keys + summaries)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
-        """The summaries' num_clusters keys first; of the rest, half (rounded down to even) to the window and the
+        """The summaries' num_groups keys first; of the rest, half (rounded down to even) to the window and the
         others shared by the ``select`` clusters."""
         check_int("keys", keys, minimum=1)
         if self.summaries:
-            keys -= self.num_clusters
+            keys -= self.num_groups
         window = max(2, keys // 4 * 2)
         cluster_keys = (keys - window) // self.select
         if cluster_keys < 1:
             raise ValueError(f"keys={keys} leaves no key for each of the select={self.select} clusters beside a "
-                             f"window of {window}" + (f" and {self.num_clusters} summaries" if self.summaries else ""))
+                             f"window of {window}" + (f" and {self.num_groups} summaries" if self.summaries else ""))
         return {"window": window, "cluster_keys": cluster_keys}
 
 
@@ -212,8 +244,9 @@ class ClusterSelectAttention(InnerAttention):
         o = self.options
         B, H, N, _ = q.shape
         real = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N)
+        positions = torch.arange(N, device=q.device)
         if o.grouping != "kmeans":  # the ablations: groups fixed by the position
-            ids = self._assign(k, torch.arange(N, device=q.device))
+            ids = self._assign(k, positions)
             publish_losses({"commitment": q.new_zeros(())})
         else:
             unit = F.normalize(k, dim=-1)
@@ -221,19 +254,20 @@ class ClusterSelectAttention(InnerAttention):
             follow_tokens(self, unit, ids, real, o.decay)  # the commitment loss and the EMA centroids, as routing's
             if o.balance and self.updates_state():
                 self.pending["balance_bias"] = balance_step(self.balance_bias, ids, real, o.balance)
+            ids = self._split(ids, positions)  # the groups (the clusters themselves without position_splits)
         publish_groups(self, ids)
         if self.dense_training and self.training:  # train --dense-warmup-steps
             allowed = AttentionMask(key_padding_mask, causal).allowed(N, N, q.device)
             return masked_sdpa(q, k, v, allowed, dropout_p=self.dropout_p)
-        key_ids = ids.masked_fill(~real, o.num_clusters)
-        layout = cluster_layout(key_ids, num_clusters=o.num_clusters, window=o.window, causal=causal)
+        key_ids = ids.masked_fill(~real, o.num_groups)
+        layout = cluster_layout(key_ids, num_clusters=o.num_groups, window=o.window, causal=causal)
         kernel = resolve_kernel(o.kernel, N)  # one choice for the selection and the attention
         band = None  # the banded kernel's chunk bands, built once for the summaries' selection and the attention
         if kernel == "banded":
-            band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, key_padding_mask, num_clusters=o.num_clusters,
+            band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, key_padding_mask, num_clusters=o.num_groups,
                               window=o.window, causal=causal, summaries=o.summaries)
         selected = self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel, band)
-        return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_clusters,
+        return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_groups,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
                                           kernel=kernel, summaries=o.summaries, layout=layout, band=band)
@@ -273,14 +307,24 @@ class ClusterSelectAttention(InnerAttention):
         hashed = ((positions + 1) * 2654435761) % (1 << 32)
         return (hashed * self.options.num_clusters) >> 32
 
+    def _split(self, clusters: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Option ``position_splits`` (R): key clusters (B, H, ...) at ``positions`` -> their groups
+        c R + (j // split_size) mod R (the clusters themselves when R = 1)."""
+        o = self.options
+        if o.position_splits == 1:
+            return clusters
+        spans = torch.div(positions, o.split_size, rounding_mode="floor") % o.position_splits
+        return clusters * o.position_splits + spans
+
     def _assign(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys (B, H, ..., D) at ``positions`` (broadcasting to (B, H, ...)) -> their groups (B, H, ...): the page of
-        the position (grouping="position"), its hashed group ("random") or the nearest centroid of the key."""
+        the position (grouping="position"), its hashed group ("random") or the nearest centroid of the key (split
+        by position with ``position_splits``)."""
         if self.options.grouping == "position":
             return self._pages(positions).expand(k.shape[:-1])
         if self.options.grouping == "random":
             return self._hashed_groups(positions).expand(k.shape[:-1])
-        return self._nearest(F.normalize(k, dim=-1))
+        return self._split(self._nearest(F.normalize(k, dim=-1)), positions)
 
     def _select(self, q: torch.Tensor) -> torch.Tensor:
         """Queries (B, H, ..., D) -> the ``select`` clusters of largest q . mu, (B, H, ..., S)."""
@@ -290,7 +334,7 @@ class ClusterSelectAttention(InnerAttention):
     def _random_selection(self, B: int, H: int, N: int, device: torch.device, start: int = 0) -> torch.Tensor:
         """``select`` distinct clusters per (position, head): the top of hashed scores (Knuth's multiplicative hash of
         position, head, cluster and one draw), (B, H, N, S) for positions start..start + N - 1."""
-        C = self.options.num_clusters
+        C = self.options.num_groups
         draw = int(torch.randint(0, 2**30, (1,), generator=self.draw_generator()))
         position = torch.arange(start, start + N, device=device)[:, None, None]
         head = torch.arange(H, device=device)[None, :, None]
@@ -304,7 +348,7 @@ class ClusterSelectAttention(InnerAttention):
                    key_padding_mask: torch.Tensor | None) -> SelectionCache:
         o = self.options
         ids = self._assign(k, torch.arange(k.shape[2], device=k.device))
-        return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.num_clusters, o.cluster_keys, o.window)
+        return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.num_groups, o.cluster_keys, o.window)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache
              ) -> tuple[torch.Tensor, SelectionCache]:
@@ -319,4 +363,6 @@ class ClusterSelectAttention(InnerAttention):
     def extra_repr(self) -> str:
         o = self.options
         return (f"num_clusters={o.num_clusters}, select={o.select}, cluster_keys={o.cluster_keys}, "
-                f"window={o.window}" + (f", balance={o.balance}" if o.balance else ""))
+                f"window={o.window}" + (f", balance={o.balance}" if o.balance else "")
+                + (f", position_splits={o.position_splits}, split_size={o.split_size}"
+                   if o.position_splits > 1 else ""))
