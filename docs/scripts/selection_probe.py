@@ -36,8 +36,8 @@ def selection_probe(run: str) -> list[str]:
         model(ids)
     rows = torch.arange(ids.shape[0]).unsqueeze(1)
     lines = []
-    for layer, (module, g) in enumerate(groups.items()):  # g: (B, H, N) key clusters
-        C, S = module.options.num_clusters, module.options.select
+    for layer, (module, g) in enumerate(groups.items()):  # g: (B, H, N) key groups (the clusters, or their spans)
+        C, S = module.options.num_groups, module.options.select  # groups: the clusters, split with position_splits
         shares = [torch.bincount(g[:, h].reshape(-1), minlength=C).sort(descending=True).values[:3] / g[:, h].numel()
                   for h in range(g.shape[1])]
         value_cluster = g.permute(0, 2, 1)[rows, sources]  # (B, Q, H)

@@ -369,13 +369,13 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
         mu = layer.inner.centroids[h]
         if o.grouping == "kmeans":
             ids = _key_clusters(layer, k[h], h)
-            if o.position_splits > 1:
-                ids = torch.tensor([int(ids[j]) * o.position_splits + (j // o.split_size) % o.position_splits
-                                    for j in range(N)])
         elif o.grouping == "position":  # pages
             ids = torch.arange(N) // (o.page_size or o.cluster_keys) % o.num_clusters
         else:  # "random": floor(C h(j) / 2^32), h(j) = (j + 1) 2654435761 mod 2^32, one position at a time
             ids = torch.tensor([((j + 1) * 2654435761 % 2**32) * o.num_clusters // 2**32 for j in range(N)])
+        if o.position_splits > 1:
+            ids = torch.tensor([int(ids[j]) * o.position_splits + (j // o.split_size) % o.position_splits
+                                for j in range(N)])
         out = torch.zeros(N, D, dtype=q.dtype)
         for t in range(N):
             window = [j for j in (range(t - o.window + 1, t + 1) if causal else
@@ -420,7 +420,8 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize(("selection", "grouping"), [("scores", "kmeans"), ("summaries", "kmeans"),
                                                     ("summaries", "position"), ("summaries", "position-5"),
-                                                    ("summaries", "random"), ("summaries", "kmeans-split")])
+                                                    ("summaries", "random"), ("summaries", "kmeans-split"),
+                                                    ("summaries", "random-split")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel,
@@ -429,7 +430,7 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     definition names, one query at a time: every key outside the window counts once, alone or in its cluster's
     summary; padding in no summary. ``balance_bias``: a layer with option ``balance`` and that bias (H, C)."""
     pages = {"page_size": 5} if grouping == "position-5" else {}  # pages longer than cluster_keys
-    splits = {"position_splits": 2, "split_size": 4} if grouping == "kmeans-split" else {}  # clusters cut in spans
+    splits = {"position_splits": 2, "split_size": 4} if grouping.endswith("-split") else {}  # clusters cut in spans
     grouping = grouping.removesuffix("-5").removesuffix("-split")
     layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
                    grouping=grouping, **pages, **splits, **({} if balance_bias is None else {"balance": 0.1}))
@@ -456,7 +457,8 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     if N > 6:
         assert (y - plain(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "summaries must count"
     if splits and N > 6:  # the spans must split some cluster of the case, so that the groups differ from the clusters
-        whole = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection)
+        whole = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
+                       grouping=grouping)
         whole.load_state_dict(layer.state_dict())
         assert (y - whole(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "the spans must count"
 
@@ -542,6 +544,8 @@ def test_cluster_select_summaries_options():
                          ({"position_splits": 0}, "position_splits"),
                          ({"position_splits": 2, "split_size": 8, "summaries": False}, "selection='summaries'"),
                          ({"position_splits": 2, "split_size": 8, "grouping": "position"}, "grouping='kmeans'"),
+                         ({"position_splits": 2, "split_size": 8, "grouping": "random", "summaries": False,
+                           "selection": "random"}, "selection='summaries'"),
                          ({"num_clusters": 4, "position_splits": 2, "split_size": 8, "select": 9},
                           "x position_splits")):
         with pytest.raises(ValueError, match=message):

@@ -125,15 +125,15 @@ class ClusterSelectOptions(SeededOptions):
             bias is a buffer (``balance_bias``, (H, C)), fixed in evaluation and decoding, so a key's cluster still
             depends on the key alone. Off by default: on the passkey at N = 1,024 (three seeds, fourteenth session
             of issue #31) it spread the clusters but left the accuracy level with the plain nearest centroid.
-        position_splits: grouping="kmeans": split every key cluster by position into this many groups (1, the
-            default: no split). Key j's group is c * position_splits + (j // split_size) mod position_splits, c its
-            cluster: the members of one cluster in one span of ``split_size`` positions (the spans wrap around
-            after position_splits of them). There are then num_clusters * position_splits groups, each with its
-            summary, and a query selects groups: a large cluster becomes several small groups, so a selected
-            group's ``cluster_keys`` most recent members reach back to a distant key of that cluster, which the
-            whole cluster's most recent members do not (the passkey's misses, fifteenth session of issue #31).
-            The group depends on the key and its position alone (strict causality and prefix invariance hold).
-            Needs selection="summaries" (the centroids cannot score a group's span).
+        position_splits: grouping="kmeans" (or "random", its control): split every key cluster by position into this
+            many groups (1, the default: no split). Key j's group is c * position_splits + (j // split_size) mod
+            position_splits, c its cluster: the members of one cluster in one span of ``split_size`` positions (the
+            spans wrap around after position_splits of them). There are then num_clusters * position_splits groups, each
+            with its summary, and a query selects groups: a large cluster becomes several small groups, so a selected
+            group's ``cluster_keys`` most recent members reach back to a distant key of that cluster, which the whole
+            cluster's most recent members do not (the passkey's misses, fifteenth session of issue #31). The group
+            depends on the key and its position alone (strict causality and prefix invariance hold). Needs
+            selection="summaries" (the centroids cannot score a group's span).
         split_size: positions per span of ``position_splits`` (required with position_splits > 1).
     """
 
@@ -192,9 +192,9 @@ class ClusterSelectOptions(SeededOptions):
         if self.selection == "summaries" and not self.summaries:
             raise ValueError("selection='summaries' ranks clusters by the summaries' logits: set summaries=True")
         if self.position_splits > 1:
-            if self.grouping != "kmeans":
-                raise ValueError(f"position_splits={self.position_splits} splits the centroids' clusters: it needs "
-                                 f"grouping='kmeans' (got {self.grouping!r})")
+            if self.grouping == "position":
+                raise ValueError(f"position_splits={self.position_splits} splits content clusters by position: it "
+                                 f"needs grouping='kmeans' or its control 'random' (got {self.grouping!r})")
             if self.selection != "summaries":
                 raise ValueError(f"position_splits={self.position_splits} needs selection='summaries' (and "
                                  f"summaries=True): the centroids cannot score a group's span of positions")
@@ -323,7 +323,7 @@ class ClusterSelectAttention(InnerAttention):
         if self.options.grouping == "position":
             return self._pages(positions).expand(k.shape[:-1])
         if self.options.grouping == "random":
-            return self._hashed_groups(positions).expand(k.shape[:-1])
+            return self._split(self._hashed_groups(positions), positions).expand(k.shape[:-1])
         return self._split(self._nearest(F.normalize(k, dim=-1)), positions)
 
     def _select(self, q: torch.Tensor) -> torch.Tensor:
