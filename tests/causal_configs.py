@@ -40,6 +40,8 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
                         "selection": "summaries", "grouping": "random"}),
     ("cluster-select", {"num_clusters": 2, "select": 2, "cluster_keys": 2, "window": 4, "position_splits": 3,
                         "split_size": 5}),
+    ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "position_splits": 2,
+                        "split_size": 5, "split_selection": "clusters"}),
     ("cluster-select", {"num_clusters": 2, "select": 1, "cluster_keys": 3, "window": 6, "position_splits": 2,
                         "split_size": 7, "kernel": "banded"}),
     ("cluster-select", {"num_clusters": 2, "select": 2, "cluster_keys": 2, "window": 4, "position_splits": 2,

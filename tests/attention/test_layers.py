@@ -390,8 +390,14 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                 ranking = torch.tensor([logit(members[c]) if members[c] else -math.inf for c in members])
             else:
                 ranking = q[h, t] @ mu.T
+            chosen_groups = ranking.topk(o.select).indices.tolist()
+            if o.split_selection == "clusters":  # clusters by the log-sum-exp of their spans, then the best span
+                R = o.position_splits
+                spans = [ranking[c * R:(c + 1) * R] for c in range(o.num_clusters)]
+                best = torch.stack([torch.logsumexp(span, 0) for span in spans]).topk(o.select).indices.tolist()
+                chosen_groups = [c * R + int(spans[c].argmax()) for c in best]
             read = list(window)
-            for c in ranking.topk(o.select).indices.tolist():
+            for c in chosen_groups:
                 if causal:
                     chosen = members[c][-o.cluster_keys:]
                 else:
@@ -421,7 +427,8 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
 @pytest.mark.parametrize(("selection", "grouping"), [("scores", "kmeans"), ("summaries", "kmeans"),
                                                     ("summaries", "position"), ("summaries", "position-5"),
                                                     ("summaries", "random"), ("summaries", "kmeans-split"),
-                                                    ("summaries", "random-split")])
+                                                    ("summaries", "random-split"),
+                                                    ("summaries", "kmeans-split-clusters")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel,
@@ -430,8 +437,10 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     definition names, one query at a time: every key outside the window counts once, alone or in its cluster's
     summary; padding in no summary. ``balance_bias``: a layer with option ``balance`` and that bias (H, C)."""
     pages = {"page_size": 5} if grouping == "position-5" else {}  # pages longer than cluster_keys
-    splits = {"position_splits": 2, "split_size": 4} if grouping.endswith("-split") else {}  # clusters cut in spans
-    grouping = grouping.removesuffix("-5").removesuffix("-split")
+    splits = {"position_splits": 2, "split_size": 4} if "-split" in grouping else {}  # clusters cut in spans
+    if grouping.endswith("-clusters"):  # a query selects clusters, then a span of each
+        splits["split_selection"] = "clusters"
+    grouping = grouping.removesuffix("-5").removesuffix("-clusters").removesuffix("-split")
     layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
                    grouping=grouping, **pages, **splits, **({} if balance_bias is None else {"balance": 0.1}))
     if balance_bias is not None:
@@ -548,6 +557,15 @@ def test_cluster_select_summaries_options():
                            "selection": "random"}, "selection='summaries'"),
                          ({"num_clusters": 4, "position_splits": 2, "split_size": 8, "select": 9},
                           "x position_splits")):
+        with pytest.raises(ValueError, match=message):
+            ClusterSelectOptions(**bad)
+    # split_selection="clusters": select clusters (at most num_clusters), then one span of each
+    assert ClusterSelectOptions(num_clusters=4, position_splits=2, split_size=8, select=4,
+                                split_selection="clusters").by_cluster == 2
+    for bad, message in (({"split_selection": "clusters"}, "position_splits > 1"),
+                         ({"split_selection": "spans"}, "split_selection"),
+                         ({"num_clusters": 4, "position_splits": 2, "split_size": 8, "select": 5,
+                           "split_selection": "clusters"}, "at most num_clusters=4")):
         with pytest.raises(ValueError, match=message):
             ClusterSelectOptions(**bad)
 

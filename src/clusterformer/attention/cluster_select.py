@@ -135,6 +135,10 @@ class ClusterSelectOptions(SeededOptions):
             depends on the key and its position alone (strict causality and prefix invariance hold). Needs
             selection="summaries" (the centroids cannot score a group's span).
         split_size: positions per span of ``position_splits`` (required with position_splits > 1).
+        split_selection: with position_splits, how a query selects: "groups" (default): the ``select`` groups of
+            largest summary logits; "clusters": the ``select`` clusters of largest log-sum-exp of their groups'
+            logits (the weight a whole cluster's summaries would draw), then each selected cluster's one group of
+            largest logit (:func:`clusterformer.ops.selected.top_groups`). ``select`` <= num_clusters then.
     """
 
     num_clusters: int = 16
@@ -150,6 +154,13 @@ class ClusterSelectOptions(SeededOptions):
     balance: float = 0.0
     position_splits: int = 1
     split_size: int = 0
+    split_selection: str = "groups"
+
+    @property
+    def by_cluster(self) -> int:
+        """:func:`clusterformer.ops.selected.top_groups`'s ``by_cluster``: position_splits with
+        split_selection='clusters', else 0."""
+        return self.position_splits if self.split_selection == "clusters" else 0
 
     @property
     def num_groups(self) -> int:
@@ -202,6 +213,14 @@ class ClusterSelectOptions(SeededOptions):
                 raise ValueError(f"position_splits={self.position_splits} needs split_size, the positions per span")
         elif self.split_size:
             raise ValueError(f"split_size={self.split_size} needs position_splits > 1")
+        check_choice("split_selection", self.split_selection, ("groups", "clusters"))
+        if self.split_selection == "clusters":
+            if self.position_splits == 1:
+                raise ValueError("split_selection='clusters' selects clusters, then a span of each: it needs "
+                                 "position_splits > 1")
+            if self.select > self.num_clusters:
+                raise ValueError(f"split_selection='clusters' reads one group of each of select={self.select} "
+                                 f"clusters: select must be at most num_clusters={self.num_clusters}")
 
     def keys_per_query(self, length: int, causal: bool = False) -> int:
         check_int("length", length, minimum=1)
@@ -293,7 +312,8 @@ class ClusterSelectAttention(InnerAttention):
             return self._select(q)
         if o.selection == "summaries":
             return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
-                                     kernel=kernel, key_padding_mask=key_padding_mask, band=band)
+                                     kernel=kernel, key_padding_mask=key_padding_mask, band=band,
+                                     by_cluster=o.by_cluster)
         return self._random_selection(B, H, N, q.device)
 
     def _pages(self, positions: torch.Tensor) -> torch.Tensor:
@@ -357,7 +377,8 @@ class ClusterSelectAttention(InnerAttention):
                              "decoding (its random clusters depend on the position); use selection='scores'")
         o = self.options
         cache.append(k_t, v_t, self._assign(k_t, cache.lengths[:, None]))
-        selected = self._select(q_t) if o.selection == "scores" else cache.summary_selection(q_t, o.select)
+        selected = (self._select(q_t) if o.selection == "scores"
+                    else cache.summary_selection(q_t, o.select, o.by_cluster))
         return cache.attend(q_t, selected, o.summaries), cache
 
     def extra_repr(self) -> str:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..masks import real_lengths
 from .layouts import group_ranks
+from .selected import top_groups
 
 __all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBlockCache", "WindowCache",
            "attend_allowed", "check_right_padded", "merge_attention"]
@@ -479,12 +480,13 @@ class SelectionCache(DecodeCache):
         log_n = torch.where(count > 0, count.clamp(min=1).to(key_sums.dtype).log(), float("-inf"))
         return key_sums / n, value_sums / n, log_n
 
-    def summary_selection(self, q_t: torch.Tensor, select: int) -> torch.Tensor:
+    def summary_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0) -> torch.Tensor:
         """The ``select`` clusters (B, H, S) whose summary of every member outside the window has the largest logit
-        for q_t (B, H, D) (:func:`clusterformer.ops.selected.summary_selection`)."""
+        for q_t (B, H, D) (:func:`clusterformer.ops.selected.summary_selection`; ``by_cluster``: its groups'
+        clusters first)."""
         keys, _, log_n = self.summaries(None)
         logits = (keys @ (q_t * q_t.shape[-1] ** -0.5).unsqueeze(-1)).squeeze(-1) + log_n
-        return logits.topk(select, dim=-1).indices
+        return top_groups(logits, select, by_cluster)
 
     def attend(self, q_t: torch.Tensor, selected: torch.Tensor, summaries: bool = False) -> torch.Tensor:
         """q_t (B, H, D) reads its window and the rings of ``selected`` (B, H, S) clusters (and, with

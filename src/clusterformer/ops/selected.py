@@ -52,7 +52,8 @@ from .key_lists import key_lists, listed_scores, listed_sum
 from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "chunk_band", "cluster_layout", "cluster_summaries",
-           "resolve_kernel", "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection"]
+           "resolve_kernel", "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection",
+           "top_groups"]
 
 
 class ClusterLayout(NamedTuple):
@@ -312,12 +313,27 @@ def chunk_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids
                      None if values is None else lambda: band(values))  # ``values``: kept by beyond(values)
 
 
+def top_groups(logits: torch.Tensor, select: int, by_cluster: int = 0) -> torch.Tensor:
+    """The ``select`` groups (..., S) of largest summary logits (..., G). With ``by_cluster`` = R > 0 (groups
+    c R + r: cluster c cut into R spans, the option ``position_splits``), ``select`` clusters by the log-sum-exp
+    of their groups' logits (log of the weight the whole cluster's summaries would draw), then each selected
+    cluster's one group of largest logit: distinct groups of distinct clusters."""
+    if not by_cluster:
+        return logits.topk(select, dim=-1).indices
+    spans = logits.unflatten(-1, (-1, by_cluster))  # (..., C, R)
+    clusters = spans.logsumexp(-1).topk(select, dim=-1).indices  # (..., S)
+    best = spans.argmax(-1).gather(-1, clusters)  # each selected cluster's best span
+    return clusters * by_cluster + best
+
+
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
                       select: int, window: int, causal: bool, kernel: str,
-                      key_padding_mask: torch.Tensor | None = None, band: ChunkBand | None = None) -> torch.Tensor:
+                      key_padding_mask: torch.Tensor | None = None, band: ChunkBand | None = None,
+                      by_cluster: int = 0) -> torch.Tensor:
     """The ``select`` clusters (B, H, N, S) whose summary of every member outside the window scores highest for
-    each query: q . mean / sqrt(D) + log n, the logit the summary would have in the softmax. No gradient (an
-    argmax); clusters without such members rank last. ``kernel`` (one of :func:`resolve_kernel`'s answers):
+    each query: q . mean / sqrt(D) + log n, the logit the summary would have in the softmax (``by_cluster``: the
+    groups' clusters first, :func:`top_groups`). No gradient (an argmax); clusters without such members rank
+    last. ``kernel`` (one of :func:`resolve_kernel`'s answers):
     "dense-mask" from the (N, N) scores by two matmuls, "banded" from chunk bands and per-chunk prefix sums (``band``:
     the layer's :func:`chunk_band` of the same q / sqrt(D) and k, built with summaries, whose dots the attention
     reads too; otherwise one is built here), "gather" from :func:`cluster_summaries`."""
@@ -338,7 +354,7 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
         else:
             keys, _, log_n = cluster_summaries(k, k, layout, None, cluster_keys=0, causal=causal)
             logits = torch.einsum("bhnd,bhncd->bhnc", q, keys) + log_n
-    return logits.topk(select, dim=-1).indices
+    return top_groups(logits, select, by_cluster)
 
 
 def _outside_window(N: int, window: int, causal: bool, device: torch.device) -> torch.Tensor:
