@@ -3,10 +3,11 @@
 # machine with one CUDA GPU, the image's python3 holding torch and triton, the package from src/.
 #   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_issue35.sh [STAGE ...]
 # Stages (default: all, in this order): bench32k tests bench128k decode imdb; also compile (COMPILE_MODES) and news
-# (20NEWS-1500, the CPU grid's configuration: NEWS, NEWS_SEEDS, NEWS_LIMIT), not in the default. The second call of 2026-11-26 ran
-# `NAMES32K=neural-clustering,kmeans,routing,cluster-select IMDB="sliding-window full" IMDB_LIMIT=200 ... bench32k
-# tests imdb`; its decode stage ran before `--cuda-graph` existed (eager only, full and neural-clustering). DATA holds imdb/ (a copy of ../shared/data/imdb) for the training-time runs. Each stage has its own
-# time limit, so one slow stage cannot starve the rest; everything lands in /tmp/gpu and is packed into
+# (20NEWS-1500, the CPU grid's configuration: NEWS, NEWS_SEEDS, NEWS_LIMIT), not in the default. The second call of
+# 2026-11-26 ran `NAMES32K=neural-clustering,kmeans,routing,cluster-select IMDB="sliding-window full" IMDB_LIMIT=200
+# ... bench32k tests imdb`; its decode stage ran before `--cuda-graph` existed (eager only, full and
+# neural-clustering). DATA holds imdb/ and 20news/ (copies of ../shared/data's) for the training-time runs. Each stage
+# has its own time limit, so one slow stage cannot starve the rest; everything lands in /tmp/gpu and is packed into
 # $OUT/gpu.tgz after every stage (what finished comes back even if the call is cut off).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -21,6 +22,19 @@ W=/tmp/gpu
 mkdir -p "$W"
 pack() { tar czf "$OUT/gpu.tgz" -C /tmp gpu; }
 stage() { echo "=== $(date -u +%T) $1"; }
+# grid TASK OUTDIR NAMES SEEDS LIMIT TRAIN_FLAGS...: one `compare` call per mechanism, each within LIMIT seconds,
+# its checkpoints dropped and everything packed after it; then the records' accuracy, time and device peak.
+grid() {
+    local task=$1 out=$W/$2 names=$3 seeds=$4 limit=$5 name
+    shift 5
+    for name in $names; do
+        timeout "$limit" python3 -m clusterformer compare --tasks "$task" --attention "$name" --seeds "$seeds" \
+            --out "$out" -- "$@" --data-dir "$DATA" 2>&1 | tail -4
+        find "$out" -name "*.pt" -delete
+        pack
+    done
+    grep -h "seconds_per_epoch\|accuracy\|peak_device_mb" "$out/$task"/*/seed*/metrics.json 2>/dev/null
+}
 STAGES=${*:-bench32k tests bench128k decode imdb}
 
 stage "machine"
@@ -58,24 +72,12 @@ decode)
         --contexts 16384,65536,131072 --json $W/decode-cuda.json 2>&1 | tee $W/decode-cuda.log ;;
 imdb)
     stage "IMDB-4K training time on the GPU (seed 0: $IMDB)"
-    for name in $IMDB; do
-        timeout "$IMDB_LIMIT" python3 -m clusterformer compare --tasks imdb --attention "$name" --seeds 0 \
-            --out $W/imdb-4k-gpu -- --max-len 4000 --limit 2500 --epochs 2 --dim 64 --depth 2 --heads 4 \
-            --batch-size 8 --lr 1e-3 --warmup-steps 100 --checkpoint-every 100 --data-dir "$DATA" 2>&1 | tail -4
-        find $W/imdb-4k-gpu -name "*.pt" -delete
-        pack
-    done
-    grep -h "seconds_per_epoch\|accuracy\|peak_device_mb" $W/imdb-4k-gpu/imdb/*/seed0/metrics.json 2>/dev/null ;;
+    grid imdb imdb-4k-gpu "$IMDB" 0 "$IMDB_LIMIT" --max-len 4000 --limit 2500 --epochs 2 --dim 64 --depth 2 \
+        --heads 4 --batch-size 8 --lr 1e-3 --warmup-steps 100 --checkpoint-every 100 ;;
 news)
     stage "20NEWS-1500 training time on the GPU (seeds $NEWS_SEEDS: $NEWS)"
-    for name in $NEWS; do
-        timeout "$NEWS_LIMIT" python3 -m clusterformer compare --tasks 20news --attention "$name" --seeds "$NEWS_SEEDS" \
-            --out $W/20news-1500-gpu -- --max-len 1500 --max-steps 500 --dim 64 --depth 2 --heads 4 --batch-size 8 \
-            --lr 5e-3 --warmup-steps 100 --checkpoint-every 100 --data-dir "$DATA" 2>&1 | tail -4
-        find $W/20news-1500-gpu -name "*.pt" -delete
-        pack
-    done
-    grep -h "seconds_per_epoch\|accuracy\|peak_device_mb" $W/20news-1500-gpu/20news/*/seed*/metrics.json 2>/dev/null ;;
+    grid 20news 20news-1500-gpu "$NEWS" "$NEWS_SEEDS" "$NEWS_LIMIT" --max-len 1500 --max-steps 500 --dim 64 \
+        --depth 2 --heads 4 --batch-size 8 --lr 5e-3 --warmup-steps 100 --checkpoint-every 100 ;;
 *) echo "unknown stage $s"; exit 2 ;;
 esac; pack; done
 stage "done"
