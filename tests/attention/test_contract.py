@@ -49,6 +49,9 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
             "cluster-select+position-splits": ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2,
                                                                "window": 4, "position_splits": 2, "split_size": 5},
                                                {"position_splits": 4, "split_size": 64}),
+            "cluster-select+bound": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
+                                                     "window": 4, "selection": "bound", "bound_block": 3},
+                                     {"selection": "bound"}),
             "cluster-select+balance": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
                                                        "window": 4, "balance": 0.5},
                                        {"balance": 0.5}),  # one training step moves every cluster's bias by 0.5

@@ -354,6 +354,25 @@ def test_cluster_select_matches_dense_reference(N, options, causal, kernel, bala
     assert "commitment" in aux
 
 
+def _bound_reference(q_t, k, members, t, o, causal):
+    """``selection="bound"``'s score of one group for query t, from its definition: over the ``members`` (positions)
+    in whole blocks of ``bound_block`` positions outside the window (causal: before block floor((t - window + 1) /
+    block); otherwise wholly before [t - window / 2, t + window / 2), or wholly after it, the larger of the two),
+    sum_d max(q_d max_j k_jd, q_d min_j k_jd) / sqrt(D); -inf without such members."""
+    block = o.bound_block or 64
+
+    def bound(js):
+        if not js:
+            return -math.inf
+        return float(torch.maximum(q_t * k[js].amax(0), q_t * k[js].amin(0)).sum()) / math.sqrt(k.shape[-1])
+
+    if causal:
+        return bound([j for j in members if j < block * ((t - o.window + 1) // block)])
+    half = o.window // 2
+    return max(bound([j for j in members if j < block * ((t - half) // block)]),
+               bound([j for j in members if j >= block * -(-(t + o.window - half) // block)]))
+
+
 def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     """Per head, (N, D) outputs of ``"cluster-select"`` with ``summaries=True``, one query at a time from the
     definition: the window, the selected clusters' nearest members outside it, and one summary per cluster of its
@@ -388,6 +407,10 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
 
             if o.selection == "summaries":
                 ranking = torch.tensor([logit(members[c]) if members[c] else -math.inf for c in members])
+            elif o.selection == "bound":
+                real_members = [[j for j in range(N) if real[j] and ids[j] == c] for c in range(groups)]
+                ranking = torch.tensor([_bound_reference(q[h, t], k[h], js, t, o, causal) for js in real_members],
+                                       dtype=q.dtype)
             else:
                 ranking = q[h, t] @ mu.T
             chosen_groups = ranking.topk(o.select).indices.tolist()
@@ -409,11 +432,11 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                 members[c] = [j for j in members[c] if j not in chosen]
             logits = [float(q[h, t] @ k[h, j]) / math.sqrt(D) for j in read]
             values = [v[h, j] for j in read]
-            for js in members.values():
+            for js in members.values() if o.summaries else ():
                 if js:
                     logits.append(logit(js))
                     values.append(v[h, js].mean(0))
-            if read or any(members.values()):
+            if logits:
                 out[t] = torch.softmax(torch.tensor(logits, dtype=q.dtype), 0) @ torch.stack(values)
         outputs.append(out)
     return torch.stack(outputs)
@@ -428,7 +451,9 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                                                     ("summaries", "position"), ("summaries", "position-5"),
                                                     ("summaries", "random"), ("summaries", "kmeans-split"),
                                                     ("summaries", "random-split"),
-                                                    ("summaries", "kmeans-split-clusters")])
+                                                    ("summaries", "kmeans-split-clusters"), ("bound", "kmeans"),
+                                                    ("bound", "kmeans-split"), ("bound", "random"),
+                                                    ("bound-alone", "kmeans")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel,
@@ -441,7 +466,11 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     if grouping.endswith("-clusters"):  # a query selects clusters, then a span of each
         splits["split_selection"] = "clusters"
     grouping = grouping.removesuffix("-5").removesuffix("-clusters").removesuffix("-split")
-    layer = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
+    summaries = selection != "bound-alone"  # "bound-alone": the bound's selection without summaries
+    selection = selection.removesuffix("-alone")
+    if selection == "bound":  # blocks of 4 (of 5 with spans of 4) against windows of 2-6: the window cuts blocks
+        splits["bound_block"] = 5 if splits else 4
+    layer = _layer("cluster-select", **options, kernel=kernel, summaries=summaries, selection=selection,
                    grouping=grouping, **pages, **splits, **({} if balance_bias is None else {"balance": 0.1}))
     if balance_bias is not None:
         layer.inner.balance_bias.copy_(balance_bias)
@@ -463,8 +492,14 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
             heads = _cluster_select_summaries_reference(layer, q, k, v, real, causal)
         ref = heads.transpose(0, 1).reshape(N, layer.dim) @ layer.to_out.weight.T + layer.to_out.bias
         torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
-    if N > 6:
+    if N > 6 and summaries:
         assert (y - plain(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "summaries must count"
+    if selection == "bound" and N > 6:  # the bound must choose other groups than the summaries' means or centroids
+        other = _layer("cluster-select", **options, kernel=kernel, summaries=summaries, grouping=grouping,
+                       **{key: value for key, value in splits.items() if key != "bound_block"},
+                       selection="summaries" if summaries else "scores")
+        other.load_state_dict(layer.state_dict())
+        assert (y - other(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "the bound must count"
     if splits and N > 6:  # the spans must split some cluster of the case, so that the groups differ from the clusters
         whole = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
                        grouping=grouping)
@@ -566,6 +601,18 @@ def test_cluster_select_summaries_options():
                          ({"split_selection": "spans"}, "split_selection"),
                          ({"num_clusters": 4, "position_splits": 2, "split_size": 8, "select": 5,
                            "split_selection": "clusters"}, "at most num_clusters=4")):
+        with pytest.raises(ValueError, match=message):
+            ClusterSelectOptions(**bad)
+    # selection="bound": blocks of 64 by default, any grouping, with or without summaries and spans; the bound
+    # vectors rank groups and are not keys of the softmax (the budget is the summaries' selection's)
+    bound = ClusterSelectOptions(selection="bound", position_splits=2, split_size=8)
+    assert bound.block == 64 and ClusterSelectOptions(selection="bound", bound_block=5).block == 5
+    assert ClusterSelectOptions().block == 0
+    assert bound.keys_per_query(1024) == ClusterSelectOptions(position_splits=2, split_size=8).keys_per_query(1024)
+    assert ClusterSelectOptions(selection="bound", grouping="position", summaries=False).selection == "bound"
+    for bad, message in (({"bound_block": 8}, "bound_block=8 sets the blocks of selection='bound'"),
+                         ({"selection": "bound", "bound_block": -1}, "bound_block"),
+                         ({"selection": "bounds"}, "selection")):
         with pytest.raises(ValueError, match=message):
             ClusterSelectOptions(**bad)
 

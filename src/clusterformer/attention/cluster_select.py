@@ -57,6 +57,7 @@ from ..ops.selected import (
     KERNELS,
     ChunkBand,
     ClusterLayout,
+    bound_selection,
     chunk_band,
     cluster_layout,
     resolve_kernel,
@@ -98,6 +99,13 @@ class ClusterSelectOptions(SeededOptions):
             tokens; evaluation, re-seeded, is deterministic).
             "summaries": the clusters whose summary (below) of every member outside the window has the largest
             logit q . mean / sqrt(D) + log n -- the clusters that would draw most weight; needs ``summaries``.
+            "bound": the groups of largest upper bound on q . k / sqrt(D) over their members outside the window,
+            Quest's page score on groups (Tang et al. 2024): sum_d max(q_d hi_d, q_d lo_d) with hi, lo the
+            channel-wise max and min of the members' keys in the whole blocks of ``bound_block`` positions outside
+            the window (:func:`clusterformer.ops.selected.bound_logits`). One key that scores high raises its group,
+            where the summaries' mean dilutes it among the group's other members (issue #31, seventeenth session).
+            With or without ``summaries``; any grouping. The 2 G bound vectors are read to rank, not attended: they
+            are not keys of the softmax (as the centroids of "scores" are not).
         kernel: "auto" (default), "gather", "dense-mask" or "banded": how the same keys are attended
             (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the dense mask while N <= 256
             and the banded kernel (linear in N) beyond (:func:`clusterformer.ops.selected.resolve_kernel`).
@@ -139,6 +147,9 @@ class ClusterSelectOptions(SeededOptions):
             largest summary logits; "clusters": the ``select`` clusters of largest log-sum-exp of their groups'
             logits (the weight a whole cluster's summaries would draw), then each selected cluster's one group of
             largest logit (:func:`clusterformer.ops.selected.top_groups`). ``select`` <= num_clusters then.
+        bound_block: selection="bound": positions per block of the bounds; 0 (default) = 64. Members in the block
+            that the window cuts are left out of the bound (they lie within window + bound_block positions), so
+            that a cached decoder keeps one running max and min per group (O(G D) per head, any length).
     """
 
     num_clusters: int = 16
@@ -155,6 +166,7 @@ class ClusterSelectOptions(SeededOptions):
     position_splits: int = 1
     split_size: int = 0
     split_selection: str = "groups"
+    bound_block: int = 0
 
     @property
     def by_cluster(self) -> int:
@@ -183,7 +195,7 @@ class ClusterSelectOptions(SeededOptions):
             raise ValueError(f"window must be even (window / 2 positions on each side without a causal mask); "
                              f"got {self.window}")
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-        check_choice("selection", self.selection, ("auto", "scores", "random", "summaries"))
+        check_choice("selection", self.selection, ("auto", "scores", "random", "summaries", "bound"))
         if not isinstance(self.summaries, bool):
             raise ValueError(f"summaries must be a bool; got {self.summaries!r}")
         if self.selection == "auto":  # resolved here, so that records and checkpoints name the rule that ran
@@ -195,7 +207,7 @@ class ClusterSelectOptions(SeededOptions):
             raise ValueError(f"page_size={self.page_size} needs grouping='position'")
         if self.grouping != "kmeans" and self.selection == "scores":
             raise ValueError(f"grouping={self.grouping!r} has no trained centroids to score: use "
-                             "selection='summaries' (with summaries=True) or 'random'")
+                             "selection='summaries' (with summaries=True), 'bound' or 'random'")
         check_float("balance", self.balance, minimum=0.0)
         if self.balance and self.grouping != "kmeans":
             raise ValueError(f"balance={self.balance} balances the centroids' clusters: it needs grouping='kmeans' "
@@ -206,9 +218,9 @@ class ClusterSelectOptions(SeededOptions):
             if self.grouping == "position":
                 raise ValueError(f"position_splits={self.position_splits} splits content clusters by position: it "
                                  f"needs grouping='kmeans' or its control 'random' (got {self.grouping!r})")
-            if self.selection != "summaries":
-                raise ValueError(f"position_splits={self.position_splits} needs selection='summaries' (and "
-                                 f"summaries=True): the centroids cannot score a group's span of positions")
+            if self.selection not in ("summaries", "bound"):
+                raise ValueError(f"position_splits={self.position_splits} needs selection='summaries' (with "
+                                 f"summaries=True) or 'bound': the centroids cannot score a group's span of positions")
             if not self.split_size:
                 raise ValueError(f"position_splits={self.position_splits} needs split_size, the positions per span")
         elif self.split_size:
@@ -221,6 +233,16 @@ class ClusterSelectOptions(SeededOptions):
             if self.select > self.num_clusters:
                 raise ValueError(f"split_selection='clusters' reads one group of each of select={self.select} "
                                  f"clusters: select must be at most num_clusters={self.num_clusters}")
+
+        check_int("bound_block", self.bound_block, minimum=0)
+        if self.bound_block and self.selection != "bound":
+            raise ValueError(f"bound_block={self.bound_block} sets the blocks of selection='bound' (got "
+                             f"selection={self.selection!r})")
+
+    @property
+    def block(self) -> int:
+        """The blocks of selection="bound", in positions (``bound_block``, 0 = 64); 0 for the other selections."""
+        return (self.bound_block or 64) if self.selection == "bound" else 0
 
     def keys_per_query(self, length: int, causal: bool = False) -> int:
         check_int("length", length, minimum=1)
@@ -314,6 +336,9 @@ class ClusterSelectAttention(InnerAttention):
             return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
                                      kernel=kernel, key_padding_mask=key_padding_mask, band=band,
                                      by_cluster=o.by_cluster)
+        if o.selection == "bound":
+            return bound_selection(q, k, key_ids, num_groups=o.num_groups, select=o.select, window=o.window,
+                                   causal=causal, block=o.block, by_cluster=o.by_cluster)
         return self._random_selection(B, H, N, q.device)
 
     def _pages(self, positions: torch.Tensor) -> torch.Tensor:
@@ -368,7 +393,8 @@ class ClusterSelectAttention(InnerAttention):
                    key_padding_mask: torch.Tensor | None) -> SelectionCache:
         o = self.options
         ids = self._assign(k, torch.arange(k.shape[2], device=k.device))
-        return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.num_groups, o.cluster_keys, o.window)
+        return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.num_groups, o.cluster_keys, o.window,
+                                          bound_block=o.block)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache
              ) -> tuple[torch.Tensor, SelectionCache]:
@@ -377,8 +403,12 @@ class ClusterSelectAttention(InnerAttention):
                              "decoding (its random clusters depend on the position); use selection='scores'")
         o = self.options
         cache.append(k_t, v_t, self._assign(k_t, cache.lengths[:, None]))
-        selected = (self._select(q_t) if o.selection == "scores"
-                    else cache.summary_selection(q_t, o.select, o.by_cluster))
+        if o.selection == "scores":
+            selected = self._select(q_t)
+        elif o.selection == "bound":
+            selected = cache.bound_selection(q_t, o.select, o.by_cluster)
+        else:
+            selected = cache.summary_selection(q_t, o.select, o.by_cluster)
         return cache.attend(q_t, selected, o.summaries), cache
 
     def extra_repr(self) -> str:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..masks import real_lengths
 from .layouts import group_ranks
-from .selected import top_groups
+from .selected import group_extremes, top_groups
 
 __all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBlockCache", "WindowCache",
            "attend_allowed", "check_right_padded", "merge_attention"]
@@ -399,6 +399,10 @@ class SelectionCache(DecodeCache):
         window_keys, window_values: (B, H, window, D); window_ids: (B, H, window) long cluster ids, -1 for none.
         ring_keys, ring_values: (B, H, C, cluster_keys, D); counts: (B, H, C) long, members that left the window.
         key_sums, value_sums: (B, H, C, D), sums over the members that left the window.
+        bound_hi, bound_lo: with ``bound_block`` (selection="bound"), (B, H, C, D) channel-wise max and min of the
+            members in the whole blocks of bound_block positions that left the window; pending_hi, pending_lo: of
+            the members that left it from the block not yet whole, merged into the bounds when it is
+            (:func:`clusterformer.ops.selected.bound_logits`, one position). None without ``bound_block``.
     """
 
     window_keys: torch.Tensor
@@ -409,11 +413,17 @@ class SelectionCache(DecodeCache):
     counts: torch.Tensor
     key_sums: torch.Tensor
     value_sums: torch.Tensor
+    bound_hi: torch.Tensor | None = None
+    bound_lo: torch.Tensor | None = None
+    pending_hi: torch.Tensor | None = None
+    pending_lo: torch.Tensor | None = None
+    bound_block: int = 0
 
     @classmethod
     def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-                    num_clusters: int, cluster_keys: int, window: int) -> SelectionCache:
-        """ids (B, H, N) key clusters; k, v (B, H, N, D) of a right-padded prompt batch."""
+                    num_clusters: int, cluster_keys: int, window: int, bound_block: int = 0) -> SelectionCache:
+        """ids (B, H, N) key clusters; k, v (B, H, N, D) of a right-padded prompt batch; ``bound_block``: keep the
+        bounds of selection="bound" over blocks of that many positions (0: none)."""
         B, H, N, D = k.shape
         device = k.device
         lengths = real_lengths(key_padding_mask, B, N, device)
@@ -437,8 +447,15 @@ class SelectionCache(DecodeCache):
         ring_keys[b, h, c, slot], ring_values[b, h, c, slot] = k[b, h, n], v[b, h, n]
         members = F.one_hot(grouped, num_clusters + 1)[..., :num_clusters].to(k.dtype)  # (B, H, N, C), gone only
         key_sums, value_sums = members.transpose(2, 3) @ k, members.transpose(2, 3) @ v
+        bounds = {}
+        if bound_block:  # the next query's whole blocks: positions < block floor((lengths - window) / block)
+            blocks = torch.div(lengths - window, bound_block, rounding_mode="floor")
+            whole = position < (blocks * bound_block).unsqueeze(1)
+            for name, part in (("bound", gone & whole[:, None, :]), ("pending", gone & ~whole[:, None, :])):
+                bounds[f"{name}_hi"], bounds[f"{name}_lo"] = group_extremes(k, ids.masked_fill(~part, num_clusters),
+                                                                              num_clusters)
         return cls(lengths, window_keys, window_values, window_ids, ring_keys, ring_values, counts, key_sums,
-                   value_sums)
+                   value_sums, **bounds, bound_block=bound_block)
 
     def append(self, k_t: torch.Tensor, v_t: torch.Tensor, id_t: torch.Tensor) -> None:
         """The token at position ``lengths``: the key leaving the window moves to its cluster's ring (and sums), the
@@ -461,6 +478,16 @@ class SelectionCache(DecodeCache):
         gone = moves[..., None].to(k_t.dtype)
         self.key_sums[b, h, c] += gone * self.window_keys[b, h, out_slot]
         self.value_sums[b, h, c] += gone * self.window_values[b, h, out_slot]
+        if self.bound_block:  # the leaving key joins its group's pending block; a whole block joins the bounds
+            leaving_key = self.window_keys[b, h, out_slot]
+            hi, lo = self.pending_hi[b, h, c], self.pending_lo[b, h, c]
+            self.pending_hi[b, h, c] = torch.where(moves[..., None], torch.maximum(hi, leaving_key), hi)
+            self.pending_lo[b, h, c] = torch.where(moves[..., None], torch.minimum(lo, leaving_key), lo)
+            whole = ((self.lengths - W + 1) % self.bound_block == 0).view(B, 1, 1, 1)  # position t - W ends a block
+            self.bound_hi.copy_(torch.where(whole, torch.maximum(self.bound_hi, self.pending_hi), self.bound_hi))
+            self.bound_lo.copy_(torch.where(whole, torch.minimum(self.bound_lo, self.pending_lo), self.bound_lo))
+            self.pending_hi.masked_fill_(whole, float("-inf"))
+            self.pending_lo.masked_fill_(whole, float("inf"))
         self.window_keys[b, h, out_slot], self.window_values[b, h, out_slot] = k_t, v_t
         self.window_ids[b, h, out_slot] = id_t
         self.lengths += 1  # in place (a CUDA graph of the step replays on this memory)
@@ -487,6 +514,18 @@ class SelectionCache(DecodeCache):
         keys, _, log_n = self.summaries(None)
         logits = (keys @ (q_t * q_t.shape[-1] ** -0.5).unsqueeze(-1)).squeeze(-1) + log_n
         return top_groups(logits, select, by_cluster)
+
+    def bound_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0) -> torch.Tensor:
+        """The ``select`` groups (B, H, S) of largest upper bound q+ . hi + q- . lo / sqrt(D) over their members in
+        the whole blocks outside the window, for q_t (B, H, D) (:func:`clusterformer.ops.selected.bound_logits`)."""
+        if not self.bound_block:
+            raise ValueError("this cache keeps no bounds: build it with bound_block > 0 (selection='bound')")
+        q = q_t * q_t.shape[-1] ** -0.5
+        empty = self.bound_hi[..., 0] == float("-inf")  # (B, H, C)
+        hi = self.bound_hi.masked_fill(empty.unsqueeze(-1), 0)
+        lo = self.bound_lo.masked_fill(empty.unsqueeze(-1), 0)
+        logits = (hi @ q.clamp(min=0).unsqueeze(-1) + lo @ q.clamp(max=0).unsqueeze(-1)).squeeze(-1)
+        return top_groups(logits.masked_fill(empty, float("-inf")), select, by_cluster)
 
     def attend(self, q_t: torch.Tensor, selected: torch.Tensor, summaries: bool = False) -> torch.Tensor:
         """q_t (B, H, D) reads its window and the rings of ``selected`` (B, H, S) clusters (and, with

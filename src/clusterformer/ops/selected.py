@@ -51,9 +51,9 @@ from ..masks import masked_sdpa, real_tokens
 from .key_lists import key_lists, listed_scores, listed_sum
 from .recompute import recompute_saved
 
-__all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "chunk_band", "cluster_layout", "cluster_summaries",
-           "resolve_kernel", "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection",
-           "top_groups"]
+__all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "block_bounds", "bound_logits", "bound_selection",
+           "chunk_band", "cluster_layout", "cluster_summaries", "group_extremes", "resolve_kernel",
+           "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection", "top_groups"]
 
 
 class ClusterLayout(NamedTuple):
@@ -354,6 +354,83 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
         else:
             keys, _, log_n = cluster_summaries(k, k, layout, None, cluster_keys=0, causal=causal)
             logits = torch.einsum("bhnd,bhncd->bhnc", q, keys) + log_n
+    return top_groups(logits, select, by_cluster)
+
+
+def group_extremes(k: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel-wise max and min of the keys k (B, H, N, D) per group, (B, H, G, D) each, -inf and +inf where a
+    group has no member; ``groups`` (B, H, N) in [0, num_groups] (num_groups: in none)."""
+    B, H, N, D = k.shape
+    index = groups.unsqueeze(-1).expand(B, H, N, D)
+    hi = k.new_full((B, H, num_groups + 1, D), float("-inf")).scatter_reduce(2, index, k, "amax")
+    lo = k.new_full((B, H, num_groups + 1, D), float("inf")).scatter_reduce(2, index, k, "amin")
+    return hi[:, :, :num_groups], lo[:, :, :num_groups]
+
+
+def block_bounds(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of ``block`` positions and group, the channel-wise max and min of the members' keys k (B, H, N, D)
+    with groups ``key_ids`` (B, H, N) in [0, num_groups] (``num_groups``: padding, in no group): two
+    (B, H, ceil(N / block), G, D) tensors, -inf and +inf where a block holds no member of the group."""
+    B, H, N, D = k.shape
+    blocks = -(-N // block)
+    G = num_groups
+    slot = torch.div(torch.arange(N, device=k.device), block, rounding_mode="floor") * (G + 1) + key_ids
+    hi, lo = group_extremes(k, slot, blocks * (G + 1))
+    return hi.view(B, H, blocks, G + 1, D)[..., :G, :], lo.view(B, H, blocks, G + 1, D)[..., :G, :]
+
+
+def _bounds_by_state(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, *, shift: int, block: int) -> torch.Tensor:
+    """Query t (of q (B, H, N, D)) against state s(t) = clamp(floor((t + shift) / block), 0, S - 1) of the running
+    bounds hi, lo (B, H, S, G, D): q+ . hi + q- . lo, (B, H, N, G), -inf where the state holds no member. The queries
+    of one state form runs of ``block`` positions: padded to align them, one (block, D) x (D, G) product per run."""
+    B, H, N, D = q.shape
+    states = hi.shape[2]
+    pad = shift % block  # query t sits at t + pad; its run r = floor((t + pad) / block) reads state r + first
+    first = (shift - pad) // block
+    runs = -(-(N + pad) // block)
+    padded = F.pad(q, (0, 0, pad, runs * block - N - pad)).view(B, H, runs, block, D)
+    pick = (torch.arange(runs, device=q.device) + first).clamp(0, states - 1)
+    hi, lo = hi[:, :, pick], lo[:, :, pick]  # (B, H, runs, G, D)
+    empty = hi[..., 0] == float("-inf")  # (B, H, runs, G): no member (any member makes every channel finite)
+    hi, lo = hi.masked_fill(empty.unsqueeze(-1), 0), lo.masked_fill(empty.unsqueeze(-1), 0)
+    bound = padded.clamp(min=0) @ hi.transpose(-1, -2) + padded.clamp(max=0) @ lo.transpose(-1, -2)
+    bound = bound.masked_fill(empty.unsqueeze(3), float("-inf"))  # (B, H, runs, block, G)
+    return bound.flatten(2, 3)[:, :, pad:pad + N]
+
+
+def bound_logits(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, window: int,
+                 causal: bool, block: int) -> torch.Tensor:
+    """Per query and group, (B, H, N, G): the upper bound sum_d max(q_d hi_d, q_d lo_d) of q . k over the group's
+    members in the whole blocks of ``block`` positions outside the query's window -- causal: positions
+    < block floor((t - window + 1) / block), every block at or before t - window; otherwise the larger of the
+    bound over the blocks wholly before the window [t - window / 2, t + window / 2) and the bound over those wholly
+    after it. -inf where there is no such member. q as given (the caller scales it); ``key_ids`` as
+    :func:`block_bounds`'s. Members in a block the window cuts are left out: they lie within window + block
+    positions of the query."""
+    hi, lo = block_bounds(k, key_ids, num_groups=num_groups, block=block)
+    none_hi, none_lo = torch.full_like(hi[:, :, :1], float("-inf")), torch.full_like(lo[:, :, :1], float("inf"))
+    # state b of the prefix: the blocks before block b, b = 0 .. blocks
+    before_hi = torch.cat([none_hi, hi.cummax(2).values], dim=2)
+    before_lo = torch.cat([none_lo, lo.cummin(2).values], dim=2)
+    if causal:
+        return _bounds_by_state(q, before_hi, before_lo, shift=1 - window, block=block)
+    half = window // 2
+    # state b of the suffix: the blocks from block b on, b = 0 .. blocks
+    after_hi = torch.cat([hi.flip(2).cummax(2).values.flip(2), none_hi], dim=2)
+    after_lo = torch.cat([lo.flip(2).cummin(2).values.flip(2), none_lo], dim=2)
+    before = _bounds_by_state(q, before_hi, before_lo, shift=-half, block=block)
+    after = _bounds_by_state(q, after_hi, after_lo, shift=window - half + block - 1, block=block)
+    return torch.maximum(before, after)
+
+
+def bound_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, select: int,
+                    window: int, causal: bool, block: int, by_cluster: int = 0) -> torch.Tensor:
+    """The ``select`` groups (B, H, N, S) of largest :func:`bound_logits` for q / sqrt(D) (``by_cluster``:
+    :func:`top_groups`'s). No gradient (an argmax); groups without members there rank last."""
+    with torch.no_grad():
+        logits = bound_logits(q.detach() * q.shape[-1] ** -0.5, k.detach(), key_ids, num_groups=num_groups,
+                              window=window, causal=causal, block=block)
     return top_groups(logits, select, by_cluster)
 
 
