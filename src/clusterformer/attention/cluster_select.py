@@ -28,6 +28,10 @@ selected or not, and ``selection="summaries"`` (the default with summaries) rank
 clusters that would draw most weight). Every key outside the window then counts once, alone or inside its summary;
 num_clusters more keys per query.
 
+Option ``selection="bound"`` (seventeenth session of issue #31) ranks the groups instead by Quest's upper bound of
+q . k over their members (Tang et al. 2024: per-channel max and min, here per group and over whole blocks outside
+the window), so that one key scoring high raises its group where the summaries' mean dilutes it.
+
 The selection is an argmax: its gradient reaches the selected keys only, as top-k attention's does. It differs from
 the own-cluster rule in that a query meets the keys that *score* highest against it at the cluster level, which is
 what a trained attention wants to read.
@@ -38,7 +42,8 @@ prefix sums), O(N (2 window + select * cluster_keys) D) for the attention (the w
 cluster keys as sparse key lists, ops/key_lists.py), plus one sort of the keys per head and one of the listed keys;
 to N = 256 the dense-mask kernel's O(N^2 D) matmuls are faster on a CPU. Groups published: the key clusters,
 (B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``): the last ``window`` keys, each cluster's last
-``cluster_keys`` members outside the window and the sums of all its members there, per head.
+``cluster_keys`` members outside the window and the sums of all its members there (with selection="bound" their
+running channel max and min), per head.
 """
 
 from __future__ import annotations
@@ -416,4 +421,5 @@ class ClusterSelectAttention(InnerAttention):
         return (f"num_clusters={o.num_clusters}, select={o.select}, cluster_keys={o.cluster_keys}, "
                 f"window={o.window}" + (f", balance={o.balance}" if o.balance else "")
                 + (f", position_splits={o.position_splits}, split_size={o.split_size}"
-                   if o.position_splits > 1 else ""))
+                   if o.position_splits > 1 else "")
+                + (f", selection=bound, bound_block={o.block}" if o.selection == "bound" else ""))
