@@ -60,3 +60,37 @@ def test_every_docs_script_imports_against_the_current_api():
         spec = importlib.util.spec_from_file_location(f"docs_script_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+
+
+def test_option_swap_reevaluates_a_run_as_trained_and_with_another_ranking(tmp_path):
+    """docs/scripts/option_swap.py: without options it gives the run's recorded test accuracy (the rebuilt model is
+    the trained one); with ``selection=bound`` it evaluates the same weights with the bound's ranking, which is
+    recorded in the line it prints and changes the outputs of some query."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from clusterformer.train import TrainConfig, run_training
+    from clusterformer.train.loop import load_trained
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "option_swap.py"
+    spec = importlib.util.spec_from_file_location("docs_script_option_swap", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "run"
+    run_training(TrainConfig(task="mqar", out=str(out), max_len=64, max_steps=3, batch_size=4, dim=16, heads=2,
+                             depth=1, attention="cluster-select",
+                             attention_options={"num_clusters": 4, "select": 1, "cluster_keys": 4, "window": 8},
+                             task_options={"num_pairs": 4, "vocab_size": 32, "test_sequences": 16,
+                                           "recall_sequences": 4}))
+    recorded = json.loads((out / "metrics.json").read_text())["metrics"]["accuracy"]
+    assert f"'accuracy': {round(recorded, 4)}" in script.option_swap(str(out), {})
+    swapped = script.option_swap(str(out), {"selection": "bound", "bound_block": 4})
+    assert "'selection': 'bound'" in swapped and "'bound_block': 4" in swapped
+    trained, task, _, _ = load_trained(out)
+    bound, _, _, _ = load_trained(out, adjust=lambda c: c.attention_options.update(selection="bound", bound_block=4))
+    ids = task.test.ids[:4]
+    with torch.no_grad():
+        assert (trained(ids) - bound(ids)).abs().max() > 1e-6, "the swapped ranking must change some output"
