@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..masks import real_lengths
 from .layouts import group_ranks
-from .selected import group_extremes, top_groups
+from .selected import group_extremes, top_groups, upper_bounds
 
 __all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBlockCache", "WindowCache",
            "attend_allowed", "check_right_padded", "merge_attention"]
@@ -520,12 +520,8 @@ class SelectionCache(DecodeCache):
         the whole blocks outside the window, for q_t (B, H, D) (:func:`clusterformer.ops.selected.bound_logits`)."""
         if not self.bound_block:
             raise ValueError("this cache keeps no bounds: build it with bound_block > 0 (selection='bound')")
-        q = q_t * q_t.shape[-1] ** -0.5
-        empty = self.bound_hi[..., 0] == float("-inf")  # (B, H, C)
-        hi = self.bound_hi.masked_fill(empty.unsqueeze(-1), 0)
-        lo = self.bound_lo.masked_fill(empty.unsqueeze(-1), 0)
-        logits = (hi @ q.clamp(min=0).unsqueeze(-1) + lo @ q.clamp(max=0).unsqueeze(-1)).squeeze(-1)
-        return top_groups(logits.masked_fill(empty, float("-inf")), select, by_cluster)
+        logits = upper_bounds((q_t * q_t.shape[-1] ** -0.5).unsqueeze(-2), self.bound_hi, self.bound_lo)
+        return top_groups(logits.squeeze(-2), select, by_cluster)
 
     def attend(self, q_t: torch.Tensor, selected: torch.Tensor, summaries: bool = False) -> torch.Tensor:
         """q_t (B, H, D) reads its window and the rings of ``selected`` (B, H, S) clusters (and, with

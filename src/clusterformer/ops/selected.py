@@ -53,7 +53,8 @@ from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "block_bounds", "bound_logits", "bound_selection",
            "chunk_band", "cluster_layout", "cluster_summaries", "group_extremes", "resolve_kernel",
-           "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection", "top_groups"]
+           "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection", "top_groups",
+           "upper_bounds"]
 
 
 class ClusterLayout(NamedTuple):
@@ -391,12 +392,18 @@ def _bounds_by_state(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, *, shi
     runs = -(-(N + pad) // block)
     padded = F.pad(q, (0, 0, pad, runs * block - N - pad)).view(B, H, runs, block, D)
     pick = (torch.arange(runs, device=q.device) + first).clamp(0, states - 1)
-    hi, lo = hi[:, :, pick], lo[:, :, pick]  # (B, H, runs, G, D)
-    empty = hi[..., 0] == float("-inf")  # (B, H, runs, G): no member (any member makes every channel finite)
-    hi, lo = hi.masked_fill(empty.unsqueeze(-1), 0), lo.masked_fill(empty.unsqueeze(-1), 0)
-    bound = padded.clamp(min=0) @ hi.transpose(-1, -2) + padded.clamp(max=0) @ lo.transpose(-1, -2)
-    bound = bound.masked_fill(empty.unsqueeze(3), float("-inf"))  # (B, H, runs, block, G)
+    bound = upper_bounds(padded, hi[:, :, pick], lo[:, :, pick])  # (B, H, runs, block, G)
     return bound.flatten(2, 3)[:, :, pad:pad + N]
+
+
+def upper_bounds(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Queries q (..., M, D) against groups of channel-wise max hi and min lo (..., G, D): the upper bound
+    sum_d max(q_d hi_d, q_d lo_d) = q+ . hi + q- . lo of q . k over each group's keys, (..., M, G); -inf for a group
+    without keys (hi = -inf: any key makes every channel finite)."""
+    empty = (hi[..., 0] == float("-inf")).unsqueeze(-1)  # (..., G, 1)
+    hi, lo = hi.masked_fill(empty, 0), lo.masked_fill(empty, 0)  # an empty group's +-inf, masked below
+    bound = q.clamp(min=0) @ hi.transpose(-1, -2) + q.clamp(max=0) @ lo.transpose(-1, -2)
+    return bound.masked_fill(empty.transpose(-1, -2), float("-inf"))
 
 
 def _running(x: torch.Tensor, *, largest: bool) -> torch.Tensor:
