@@ -125,6 +125,29 @@ def test_probe_on_a_hand_built_window():
         assert not bool((weights[0, [j for j in range(16) if j not in seen]] > 0).any())
 
 
+def test_coverage_counts_the_needed_keys_a_query_sees():
+    """The histogram's query needs several keys: on the hand-built window above (query 9 sees keys 6..11), of the
+    needed keys (7, 10, 2, 14) it sees two, a share of 1/2; padding that repeats a needed key (masked) changes
+    nothing, and a query needing only keys it sees covers them all. The weight sums the real entries only."""
+    torch.manual_seed(fixed_seed())
+    x = torch.randn(1, 16, 8, dtype=torch.float64)
+    layer = build("sliding-window", dim=8, heads=2, window=4, stride=2).double().eval()
+    queries = torch.tensor([[9, 9, 9]])
+    sources = torch.tensor([[[7, 10, 2, 14, 7, 7], [7, 10, 2, 14, 2, 2], [11, 6, 11, 11, 11, 11]]])
+    mask = torch.tensor([[[True] * 4 + [False] * 2, [True] * 4 + [False] * 2, [True, True] + [False] * 4]])
+    found = attention_to_sources(layer, x, queries, sources, source_mask=mask)
+    assert found.coverage[0].tolist() == [[0.5, 0.5], [0.5, 0.5], [1.0, 1.0]]
+    alone = attention_to_sources(layer, x, torch.full((1, 4), 9), torch.tensor([[7, 10, 11, 6]]))
+    w = alone.weight[0]  # (4, H): the single keys' weights
+    assert torch.allclose(found.weight[0, 0], w[0] + w[1], atol=1e-14, rtol=0)  # not 3 x w[0] from the padding
+    assert torch.allclose(found.weight[0, 2], w[2] + w[3], atol=1e-14, rtol=0)
+    assert torch.equal(alone.coverage[0], (w > 0).double())  # one needed key: seen or not
+    with pytest.raises(ValueError, match="source_mask must be a bool"):
+        attention_to_sources(layer, x, queries, sources, source_mask=mask[..., :3])
+    with pytest.raises(ValueError, match="at least one needed key"):
+        attention_to_sources(layer, x, queries, sources, source_mask=mask & False)
+
+
 @pytest.mark.parametrize("name", ["neural-clustering", "routing"])
 def test_probe_on_shared_qk_clustering_equals_its_dense_weights(name):
     """A mechanism that clusters its shared QK (routing, neural-clustering ``cluster_on="shared-qk"``) gets the

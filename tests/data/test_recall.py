@@ -1,5 +1,5 @@
-"""The recall tasks' generators (MQAR, passkey): answers re-derived by independent readers, per-sequence seeds,
-gap distributions, bad options; and ``train --task mqar|passkey`` through the CLI."""
+"""The recall tasks' generators (MQAR, passkey, histogram): answers re-derived by independent readers, per-sequence
+seeds, gap distributions, bad options; and ``train --task mqar|passkey|histogram`` through the CLI."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from clusterformer.cli import main
-from clusterformer.data.recall import MQARSpec, PasskeySpec, generate_recall, read_mqar, read_passkey
+from clusterformer.data.recall import (
+    HistogramSpec,
+    MQARSpec,
+    PasskeySpec,
+    generate_recall,
+    read_histogram,
+    read_mqar,
+    read_passkey,
+)
 
 
 @pytest.mark.parametrize("spec", [MQARSpec(length=64, num_pairs=4, vocab_size=64),
@@ -43,6 +51,43 @@ def test_passkey_answers_match_an_independent_reader(spec):
         assert min(batch.queries[b]) - max(batch.sources[b]) > spec.min_gap
 
 
+@pytest.mark.parametrize("spec", [HistogramSpec(length=40, max_count=3, num_queries=4, vocab_size=12),  # filler
+                                  HistogramSpec(length=300, max_count=5, num_queries=9, vocab_size=200),
+                                  HistogramSpec(length=1024)])
+def test_histogram_answers_match_an_independent_reader(spec):
+    batch = generate_recall(spec, seed=2, split="test", start=0, count=20)
+    assert batch.sources.shape == batch.source_mask.shape == (20, spec.num_queries, spec.max_count)
+    seen = []
+    for b in range(20):
+        tokens = batch.ids[b].tolist()
+        labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
+        assert read_histogram(tokens) == labelled and len(labelled) == spec.num_queries
+        assert tokens.index(HistogramSpec.SEPARATOR) == spec.context and tokens.count(HistogramSpec.SEPARATOR) == 1
+        queried = tokens[spec.context + 1:]
+        assert len(set(queried)) == spec.num_queries and min(queried) >= HistogramSpec.FIRST_TYPE
+        counts = {t: tokens[:spec.context].count(t) for t in set(tokens[:spec.context]) - {HistogramSpec.FILLER}}
+        assert min(counts.values()) >= 1 and max(counts.values()) <= spec.max_count  # every type's count in 1..C
+        for m, q in enumerate(batch.queries[b].tolist()):  # the sources: every occurrence of q's type, once
+            real = batch.sources[b, m][batch.source_mask[b, m]].tolist()
+            assert sorted(real) == [p for p in range(spec.context) if tokens[p] == tokens[q]]
+            assert len(real) == labelled[q] and tokens[batch.sources[b, m, 0]] == tokens[q]  # padding repeats one
+        seen += labelled.values()
+    assert set(seen) == set(range(1, spec.max_count + 1))  # every count is asked
+    if spec.types * (spec.max_count + 1) >= 4 * spec.context:  # a vocabulary large enough needs no filler
+        assert not (batch.ids == HistogramSpec.FILLER).any()
+
+
+def test_histogram_occurrences_are_spread():
+    """A type's occurrences are scattered over the context, not in one place: the farthest of a query's needed
+    keys is on average well beyond half the context, so neither a window nor a few contiguous pages hold them."""
+    spec = HistogramSpec(length=1024)
+    batch = generate_recall(spec, seed=0, split="test", start=0, count=16)
+    big = batch.source_mask.sum(-1) >= 4
+    real = batch.sources.masked_fill(~batch.source_mask, 10**6)
+    spread = batch.sources.masked_fill(~batch.source_mask, -1).amax(-1) - real.amin(-1)
+    assert spread[big].float().mean() > spec.context / 2
+
+
 def test_each_sequence_has_its_own_seed():
     spec = MQARSpec(length=64, num_pairs=4, vocab_size=64)
     whole = generate_recall(spec, seed=0, split="test", start=0, count=10)
@@ -73,10 +118,29 @@ def test_gap_distributions():
     (MQARSpec, {"power_a": 0}, "power_a"),
     (PasskeySpec, {"length": 10, "digits": 5}, "length"),
     (PasskeySpec, {"vocab_size": 18, "digits": 5}, "vocab_size"),
+    (HistogramSpec, {"length": 100, "num_queries": 16, "max_count": 8}, "length"),
+    (HistogramSpec, {"vocab_size": 20, "num_queries": 32}, "vocab_size"),
+    (HistogramSpec, {"max_count": 0}, "max_count"),
 ])
 def test_bad_specs_name_the_option(kind, options, match):
     with pytest.raises(ValueError, match=match):
         kind(**options)
+
+
+@pytest.mark.parametrize("form", ["causal", "bidirectional"])
+def test_train_histogram_through_the_cli(tmp_path, form):
+    out = tmp_path / "run"
+    options = {"form": form, "num_queries": 3, "max_count": 4, "vocab_size": 40, "test_sequences": 8,
+               "recall_sequences": 4}
+    assert main(["train", "--task", "histogram", "--attention", "cluster-select", "--max-len", "64", "--task-options",
+                 json.dumps(options), "--limit", "32", "--max-steps", "2", "--batch-size", "8", "--dim", "32",
+                 "--out", str(out), "--no-progress"]) == 0
+    m = json.loads((out / "metrics.json").read_text())["metrics"]
+    assert m["test_queries"] == 8 * 3 and 0 <= m["accuracy"] <= 1
+    for layer in m["key_recall"].values():  # the share of the needed keys seen; all of them: a smaller share
+        assert 0 <= layer["key_coverage_all"] <= layer["key_coverage"] <= layer["key_coverage_best_head"] <= 1
+        assert layer["key_coverage"] <= layer["key_recall"]  # seeing some of them is at least seeing all
+    assert main(["eval", "--checkpoint", str(out)]) == 0
 
 
 @pytest.mark.parametrize("form", ["causal", "bidirectional"])
@@ -114,7 +178,8 @@ def test_train_passkey_and_bad_task_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--task", "listops", "--task-options", '{"form": "causal"}', "--max-steps", "1",
               "--out", str(tmp_path / "bad")])
-    assert "task 'listops' takes no task_options (they are for mqar, passkey, mlm)" in capsys.readouterr().err
+    message = "task 'listops' takes no task_options (they are for mqar, passkey, histogram, mlm)"
+    assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):  # the causal form needs a causal mechanism
         main(["train", "--task", "mqar", "--attention", "clustered", "--max-steps", "1",
               "--out", str(tmp_path / "bad")])

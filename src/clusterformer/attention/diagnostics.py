@@ -90,44 +90,61 @@ def attention_rows(
 
 
 class SourceWeights(NamedTuple):
-    """What each query puts on the key it needs, per head: both (B, Q, H).
+    """What each query puts on the key it needs, per head: all (B, Q, H).
 
     ``weight`` (float64, in [0, 1]): the attention weight on it (zero: not in the attended set). ``argmax`` (bool):
     a needed key carries that row's largest weight, larger than every other key's. The second tells a key read *as
     the answer* from one merely inside the attended set -- a summary of many keys (cluster-select's ``summaries``,
     the centroid queries of clustered attention) gives every member a positive weight, and all members of a summary
-    the same weight, so a member of the heaviest summary ties with its n - 1 companions and is not the argmax."""
+    the same weight, so a member of the heaviest summary ties with its n - 1 companions and is not the argmax.
+    ``coverage`` (float64, in [0, 1]): the share of the needed keys inside the attended set -- for a query that
+    needs *all* of several keys (the histogram's count), what it can see of them; 1 or 0 for one needed key."""
 
     weight: torch.Tensor
     argmax: torch.Tensor
+    coverage: torch.Tensor
 
 
 def attention_to_sources(
     layer: AttentionLayer, x: torch.Tensor, queries: torch.Tensor, sources: torch.Tensor,
     key_padding_mask: torch.Tensor | None = None, causal: bool = False, flow: torch.Tensor | None = None,
+    source_mask: torch.Tensor | None = None,
 ) -> SourceWeights:
-    """The attention weight of each query on the key it needs, per head, and whether it is the row's largest
-    (:class:`SourceWeights`, each (B, Q, H)).
+    """The attention weight of each query on the key it needs, per head, whether it is the row's largest, and the
+    share of the needed keys it can see (:class:`SourceWeights`, each (B, Q, H)).
 
     ``queries``: (B, Q) long positions; ``sources``: (B, Q) long, query ``queries[b, m]`` needs key
-    ``sources[b, m]``, or (B, Q, S) with S distinct positions any of which would do (the weight is then their sum,
-    and ``argmax`` holds when one of them weighs more than every other key); the rest as :func:`attention_rows`.
-    Zero weight means no needed key is in the query's attended set in that head."""
+    ``sources[b, m]``, or (B, Q, S) with S distinct positions (the weight is then their sum, ``argmax`` holds when
+    one of them weighs more than every other key, ``coverage`` is the share of them in the attended set);
+    ``source_mask``: (B, Q, S) bool, None or the real entries of a padded ``sources`` (a query needing fewer than
+    S keys repeats one; masked entries count nowhere). The rest as :func:`attention_rows`. Zero weight means no
+    needed key is in the query's attended set in that head."""
     check_tensor("x", x, ndim=3, floating=True)
     B, N = x.shape[0], x.shape[1]
     _check_positions("sources", sources.reshape(B, -1) if sources.dim() == 3 else sources, B, N)
     if sources.shape[:2] != queries.shape:
         raise ValueError(f"sources must be (B, Q) or (B, Q, S) for queries of shape {tuple(queries.shape)}, got "
                          f"{tuple(sources.shape)}")
+    S = 1 if sources.dim() == 2 else sources.shape[2]
+    if source_mask is None:
+        source_mask = torch.ones(*queries.shape, S, dtype=torch.bool, device=sources.device)
+    elif source_mask.shape != (*queries.shape, S) or source_mask.dtype != torch.bool:
+        raise ValueError(f"source_mask must be a bool tensor of the shape of sources, {(*queries.shape, S)}, got "
+                         f"{tuple(source_mask.shape)} {source_mask.dtype}")
+    elif not bool(source_mask.any(-1).all()):
+        raise ValueError("source_mask must keep at least one needed key for every query")
     rows = attention_rows(layer, x, queries, key_padding_mask, causal, flow)  # (B, Q, H, N)
     index = sources.view(B, queries.shape[1], 1, -1).expand(-1, -1, rows.shape[2], -1)  # (B, Q, H, S)
-    needed = rows.gather(3, index)
-    is_needed = torch.zeros_like(rows, dtype=torch.bool).scatter_(3, index, True)
+    real = source_mask.unsqueeze(2).expand_as(index)
+    needed = rows.gather(3, index).masked_fill(~real, 0.0)
+    # by addition: a masked entry may repeat a needed position, and a scatter of False could overwrite its True
+    is_needed = torch.zeros_like(rows).scatter_add_(3, index, real.to(rows.dtype)) > 0
     best = needed.amax(-1)
     other = rows.masked_fill(is_needed, 0.0).amax(-1)  # the heaviest key that is not needed
     # strictly above it, beyond float64 rounding: equal shares (the members of one summary) are not an argmax
     argmax = (best > 0) & (best > other * (1 + 1e-9))
-    return SourceWeights(needed.sum(-1), argmax)
+    coverage = (needed > 0).sum(-1).double() / real.sum(-1).double()
+    return SourceWeights(needed.sum(-1), argmax, coverage)
 
 
 def _check_positions(name: str, t: torch.Tensor, B: int, N: int) -> None:
@@ -140,11 +157,12 @@ def _check_positions(name: str, t: torch.Tensor, B: int, N: int) -> None:
 
 def key_recall(
     model: nn.Module, tokens: torch.Tensor, queries: torch.Tensor, sources: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None, source_mask: torch.Tensor | None = None,
 ) -> dict[str, SourceWeights]:
     """Run ``model(tokens, key_padding_mask)`` once, and for every attention layer in it the weight each query puts
-    on the key it needs and whether that is the row's largest: {layer name: :class:`SourceWeights`} (see
-    :func:`attention_to_sources`). The model is put in eval mode for the call and returned to its mode after."""
+    on the key it needs, whether that is the row's largest, and the share of the needed keys it sees: {layer name:
+    :class:`SourceWeights`} (see :func:`attention_to_sources`, which also takes ``source_mask``). The model is put
+    in eval mode for the call and returned to its mode after."""
     captured: dict[str, tuple] = {}
     layers = {name: module for name, module in model.named_modules() if isinstance(module, AttentionLayer)}
     if not layers:
@@ -178,8 +196,10 @@ def key_recall(
         was = layer.training
         layer.eval()
         try:
-            found = attention_to_sources(layer, x, queries.to(x.device), sources.to(x.device), pad, causal, flow)
-            result[name] = SourceWeights(found.weight.cpu(), found.argmax.cpu())
+            mask = None if source_mask is None else source_mask.to(x.device)
+            found = attention_to_sources(layer, x, queries.to(x.device), sources.to(x.device), pad, causal, flow,
+                                         mask)
+            result[name] = SourceWeights(*(t.cpu() for t in found))
         finally:
             layer.train(was)
     return result

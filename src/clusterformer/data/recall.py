@@ -20,6 +20,18 @@ distance can answer it. Both are token-level tasks: a label at each query positi
   Transformers", §4.2; RULER's passkey, Hsieh et al. 2024), trained from scratch. Noise, with a needle ``PASS d_1
   ... d_m`` (a marker and ``m`` random digits) at a uniformly drawn depth, and at the end the question ``ASK S_1
   ... S_m``: the label at slot token ``S_j`` is digit ``d_j``.
+* **Histogram** (counting; the ``hist`` task of Weiss, Goldberg & Yahav 2021, "Thinking Like Transformers", §3,
+  asked at the end of a long context as RULER's aggregation tasks ask for the most frequent words, Hsieh et al.
+  2024): a context of token types, each appearing ``1..max_count`` times at positions scattered uniformly, then a
+  separator and ``num_queries`` distinct types of the context; the label at a query is how many times its type
+  appears in the context::
+
+      position  0   1   2   3   4  ...  N-Q-1  N-Q  ...
+      token     t7  t2  t7  t9  t2 ...  SEP    t7   ...       label at N-Q: 2 (the count of t7 before SEP)
+
+  Unlike MQAR and the passkey, the answer is spread over every position of the query's type, chosen by content
+  alone: a query needs all of them. No window shorter than the context can count them, and no set of contiguous
+  pages smaller than the occurrences' spread holds them all; a group of the query's own type does.
 
 Forms. The same sequences serve a **causal** model (the paper's language-model form: the label sits at the query
 token, and nothing after it is needed) and a **bidirectional** encoder that predicts the label at each query
@@ -28,12 +40,14 @@ position. Accuracy counts query positions only.
 Seeds. Sequence ``i`` of a split is generated from its own seed, ``numpy.random.SeedSequence((seed, split, i))``,
 so any sequence of a test set can be regenerated alone, and the training stream does not depend on the batch size.
 
-Vocabulary (token 0 is padding and never appears): MQAR keys ``[1, 1 + K)``, values ``[1 + K, 1 + 2K)``, noise
-``[1 + 2K, vocab_size)`` with ``K = (vocab_size - 1 - noise) // 2`` and ``noise = vocab_size // 4``. Passkey:
-digits ``1..10``, marker ``11``, question ``12``, slots ``13..12+m``, noise the rest.
+Vocabulary (token 0 is padding and never appears): histogram: filler ``1`` (only when the drawn counts do not fill
+the context, which needs a small vocabulary), separator ``2``, types ``[3, vocab_size)``. MQAR keys ``[1, 1 + K)``,
+values ``[1 + K, 1 + 2K)``, noise ``[1 + 2K, vocab_size)`` with ``K = (vocab_size - 1 - noise) // 2`` and ``noise =
+vocab_size // 4``. Passkey: digits ``1..10``, marker ``11``, question ``12``, slots ``13..12+m``, noise the rest.
 
 Each generated batch also gives, for every query, the position of the token that holds its answer (``sources``:
-MQAR's value, the passkey's digit), which :mod:`clusterformer.train.recall` uses for its key-recall diagnostic.
+MQAR's value, the passkey's digit; the histogram's every occurrence, ``source_mask`` marking the real ones), which
+:mod:`clusterformer.train.recall` uses for its key-recall diagnostic.
 """
 
 from __future__ import annotations
@@ -45,12 +59,12 @@ import torch
 
 from .._checks import check_choice, check_float, check_int
 
-__all__ = ["GAPS", "RECALL_TASKS", "SPLITS", "MQARSpec", "PasskeySpec", "RecallBatch", "generate_recall",
-           "read_mqar", "read_passkey"]
+__all__ = ["GAPS", "RECALL_TASKS", "SPLITS", "HistogramSpec", "MQARSpec", "PasskeySpec", "RecallBatch",
+           "generate_recall", "read_histogram", "read_mqar", "read_passkey"]
 
 GAPS = ("uniform", "power")
 SPLITS = {"train": 0, "test": 1}
-RECALL_TASKS = ("mqar", "passkey")
+RECALL_TASKS = ("mqar", "passkey", "histogram")
 IGNORE = -100
 
 
@@ -139,6 +153,43 @@ class PasskeySpec:
     QUESTION = 12
 
 
+@dataclass(frozen=True)
+class HistogramSpec:
+    """The shape of a histogram sequence.
+
+    Attributes:
+        length: tokens per sequence N: a context of N - num_queries - 1 tokens, the separator, the queries.
+        max_count: the largest count C; each type of the context appears a uniform 1..C times (the labels' range).
+        num_queries: queries Q, distinct types of the context.
+        vocab_size: tokens including padding, filler and separator; types are ``[3, vocab_size)``. With at least
+            ``2 (N - Q - 1) / (C + 1)`` types the drawn counts fill the context almost surely (no filler).
+    """
+
+    length: int = 1024
+    max_count: int = 8
+    num_queries: int = 32
+    vocab_size: int = 1024
+
+    FILLER = 1
+    SEPARATOR = 2
+    FIRST_TYPE = 3
+
+    def __post_init__(self) -> None:
+        check_int("max_count", self.max_count, minimum=1)
+        check_int("num_queries", self.num_queries, minimum=1)
+        check_int("length", self.length, minimum=self.num_queries * self.max_count + self.num_queries + 1)
+        check_int("vocab_size", self.vocab_size, minimum=self.FIRST_TYPE + self.num_queries)
+
+    @property
+    def context(self) -> int:
+        """Tokens before the separator."""
+        return self.length - self.num_queries - 1
+
+    @property
+    def types(self) -> int:
+        return self.vocab_size - self.FIRST_TYPE
+
+
 @dataclass
 class RecallBatch:
     """Sequences of a recall task.
@@ -147,13 +198,16 @@ class RecallBatch:
         ids: (n, N) long tokens.
         targets: (n, N) long, the answer at each query position and -100 elsewhere.
         queries: (n, Q) long, the query positions.
-        sources: (n, Q) long, for each query the position of the token that holds its answer.
+        sources: (n, Q) long, for each query the position of the token that holds its answer; or (n, Q, S) when a
+            query needs several (the histogram: every occurrence of its type, padded with its first).
+        source_mask: None, or (n, Q, S) bool marking the real entries of a padded ``sources``.
     """
 
     ids: torch.Tensor
     targets: torch.Tensor
     queries: torch.Tensor
     sources: torch.Tensor
+    source_mask: torch.Tensor | None = None
 
 
 def _rng(seed: int, split: str, index: int) -> np.random.Generator:
@@ -190,11 +244,42 @@ def _passkey_one(spec: PasskeySpec, rng: np.random.Generator) -> tuple[np.ndarra
     return tokens, queries, digits, depth + 1 + np.arange(m)
 
 
-def generate_recall(spec: MQARSpec | PasskeySpec, seed: int, split: str, start: int, count: int) -> RecallBatch:
+def _histogram_one(spec: HistogramSpec, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    L, Q, C = spec.context, spec.num_queries, spec.max_count
+    # Every type draws a count; types in a random order take the context until it is full (the last one cut to
+    # what is left, still in 1..C). Shuffling the multiset scatters each type's occurrences uniformly.
+    order = rng.permutation(spec.types)
+    counts = rng.integers(1, C + 1, size=spec.types)
+    ends = np.cumsum(counts)
+    used = min(int(np.searchsorted(ends, L)) + 1, spec.types)  # types needed to reach L tokens
+    counts = counts[:used].copy()
+    counts[-1] -= max(0, int(ends[used - 1]) - L)
+    context = np.full(L, HistogramSpec.FILLER, dtype=np.int64)
+    multiset = np.repeat(HistogramSpec.FIRST_TYPE + order[:used], counts)
+    context[: len(multiset)] = multiset
+    context = rng.permutation(context)
+    asked = rng.choice(used, size=Q, replace=False)
+    query_types = HistogramSpec.FIRST_TYPE + order[asked]
+    tokens = np.concatenate([context, [HistogramSpec.SEPARATOR], query_types])
+    # sources: every occurrence of each query's type, padded to C with its first occurrence
+    match = context[None, :] == query_types[:, None]  # (Q, L)
+    rank = np.cumsum(match, axis=1) - 1  # the occurrence's index within its type
+    sources = np.zeros((Q, C), dtype=np.int64)
+    q, pos = np.nonzero(match)
+    sources[q, rank[q, pos]] = pos
+    valid = np.arange(C)[None, :] < counts[asked][:, None]
+    sources = np.where(valid, sources, sources[:, :1])
+    return tokens, L + 1 + np.arange(Q), counts[asked], sources, valid
+
+
+def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec, seed: int, split: str, start: int,
+                    count: int) -> RecallBatch:
     """Sequences ``start .. start + count - 1`` of ``split`` ("train" or "test"), each from its own seed."""
     check_choice("split", split, tuple(SPLITS))
     check_int("start", start, minimum=0)
     check_int("count", count, minimum=0)
+    if isinstance(spec, HistogramSpec):
+        return _histogram_batch(spec, seed, split, start, count)
     one = _mqar_one if isinstance(spec, MQARSpec) else _passkey_one
     # One generator per sequence: data generation, a loop over the examples of a batch, not a hot path.
     rows = [one(spec, _rng(seed, split, start + i)) for i in range(count)]
@@ -209,6 +294,26 @@ def generate_recall(spec: MQARSpec | PasskeySpec, seed: int, split: str, start: 
     sources = torch.from_numpy(np.stack([r[3] for r in rows])).long()
     targets = torch.full_like(ids, IGNORE).scatter_(1, queries, answers)
     return RecallBatch(ids, targets, queries, sources)
+
+
+def _histogram_batch(spec: HistogramSpec, seed: int, split: str, start: int, count: int) -> RecallBatch:
+    Q, C = spec.num_queries, spec.max_count
+    rows = [_histogram_one(spec, _rng(seed, split, start + i)) for i in range(count)]  # data, not a hot path
+    if not rows:
+        return RecallBatch(torch.zeros(0, spec.length, dtype=torch.long), torch.zeros(0, spec.length, dtype=torch.long),
+                           torch.zeros(0, Q, dtype=torch.long), torch.zeros(0, Q, C, dtype=torch.long),
+                           torch.zeros(0, Q, C, dtype=torch.bool))
+    ids, queries, answers, sources, valid = (torch.from_numpy(np.stack([r[k] for r in rows])) for k in range(5))
+    targets = torch.full_like(ids, IGNORE).scatter_(1, queries, answers.long())
+    return RecallBatch(ids.long(), targets, queries.long(), sources.long(), valid)
+
+
+def read_histogram(tokens: list[int]) -> dict[int, int]:
+    """An independent reader: {query position: count} -- a query is a token after the separator, its answer the
+    number of times it appears before the separator."""
+    separator = tokens.index(HistogramSpec.SEPARATOR)
+    context = tokens[:separator]
+    return {separator + 1 + i: context.count(token) for i, token in enumerate(tokens[separator + 1:])}
 
 
 def read_mqar(tokens: list[int], spec: MQARSpec) -> dict[int, int]:

@@ -1,4 +1,5 @@
-"""The recall tasks of ``clusterformer train``: ``--task mqar``, ``--task passkey`` (:mod:`clusterformer.data.recall`).
+"""The recall tasks of ``clusterformer train``: ``--task mqar``, ``--task passkey``, ``--task histogram``
+(:mod:`clusterformer.data.recall`).
 
 A token-level task: the model (:class:`clusterformer.models.TokenClassifier`, causal or bidirectional by ``form``)
 gives logits over the vocabulary at every position; the loss and the accuracy count query positions only.
@@ -16,7 +17,10 @@ token; in bidirectional MQAR, the answer or the key before it) is inside the att
 (``key_recall``), the fraction of queries for which some head sees it (``key_recall_any_head``), the mean
 attention weight on it (``key_weight``), and the fractions in which it weighs more than every other key of the head
 (``key_argmax``, ``key_argmax_any_head``): a summary of many keys gives each member a small positive weight, so
-recall alone cannot tell a key read as the answer from one averaged in. (Runs evaluated between two commits of
+recall alone cannot tell a key read as the answer from one averaged in. The histogram's query needs every occurrence
+of its type: ``key_recall`` counts a (query, head) pair that sees one of them, and ``key_coverage`` is the mean share
+of them it sees (``key_coverage_best_head``: the best head's, per query; ``key_coverage_all``: the share of (query,
+head) pairs that see them all). (Runs evaluated between two commits of
 2026-11-25 recorded ``key_top``, which counted a tie with the other members of a summary as the largest: superseded.)
 """
 
@@ -32,7 +36,7 @@ from torch import nn
 
 from .._checks import check_choice, check_int, check_options
 from ..attention.diagnostics import key_recall
-from ..data.recall import IGNORE, RECALL_TASKS, MQARSpec, PasskeySpec, RecallBatch, generate_recall
+from ..data.recall import IGNORE, RECALL_TASKS, HistogramSpec, MQARSpec, PasskeySpec, RecallBatch, generate_recall
 from ..models import EncoderConfig, TokenClassifier
 from .batch import Batch, Predict
 
@@ -45,13 +49,17 @@ FORMS = ("causal", "bidirectional")
 
 @dataclass(frozen=True)
 class RecallOptions:
-    """The options of ``--task mqar`` and ``--task passkey`` (``train --task-options`` or the flags that fill it).
+    """The options of ``--task mqar``, ``--task passkey`` and ``--task histogram`` (``train --task-options`` or
+    the flags that fill it).
 
     Attributes:
         form: "causal" (the language-model form: a causal model) or "bidirectional" (an encoder).
         num_pairs, vocab_size, gap, power_a: MQAR's shape (:class:`clusterformer.data.recall.MQARSpec`);
-            ``vocab_size`` is the passkey's vocabulary too (None: 1,024 for MQAR, 64 for the passkey).
+            ``vocab_size`` is the other tasks' vocabulary too (None: 1,024 for MQAR and the histogram, 64 for the
+            passkey).
         digits: the passkey's digits.
+        max_count, num_queries: the histogram's largest count and its queries
+            (:class:`clusterformer.data.recall.HistogramSpec`).
         min_gap: tokens between a needed token and the first query (MQAR: between the last pair and the query
             region; passkey: between the needle and the question).
         test_sequences: sequences of the test split evaluated.
@@ -65,6 +73,8 @@ class RecallOptions:
     gap: str = "uniform"
     power_a: float = 0.01
     digits: int = 5
+    max_count: int = 8
+    num_queries: int = 32
     min_gap: int = 0
     test_sequences: int = 1000
     far: int = 256
@@ -76,7 +86,10 @@ class RecallOptions:
         check_int("far", self.far, minimum=0)
         check_int("recall_sequences", self.recall_sequences, minimum=0)
 
-    def spec(self, task: str, length: int) -> MQARSpec | PasskeySpec:
+    def spec(self, task: str, length: int) -> MQARSpec | PasskeySpec | HistogramSpec:
+        if task == "histogram":
+            return HistogramSpec(length=length, max_count=self.max_count, num_queries=self.num_queries,
+                                 vocab_size=self.vocab_size or 1024)
         if task == "mqar":
             return MQARSpec(length=length, num_pairs=self.num_pairs, vocab_size=self.vocab_size or 1024, gap=self.gap,
                             power_a=self.power_a, min_gap=self.min_gap)
@@ -90,10 +103,10 @@ def recall_options(options: dict[str, Any]) -> RecallOptions:
 
 @dataclass
 class RecallTask:
-    """A :class:`clusterformer.train.tasks.Task` for MQAR and the passkey."""
+    """A :class:`clusterformer.train.tasks.Task` for MQAR, the passkey and the histogram."""
 
     name: str
-    spec: MQARSpec | PasskeySpec
+    spec: MQARSpec | PasskeySpec | HistogramSpec
     options: RecallOptions
     train_sequences: int
     test: RecallBatch = field(repr=False)
@@ -113,6 +126,9 @@ class RecallTask:
 
     @property
     def num_classes(self) -> int:
+        """The passkey and MQAR answer with a token; the histogram with a count 0..max_count."""
+        if isinstance(self.spec, HistogramSpec):
+            return self.spec.max_count + 1
         return self.spec.vocab_size
 
     def build_model(self, encoder: EncoderConfig) -> nn.Module:
@@ -151,7 +167,7 @@ class RecallTask:
             rows = torch.arange(len(ids)).unsqueeze(1)
             correct.append(logits[rows, queries].argmax(-1) == targets[rows, queries])
         hit = torch.cat(correct)  # (n, Q)
-        far = (test.queries - test.sources) > self.options.far
+        far = _distance(test) > self.options.far
         result = {"accuracy": hit.float().mean().item(), "test_sequences": len(test.ids),
                   "test_queries": hit.numel(), "far": self.options.far, "far_fraction": far.float().mean().item(),
                   "accuracy_far": _mean(hit[far]), "accuracy_near": _mean(hit[~far])}
@@ -161,7 +177,10 @@ class RecallTask:
 
     def needed(self, sources: torch.Tensor) -> torch.Tensor:
         """The positions a query may read its answer from, (n, Q, S): the answer's token, and in the bidirectional
-        form of MQAR also the key before it (which sees its value in an encoder) -- any of them will do."""
+        form of MQAR also the key before it (which sees its value in an encoder) -- any of them will do; the
+        histogram's every occurrence of the query's type (all of them needed, padded: ``test.source_mask``)."""
+        if sources.dim() == 3:
+            return sources
         if self.name == "mqar" and not self.causal:
             return torch.stack([sources - 1, sources], dim=-1)
         return sources.unsqueeze(-1)
@@ -174,8 +193,9 @@ class RecallTask:
         report: dict[str, list] = {}
         for start in range(0, n, 16):  # a few sequences per probe: the probe keeps each layer's graph
             end = min(n, start + 16)
+            mask = None if self.test.source_mask is None else self.test.source_mask[start:end]
             found = key_recall(model, self.test.ids[start:end].to(device), self.test.queries[start:end],
-                               self.needed(self.test.sources[start:end]))
+                               self.needed(self.test.sources[start:end]), source_mask=mask)
             for name, part in found.items():
                 report.setdefault(name, []).append(part)
         summary = {}
@@ -187,7 +207,20 @@ class RecallTask:
                              "key_weight": w.mean().item(),
                              "key_argmax": argmax.double().mean().item(),
                              "key_argmax_any_head": argmax.any(-1).double().mean().item()}
+            if self.test.source_mask is not None:  # several keys needed: how many of them each query sees
+                coverage = torch.cat([p.coverage for p in parts])  # (n, Q, H)
+                summary[name].update(key_coverage=coverage.mean().item(),
+                                     key_coverage_best_head=coverage.amax(-1).mean().item(),
+                                     key_coverage_all=(coverage == 1).double().mean().item())
         return summary
+
+
+def _distance(batch: RecallBatch) -> torch.Tensor:
+    """(n, Q): how far each query is from what answers it -- from the farthest needed token when it needs several."""
+    if batch.source_mask is None:
+        return batch.queries - batch.sources
+    first = batch.sources.masked_fill(~batch.source_mask, torch.iinfo(torch.long).max).amin(-1)
+    return batch.queries - first
 
 
 def _mean(t: torch.Tensor) -> float | None:
@@ -195,14 +228,14 @@ def _mean(t: torch.Tensor) -> float | None:
 
 
 def prepare_recall(name: str, max_len: int, limit: int | None, options: dict[str, Any]) -> RecallTask:
-    """The recall task ``name`` ("mqar" or "passkey") at sequence length ``max_len``; ``limit`` training sequences
-    per epoch (default :data:`TRAIN_SEQUENCES`)."""
+    """The recall task ``name`` ("mqar", "passkey" or "histogram") at sequence length ``max_len``; ``limit``
+    training sequences per epoch (default :data:`TRAIN_SEQUENCES`)."""
     check_choice("task", name, RECALL_TASKS)
     opts = recall_options(options)
     spec = opts.spec(name, max_len)
     n_train = TRAIN_SEQUENCES if limit is None else check_int("limit", limit, minimum=1)
     test = generate_recall(spec, DATA_SEED, "test", 0, opts.test_sequences)
-    distance = (test.queries - test.sources).float()
+    distance = _distance(test).float()
     info = {"protocol": f"generated: {n_train} train sequences per epoch / {opts.test_sequences} test sequences "
                         f"(data seed {DATA_SEED}, one seed per sequence)",
             "form": opts.form, "spec": dataclasses.asdict(spec), "options": dataclasses.asdict(opts),
