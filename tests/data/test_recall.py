@@ -77,6 +77,27 @@ def test_histogram_answers_match_an_independent_reader(spec):
         assert not (batch.ids == HistogramSpec.FILLER).any()
 
 
+@pytest.mark.parametrize("prefix", [False, True])
+def test_histogram_every_position_matches_an_independent_reader(prefix):
+    """Weiss et al.'s hist: every position but the separator is labelled with its token's count in the sequence,
+    or up to itself (the causal form); the sources are exactly those occurrences."""
+    spec = HistogramSpec(length=200, max_count=4, num_queries=6, vocab_size=200, labels="every", prefix=prefix)
+    batch = generate_recall(spec, seed=3, split="train", start=5, count=6)
+    assert batch.queries.shape == (6, 199) and batch.sources.shape == (6, 199, 5)
+    counts = []
+    for b in range(6):
+        tokens = batch.ids[b].tolist()
+        labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
+        assert read_histogram(tokens, "every", prefix) == labelled and len(labelled) == 199
+        for m, q in enumerate(batch.queries[b].tolist()):
+            real = batch.sources[b, m][batch.source_mask[b, m]].tolist()
+            assert sorted(real) == [p for p in range(200) if tokens[p] == tokens[q] and (p <= q or not prefix)]
+            assert q in real  # a position counts itself
+        counts += labelled.values()
+    assert max(counts) == spec.max_count + 1  # a queried type: its count in the context and its query
+    assert (min(counts) == 1) and (prefix or sorted(set(counts)) == list(range(1, spec.max_count + 2)))
+
+
 def test_histogram_occurrences_are_spread():
     """A type's occurrences are scattered over the context, not in one place: the farthest of a query's needed
     keys is on average well beyond half the context, so neither a window nor a few contiguous pages hold them."""
@@ -121,6 +142,9 @@ def test_gap_distributions():
     (HistogramSpec, {"length": 100, "num_queries": 16, "max_count": 8}, "length"),
     (HistogramSpec, {"vocab_size": 20, "num_queries": 32}, "vocab_size"),
     (HistogramSpec, {"max_count": 0}, "max_count"),
+    (HistogramSpec, {"labels": "all"}, "labels"),
+    (HistogramSpec, {"labels": "every", "vocab_size": 512}, "no filler"),
+    (HistogramSpec, {"prefix": True}, "prefix"),
 ])
 def test_bad_specs_name_the_option(kind, options, match):
     with pytest.raises(ValueError, match=match):
@@ -130,13 +154,13 @@ def test_bad_specs_name_the_option(kind, options, match):
 @pytest.mark.parametrize("form", ["causal", "bidirectional"])
 def test_train_histogram_through_the_cli(tmp_path, form):
     out = tmp_path / "run"
-    options = {"form": form, "num_queries": 3, "max_count": 4, "vocab_size": 40, "test_sequences": 8,
-               "recall_sequences": 4}
+    options = {"form": form, "num_queries": 3, "max_count": 4, "vocab_size": 64, "labels": "every",
+               "test_sequences": 8, "recall_sequences": 4}
     assert main(["train", "--task", "histogram", "--attention", "cluster-select", "--max-len", "64", "--task-options",
                  json.dumps(options), "--limit", "32", "--max-steps", "2", "--batch-size", "8", "--dim", "32",
                  "--out", str(out), "--no-progress"]) == 0
     m = json.loads((out / "metrics.json").read_text())["metrics"]
-    assert m["test_queries"] == 8 * 3 and 0 <= m["accuracy"] <= 1
+    assert m["test_queries"] == 8 * 63 and 0 <= m["accuracy"] <= 1 and 0 <= m["accuracy_end"] <= 1
     for layer in m["key_recall"].values():  # the share of the needed keys seen; all of them: a smaller share
         assert 0 <= layer["key_coverage_all"] <= layer["key_coverage"] <= layer["key_coverage_best_head"] <= 1
         assert layer["key_coverage"] <= layer["key_recall"]  # seeing some of them is at least seeing all

@@ -32,6 +32,9 @@ distance can answer it. Both are token-level tasks: a label at each query positi
   Unlike MQAR and the passkey, the answer is spread over every position of the query's type, chosen by content
   alone: a query needs all of them. No window shorter than the context can count them, and no set of contiguous
   pages smaller than the occurrences' spread holds them all; a group of the query's own type does.
+  ``labels="every"`` is Weiss et al.'s task itself, with a label at every position: its token's count in the
+  sequence (bidirectional), or up to itself (``prefix``, the causal form) -- a thousand labels per sequence instead
+  of Q, which a model learns from far sooner.
 
 Forms. The same sequences serve a **causal** model (the paper's language-model form: the label sits at the query
 token, and nothing after it is needed) and a **bidirectional** encoder that predicts the label at each query
@@ -59,12 +62,13 @@ import torch
 
 from .._checks import check_choice, check_float, check_int
 
-__all__ = ["GAPS", "RECALL_TASKS", "SPLITS", "HistogramSpec", "MQARSpec", "PasskeySpec", "RecallBatch",
-           "generate_recall", "read_histogram", "read_mqar", "read_passkey"]
+__all__ = ["GAPS", "HISTOGRAM_LABELS", "RECALL_TASKS", "SPLITS", "HistogramSpec", "MQARSpec", "PasskeySpec",
+           "RecallBatch", "generate_recall", "read_histogram", "read_mqar", "read_passkey"]
 
 GAPS = ("uniform", "power")
 SPLITS = {"train": 0, "test": 1}
 RECALL_TASKS = ("mqar", "passkey", "histogram")
+HISTOGRAM_LABELS = ("queries", "every")
 IGNORE = -100
 
 
@@ -163,12 +167,20 @@ class HistogramSpec:
         num_queries: queries Q, distinct types of the context.
         vocab_size: tokens including padding, filler and separator; types are ``[3, vocab_size)``. With at least
             ``2 (N - Q - 1) / (C + 1)`` types the drawn counts fill the context almost surely (no filler).
+        labels: "queries" (the Q queries after the separator, each labelled with its type's count in the context)
+            or "every" (Weiss et al.'s ``hist`` itself: every position but the separator is a query, labelled with
+            its token's count in the sequence -- up to and including it when ``prefix``; counts reach C + 1, as a
+            query type's own occurrence after the separator counts too). "every" needs ``vocab_size >= N - Q + 2``,
+            so that no filler is ever drawn.
+        prefix: with labels="every", count only the occurrences up to the position (what a causal model sees).
     """
 
     length: int = 1024
     max_count: int = 8
     num_queries: int = 32
     vocab_size: int = 1024
+    labels: str = "queries"
+    prefix: bool = False
 
     FILLER = 1
     SEPARATOR = 2
@@ -179,6 +191,18 @@ class HistogramSpec:
         check_int("num_queries", self.num_queries, minimum=1)
         check_int("length", self.length, minimum=self.num_queries * self.max_count + self.num_queries + 1)
         check_int("vocab_size", self.vocab_size, minimum=self.FIRST_TYPE + self.num_queries)
+        check_choice("labels", self.labels, HISTOGRAM_LABELS)
+        if self.labels == "every" and self.types < self.context:
+            raise ValueError(f"labels='every' labels every position, so no filler may be drawn: vocab_size must be "
+                             f">= {self.context + self.FIRST_TYPE} for length={self.length} and num_queries="
+                             f"{self.num_queries}, got {self.vocab_size}")
+        if self.prefix and self.labels != "every":
+            raise ValueError("prefix=True counts up to each position, for labels='every' only")
+
+    @property
+    def needed(self) -> int:
+        """S, the most keys a query needs: C in the context, and with labels="every" the query type's own."""
+        return self.max_count + (self.labels == "every")
 
     @property
     def context(self) -> int:
@@ -261,15 +285,24 @@ def _histogram_one(spec: HistogramSpec, rng: np.random.Generator) -> tuple[np.nd
     asked = rng.choice(used, size=Q, replace=False)
     query_types = HistogramSpec.FIRST_TYPE + order[asked]
     tokens = np.concatenate([context, [HistogramSpec.SEPARATOR], query_types])
-    # sources: every occurrence of each query's type, padded to C with its first occurrence
-    match = context[None, :] == query_types[:, None]  # (Q, L)
+    if spec.labels == "every":  # every position but the separator asks for its own token
+        queries = np.delete(np.arange(spec.length), L)
+        match = tokens[queries][:, None] == tokens[None, :]  # (N - 1, N)
+        if spec.prefix:
+            match &= np.arange(spec.length)[None, :] <= queries[:, None]
+    else:
+        queries = L + 1 + np.arange(Q)
+        match = np.zeros((Q, spec.length), dtype=bool)
+        match[:, :L] = context[None, :] == query_types[:, None]
+    # sources: every needed occurrence of each query's type, padded with the first one
+    answers = match.sum(1)
     rank = np.cumsum(match, axis=1) - 1  # the occurrence's index within its type
-    sources = np.zeros((Q, C), dtype=np.int64)
+    sources = np.zeros((len(queries), spec.needed), dtype=np.int64)
     q, pos = np.nonzero(match)
     sources[q, rank[q, pos]] = pos
-    valid = np.arange(C)[None, :] < counts[asked][:, None]
+    valid = np.arange(spec.needed)[None, :] < answers[:, None]
     sources = np.where(valid, sources, sources[:, :1])
-    return tokens, L + 1 + np.arange(Q), counts[asked], sources, valid
+    return tokens, queries, answers, sources, valid
 
 
 def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec, seed: int, split: str, start: int,
@@ -297,7 +330,7 @@ def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec, seed: int, spl
 
 
 def _histogram_batch(spec: HistogramSpec, seed: int, split: str, start: int, count: int) -> RecallBatch:
-    Q, C = spec.num_queries, spec.max_count
+    Q, C = spec.num_queries if spec.labels == "queries" else spec.length - 1, spec.needed
     rows = [_histogram_one(spec, _rng(seed, split, start + i)) for i in range(count)]  # data, not a hot path
     if not rows:
         return RecallBatch(torch.zeros(0, spec.length, dtype=torch.long), torch.zeros(0, spec.length, dtype=torch.long),
@@ -308,12 +341,16 @@ def _histogram_batch(spec: HistogramSpec, seed: int, split: str, start: int, cou
     return RecallBatch(ids.long(), targets, queries.long(), sources.long(), valid)
 
 
-def read_histogram(tokens: list[int]) -> dict[int, int]:
-    """An independent reader: {query position: count} -- a query is a token after the separator, its answer the
-    number of times it appears before the separator."""
+def read_histogram(tokens: list[int], labels: str = "queries", prefix: bool = False) -> dict[int, int]:
+    """An independent reader: {query position: count}. labels="queries": a query is a token after the separator,
+    its answer the number of times it appears before the separator; "every": every token but the separator is a
+    query, its answer the number of times it appears in the sequence (up to itself when ``prefix``)."""
     separator = tokens.index(HistogramSpec.SEPARATOR)
-    context = tokens[:separator]
-    return {separator + 1 + i: context.count(token) for i, token in enumerate(tokens[separator + 1:])}
+    if labels == "queries":
+        context = tokens[:separator]
+        return {separator + 1 + i: context.count(token) for i, token in enumerate(tokens[separator + 1:])}
+    return {position: (tokens[:position + 1] if prefix else tokens).count(token)
+            for position, token in enumerate(tokens) if position != separator}
 
 
 def read_mqar(tokens: list[int], spec: MQARSpec) -> dict[int, int]:

@@ -58,8 +58,9 @@ class RecallOptions:
             ``vocab_size`` is the other tasks' vocabulary too (None: 1,024 for MQAR and the histogram, 64 for the
             passkey).
         digits: the passkey's digits.
-        max_count, num_queries: the histogram's largest count and its queries
-            (:class:`clusterformer.data.recall.HistogramSpec`).
+        max_count, num_queries, labels: the histogram's largest count, its queries and which positions are
+            labelled (:class:`clusterformer.data.recall.HistogramSpec`; with labels="every" the causal form counts
+            up to each position, the bidirectional form the whole sequence).
         min_gap: tokens between a needed token and the first query (MQAR: between the last pair and the query
             region; passkey: between the needle and the question).
         test_sequences: sequences of the test split evaluated.
@@ -75,6 +76,7 @@ class RecallOptions:
     digits: int = 5
     max_count: int = 8
     num_queries: int = 32
+    labels: str = "queries"
     min_gap: int = 0
     test_sequences: int = 1000
     far: int = 256
@@ -89,7 +91,8 @@ class RecallOptions:
     def spec(self, task: str, length: int) -> MQARSpec | PasskeySpec | HistogramSpec:
         if task == "histogram":
             return HistogramSpec(length=length, max_count=self.max_count, num_queries=self.num_queries,
-                                 vocab_size=self.vocab_size or 1024)
+                                 vocab_size=self.vocab_size or 1024, labels=self.labels,
+                                 prefix=self.labels == "every" and self.form == "causal")
         if task == "mqar":
             return MQARSpec(length=length, num_pairs=self.num_pairs, vocab_size=self.vocab_size or 1024, gap=self.gap,
                             power_a=self.power_a, min_gap=self.min_gap)
@@ -128,7 +131,7 @@ class RecallTask:
     def num_classes(self) -> int:
         """The passkey and MQAR answer with a token; the histogram with a count 0..max_count."""
         if isinstance(self.spec, HistogramSpec):
-            return self.spec.max_count + 1
+            return self.spec.needed + 1
         return self.spec.vocab_size
 
     def build_model(self, encoder: EncoderConfig) -> nn.Module:
@@ -171,6 +174,8 @@ class RecallTask:
         result = {"accuracy": hit.float().mean().item(), "test_sequences": len(test.ids),
                   "test_queries": hit.numel(), "far": self.options.far, "far_fraction": far.float().mean().item(),
                   "accuracy_far": _mean(hit[far]), "accuracy_near": _mean(hit[~far])}
+        if isinstance(self.spec, HistogramSpec) and self.spec.labels == "every":  # the queries after the separator
+            result["accuracy_end"] = _mean(hit[:, -self.spec.num_queries:])
         if self.options.recall_sequences:
             result["key_recall"] = self.key_recall(predict.model, predict.device)
         return result
