@@ -51,7 +51,7 @@ def test_passkey_answers_match_an_independent_reader(spec):
         assert min(batch.queries[b]) - max(batch.sources[b]) > spec.min_gap
 
 
-@pytest.mark.parametrize("spec", [HistogramSpec(length=40, max_count=3, num_queries=4, vocab_size=12),  # filler
+@pytest.mark.parametrize("spec", [HistogramSpec(length=40, max_count=3, num_queries=4, vocab_size=16),  # raised
                                   HistogramSpec(length=300, max_count=5, num_queries=9, vocab_size=200),
                                   HistogramSpec(length=1024)])
 def test_histogram_answers_match_an_independent_reader(spec):
@@ -62,33 +62,35 @@ def test_histogram_answers_match_an_independent_reader(spec):
         tokens = batch.ids[b].tolist()
         labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
         assert read_histogram(tokens) == labelled and len(labelled) == spec.num_queries
-        assert tokens.index(HistogramSpec.SEPARATOR) == spec.context and tokens.count(HistogramSpec.SEPARATOR) == 1
-        queried = tokens[spec.context + 1:]
+        assert tokens[0] == HistogramSpec.BOS and tokens.count(HistogramSpec.BOS) == 1
+        assert tokens.index(HistogramSpec.SEPARATOR) == spec.context + 1 and tokens.count(HistogramSpec.SEPARATOR) == 1
+        queried = tokens[spec.context + 2:]
         assert len(set(queried)) == spec.num_queries and min(queried) >= HistogramSpec.FIRST_TYPE
-        counts = {t: tokens[:spec.context].count(t) for t in set(tokens[:spec.context]) - {HistogramSpec.FILLER}}
+        context = tokens[1:spec.context + 1]
+        counts = {t: context.count(t) for t in set(context)}
         assert min(counts.values()) >= 1 and max(counts.values()) <= spec.max_count  # every type's count in 1..C
+        assert min(context) >= HistogramSpec.FIRST_TYPE
         for m, q in enumerate(batch.queries[b].tolist()):  # the sources: every occurrence of q's type, once
             real = batch.sources[b, m][batch.source_mask[b, m]].tolist()
-            assert sorted(real) == [p for p in range(spec.context) if tokens[p] == tokens[q]]
+            assert sorted(real) == [p for p in range(spec.context + 1) if tokens[p] == tokens[q]]
             assert len(real) == labelled[q] and tokens[batch.sources[b, m, 0]] == tokens[q]  # padding repeats one
         seen += labelled.values()
     assert set(seen) == set(range(1, spec.max_count + 1))  # every count is asked
-    if spec.types * (spec.max_count + 1) >= 4 * spec.context:  # a vocabulary large enough needs no filler
-        assert not (batch.ids == HistogramSpec.FILLER).any()
 
 
 @pytest.mark.parametrize("prefix", [False, True])
 def test_histogram_every_position_matches_an_independent_reader(prefix):
-    """Weiss et al.'s hist: every position but the separator is labelled with its token's count in the sequence,
-    or up to itself (the causal form); the sources are exactly those occurrences."""
-    spec = HistogramSpec(length=200, max_count=4, num_queries=6, vocab_size=200, labels="every", prefix=prefix)
+    """Weiss et al.'s hist: every position but BOS and the separator is labelled with its token's count in the
+    sequence, or up to itself (the causal form); the sources are exactly those occurrences. A vocabulary of 60
+    types for 192 context tokens and counts up to 4: the counts are raised to fill it."""
+    spec = HistogramSpec(length=200, max_count=4, num_queries=6, vocab_size=63, labels="every", prefix=prefix)
     batch = generate_recall(spec, seed=3, split="train", start=5, count=6)
-    assert batch.queries.shape == (6, 199) and batch.sources.shape == (6, 199, 5)
+    assert batch.queries.shape == (6, 198) and batch.sources.shape == (6, 198, 5)
     counts = []
     for b in range(6):
         tokens = batch.ids[b].tolist()
         labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
-        assert read_histogram(tokens, "every", prefix) == labelled and len(labelled) == 199
+        assert read_histogram(tokens, "every", prefix) == labelled and len(labelled) == 198
         for m, q in enumerate(batch.queries[b].tolist()):
             real = batch.sources[b, m][batch.source_mask[b, m]].tolist()
             assert sorted(real) == [p for p in range(200) if tokens[p] == tokens[q] and (p <= q or not prefix)]
@@ -143,7 +145,7 @@ def test_gap_distributions():
     (HistogramSpec, {"vocab_size": 20, "num_queries": 32}, "vocab_size"),
     (HistogramSpec, {"max_count": 0}, "max_count"),
     (HistogramSpec, {"labels": "all"}, "labels"),
-    (HistogramSpec, {"labels": "every", "vocab_size": 512}, "no filler"),
+    (HistogramSpec, {"vocab_size": 100, "max_count": 8}, "vocab_size"),  # 98 types x 8 < 990 context tokens
     (HistogramSpec, {"prefix": True}, "prefix"),
 ])
 def test_bad_specs_name_the_option(kind, options, match):
@@ -160,7 +162,7 @@ def test_train_histogram_through_the_cli(tmp_path, form):
                  json.dumps(options), "--limit", "32", "--max-steps", "2", "--batch-size", "8", "--dim", "32",
                  "--out", str(out), "--no-progress"]) == 0
     m = json.loads((out / "metrics.json").read_text())["metrics"]
-    assert m["test_queries"] == 8 * 63 and 0 <= m["accuracy"] <= 1 and 0 <= m["accuracy_end"] <= 1
+    assert m["test_queries"] == 8 * 62 and 0 <= m["accuracy"] <= 1 and 0 <= m["accuracy_end"] <= 1
     for layer in m["key_recall"].values():  # the share of the needed keys seen; all of them: a smaller share
         assert 0 <= layer["key_coverage_all"] <= layer["key_coverage"] <= layer["key_coverage_best_head"] <= 1
         assert layer["key_coverage"] <= layer["key_recall"]  # seeing some of them is at least seeing all

@@ -26,8 +26,11 @@ distance can answer it. Both are token-level tasks: a label at each query positi
   separator and ``num_queries`` distinct types of the context; the label at a query is how many times its type
   appears in the context::
 
-      position  0   1   2   3   4  ...  N-Q-1  N-Q  ...
-      token     t7  t2  t7  t9  t2 ...  SEP    t7   ...       label at N-Q: 2 (the count of t7 before SEP)
+      position  0    1   2   3   4  ...  N-Q-1  N-Q  ...
+      token     BOS  t7  t2  t7  t9 ...  SEP    t7   ...       label at N-Q: 2 (the count of t7 before SEP)
+
+  The BOS token is the anchor of every counting construction (RASP's selector width reads 1 / (count + 1) off the
+  weight on BOS).
 
   Unlike MQAR and the passkey, the answer is spread over every position of the query's type, chosen by content
   alone: a query needs all of them. No window shorter than the context can count them, and no set of contiguous
@@ -43,8 +46,8 @@ position. Accuracy counts query positions only.
 Seeds. Sequence ``i`` of a split is generated from its own seed, ``numpy.random.SeedSequence((seed, split, i))``,
 so any sequence of a test set can be regenerated alone, and the training stream does not depend on the batch size.
 
-Vocabulary (token 0 is padding and never appears): histogram: filler ``1`` (only when the drawn counts do not fill
-the context, which needs a small vocabulary), separator ``2``, types ``[3, vocab_size)``. MQAR keys ``[1, 1 + K)``,
+Vocabulary (token 0 is padding and never appears): histogram: BOS ``1`` (the first token, the anchor against which
+a count is read), separator ``2``, types ``[3, vocab_size)``. MQAR keys ``[1, 1 + K)``,
 values ``[1 + K, 1 + 2K)``, noise ``[1 + 2K, vocab_size)`` with ``K = (vocab_size - 1 - noise) // 2`` and ``noise =
 vocab_size // 4``. Passkey: digits ``1..10``, marker ``11``, question ``12``, slots ``13..12+m``, noise the rest.
 
@@ -162,16 +165,16 @@ class HistogramSpec:
     """The shape of a histogram sequence.
 
     Attributes:
-        length: tokens per sequence N: a context of N - num_queries - 1 tokens, the separator, the queries.
-        max_count: the largest count C; each type of the context appears a uniform 1..C times (the labels' range).
+        length: tokens per sequence N: BOS, a context of N - num_queries - 2 tokens, the separator, the queries.
+        max_count: the largest count C; each type of the context appears 1..C times (uniformly, unless the
+            vocabulary is so small that the counts must be raised to fill the context).
         num_queries: queries Q, distinct types of the context.
-        vocab_size: tokens including padding, filler and separator; types are ``[3, vocab_size)``. With at least
-            ``2 (N - Q - 1) / (C + 1)`` types the drawn counts fill the context almost surely (no filler).
+        vocab_size: tokens including padding, BOS and separator; types are ``[3, vocab_size)``, at least
+            (N - Q - 2) / C of them, so that the context can be filled.
         labels: "queries" (the Q queries after the separator, each labelled with its type's count in the context)
-            or "every" (Weiss et al.'s ``hist`` itself: every position but the separator is a query, labelled with
-            its token's count in the sequence -- up to and including it when ``prefix``; counts reach C + 1, as a
-            query type's own occurrence after the separator counts too). "every" needs ``vocab_size >= N - Q + 2``,
-            so that no filler is ever drawn.
+            or "every" (Weiss et al.'s ``hist`` itself: every position but BOS and the separator is a query,
+            labelled with its token's count in the sequence -- up to and including it when ``prefix``; counts reach
+            C + 1, as a query type's own occurrence after the separator counts too).
         prefix: with labels="every", count only the occurrences up to the position (what a causal model sees).
     """
 
@@ -182,20 +185,17 @@ class HistogramSpec:
     labels: str = "queries"
     prefix: bool = False
 
-    FILLER = 1
+    BOS = 1
     SEPARATOR = 2
     FIRST_TYPE = 3
 
     def __post_init__(self) -> None:
         check_int("max_count", self.max_count, minimum=1)
         check_int("num_queries", self.num_queries, minimum=1)
-        check_int("length", self.length, minimum=self.num_queries * self.max_count + self.num_queries + 1)
-        check_int("vocab_size", self.vocab_size, minimum=self.FIRST_TYPE + self.num_queries)
+        check_int("length", self.length, minimum=self.num_queries * self.max_count + self.num_queries + 2)
+        check_int("vocab_size", self.vocab_size, minimum=self.FIRST_TYPE + max(self.num_queries,
+                                                                              -(-self.context // self.max_count)))
         check_choice("labels", self.labels, HISTOGRAM_LABELS)
-        if self.labels == "every" and self.types < self.context:
-            raise ValueError(f"labels='every' labels every position, so no filler may be drawn: vocab_size must be "
-                             f">= {self.context + self.FIRST_TYPE} for length={self.length} and num_queries="
-                             f"{self.num_queries}, got {self.vocab_size}")
         if self.prefix and self.labels != "every":
             raise ValueError("prefix=True counts up to each position, for labels='every' only")
 
@@ -206,8 +206,8 @@ class HistogramSpec:
 
     @property
     def context(self) -> int:
-        """Tokens before the separator."""
-        return self.length - self.num_queries - 1
+        """Tokens between BOS and the separator."""
+        return self.length - self.num_queries - 2
 
     @property
     def types(self) -> int:
@@ -270,30 +270,31 @@ def _passkey_one(spec: PasskeySpec, rng: np.random.Generator) -> tuple[np.ndarra
 
 def _histogram_one(spec: HistogramSpec, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     L, Q, C = spec.context, spec.num_queries, spec.max_count
-    # Every type draws a count; types in a random order take the context until it is full (the last one cut to
-    # what is left, still in 1..C). Shuffling the multiset scatters each type's occurrences uniformly.
+    # Every type draws a count in 1..C; types in a random order take the context until it is full (the last one
+    # cut to what is left, still >= 1). A vocabulary too small to fill it this way gets the shortfall spread
+    # over the types' room below C. Shuffling the multiset scatters each type's occurrences uniformly.
     order = rng.permutation(spec.types)
     counts = rng.integers(1, C + 1, size=spec.types)
     ends = np.cumsum(counts)
     used = min(int(np.searchsorted(ends, L)) + 1, spec.types)  # types needed to reach L tokens
     counts = counts[:used].copy()
     counts[-1] -= max(0, int(ends[used - 1]) - L)
-    context = np.full(L, HistogramSpec.FILLER, dtype=np.int64)
-    multiset = np.repeat(HistogramSpec.FIRST_TYPE + order[:used], counts)
-    context[: len(multiset)] = multiset
-    context = rng.permutation(context)
+    if counts.sum() < L:  # every type used: raise counts, one unit of room at a time, without passing C
+        room = np.repeat(np.arange(used), C - counts)
+        counts += np.bincount(rng.choice(room, size=L - int(counts.sum()), replace=False), minlength=used)
+    context = rng.permutation(np.repeat(HistogramSpec.FIRST_TYPE + order[:used], counts))
     asked = rng.choice(used, size=Q, replace=False)
     query_types = HistogramSpec.FIRST_TYPE + order[asked]
-    tokens = np.concatenate([context, [HistogramSpec.SEPARATOR], query_types])
-    if spec.labels == "every":  # every position but the separator asks for its own token
-        queries = np.delete(np.arange(spec.length), L)
+    tokens = np.concatenate([[HistogramSpec.BOS], context, [HistogramSpec.SEPARATOR], query_types])
+    if spec.labels == "every":  # every position but BOS and the separator asks for its own token
+        queries = np.delete(np.arange(1, spec.length), L)
         match = tokens[queries][:, None] == tokens[None, :]  # (N - 1, N)
         if spec.prefix:
             match &= np.arange(spec.length)[None, :] <= queries[:, None]
     else:
-        queries = L + 1 + np.arange(Q)
+        queries = L + 2 + np.arange(Q)
         match = np.zeros((Q, spec.length), dtype=bool)
-        match[:, :L] = context[None, :] == query_types[:, None]
+        match[:, 1:L + 1] = context[None, :] == query_types[:, None]
     # sources: every needed occurrence of each query's type, padded with the first one
     answers = match.sum(1)
     rank = np.cumsum(match, axis=1) - 1  # the occurrence's index within its type
@@ -330,7 +331,7 @@ def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec, seed: int, spl
 
 
 def _histogram_batch(spec: HistogramSpec, seed: int, split: str, start: int, count: int) -> RecallBatch:
-    Q, C = spec.num_queries if spec.labels == "queries" else spec.length - 1, spec.needed
+    Q, C = spec.num_queries if spec.labels == "queries" else spec.length - 2, spec.needed
     rows = [_histogram_one(spec, _rng(seed, split, start + i)) for i in range(count)]  # data, not a hot path
     if not rows:
         return RecallBatch(torch.zeros(0, spec.length, dtype=torch.long), torch.zeros(0, spec.length, dtype=torch.long),
@@ -343,14 +344,15 @@ def _histogram_batch(spec: HistogramSpec, seed: int, split: str, start: int, cou
 
 def read_histogram(tokens: list[int], labels: str = "queries", prefix: bool = False) -> dict[int, int]:
     """An independent reader: {query position: count}. labels="queries": a query is a token after the separator,
-    its answer the number of times it appears before the separator; "every": every token but the separator is a
-    query, its answer the number of times it appears in the sequence (up to itself when ``prefix``)."""
+    its answer the number of times it appears before the separator; "every": every token but BOS and the
+    separator is a query, its answer the number of times it appears in the sequence (up to itself when
+    ``prefix``)."""
     separator = tokens.index(HistogramSpec.SEPARATOR)
     if labels == "queries":
         context = tokens[:separator]
         return {separator + 1 + i: context.count(token) for i, token in enumerate(tokens[separator + 1:])}
     return {position: (tokens[:position + 1] if prefix else tokens).count(token)
-            for position, token in enumerate(tokens) if position != separator}
+            for position, token in enumerate(tokens) if token not in (HistogramSpec.BOS, HistogramSpec.SEPARATOR)}
 
 
 def read_mqar(tokens: list[int], spec: MQARSpec) -> dict[int, int]:
