@@ -287,23 +287,22 @@ def _histogram_one(spec: HistogramSpec, rng: np.random.Generator) -> tuple[np.nd
     asked = rng.choice(used, size=Q, replace=False)
     query_types = HistogramSpec.FIRST_TYPE + order[asked]
     tokens = np.concatenate([[HistogramSpec.BOS], context, [HistogramSpec.SEPARATOR], query_types])
+    # Each type's positions, in order, from one stable sort: a query's needed keys are the first `answers` of its
+    # type's run (O(N log N), where comparing every position with every other would be O(N^2) per sequence).
+    by_type = np.argsort(tokens, kind="stable")
+    start = np.searchsorted(tokens[by_type], tokens)  # where each position's type begins in `by_type`
+    size = np.bincount(tokens)[tokens]
+    rank = np.empty_like(by_type)
+    rank[by_type] = np.arange(spec.length) - start[by_type]  # the occurrence's index within its type
     if spec.labels == "every":  # every position but BOS and the separator asks for its own token
         queries = np.delete(np.arange(1, spec.length), L)
-        match = tokens[queries][:, None] == tokens[None, :]  # (N - 1, N)
-        if spec.prefix:
-            match &= np.arange(spec.length)[None, :] <= queries[:, None]
-    else:
+        answers = rank[queries] + 1 if spec.prefix else size[queries]
+    else:  # the end queries: their type's occurrences in the context, all before the query's own (the last)
         queries = L + 2 + np.arange(Q)
-        match = np.zeros((Q, spec.length), dtype=bool)
-        match[:, 1:L + 1] = context[None, :] == query_types[:, None]
+        answers = size[queries] - 1
     # sources: every needed occurrence of each query's type, padded with the first one
-    answers = match.sum(1)
-    rank = np.cumsum(match, axis=1) - 1  # the occurrence's index within its type
-    sources = np.zeros((len(queries), spec.needed), dtype=np.int64)
-    q, pos = np.nonzero(match)
-    sources[q, rank[q, pos]] = pos
     valid = np.arange(spec.needed)[None, :] < answers[:, None]
-    sources = np.where(valid, sources, sources[:, :1])
+    sources = by_type[start[queries][:, None] + np.where(valid, np.arange(spec.needed)[None, :], 0)]
     return tokens, queries, answers, sources, valid
 
 

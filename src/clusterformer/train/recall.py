@@ -129,7 +129,8 @@ class RecallTask:
 
     @property
     def num_classes(self) -> int:
-        """The passkey and MQAR answer with a token; the histogram with a count 0..max_count."""
+        """The passkey and MQAR answer with a token; the histogram with a count 0..max_count (max_count + 1 with
+        labels="every", where a queried type's own occurrence counts too)."""
         if isinstance(self.spec, HistogramSpec):
             return self.spec.needed + 1
         return self.spec.vocab_size
