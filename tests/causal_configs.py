@@ -52,6 +52,10 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
                         "bound_block": 4, "position_splits": 2, "split_size": 5, "kernel": "banded"}),
     ("cluster-select", {"num_clusters": 4, "select": 1, "cluster_keys": 3, "window": 2, "selection": "bound",
                         "bound_block": 5, "summaries": False}),
+    ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "selection": "bound",
+                        "bound_block": 3, "summaries": False, "own_group": True}),
+    ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 2, "own_group": True,
+                        "kernel": "banded"}),
     ("sliding-window", {"window": 8, "stride": 3}),
     ("sliding-window", {"window": 6, "stride": 6}),
 ]

@@ -52,6 +52,10 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
             "cluster-select+bound": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
                                                      "window": 4, "selection": "bound", "bound_block": 3},
                                      {"selection": "bound"}),
+            "cluster-select+own-group": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
+                                                         "window": 4, "selection": "bound", "bound_block": 3,
+                                                         "own_group": True},
+                                         {"selection": "bound", "own_group": True}),
             "cluster-select+balance": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
                                                        "window": 4, "balance": 0.5},
                                        {"balance": 0.5}),  # one training step moves every cluster's bias by 0.5

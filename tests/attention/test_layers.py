@@ -419,6 +419,8 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                 spans = [ranking[c * R:(c + 1) * R] for c in range(o.num_clusters)]
                 best = torch.stack([torch.logsumexp(span, 0) for span in spans]).topk(o.select).indices.tolist()
                 chosen_groups = [c * R + int(spans[c].argmax()) for c in best]
+            if o.own_group:  # the group of the query's own key first, then the best others
+                chosen_groups = [int(ids[t]), *[c for c in chosen_groups if c != int(ids[t])][: o.select - 1]]
             read = list(window)
             for c in chosen_groups:
                 if causal:
@@ -453,7 +455,9 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                                                     ("summaries", "random-split"),
                                                     ("summaries", "kmeans-split-clusters"), ("bound", "kmeans"),
                                                     ("bound", "kmeans-split"), ("bound", "random"),
-                                                    ("bound-alone", "kmeans")])
+                                                    ("bound-alone", "kmeans"), ("bound-own", "kmeans"),
+                                                    ("scores-own", "kmeans"), ("summaries-own", "random"),
+                                                    ("bound-own", "kmeans-split")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel,
@@ -466,12 +470,14 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     if grouping.endswith("-clusters"):  # a query selects clusters, then a span of each
         splits["split_selection"] = "clusters"
     grouping = grouping.removesuffix("-5").removesuffix("-clusters").removesuffix("-split")
+    own = {"own_group": True} if selection.endswith("-own") else {}  # the own key's group read first
+    selection = selection.removesuffix("-own")
     summaries = selection != "bound-alone"  # "bound-alone": the bound's selection without summaries
     selection = selection.removesuffix("-alone")
     if selection == "bound":  # blocks of 4 (of 5 with spans of 4) against windows of 2-6: the window cuts blocks
         splits["bound_block"] = 5 if splits else 4
     layer = _layer("cluster-select", **options, kernel=kernel, summaries=summaries, selection=selection,
-                   grouping=grouping, **pages, **splits, **({} if balance_bias is None else {"balance": 0.1}))
+                   grouping=grouping, **pages, **splits, **own, **({} if balance_bias is None else {"balance": 0.1}))
     if balance_bias is not None:
         layer.inner.balance_bias.copy_(balance_bias)
     B = 3
@@ -500,6 +506,11 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
                        selection="summaries" if summaries else "scores")
         other.load_state_dict(layer.state_dict())
         assert (y - other(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "the bound must count"
+    if own and N > 6:  # the own group must change what some query reads
+        other = _layer("cluster-select", **options, kernel=kernel, summaries=summaries, grouping=grouping,
+                       selection=selection, **splits)
+        other.load_state_dict(layer.state_dict())
+        assert (y - other(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "own_group must count"
     if splits and N > 6:  # the spans must split some cluster of the case, so that the groups differ from the clusters
         whole = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
                        grouping=grouping)
@@ -613,6 +624,26 @@ def test_cluster_select_summaries_options():
     for bad, message in (({"bound_block": 8}, "bound_block=8 sets the blocks of selection='bound'"),
                          ({"selection": "bound", "bound_block": -1}, "bound_block"),
                          ({"selection": "bounds"}, "selection")):
+        with pytest.raises(ValueError, match=message):
+            ClusterSelectOptions(**bad)
+
+
+def test_cluster_select_own_group_reads_the_own_group_first_and_the_best_others():
+    """``with_own_group``: the own group first, then the selection's best others in their order -- the own group
+    moves to the front where it was selected, and replaces the worst where it was not; the keys per query do not
+    change. Options: a bool, not with split_selection='clusters'."""
+    from clusterformer.attention.cluster_select import ClusterSelectOptions
+    from clusterformer.ops.selected import with_own_group
+    selected = torch.tensor([[5, 2, 7], [5, 2, 7], [5, 2, 7], [5, 2, 7]])
+    own = torch.tensor([2, 7, 5, 1])
+    assert with_own_group(selected, own).tolist() == [[2, 5, 7], [7, 5, 2], [5, 2, 7], [1, 5, 2]]
+    assert with_own_group(torch.tensor([[3]]), torch.tensor([4])).tolist() == [[4]]
+    options = {"selection": "bound", "summaries": False}
+    assert (ClusterSelectOptions(**options, own_group=True).keys_per_query(1024)
+            == ClusterSelectOptions(**options).keys_per_query(1024))
+    for bad, message in (({"own_group": 1}, "own_group must be a bool"),
+                         ({"own_group": True, "position_splits": 2, "split_size": 4, "split_selection": "clusters"},
+                          "split_selection='groups'")):
         with pytest.raises(ValueError, match=message):
             ClusterSelectOptions(**bad)
 

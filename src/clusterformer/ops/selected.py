@@ -327,6 +327,17 @@ def top_groups(logits: torch.Tensor, select: int, by_cluster: int = 0) -> torch.
     return clusters * by_cluster + best
 
 
+def with_own_group(selected: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """The selection ``selected`` (..., S), best first, with each query's own group ``own`` (...) read first:
+    own, then the S - 1 best others (own moves to the front where it was selected; otherwise the last is dropped).
+    Distinct groups stay distinct."""
+    S = selected.shape[-1]
+    candidates = torch.cat([own.unsqueeze(-1), selected], -1)  # (..., S + 1)
+    repeat = F.pad(selected == own.unsqueeze(-1), (1, 0))  # own's second place, if selected
+    order = torch.sort(repeat.to(torch.int32), dim=-1, stable=True).indices
+    return candidates.gather(-1, order[..., :S])
+
+
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
                       select: int, window: int, causal: bool, kernel: str,
                       key_padding_mask: torch.Tensor | None = None, band: ChunkBand | None = None,
