@@ -56,6 +56,12 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
                         "bound_block": 3, "summaries": False, "own_group": True}),
     ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 2, "own_group": True,
                         "kernel": "banded"}),
+    ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 4, "window": 4, "selection": "bound",
+                        "bound_block": 3, "own_group": True, "sink": 2}),
+    ("cluster-select", {"num_clusters": 3, "select": 1, "cluster_keys": 2, "window": 2, "sink": 1,
+                        "kernel": "banded", "summaries": False}),
+    ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "sink": 1,
+                        "selection": "summaries", "grouping": "position"}),
     ("sliding-window", {"window": 8, "stride": 3}),
     ("sliding-window", {"window": 6, "stride": 6}),
 ]

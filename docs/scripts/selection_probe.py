@@ -58,7 +58,7 @@ def selection_probe(run: str) -> list[str]:
     lines = []
     for layer, (module, g) in enumerate(groups.items()):  # g: (B, H, N) key groups (the clusters, or their spans)
         o = module.options
-        C, H = o.num_groups, g.shape[1]
+        C, H = o.attended_groups, g.shape[1]  # with a sink: one more group, which every query reads
         shares = [torch.bincount(g[:, h].reshape(-1), minlength=C).sort(descending=True).values[:3] / g[:, h].numel()
                   for h in range(H)]
         by_position = g.permute(0, 2, 1)  # (B, N, H)

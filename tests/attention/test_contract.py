@@ -56,6 +56,10 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
                                                          "window": 4, "selection": "bound", "bound_block": 3,
                                                          "own_group": True},
                                          {"selection": "bound", "own_group": True}),
+            "cluster-select+sink": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
+                                                    "window": 4, "selection": "bound", "bound_block": 3,
+                                                    "own_group": True, "sink": 1},
+                                    {"selection": "bound", "own_group": True, "sink": 1}),
             "cluster-select+balance": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
                                                        "window": 4, "balance": 0.5},
                                        {"balance": 0.5}),  # one training step moves every cluster's bias by 0.5

@@ -400,7 +400,8 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
             window = [j for j in (range(t - o.window + 1, t + 1) if causal else
                                   range(t - o.window // 2, t + o.window // 2)) if 0 <= j < N and real[j]]
             outside = [j for j in range(N) if real[j] and j not in window and (not causal or j <= t - o.window)]
-            members = {c: [j for j in outside if ids[j] == c] for c in range(groups)}
+            sinks = [j for j in outside if j < o.sink]  # read by every query, in no group
+            members = {c: [j for j in outside if ids[j] == c and j >= o.sink] for c in range(groups)}
 
             def logit(js):
                 return float(q[h, t] @ k[h, js].mean(0)) / math.sqrt(D) + math.log(len(js))
@@ -408,7 +409,8 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
             if o.selection == "summaries":
                 ranking = torch.tensor([logit(members[c]) if members[c] else -math.inf for c in members])
             elif o.selection == "bound":
-                real_members = [[j for j in range(N) if real[j] and ids[j] == c] for c in range(groups)]
+                real_members = [[j for j in range(N) if real[j] and ids[j] == c and j >= o.sink]
+                                for c in range(groups)]
                 ranking = torch.tensor([_bound_reference(q[h, t], k[h], js, t, o, causal) for js in real_members],
                                        dtype=q.dtype)
             else:
@@ -419,9 +421,9 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                 spans = [ranking[c * R:(c + 1) * R] for c in range(o.num_clusters)]
                 best = torch.stack([torch.logsumexp(span, 0) for span in spans]).topk(o.select).indices.tolist()
                 chosen_groups = [c * R + int(spans[c].argmax()) for c in best]
-            if o.own_group:  # the group of the query's own key first, then the best others
+            if o.own_group and t >= o.sink:  # the group of the query's own key first, then the best others
                 chosen_groups = [int(ids[t]), *[c for c in chosen_groups if c != int(ids[t])][: o.select - 1]]
-            read = list(window)
+            read = list(window) + sinks
             for c in chosen_groups:
                 if causal:
                     chosen = members[c][-o.cluster_keys:]
@@ -457,7 +459,10 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                                                     ("bound", "kmeans-split"), ("bound", "random"),
                                                     ("bound-alone", "kmeans"), ("bound-own", "kmeans"),
                                                     ("scores-own", "kmeans"), ("summaries-own", "random"),
-                                                    ("bound-own", "kmeans-split")])
+                                                    ("bound-own", "kmeans-split"), ("bound-sink", "kmeans"),
+                                                    ("bound-own-sink", "kmeans"), ("scores-own-sink", "kmeans"),
+                                                    ("summaries-sink", "position"), ("summaries-own-sink", "random"),
+                                                    ("bound-alone-sink", "kmeans")])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel,
@@ -470,6 +475,8 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     if grouping.endswith("-clusters"):  # a query selects clusters, then a span of each
         splits["split_selection"] = "clusters"
     grouping = grouping.removesuffix("-5").removesuffix("-clusters").removesuffix("-split")
+    sink = {"sink": options["cluster_keys"] // 2} if selection.endswith("-sink") else {}  # read by every query
+    selection = selection.removesuffix("-sink")
     own = {"own_group": True} if selection.endswith("-own") else {}  # the own key's group read first
     selection = selection.removesuffix("-own")
     summaries = selection != "bound-alone"  # "bound-alone": the bound's selection without summaries
@@ -477,7 +484,8 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     if selection == "bound":  # blocks of 4 (of 5 with spans of 4) against windows of 2-6: the window cuts blocks
         splits["bound_block"] = 5 if splits else 4
     layer = _layer("cluster-select", **options, kernel=kernel, summaries=summaries, selection=selection,
-                   grouping=grouping, **pages, **splits, **own, **({} if balance_bias is None else {"balance": 0.1}))
+                   grouping=grouping, **pages, **splits, **own, **sink,
+                   **({} if balance_bias is None else {"balance": 0.1}))
     if balance_bias is not None:
         layer.inner.balance_bias.copy_(balance_bias)
     B = 3
@@ -506,11 +514,12 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
                        selection="summaries" if summaries else "scores")
         other.load_state_dict(layer.state_dict())
         assert (y - other(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "the bound must count"
-    if own and N > 6:  # the own group must change what some query reads
+    for option in [option for option in (own, sink) if option and N > 6]:  # each must change what some query reads
+        without = {**own, **sink, **{key: type(value)() for key, value in option.items()}}
         other = _layer("cluster-select", **options, kernel=kernel, summaries=summaries, grouping=grouping,
-                       selection=selection, **splits)
+                       selection=selection, **splits, **without)
         other.load_state_dict(layer.state_dict())
-        assert (y - other(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "own_group must count"
+        assert (y - other(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, f"{option} must count"
     if splits and N > 6:  # the spans must split some cluster of the case, so that the groups differ from the clusters
         whole = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
                        grouping=grouping)
@@ -628,10 +637,10 @@ def test_cluster_select_summaries_options():
             ClusterSelectOptions(**bad)
 
 
-def test_cluster_select_own_group_reads_the_own_group_first_and_the_best_others():
+def test_cluster_select_own_group_and_sink_options():
     """``with_own_group``: the own group first, then the selection's best others in their order -- the own group
     moves to the front where it was selected, and replaces the worst where it was not; the keys per query do not
-    change. Options: a bool, not with split_selection='clusters'."""
+    change. Options: a bool, not with split_selection='clusters'. ``sink``: its keys are counted and budgeted."""
     from clusterformer.attention.cluster_select import ClusterSelectOptions
     from clusterformer.ops.selected import with_own_group
     selected = torch.tensor([[5, 2, 7], [5, 2, 7], [5, 2, 7], [5, 2, 7]])
@@ -641,7 +650,18 @@ def test_cluster_select_own_group_reads_the_own_group_first_and_the_best_others(
     options = {"selection": "bound", "summaries": False}
     assert (ClusterSelectOptions(**options, own_group=True).keys_per_query(1024)
             == ClusterSelectOptions(**options).keys_per_query(1024))
-    for bad, message in (({"own_group": 1}, "own_group must be a bool"),
+    # sink: that many more keys per query, taken first from a budget; at most cluster_keys // 2
+    sunk = ClusterSelectOptions(**options, sink=4)
+    assert sunk.keys_per_query(1024) == ClusterSelectOptions(**options).keys_per_query(1024) + 4
+    assert sunk.attended_groups == sunk.num_groups + 1 == 17
+    budget = sunk.for_budget(64, 1024)
+    assert ClusterSelectOptions(**options, sink=4, **budget).keys_per_query(1024) <= 64
+    assert budget == ClusterSelectOptions(**options).for_budget(60, 1024)
+    for bad, message in (({"sink": 17}, "sink=17 positions .* at most cluster_keys // 2 = 16"),
+                         ({"sink": -1}, "sink"),
+                         ({"sink": 1, "position_splits": 2, "split_size": 4, "split_selection": "clusters"},
+                          "split_selection='groups'"),
+                         ({"own_group": 1}, "own_group must be a bool"),
                          ({"own_group": True, "position_splits": 2, "split_size": 4, "split_selection": "clusters"},
                           "split_selection='groups'")):
         with pytest.raises(ValueError, match=message):

@@ -165,6 +165,11 @@ class ClusterSelectOptions(SeededOptions):
             histogram models, layer 1's key clusters hold 0.99 of a query's needed keys in its own key's group,
             which the bound selected for 0.53 of them. Not with split_selection="clusters" (the own group's cluster
             could be selected twice).
+        sink: the first ``sink`` positions are read by every query (StreamingLLM's attention sinks, Xiao et al.
+            2024; the BOS anchor of a count, Weiss et al. 2021): they form one more group, outside every cluster,
+            that every query selects beside its ``select`` others (so ``sink`` more keys per query). At most
+            cluster_keys // 2, so that a query reads the whole group on either side of its window. 0 (default):
+            none. Not with split_selection="clusters".
     """
 
     num_clusters: int = 16
@@ -183,6 +188,7 @@ class ClusterSelectOptions(SeededOptions):
     split_selection: str = "groups"
     bound_block: int = 0
     own_group: bool = False
+    sink: int = 0
 
     @property
     def by_cluster(self) -> int:
@@ -255,6 +261,13 @@ class ClusterSelectOptions(SeededOptions):
         if self.own_group and self.split_selection == "clusters":
             raise ValueError("own_group=True reads the own key's group beside the selected ones: it needs "
                              "split_selection='groups' (with 'clusters' its cluster could be read twice)")
+        check_int("sink", self.sink, minimum=0)
+        if self.sink > self.cluster_keys // 2:
+            raise ValueError(f"sink={self.sink} positions form a group every query reads whole: it must be at most "
+                             f"cluster_keys // 2 = {self.cluster_keys // 2}")
+        if self.sink and self.split_selection == "clusters":
+            raise ValueError("sink is a group every query reads beside the selected ones: it needs "
+                             "split_selection='groups'")
         check_int("bound_block", self.bound_block, minimum=0)
         if self.bound_block and self.selection != "bound":
             raise ValueError(f"bound_block={self.bound_block} sets the blocks of selection='bound' (got "
@@ -265,22 +278,29 @@ class ClusterSelectOptions(SeededOptions):
         """The blocks of selection="bound", in positions (``bound_block``, 0 = 64); 0 for the other selections."""
         return (self.bound_block or 64) if self.selection == "bound" else 0
 
+    @property
+    def attended_groups(self) -> int:
+        """The groups the attention reads from: num_groups, and with ``sink`` the sink group (id num_groups)."""
+        return self.num_groups + (1 if self.sink else 0)
+
     def keys_per_query(self, length: int, causal: bool = False) -> int:
         check_int("length", length, minimum=1)
         summaries = self.num_groups if self.summaries else 0  # each summary is one more key in the softmax
-        return min(length, self.window + self.select * self.cluster_keys + summaries)
+        return min(length, self.window + self.sink + self.select * self.cluster_keys + summaries)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
-        """The summaries' num_groups keys first; of the rest, half (rounded down to even) to the window and the
-        others shared by the ``select`` clusters."""
+        """The summaries' num_groups keys and the ``sink`` first; of the rest, half (rounded down to even) to the
+        window and the others shared by the ``select`` clusters."""
         check_int("keys", keys, minimum=1)
+        keys -= self.sink
         if self.summaries:
             keys -= self.num_groups
         window = max(2, keys // 4 * 2)
         cluster_keys = (keys - window) // self.select
         if cluster_keys < 1:
             raise ValueError(f"keys={keys} leaves no key for each of the select={self.select} clusters beside a "
-                             f"window of {window}" + (f" and {self.num_groups} summaries" if self.summaries else ""))
+                             f"window of {window}" + (f" and {self.num_groups} summaries" if self.summaries else "")
+                             + (f" and a sink of {self.sink}" if self.sink else ""))
         return {"window": window, "cluster_keys": cluster_keys}
 
 
@@ -317,21 +337,21 @@ class ClusterSelectAttention(InnerAttention):
             if o.balance and self.updates_state():
                 self.pending["balance_bias"] = balance_step(self.balance_bias, ids, real, o.balance)
             ids = self._split(ids, positions)  # the groups (the clusters themselves without position_splits)
+        ids = self._sunk(ids, positions)
         publish_groups(self, ids)
         if self.dense_training and self.training:  # train --dense-warmup-steps
             allowed = AttentionMask(key_padding_mask, causal).allowed(N, N, q.device)
             return masked_sdpa(q, k, v, allowed, dropout_p=self.dropout_p)
-        key_ids = ids.masked_fill(~real, o.num_groups)
-        layout = cluster_layout(key_ids, num_clusters=o.num_groups, window=o.window, causal=causal)
+        G = o.attended_groups
+        key_ids = ids.masked_fill(~real, G)
+        layout = cluster_layout(key_ids, num_clusters=G, window=o.window, causal=causal)
         kernel = resolve_kernel(o.kernel, N)  # one choice for the selection and the attention
         band = None  # the banded kernel's chunk bands, built once for the summaries' selection and the attention
         if kernel == "banded":
-            band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, key_padding_mask, num_clusters=o.num_groups,
+            band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, key_padding_mask, num_clusters=G,
                               window=o.window, causal=causal, summaries=o.summaries)
-        selected = self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel, band)
-        if o.own_group:
-            selected = with_own_group(selected, ids)
-        return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=o.num_groups,
+        selected = self._forced(self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel, band), ids)
+        return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=G,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
                                           kernel=kernel, summaries=o.summaries, layout=layout, band=band)
@@ -345,23 +365,48 @@ class ClusterSelectAttention(InnerAttention):
             cosines = cosines + self.balance_bias.to(unit.dtype).view(H, *[1] * (cosines.dim() - 3), C)
         return cosines.argmax(-1)
 
+    def _sunk(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Option ``sink``: the groups (B, H, ...) at ``positions`` with the first ``sink`` positions in the sink
+        group (id num_groups)."""
+        if not self.options.sink:
+            return ids
+        return torch.where(positions < self.options.sink, self.options.num_groups, ids)
+
+    def _forced(self, ranked: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """The groups a query reads, (..., select), and the sink group before them with ``sink``, from ``ranked``
+        (..., select, or select + 1 where the ranking saw the sink group; best first) and the group of the query's
+        own key ``own`` (...): with ``own_group`` its own group first, in place of the worst (unless it is the sink
+        group, which the query reads anyway)."""
+        o = self.options
+        if not o.sink:
+            return with_own_group(ranked, own) if o.own_group else ranked
+        sink = torch.full_like(own, o.num_groups)
+        if ranked.shape[-1] > o.select:  # the select best groups but the sink's
+            ranked = with_own_group(ranked, sink)[..., 1:]
+        if o.own_group:
+            ranked = torch.where((own == sink).unsqueeze(-1), ranked, with_own_group(ranked, own))
+        return torch.cat([sink.unsqueeze(-1), ranked], -1)
+
     def _choose(self, q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout,
                 causal: bool, key_padding_mask: torch.Tensor | None, kernel: str, band: ChunkBand | None
                 ) -> torch.Tensor:
-        """The ``select`` clusters each query reads, (B, H, N, S), by the option ``selection`` (``kernel``: the
-        resolved kernel, whose way the summaries' logits are computed; ``band``: the banded kernel's chunk bands,
-        which hold them)."""
+        """The clusters each query ranks best, (B, H, N, S), by the option ``selection``: S = ``select``, and one
+        more with ``sink`` where the summaries' ranking sees the sink group (:meth:`_forced` drops it; the bound
+        ranks the real groups alone, as the groups without members in whole blocks tie and may still be read).
+        ``kernel``: the resolved kernel, whose way the summaries' logits are computed; ``band``: the banded kernel's
+        chunk bands, which hold them."""
         o = self.options
         B, H, N, _ = q.shape
+        select = o.select + (1 if o.sink else 0)
         if o.selection == "scores":
-            return self._select(q)
+            return self._select(q, o.select)
         if o.selection == "summaries":
-            return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
+            return summary_selection(q, k, key_ids, layout, select=select, window=o.window, causal=causal,
                                      kernel=kernel, key_padding_mask=key_padding_mask, band=band,
                                      by_cluster=o.by_cluster)
         if o.selection == "bound":
-            return bound_selection(q, k, key_ids, num_groups=o.num_groups, select=o.select, window=o.window,
-                                   causal=causal, block=o.block, by_cluster=o.by_cluster)
+            return bound_selection(q, k, key_ids.clamp(max=o.num_groups), num_groups=o.num_groups, select=o.select,
+                                   window=o.window, causal=causal, block=o.block, by_cluster=o.by_cluster)
         return self._random_selection(B, H, N, q.device)
 
     def _pages(self, positions: torch.Tensor) -> torch.Tensor:
@@ -394,10 +439,10 @@ class ClusterSelectAttention(InnerAttention):
             return self._split(self._hashed_groups(positions), positions).expand(k.shape[:-1])
         return self._split(self._nearest(F.normalize(k, dim=-1)), positions)
 
-    def _select(self, q: torch.Tensor) -> torch.Tensor:
-        """Queries (B, H, ..., D) -> the ``select`` clusters of largest q . mu, (B, H, ..., S)."""
+    def _select(self, q: torch.Tensor, select: int) -> torch.Tensor:
+        """Queries (B, H, ..., D) -> the ``select`` clusters of largest q . mu, (B, H, ..., select)."""
         scores = torch.einsum("bh...d,hcd->bh...c", q.detach(), self.centroids.to(q.dtype))
-        return scores.topk(self.options.select, dim=-1).indices
+        return scores.topk(select, dim=-1).indices
 
     def _random_selection(self, B: int, H: int, N: int, device: torch.device, start: int = 0) -> torch.Tensor:
         """``select`` distinct clusters per (position, head): the top of hashed scores (Knuth's multiplicative hash of
@@ -415,8 +460,9 @@ class ClusterSelectAttention(InnerAttention):
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_padding_mask: torch.Tensor | None) -> SelectionCache:
         o = self.options
-        ids = self._assign(k, torch.arange(k.shape[2], device=k.device))
-        return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.num_groups, o.cluster_keys, o.window,
+        positions = torch.arange(k.shape[2], device=k.device)
+        ids = self._sunk(self._assign(k, positions), positions)
+        return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.attended_groups, o.cluster_keys, o.window,
                                           bound_block=o.block)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache
@@ -425,16 +471,16 @@ class ClusterSelectAttention(InnerAttention):
             raise ValueError("cluster-select with selection='random' is a training ablation: it has no cached "
                              "decoding (its random clusters depend on the position); use selection='scores'")
         o = self.options
-        own = self._assign(k_t, cache.lengths[:, None])
+        position = cache.lengths[:, None]
+        own = self._sunk(self._assign(k_t, position), position)
         cache.append(k_t, v_t, own)
         if o.selection == "scores":
-            selected = self._select(q_t)
-        elif o.selection == "bound":
-            selected = cache.bound_selection(q_t, o.select, o.by_cluster)
+            selected = self._select(q_t, o.select)
+        elif o.selection == "bound":  # the real groups alone (not the sink group)
+            selected = cache.bound_selection(q_t, o.select, o.by_cluster, groups=o.num_groups)
         else:
-            selected = cache.summary_selection(q_t, o.select, o.by_cluster)
-        if o.own_group:
-            selected = with_own_group(selected, own.reshape(selected.shape[:-1]))
+            selected = cache.summary_selection(q_t, o.select, o.by_cluster, groups=o.num_groups)
+        selected = self._forced(selected, own.reshape(selected.shape[:-1]))
         return cache.attend(q_t, selected, o.summaries), cache
 
     def extra_repr(self) -> str:
@@ -444,4 +490,4 @@ class ClusterSelectAttention(InnerAttention):
                 + (f", position_splits={o.position_splits}, split_size={o.split_size}"
                    if o.position_splits > 1 else "")
                 + (f", selection=bound, bound_block={o.block}" if o.selection == "bound" else "")
-                + (", own_group=True" if o.own_group else ""))
+                + (", own_group=True" if o.own_group else "") + (f", sink={o.sink}" if o.sink else ""))

@@ -507,21 +507,24 @@ class SelectionCache(DecodeCache):
         log_n = torch.where(count > 0, count.clamp(min=1).to(key_sums.dtype).log(), float("-inf"))
         return key_sums / n, value_sums / n, log_n
 
-    def summary_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0) -> torch.Tensor:
+    def summary_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0, groups: int | None = None
+                          ) -> torch.Tensor:
         """The ``select`` clusters (B, H, S) whose summary of every member outside the window has the largest logit
         for q_t (B, H, D) (:func:`clusterformer.ops.selected.summary_selection`; ``by_cluster``: its groups'
-        clusters first)."""
+        clusters first), among the first ``groups`` (None: all)."""
         keys, _, log_n = self.summaries(None)
         logits = (keys @ (q_t * q_t.shape[-1] ** -0.5).unsqueeze(-1)).squeeze(-1) + log_n
-        return top_groups(logits, select, by_cluster)
+        return top_groups(logits[..., :groups], select, by_cluster)
 
-    def bound_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0) -> torch.Tensor:
+    def bound_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0, groups: int | None = None
+                        ) -> torch.Tensor:
         """The ``select`` groups (B, H, S) of largest upper bound q+ . hi + q- . lo / sqrt(D) over their members in
-        the whole blocks outside the window, for q_t (B, H, D) (:func:`clusterformer.ops.selected.bound_logits`)."""
+        the whole blocks outside the window, for q_t (B, H, D) (:func:`clusterformer.ops.selected.bound_logits`),
+        among the first ``groups`` (None: all)."""
         if not self.bound_block:
             raise ValueError("this cache keeps no bounds: build it with bound_block > 0 (selection='bound')")
         logits = upper_bounds((q_t * q_t.shape[-1] ** -0.5).unsqueeze(-2), self.bound_hi, self.bound_lo)
-        return top_groups(logits.squeeze(-2), select, by_cluster)
+        return top_groups(logits.squeeze(-2)[..., :groups], select, by_cluster)
 
     def attend(self, q_t: torch.Tensor, selected: torch.Tensor, summaries: bool = False) -> torch.Tensor:
         """q_t (B, H, D) reads its window and the rings of ``selected`` (B, H, S) clusters (and, with
