@@ -10,7 +10,8 @@ window are counted (the window reads the others whatever the groups).
 A query that needs several keys (the histogram: every earlier occurrence of its type) adds two lines: how many
 distinct groups hold its needed keys outside the window (it can read at most ``select``), the share of queries
 whose keys lie in at most ``select`` groups, and the share of its needed keys in the group of its *own* key (a
-grouping by content puts the occurrences of one type together; pages and random groups do not).
+grouping by content puts the occurrences of one type together; pages and random groups do not). And for every
+run: how often position 0 (BOS: the anchor a count reads its share off) is read by the queries beyond the window.
 
     python docs/scripts/selection_probe.py RUN_DIR [RUN_DIR ...]
 """
@@ -47,10 +48,10 @@ def selection_probe(run: str) -> list[str]:
     selections = {}
     for module in model.modules():
         if isinstance(module, ClusterSelectAttention):
-            def keep(*args, module=module, original=module._choose):
+            def keep(*args, module=module, original=module._forced):  # the groups read: ranked, then forced
                 selections[module] = original(*args)
                 return selections[module]
-            module._choose = keep
+            module._forced = keep
     with torch.no_grad(), record_groups() as groups:
         model(ids)
     B, Q, S = sources.shape
@@ -84,6 +85,16 @@ def selection_probe(run: str) -> list[str]:
                      + f"; a needed key outside the window is in a selected group {float(hit):.2f} "
                      f"(random: {o.select / C:.2f}) and read alone {float(read):.2f} "
                      f"({int(outside.sum())} (key, query, head) triples)")
+        # position 0 (BOS, the count's anchor): is its group selected, and is it among the group's read members?
+        beyond = queries >= o.window  # (B, Q): position 0 is outside the window
+        first_group = by_position[:, 0]  # (B, H)
+        first_selected = (chosen == first_group[:, None, :, None]).any(-1)  # (B, Q, H)
+        newer_than_first = counts[b, torch.arange(H).view(1, 1, H), last.clamp(min=0).view(B, Q, 1),
+                                  first_group[:, None, :].expand(B, Q, H)] - 1
+        first_read = first_selected & (newer_than_first < o.cluster_keys)
+        lines.append(f"  position 0's group selected by {float(first_selected[beyond].float().mean()):.2f} of the "
+                     f"(query, head) pairs beyond the window, position 0 read by "
+                     f"{float(first_read[beyond].float().mean()):.2f}")
         if multi:
             spanned = (F.one_hot(needed_group, C) * outside.unsqueeze(-1)).amax(2).sum(-1)  # (B, Q, H)
             has = outside.any(2)
