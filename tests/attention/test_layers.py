@@ -775,7 +775,7 @@ def test_cluster_select_random_selection_is_the_same_size_and_not_the_scores():
     assert (picks.sort(-1).values.diff(dim=-1) > 0).all(), "distinct clusters"
     assert not torch.equal(picks, inner._random_selection(2, 2, 40, torch.device("cpu")))  # a new draw
     q = torch.randn(2, 2, 40, layer.head_dim, dtype=torch.float64)
-    assert (picks.sort(-1).values != inner._select(q).sort(-1).values).any()
+    assert (picks.sort(-1).values != inner._select(q, 3).sort(-1).values).any()
     x = torch.randn(2, 40, layer.dim, dtype=torch.float64)
     layer.eval()
     assert torch.equal(layer(x, causal=True), layer(x, causal=True))
