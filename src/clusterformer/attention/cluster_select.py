@@ -374,15 +374,13 @@ class ClusterSelectAttention(InnerAttention):
 
     def _forced(self, ranked: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
         """The groups a query reads, (..., select), and the sink group before them with ``sink``, from ``ranked``
-        (..., select, or select + 1 where the ranking saw the sink group; best first) and the group of the query's
-        own key ``own`` (...): with ``own_group`` its own group first, in place of the worst (unless it is the sink
-        group, which the query reads anyway)."""
+        (..., select; best first, the real groups alone) and the group of the query's own key ``own`` (...): with
+        ``own_group`` its own group first, in place of the worst (unless it is the sink group, which the query
+        reads anyway)."""
         o = self.options
         if not o.sink:
             return with_own_group(ranked, own) if o.own_group else ranked
         sink = torch.full_like(own, o.num_groups)
-        if ranked.shape[-1] > o.select:  # the select best groups but the sink's
-            ranked = with_own_group(ranked, sink)[..., 1:]
         if o.own_group:
             ranked = torch.where((own == sink).unsqueeze(-1), ranked, with_own_group(ranked, own))
         return torch.cat([sink.unsqueeze(-1), ranked], -1)
@@ -390,20 +388,18 @@ class ClusterSelectAttention(InnerAttention):
     def _choose(self, q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout,
                 causal: bool, key_padding_mask: torch.Tensor | None, kernel: str, band: ChunkBand | None
                 ) -> torch.Tensor:
-        """The clusters each query ranks best, (B, H, N, S), by the option ``selection``: S = ``select``, and one
-        more with ``sink`` where the summaries' ranking sees the sink group (:meth:`_forced` drops it; the bound
-        ranks the real groups alone, as the groups without members in whole blocks tie and may still be read).
-        ``kernel``: the resolved kernel, whose way the summaries' logits are computed; ``band``: the banded kernel's
-        chunk bands, which hold them."""
+        """The ``select`` clusters each query ranks best, (B, H, N, S), by the option ``selection``, among the real
+        groups alone (with ``sink``, not the sink group, which :meth:`_forced` adds; the bound leaves its members
+        out, as groups without members in whole blocks tie and may still be read). ``kernel``: the resolved kernel,
+        whose way the summaries' logits are computed; ``band``: the banded kernel's chunk bands, which hold them."""
         o = self.options
         B, H, N, _ = q.shape
-        select = o.select + (1 if o.sink else 0)
         if o.selection == "scores":
             return self._select(q, o.select)
         if o.selection == "summaries":
-            return summary_selection(q, k, key_ids, layout, select=select, window=o.window, causal=causal,
+            return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
                                      kernel=kernel, key_padding_mask=key_padding_mask, band=band,
-                                     by_cluster=o.by_cluster)
+                                     by_cluster=o.by_cluster, groups=o.num_groups)
         if o.selection == "bound":
             return bound_selection(q, k, key_ids.clamp(max=o.num_groups), num_groups=o.num_groups, select=o.select,
                                    window=o.window, causal=causal, block=o.block, by_cluster=o.by_cluster)

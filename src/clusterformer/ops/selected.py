@@ -341,11 +341,11 @@ def with_own_group(selected: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
                       select: int, window: int, causal: bool, kernel: str,
                       key_padding_mask: torch.Tensor | None = None, band: ChunkBand | None = None,
-                      by_cluster: int = 0) -> torch.Tensor:
-    """The ``select`` clusters (B, H, N, S) whose summary of every member outside the window scores highest for
-    each query: q . mean / sqrt(D) + log n, the logit the summary would have in the softmax (``by_cluster``: the
-    groups' clusters first, :func:`top_groups`). No gradient (an argmax); clusters without such members rank
-    last. ``kernel`` (one of :func:`resolve_kernel`'s answers):
+                      by_cluster: int = 0, groups: int | None = None) -> torch.Tensor:
+    """The ``select`` clusters (B, H, N, S), among the first ``groups`` (None: all), whose summary of every member
+    outside the window scores highest for each query: q . mean / sqrt(D) + log n, the logit the summary would have
+    in the softmax (``by_cluster``: the groups' clusters first, :func:`top_groups`). No gradient (an argmax);
+    clusters without such members rank last. ``kernel`` (one of :func:`resolve_kernel`'s answers):
     "dense-mask" from the (N, N) scores by two matmuls, "banded" from chunk bands and per-chunk prefix sums (``band``:
     the layer's :func:`chunk_band` of the same q / sqrt(D) and k, built with summaries, whose dots the attention
     reads too; otherwise one is built here), "gather" from :func:`cluster_summaries`."""
@@ -366,7 +366,7 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
         else:
             keys, _, log_n = cluster_summaries(k, k, layout, None, cluster_keys=0, causal=causal)
             logits = torch.einsum("bhnd,bhncd->bhnc", q, keys) + log_n
-    return top_groups(logits, select, by_cluster)
+    return top_groups(logits[..., :groups], select, by_cluster)
 
 
 def group_extremes(k: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
