@@ -7,13 +7,14 @@ ratios hold on a shared machine where absolute times do not. ``--chunks`` patche
 from SRC (e.g. the ``src`` of a ``git worktree`` at an earlier commit), with its own defaults.
 
     OMP_NUM_THREADS=1 python docs/scripts/band_kernel_ab.py --length 4096 --window 512 --clusters 64 --batch 1 \
-        --chunks 128,512 [--other /path/to/old/src]
+        --chunks 128,512 [--other /path/to/old/src] [--options '{"selection": "bound"}'] [--eval]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import time
 
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--chunks", default="", help="comma-separated BAND_CHUNK values (default: the library's)")
     parser.add_argument("--other", default=None, help="the src directory of another build to time as well")
+    parser.add_argument("--options", default="{}", help="more cluster-select options as JSON")
+    parser.add_argument("--eval", action="store_true", help="time the eval forward (no gradient) instead")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
@@ -52,17 +55,19 @@ def main() -> None:
     B, H, N, D = args.batch, args.heads, args.length, args.head_dim
     q, k, v = (torch.randn(B, H, N, D, requires_grad=True) for _ in range(3))
     options = {"num_clusters": args.clusters, "select": args.select, "cluster_keys": args.cluster_keys,
-               "window": args.window, "kernel": "banded"}
+               "window": args.window, "kernel": "banded", **json.loads(args.options)}
     entries = {}  # label -> (module, BAND_CHUNK to set or None, the selected module it lives in)
     builds = ([("other", args.other)] if args.other else []) + [("this", None)]
     for build_name, src in builds:
         attention, selected = load(src)
-        layer = attention.ClusterSelectAttention(H * D, H, attention.ClusterSelectOptions(**options)).train()
+        layer = attention.ClusterSelectAttention(H * D, H, attention.ClusterSelectOptions(**options))
+        layer.train(not args.eval)
         chunks = [int(c) for c in args.chunks.split(",") if c] if build_name == "this" else []
         for chunk in chunks or [None]:
             entries[f"{build_name}" + (f" chunk {chunk}" if chunk else "")] = (layer, chunk, selected)
         if build_name == "this":
-            entries["full"] = (attention.FullAttention(H * D, H, attention.FullOptions()).train(), None, selected)
+            entries["full"] = (attention.FullAttention(H * D, H, attention.FullOptions()).train(not args.eval), None,
+                               selected)
 
     def step(label: str) -> float:
         layer, chunk, selected = entries[label]
@@ -70,7 +75,11 @@ def main() -> None:
         if chunk is not None:
             selected.BAND_CHUNK = chunk
         start = time.perf_counter()
-        layer(q, k, v, causal=True).sum().backward()
+        if args.eval:
+            with torch.no_grad():
+                layer(q, k, v, causal=True)
+        else:
+            layer(q, k, v, causal=True).sum().backward()
         elapsed = time.perf_counter() - start
         if chunk is not None:
             selected.BAND_CHUNK = default
@@ -84,7 +93,8 @@ def main() -> None:
             times[label].append(step(label))
     median = {label: sorted(t)[len(t) // 2] for label, t in times.items()}
     print(f"N={N} window={args.window} clusters={args.clusters} select={args.select}x{args.cluster_keys} "
-          f"B={B} H={H} D={D}, threads={torch.get_num_threads()}; median of {args.repeats} (s, x full):")
+          f"B={B} H={H} D={D} {args.options}, {'eval forward' if args.eval else 'forward and backward'}, "
+          f"threads={torch.get_num_threads()}; median of {args.repeats} (s, x full):")
     for label, t in median.items():
         print(f"  {label:<16} {t:8.3f}  {t / median['full']:5.2f}x")
 

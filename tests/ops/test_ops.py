@@ -307,3 +307,32 @@ def test_cluster_select_auto_kernel_is_the_dense_mask_to_256_positions_and_bande
     assert [resolve_kernel("auto", n) for n in (1, 256, 257, 4096)] == ["dense-mask", "dense-mask", "banded", "banded"]
     assert [resolve_kernel(k, 10) for k in ("gather", "banded")] == ["gather", "banded"]
     assert resolve_kernel("dense-mask", 10**6) == "dense-mask"
+
+
+@pytest.mark.parametrize(("N", "window"), [(1, 1), (7, 3), (13, 5), (33, 40), (40, 8)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cluster_layout_counts_match_a_count_by_position(N, window, causal):
+    """The layout's members of each cluster before each query's window and before its end, built whole (a prefix
+    count over every cluster) and searched for a few selected clusters (binary search in the sorted keys, the path
+    taken without summaries), against a count written one query and cluster at a time; padding (id C) counts in no
+    cluster."""
+    from clusterformer.ops.selected import cluster_layout
+
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, H, C, S = 2, 2, 5, 3
+    key_ids = torch.randint(0, C + 1, (B, H, N), generator=g)  # id C: padding
+    selected = torch.rand(B, H, N, C, generator=g).argsort(-1)[..., :S]
+    expected_below = torch.zeros(B, H, N, C, dtype=torch.long)
+    expected_beyond = torch.zeros(B, H, N, C, dtype=torch.long)
+    for b, h, t, c in itertools.product(range(B), range(H), range(N), range(C)):
+        low, high = (t - window + 1, N) if causal else (t - window // 2, t + window - window // 2)
+        members = [j for j in range(N) if key_ids[b, h, j] == c]
+        expected_below[b, h, t, c] = sum(j < low for j in members)
+        expected_beyond[b, h, t, c] = sum(j < high for j in members)
+    searched = cluster_layout(key_ids, num_clusters=C, window=window, causal=causal).selected_counts(selected)
+    whole = cluster_layout(key_ids, num_clusters=C, window=window, causal=causal)
+    assert torch.equal(whole.below, expected_below) and torch.equal(whole.beyond, expected_beyond)
+    assert torch.equal(whole.total, (key_ids.unsqueeze(-1) == torch.arange(C)).sum(2))
+    for counts in (searched, whole.selected_counts(selected)):  # searched, and gathered from the built counts
+        assert torch.equal(counts[0], expected_below.gather(-1, selected))
+        assert torch.equal(counts[1], expected_beyond.gather(-1, selected))
