@@ -157,6 +157,26 @@ def test_a_crashed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeyp
     assert csv_steps == [str(r["step"]) for r in logged]
 
 
+def test_a_finished_run_continued_to_more_steps_equals_a_longer_run(tmp_path):
+    """A run of 20 steps continued to 30 (``--resume`` with a larger ``--max-steps``, constant learning rate) ends
+    with the weights, final metrics and evaluation history of a 30-step run: its last step, evaluated as the final
+    one of the shorter run, is evaluated again on resume and stays in the history."""
+    train, test = _write_task(tmp_path)
+    common = ["--attention", "routing", "--attention-options", '{"window_size": 4, "num_clusters": 3}',
+              "--batch-size", "8", "--checkpoint-every", "5", "--eval-every", "10", "--schedule", "constant",
+              "--dropout", "0.1"]
+    longer, continued = tmp_path / "longer", tmp_path / "continued"
+    assert main(_argv(train, test, longer, *common, "--max-steps", "30")) == 0
+    assert main(_argv(train, test, continued, *common, "--max-steps", "20")) == 0
+    assert [e["step"] for e in json.loads((continued / "metrics.json").read_text())["evaluations"]] == [10]
+    assert main(_argv(train, test, continued, *common, "--max-steps", "30", "--resume")) == 0
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (longer, continued))
+    assert [e["step"] for e in mb["evaluations"]] == [10, 20]
+    assert ma["metrics"] == mb["metrics"] and ma["evaluations"] == mb["evaluations"]
+    a, b = _weights(longer), _weights(continued)
+    assert all(torch.equal(a[name], b[name]) for name in a if torch.is_tensor(a[name]))
+
+
 def test_evaluation_sees_the_last_steps_centroids(tmp_path):
     """The final evaluation (and a checkpoint) holds the centroids after the last step's EMA update, not the
     ones before it: the pending update is applied after each optimiser step."""

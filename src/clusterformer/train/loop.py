@@ -316,6 +316,9 @@ def run_training(config: TrainConfig, task: Task | None = None) -> dict:
     run = _set_up(config, task)
     logger = _Logger(run.out, run.rank == 0, config.resume, resumed_step=run.step)
     bar = _progress(run)
+    if _evaluation_missing(run):  # a finished run continued to more steps: its last step was evaluated as final
+        run.evaluations.append({"step": run.step, **evaluate(run.model, run.task, config, run.device)})
+        logger.log({"step": run.step, **run.evaluations[-1]})
     run.model.train()
     while run.step < run.total:
         row = _step(run)
@@ -333,6 +336,15 @@ def run_training(config: TrainConfig, task: Task | None = None) -> dict:
     if bar is not None:
         bar.close()
     return _finish(run)
+
+
+def _evaluation_missing(run: _Run) -> bool:
+    """Whether the step a run resumes from is due an evaluation it lacks (rank 0): a run that finished at that step
+    evaluated it as its final one, outside the history, and is now continued past it (``--resume`` with a larger
+    ``--max-steps``). A run resumed after a crash evaluated its checkpointed steps already."""
+    every = run.config.eval_every
+    return (run.rank == 0 and bool(every) and 0 < run.step < run.total and run.step % every == 0
+            and all(e["step"] != run.step for e in run.evaluations))
 
 
 def _set_up(config: TrainConfig, task: Task | None) -> _Run:
