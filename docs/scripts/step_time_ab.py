@@ -1,0 +1,59 @@
+"""Training-step time of trained runs' whole models, interleaved in one process (issue #31, twentieth session).
+
+Each run's model (its checkpoint, config and task: ``load_trained``) takes the same training steps as in ``train``
+-- the task's own batches, forward with the auxiliary losses, the task loss, backward; no optimiser step, so every
+repeat times the same weights -- one run after the other, a few times after a warm-up. The medians' ratios to the
+first run hold on a shared machine where absolute times do not (``compare``'s seconds per epoch come from runs
+that shared the cores with different neighbours).
+
+    OMP_NUM_THREADS=1 python docs/scripts/step_time_ab.py RUN_DIR [RUN_DIR ...] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from clusterformer.attention import collect_aux_losses
+from clusterformer.train.loop import load_trained
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run directories; the first is the reference")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    loaded = [load_trained(run) for run in args.runs]
+
+    def step(index: int, repeat: int) -> float:
+        model, task, config, _ = loaded[index]
+        model.train()
+        ids, pad, targets, _ = task.batch(repeat, task.steps_per_epoch(config.batch_size, 1), config.batch_size, 0, 1,
+                                          config.seed)
+        start = time.perf_counter()
+        with collect_aux_losses() as aux:
+            logits = model(ids, pad)
+        loss = task.loss(logits, targets) + sum(aux.values(), torch.zeros(()))
+        loss.backward()
+        elapsed = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return elapsed
+
+    for index in range(len(loaded)):
+        step(index, 0)
+    times: list[list[float]] = [[] for _ in loaded]
+    for repeat in range(1, args.repeats + 1):
+        for index in range(len(loaded)):
+            times[index].append(step(index, repeat))
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    print(f"training step (forward with auxiliary losses, backward), median of {args.repeats}, "
+          f"threads={torch.get_num_threads()}:")
+    for run, (_, _, config, _), median in zip(args.runs, loaded, medians, strict=True):
+        print(f"  {median:7.3f} s  {median / medians[0]:5.2f}x  {config.attention} {config.attention_options}  ({run})")
+
+
+if __name__ == "__main__":
+    main()
