@@ -218,6 +218,37 @@ def test_save_checkpoint_is_atomic_under_failure(tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path)["step"] == 1  # the last good checkpoint survives a failed write
 
 
+@pytest.mark.parametrize("crash_at", [0, 1, 2])
+def test_a_crash_during_save_leaves_a_checkpoint_to_resume_from(tmp_path, monkeypatch, crash_at):
+    """A process killed between any two of save_checkpoint's file operations (the previous checkpoint's link,
+    its rename, the new one's rename) leaves a complete checkpoint.pt, old or new, which --resume reads; once the
+    save completes, checkpoint.prev.pt holds the old one."""
+    import clusterformer.train.checkpoint as checkpoint
+
+    save_checkpoint(tmp_path, {"step": 1})
+    calls = []
+    real_link, real_replace = os.link, os.replace
+
+    def counted(real):
+        def operation(*args, **kwargs):
+            if len(calls) == crash_at:
+                raise KeyboardInterrupt("killed")
+            calls.append(real.__name__)
+            return real(*args, **kwargs)
+        return operation
+
+    monkeypatch.setattr(checkpoint.os, "link", counted(real_link))
+    monkeypatch.setattr(checkpoint.os, "replace", counted(real_replace))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, {"step": 2})
+    assert load_checkpoint(tmp_path)["step"] == 1  # the old one: the new one was never renamed into place
+    monkeypatch.undo()
+    save_checkpoint(tmp_path, {"step": 2})  # the next save cleans up after the interrupted one
+    assert load_checkpoint(tmp_path)["step"] == 2
+    assert load_checkpoint(tmp_path / "checkpoint.prev.pt")["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.prev.pt", "checkpoint.pt"]
+
+
 def _write_fixed_length_task(tmp_path: Path, n_train: int = 96, n_test: int = 24, words: int = 10):
     """Like _write_task, but every example has ``words`` words: no padding, so every rank of a distributed run
     holds the same number of real tokens and token-averaged auxiliary losses average exactly over ranks."""

@@ -1,14 +1,17 @@
 """Checkpoints that are never half-written and never lose the last good one.
 
-``save_checkpoint(directory, state)`` writes ``checkpoint.pt.tmp``, flushes it to disk, moves the current
-``checkpoint.pt`` (if any) to ``checkpoint.prev.pt`` and renames the temporary file to ``checkpoint.pt``; each
-rename is atomic, so a crash at any point leaves at least one complete checkpoint. ``load_checkpoint`` turns a
-missing, truncated or foreign file into a ``ValueError`` that names it and points at the previous checkpoint.
+``save_checkpoint(directory, state)`` writes ``checkpoint.pt.tmp``, flushes it to disk, links the current
+``checkpoint.pt`` (if any) to ``checkpoint.prev.pt`` and renames the temporary file over ``checkpoint.pt``; each
+rename is atomic, so a crash at any point leaves a complete ``checkpoint.pt`` -- the old one or the new one, never
+none (moving the old one away first, as this did, left a moment with only ``checkpoint.prev.pt``, which
+``--resume`` and ``compare`` do not read). ``load_checkpoint`` turns a missing, truncated or foreign file into a
+``ValueError`` that names it and points at the previous checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +33,15 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any]) -> Path:
         torch.save({"format": FORMAT, **state}, f)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():
-        os.replace(final, previous)
+    if final.exists():  # the previous one: a second name for the current file, then renamed into place
+        linked = directory / (PREVIOUS + ".tmp")
+        linked.unlink(missing_ok=True)
+        try:
+            os.link(final, linked)
+        except OSError:  # a file system without hard links: a copy
+            shutil.copyfile(final, linked)
+        os.replace(linked, previous)
+        linked.unlink(missing_ok=True)  # rename() does nothing when both names are already one file
     os.replace(tmp, final)
     _fsync_dir(directory)
     return final
