@@ -425,11 +425,20 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
 def group_extremes(k: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Channel-wise max and min of the keys k (B, H, N, D) per group, (B, H, G, D) each, -inf and +inf where a
     group has no member; ``groups`` (B, H, N) in [0, num_groups] (num_groups: in none)."""
+    D = k.shape[-1]
+    signed = _signed_extremes(k, groups, num_groups)
+    return signed[..., :D], -signed[..., D:]
+
+
+def _signed_extremes(k: torch.Tensor, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Per slot, the channel-wise max of k (B, H, N, D) and of -k (= -min k), (B, H, num_slots, 2 D), by one
+    in-place scatter of [k, -k]; -inf where a slot has no member. ``slots`` (B, H, N) in [0, num_slots]
+    (num_slots: in none)."""
     B, H, N, D = k.shape
-    index = groups.unsqueeze(-1).expand(B, H, N, D)
-    hi = k.new_full((B, H, num_groups + 1, D), float("-inf")).scatter_reduce(2, index, k, "amax")
-    lo = k.new_full((B, H, num_groups + 1, D), float("inf")).scatter_reduce(2, index, k, "amin")
-    return hi[:, :, :num_groups], lo[:, :, :num_groups]
+    signed = torch.cat([k, -k], dim=-1)
+    index = slots.unsqueeze(-1).expand(B, H, N, 2 * D)
+    extremes = signed.new_full((B, H, num_slots + 1, 2 * D), float("-inf")).scatter_reduce_(2, index, signed, "amax")
+    return extremes[:, :, :num_slots]
 
 
 def block_bounds(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int
@@ -443,17 +452,13 @@ def block_bounds(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, blo
 
 
 def _signed_block_extremes(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int) -> torch.Tensor:
-    """:func:`block_bounds` as one tensor (B, H, blocks, G, 2 D): the max of k and the max of -k (= -min k), by one
-    scatter of [k, -k]; -inf where a block holds no member of the group."""
+    """:func:`block_bounds` as one tensor (B, H, blocks, G, 2 D): the max of k and the max of -k (= -min k)
+    (:func:`_signed_extremes` over one slot per block and group); -inf where a block holds no member of the group."""
     B, H, N, D = k.shape
     blocks = -(-N // block)
     G = num_groups
     slot = torch.div(torch.arange(N, device=k.device), block, rounding_mode="floor") * (G + 1) + key_ids
-    signed = torch.cat([k, -k], dim=-1)
-    index = slot.unsqueeze(-1).expand(B, H, N, 2 * D)
-    extremes = signed.new_full((B, H, blocks * (G + 1), 2 * D), float("-inf")).scatter_reduce_(2, index, signed,
-                                                                                                "amax")
-    return extremes.view(B, H, blocks, G + 1, 2 * D)[..., :G, :]
+    return _signed_extremes(k, slot, blocks * (G + 1)).view(B, H, blocks, G + 1, 2 * D)[..., :G, :]
 
 
 def _bounds_by_state(q: torch.Tensor, states: torch.Tensor, *, shift: int, block: int) -> torch.Tensor:
