@@ -461,24 +461,27 @@ def _signed_block_extremes(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups
     return _signed_extremes(k, slot, blocks * (G + 1)).view(B, H, blocks, G + 1, 2 * D)[..., :G, :]
 
 
-def _bounds_by_state(q: torch.Tensor, states: torch.Tensor, *, shift: int, block: int) -> torch.Tensor:
-    """Query t (of q (B, H, N, D)) against state s(t) = clamp(floor((t + shift) / block), 0, S - 1) of the running
-    signed extremes (B, H, S, G, 2 D) (max k, max -k: :func:`_signed_block_extremes`): q+ . hi + q- . lo = [q+, -q-]
-    . [hi, -lo], (B, H, N, G), -inf where the state holds no member. The queries of one state form runs of ``block``
-    positions: padded to align them, one (block, 2 D) x (2 D, G) product per run."""
+def _bounds_by_state(q: torch.Tensor, states: torch.Tensor, *, pad: int, block: int) -> torch.Tensor:
+    """Query t (of q (B, H, N, D)) against the signed extremes (max k, max -k: :func:`_signed_block_extremes`) of its
+    run's state: ``states`` (B, H, runs, G, 2 D), one per run of ``block`` queries, where query t sits at t + ``pad``
+    in run floor((t + pad) / block) (:func:`_state_runs`); consumed (masked in place). q+ . hi + q- . lo =
+    [q+, -q-] . [hi, -lo], (B, H, N, G), -inf where the state holds no member: one (block, 2 D) x (2 D, G) product
+    per run."""
     B, H, N, D = q.shape
-    count = states.shape[2]
-    pad = shift % block  # query t sits at t + pad; its run r = floor((t + pad) / block) reads state r + first
-    first = (shift - pad) // block
-    runs = -(-(N + pad) // block)
+    runs = states.shape[2]
     signed_q = torch.cat([q.clamp(min=0), (-q).clamp(min=0)], dim=-1)
     padded = F.pad(signed_q, (0, 0, pad, runs * block - N - pad)).view(B, H, runs, block, 2 * D)
-    pick = (torch.arange(runs, device=q.device) + first).clamp(0, count - 1)
-    picked = states.index_select(2, pick)  # (B, H, runs, G, 2 D)
-    empty = picked[..., :1] == float("-inf")  # (B, H, runs, G, 1): any key makes every channel finite
-    bound = padded @ picked.masked_fill(empty, 0).transpose(-1, -2)  # (B, H, runs, block, G)
-    bound = bound.masked_fill(empty.transpose(-1, -2), float("-inf"))
-    return bound.flatten(2, 3)[:, :, pad:pad + N]
+    empty = states[..., :1] == float("-inf")  # (B, H, runs, G, 1): any key makes every channel finite
+    bound = padded @ states.masked_fill_(empty, 0).transpose(-1, -2)  # (B, H, runs, block, G)
+    return bound.masked_fill_(empty.transpose(-1, -2), float("-inf")).flatten(2, 3)[:, :, pad:pad + N]
+
+
+def _state_runs(N: int, shift: int, block: int) -> tuple[int, int, int]:
+    """Queries t = 0 .. N - 1 read the state of block floor((t + shift) / block): padded by ``pad`` = shift mod
+    block they form ``runs`` runs of ``block`` queries, run r reading the state of block r + ``first``. Returns
+    (pad, first, runs)."""
+    pad = shift % block
+    return pad, (shift - pad) // block, -(-(N + pad) // block)
 
 
 def upper_bounds(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -491,19 +494,47 @@ def upper_bounds(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.T
     return bound.masked_fill(empty.transpose(-1, -2), float("-inf"))
 
 
-def _running_max(x: torch.Tensor) -> torch.Tensor:
-    """The running max along dim 2 of x (B, H, S, G, D): a scan of ceil(log2 S) element-wise passes between two
-    buffers (Hillis and Steele 1986), not a loop over the S blocks. On a CPU, one thread, 48 ms at S = 16, G = 128,
-    D = 64, B H = 32, against 183 ms for cummax along a contiguous last dim (which also computes indices, and needs
-    the tensor moved there) and 80 ms for the same scan by concatenations."""
-    current, spare = x.clone(), torch.empty_like(x)
+def _running_max_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """The running max along dim 2 of x (B, H, S, G, D), in place (``reverse``: from the end, a suffix max): a scan
+    of ceil(log2 S) element-wise passes between x and one spare buffer (Hillis and Steele 1986), not a loop over the
+    S blocks. On a CPU, one thread, 48 ms at S = 16, G = 128, D = 64, B H = 32, against 183 ms for cummax along a
+    contiguous last dim (which also computes indices, and needs the tensor moved there) and 80 ms for the same scan
+    by concatenations. Returns the buffer that holds the result (x or the spare)."""
+    current, spare = x, torch.empty_like(x)
     shift = 1
-    while shift < x.shape[2]:  # after this pass, entry s holds the max of entries s - 2 shift + 1 .. s
-        spare[:, :, :shift] = current[:, :, :shift]
-        torch.maximum(current[:, :, shift:], current[:, :, :-shift], out=spare[:, :, shift:])
+    while shift < x.shape[2]:  # after this pass, entry s holds the max of entries s - 2 shift + 1 .. s (or + ...)
+        if reverse:
+            spare[:, :, -shift:] = current[:, :, -shift:]
+            torch.maximum(current[:, :, :-shift], current[:, :, shift:], out=spare[:, :, :-shift])
+        else:
+            spare[:, :, :shift] = current[:, :, :shift]
+            torch.maximum(current[:, :, shift:], current[:, :, :-shift], out=spare[:, :, shift:])
         current, spare = spare, current
         shift *= 2
     return current
+
+
+def _prefix_states(signed: torch.Tensor, first: int, runs: int) -> torch.Tensor:
+    """Run r's state of the prefix, the extremes over blocks < r + ``first`` (``first`` <= 0: a window or its past
+    half lies before the query's own block), (B, H, runs, G, 2 D), -inf where there is none: the blocks shifted
+    into run order (1 - first empty entries in front, the blocks no run reads left out), then one running max, so
+    that entry r is the max of blocks 0 .. r + first - 1."""
+    front = 1 - first
+    states = signed.new_full((*signed.shape[:2], runs, *signed.shape[3:]), float("-inf"))
+    fits = max(0, min(signed.shape[2], runs - front))
+    states[:, :, front:front + fits] = signed[:, :, :fits]
+    return _running_max_(states)
+
+
+def _suffix_states(signed: torch.Tensor, first: int, runs: int) -> torch.Tensor:
+    """Run r's state of the suffix, the extremes over blocks >= r + ``first`` (``first`` >= 1: the window's far side
+    lies after the query's own block), (B, H, runs, G, 2 D), -inf where there is none: the blocks from ``first`` on
+    moved to the front, empty entries behind up to ``runs``, one running max from the end."""
+    reached = max(0, signed.shape[2] - first)
+    states = signed.new_full((*signed.shape[:2], max(runs, reached), *signed.shape[3:]), float("-inf"))
+    states[:, :, :reached] = signed[:, :, first:]
+    states = _running_max_(states, reverse=True)
+    return states if states.shape[2] == runs else states[:, :, :runs].contiguous()
 
 
 def bound_logits(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, window: int,
@@ -514,18 +545,19 @@ def bound_logits(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
     bound over the blocks wholly before the window [t - window / 2, t + window / 2) and the bound over those wholly
     after it. -inf where there is no such member. q as given (the caller scales it); ``key_ids`` as
     :func:`block_bounds`'s. Members in a block the window cuts are left out: they lie within window + block
-    positions of the query. hi and -lo travel as one tensor [hi, -lo], whose running extremes are one running max."""
+    positions of the query. hi and -lo travel as one tensor [hi, -lo], whose running extremes are one running max,
+    built directly in the order the queries' runs read them (no gather of states)."""
+    N = q.shape[2]
     signed = _signed_block_extremes(k, key_ids, num_groups=num_groups, block=block)
-    none = torch.full_like(signed[:, :, :1], float("-inf"))
-    # state b of the prefix: the blocks before block b, b = 0 .. blocks
-    before = torch.cat([none, _running_max(signed)], dim=2)
-    if causal:
-        return _bounds_by_state(q, before, shift=1 - window, block=block)
+    if causal:  # query t reads the blocks before block floor((t + 1 - window) / block)
+        pad, first, runs = _state_runs(N, 1 - window, block)
+        return _bounds_by_state(q, _prefix_states(signed, first, runs), pad=pad, block=block)
     half = window // 2
-    # state b of the suffix: the blocks from block b on, b = 0 .. blocks
-    after = torch.cat([_running_max(signed.flip(2)).flip(2), none], dim=2)
-    return torch.maximum(_bounds_by_state(q, before, shift=-half, block=block),
-                         _bounds_by_state(q, after, shift=window - half + block - 1, block=block))
+    pad, first, runs = _state_runs(N, -half, block)  # the blocks before block floor((t - half) / block)
+    before = _bounds_by_state(q, _prefix_states(signed, first, runs), pad=pad, block=block)
+    # the blocks from block ceil((t + window - half) / block) on
+    pad, first, runs = _state_runs(N, window - half + block - 1, block)
+    return torch.maximum(before, _bounds_by_state(q, _suffix_states(signed, first, runs), pad=pad, block=block))
 
 
 def bound_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, select: int,
