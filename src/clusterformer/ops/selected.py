@@ -514,27 +514,42 @@ def _running_max_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
     return current
 
 
-def _prefix_states(signed: torch.Tensor, first: int, runs: int) -> torch.Tensor:
+def _run_extremes(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int, offset: int,
+                  length: int) -> torch.Tensor:
+    """The signed extremes (max k, max -k) of every block and group, block j at entry j + ``offset`` of a
+    (B, H, length, G + 1, 2 D) tensor (group G: padding), -inf where an entry holds no member; the blocks that land
+    outside [0, length) go to the padding group of the last entry, which nobody reads. One scatter into the
+    layout the queries' runs read, so no shift or gather of the states follows."""
+    B, H, N, D = k.shape
+    G1 = num_groups + 1
+    entry = torch.div(torch.arange(N, device=k.device), block, rounding_mode="floor") + offset
+    inside = (entry >= 0) & (entry < length)
+    slot = torch.where(inside, entry * G1, (length - 1) * G1)[None, None, :] + torch.where(inside, key_ids, num_groups)
+    signed = torch.cat([k, -k], dim=-1)
+    index = slot.unsqueeze(-1).expand(B, H, N, 2 * D)
+    extremes = signed.new_full((B, H, length * G1, 2 * D), float("-inf")).scatter_reduce_(2, index, signed, "amax")
+    return extremes.view(B, H, length, G1, 2 * D)
+
+
+def _prefix_states(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int, first: int, runs: int
+                   ) -> torch.Tensor:
     """Run r's state of the prefix, the extremes over blocks < r + ``first`` (``first`` <= 0: a window or its past
-    half lies before the query's own block), (B, H, runs, G, 2 D), -inf where there is none: the blocks shifted
-    into run order (1 - first empty entries in front, the blocks no run reads left out), then one running max, so
-    that entry r is the max of blocks 0 .. r + first - 1."""
-    front = 1 - first
-    states = signed.new_full((*signed.shape[:2], runs, *signed.shape[3:]), float("-inf"))
-    fits = max(0, min(signed.shape[2], runs - front))
-    states[:, :, front:front + fits] = signed[:, :, :fits]
-    return _running_max_(states)
+    half lies before the query's own block), (B, H, runs, G, 2 D), -inf where there is none: block j scattered at
+    entry j + 1 - first, then one running max, so that entry r holds blocks 0 .. r + first - 1."""
+    states = _running_max_(_run_extremes(k, key_ids, num_groups=num_groups, block=block, offset=1 - first,
+                                         length=runs))
+    return states[..., :num_groups, :]
 
 
-def _suffix_states(signed: torch.Tensor, first: int, runs: int) -> torch.Tensor:
+def _suffix_states(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int, first: int, runs: int
+                   ) -> torch.Tensor:
     """Run r's state of the suffix, the extremes over blocks >= r + ``first`` (``first`` >= 1: the window's far side
-    lies after the query's own block), (B, H, runs, G, 2 D), -inf where there is none: the blocks from ``first`` on
-    moved to the front, empty entries behind up to ``runs``, one running max from the end."""
-    reached = max(0, signed.shape[2] - first)
-    states = signed.new_full((*signed.shape[:2], max(runs, reached), *signed.shape[3:]), float("-inf"))
-    states[:, :, :reached] = signed[:, :, first:]
-    states = _running_max_(states, reverse=True)
-    return states if states.shape[2] == runs else states[:, :, :runs].contiguous()
+    lies after the query's own block), (B, H, runs, G, 2 D), -inf where there is none: block j scattered at entry
+    j - first, then one running max from the end."""
+    length = max(runs, -(-k.shape[2] // block) - first)
+    states = _running_max_(_run_extremes(k, key_ids, num_groups=num_groups, block=block, offset=-first,
+                                         length=length), reverse=True)
+    return states[:, :, :runs, :num_groups]
 
 
 def bound_logits(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, window: int,
@@ -546,18 +561,21 @@ def bound_logits(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
     after it. -inf where there is no such member. q as given (the caller scales it); ``key_ids`` as
     :func:`block_bounds`'s. Members in a block the window cuts are left out: they lie within window + block
     positions of the query. hi and -lo travel as one tensor [hi, -lo], whose running extremes are one running max,
-    built directly in the order the queries' runs read them (no gather of states)."""
+    scattered directly in the order the queries' runs read them (no shift or gather of states)."""
     N = q.shape[2]
-    signed = _signed_block_extremes(k, key_ids, num_groups=num_groups, block=block)
+    extremes = {"num_groups": num_groups, "block": block}
     if causal:  # query t reads the blocks before block floor((t + 1 - window) / block)
         pad, first, runs = _state_runs(N, 1 - window, block)
-        return _bounds_by_state(q, _prefix_states(signed, first, runs), pad=pad, block=block)
+        return _bounds_by_state(q, _prefix_states(k, key_ids, first=first, runs=runs, **extremes), pad=pad,
+                                block=block)
     half = window // 2
     pad, first, runs = _state_runs(N, -half, block)  # the blocks before block floor((t - half) / block)
-    before = _bounds_by_state(q, _prefix_states(signed, first, runs), pad=pad, block=block)
+    before = _bounds_by_state(q, _prefix_states(k, key_ids, first=first, runs=runs, **extremes), pad=pad,
+                              block=block)
     # the blocks from block ceil((t + window - half) / block) on
     pad, first, runs = _state_runs(N, window - half + block - 1, block)
-    return torch.maximum(before, _bounds_by_state(q, _suffix_states(signed, first, runs), pad=pad, block=block))
+    return torch.maximum(before, _bounds_by_state(q, _suffix_states(k, key_ids, first=first, runs=runs, **extremes),
+                                                  pad=pad, block=block))
 
 
 def bound_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, select: int,
