@@ -51,7 +51,7 @@ from ..masks import masked_sdpa, real_tokens
 from .key_lists import key_lists, listed_scores, listed_sum
 from .recompute import recompute_saved
 
-__all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "block_bounds", "bound_logits", "bound_selection",
+__all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "bound_logits", "bound_selection",
            "chunk_band", "cluster_layout", "cluster_summaries", "group_extremes", "resolve_kernel",
            "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection", "top_groups",
            "upper_bounds"]
@@ -441,28 +441,8 @@ def _signed_extremes(k: torch.Tensor, slots: torch.Tensor, num_slots: int) -> to
     return extremes[:, :, :num_slots]
 
 
-def block_bounds(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block of ``block`` positions and group, the channel-wise max and min of the members' keys k (B, H, N, D)
-    with groups ``key_ids`` (B, H, N) in [0, num_groups] (``num_groups``: padding, in no group): two
-    (B, H, ceil(N / block), G, D) tensors, -inf and +inf where a block holds no member of the group."""
-    D = k.shape[-1]
-    signed = _signed_block_extremes(k, key_ids, num_groups=num_groups, block=block)
-    return signed[..., :D], -signed[..., D:]
-
-
-def _signed_block_extremes(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int) -> torch.Tensor:
-    """:func:`block_bounds` as one tensor (B, H, blocks, G, 2 D): the max of k and the max of -k (= -min k)
-    (:func:`_signed_extremes` over one slot per block and group); -inf where a block holds no member of the group."""
-    B, H, N, D = k.shape
-    blocks = -(-N // block)
-    G = num_groups
-    slot = torch.div(torch.arange(N, device=k.device), block, rounding_mode="floor") * (G + 1) + key_ids
-    return _signed_extremes(k, slot, blocks * (G + 1)).view(B, H, blocks, G + 1, 2 * D)[..., :G, :]
-
-
 def _bounds_by_state(q: torch.Tensor, states: torch.Tensor, *, pad: int, block: int) -> torch.Tensor:
-    """Query t (of q (B, H, N, D)) against the signed extremes (max k, max -k: :func:`_signed_block_extremes`) of its
+    """Query t (of q (B, H, N, D)) against the signed extremes (max k, max -k: :func:`_run_extremes`) of its
     run's state: ``states`` (B, H, runs, G, 2 D), one per run of ``block`` queries, where query t sits at t + ``pad``
     in run floor((t + pad) / block) (:func:`_state_runs`); consumed (masked in place). q+ . hi + q- . lo =
     [q+, -q-] . [hi, -lo], (B, H, N, G), -inf where the state holds no member: one (block, 2 D) x (2 D, G) product
@@ -558,10 +538,11 @@ def bound_logits(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
     members in the whole blocks of ``block`` positions outside the query's window -- causal: positions
     < block floor((t - window + 1) / block), every block at or before t - window; otherwise the larger of the
     bound over the blocks wholly before the window [t - window / 2, t + window / 2) and the bound over those wholly
-    after it. -inf where there is no such member. q as given (the caller scales it); ``key_ids`` as
-    :func:`block_bounds`'s. Members in a block the window cuts are left out: they lie within window + block
-    positions of the query. hi and -lo travel as one tensor [hi, -lo], whose running extremes are one running max,
-    scattered directly in the order the queries' runs read them (no shift or gather of states)."""
+    after it. -inf where there is no such member. q as given (the caller scales it); ``key_ids`` (B, H, N) in
+    [0, num_groups] (``num_groups``: padding, in no group). Members in a block the window cuts are left out: they
+    lie within window + block positions of the query. hi and -lo travel as one tensor [hi, -lo], whose running
+    extremes are one running max, scattered directly in the order the queries' runs read them (no shift or gather
+    of states)."""
     N = q.shape[2]
     extremes = {"num_groups": num_groups, "block": block}
     if causal:  # query t reads the blocks before block floor((t + 1 - window) / block)
