@@ -482,7 +482,8 @@ def _running_max_(x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
     by concatenations. Returns the buffer that holds the result (x or the spare)."""
     current, spare = x, torch.empty_like(x)
     shift = 1
-    while shift < x.shape[2]:  # after this pass, entry s holds the max of entries s - 2 shift + 1 .. s (or + ...)
+    # after the pass with a given shift, entry s holds the max of s - 2 shift + 1 .. s (reverse: s .. s + 2 shift - 1)
+    while shift < x.shape[2]:
         if reverse:
             spare[:, :, -shift:] = current[:, :, -shift:]
             torch.maximum(current[:, :, :-shift], current[:, :, shift:], out=spare[:, :, :-shift])
