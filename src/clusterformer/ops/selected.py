@@ -434,11 +434,16 @@ def _signed_extremes(k: torch.Tensor, slots: torch.Tensor, num_slots: int) -> to
     """Per slot, the channel-wise max of k (B, H, N, D) and of -k (= -min k), (B, H, num_slots, 2 D), by one
     in-place scatter of [k, -k]; -inf where a slot has no member. ``slots`` (B, H, N) in [0, num_slots]
     (num_slots: in none)."""
+    return _scattered_extremes(k, slots, num_slots + 1)[:, :, :num_slots]
+
+
+def _scattered_extremes(k: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:
+    """The max of [k, -k] per slot, slots (B, H, N) in [0, size): one fill and one in-place scatter into a
+    contiguous (B, H, size, 2 D) buffer, -inf in a slot without members."""
     B, H, N, D = k.shape
     signed = torch.cat([k, -k], dim=-1)
     index = slots.unsqueeze(-1).expand(B, H, N, 2 * D)
-    extremes = signed.new_full((B, H, num_slots + 1, 2 * D), float("-inf")).scatter_reduce_(2, index, signed, "amax")
-    return extremes[:, :, :num_slots]
+    return signed.new_full((B, H, size, 2 * D), float("-inf")).scatter_reduce_(2, index, signed, "amax")
 
 
 def _bounds_by_state(q: torch.Tensor, states: torch.Tensor, *, pad: int, block: int) -> torch.Tensor:
@@ -506,10 +511,7 @@ def _run_extremes(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, bl
     entry = torch.div(torch.arange(N, device=k.device), block, rounding_mode="floor") + offset
     inside = (entry >= 0) & (entry < length)
     slot = torch.where(inside, entry * G1, (length - 1) * G1)[None, None, :] + torch.where(inside, key_ids, num_groups)
-    signed = torch.cat([k, -k], dim=-1)
-    index = slot.unsqueeze(-1).expand(B, H, N, 2 * D)
-    extremes = signed.new_full((B, H, length * G1, 2 * D), float("-inf")).scatter_reduce_(2, index, signed, "amax")
-    return extremes.view(B, H, length, G1, 2 * D)
+    return _scattered_extremes(k, slot, length * G1).view(B, H, length, G1, 2 * D)
 
 
 def _prefix_states(k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, block: int, first: int, runs: int
