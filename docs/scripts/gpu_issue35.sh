@@ -3,7 +3,9 @@
 # machine with one CUDA GPU, the image's python3 holding torch and triton, the package from src/.
 #   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_issue35.sh [STAGE ...]
 # Stages (default: all, in this order): bench32k tests bench128k decode imdb; also compile (COMPILE_MODES) and news
-# (20NEWS-1500, the CPU grid's configuration: NEWS, NEWS_SEEDS, NEWS_LIMIT), not in the default. The second call of
+# (20NEWS-1500, the CPU grid's configuration: NEWS, NEWS_SEEDS, NEWS_LIMIT), decoderef (bench decode --references at
+# two shapes) and mlm (issue #34's masked-LM grids at 512 and 2,048 tokens: MLM512, MLM2048, MLM_STEPS, MLM_LIMIT; DATA
+# also needs tinyshakespeare/ and wikitext-2/), not in the default. The second call of
 # 2026-11-26 ran `NAMES32K=neural-clustering,kmeans,routing,cluster-select IMDB="sliding-window full" IMDB_LIMIT=200
 # ... bench32k tests imdb`; its decode stage ran before `--cuda-graph` existed (eager only, full and
 # neural-clustering). DATA holds imdb/ and 20news/ (copies of ../shared/data's) for the training-time runs. Each stage
@@ -18,6 +20,10 @@ IMDB_LIMIT=${IMDB_LIMIT:-75}
 NEWS=${NEWS:-full sliding-window neural-clustering}
 NEWS_SEEDS=${NEWS_SEEDS:-0}
 NEWS_LIMIT=${NEWS_LIMIT:-90}
+MLM512=${MLM512:-full;neural-clustering;sliding-window;cluster-select;lsh;kmeans;routing}
+MLM2048=${MLM2048:-full;neural-clustering;sliding-window;cluster-select}
+MLM_STEPS=${MLM_STEPS:-600}
+MLM_LIMIT=${MLM_LIMIT:-360}
 W=/tmp/gpu
 mkdir -p "$W"
 pack() { tar czf "$OUT/gpu.tgz" -C /tmp gpu; }
@@ -78,6 +84,30 @@ news)
     stage "20NEWS-1500 training time on the GPU (seeds $NEWS_SEEDS: $NEWS)"
     grid 20news 20news-1500-gpu "$NEWS" "$NEWS_SEEDS" "$NEWS_LIMIT" --max-len 1500 --max-steps 500 --dim 64 \
         --depth 2 --heads 4 --batch-size 8 --lr 5e-3 --warmup-steps 100 --checkpoint-every 100 ;;
+decoderef)
+    stage "bench decode with the sdpa-decode and projections references: B 1 x 4 heads, then B 4 x 32 heads"
+    timeout 120 python3 -m clusterformer bench decode --device cuda --dtype bfloat16 --cuda-graph --references \
+        --names "${DECODE_NAMES:-full,neural-clustering,sliding-window}" --contexts 16384,65536,131072 \
+        --json $W/decode-ref-b1h4.json 2>&1 | tee $W/decode-ref-b1h4.log
+    pack
+    timeout 150 python3 -m clusterformer bench decode --device cuda --dtype bfloat16 --cuda-graph --references \
+        --batch 4 --heads 32 --names "${DECODE_NAMES:-full,neural-clustering,sliding-window}" \
+        --contexts 16384,65536 --json $W/decode-ref-b4h32.json 2>&1 | tee $W/decode-ref-b4h32.log ;;
+mlm)
+    stage "masked-LM pretraining (issue #34): $MLM512 at 512 tokens and $MLM2048 at 2,048, all at once"
+    # Same model and tokens per step at both lengths (16,384: 32 x 512, 8 x 2,048); every run of both grids shares
+    # the GPU and the 16 cores at once, so their s / step are not clean timings.
+    for spec in "512 32 $MLM512" "2048 8 $MLM2048"; do
+        set -- $spec
+        timeout "$MLM_LIMIT" python3 -m clusterformer compare --tasks mlm --seeds 0 --jobs 8 --out $W/mlm-$1-gpu \
+            --attention "$3" -- --max-len $1 --batch-size $2 --max-steps "$MLM_STEPS" --dim 64 --depth 2 --heads 4 \
+            --lr 1e-3 --warmup-steps 60 --vocab-size 8000 --task-options '{"eval_windows": 64}' \
+            --checkpoint-every 100000 --data-dir "$DATA" > $W/mlm-$1-gpu.log 2>&1 &
+    done
+    wait
+    find $W -name "*.pt" -delete
+    tail -3 $W/mlm-*-gpu.log
+    grep -h "perplexity\"\|train_seconds\|peak_device_mb" $W/mlm-*-gpu/mlm/*/seed0/metrics.json ;;
 *) echo "unknown stage $s"; exit 2 ;;
 esac; pack; done
 stage "done"

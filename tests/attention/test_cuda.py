@@ -292,3 +292,22 @@ def test_cuda_graph_of_a_decoding_step_matches_eager_steps(name, options):
         result = _graph_step(layer, cache, tokens, config, torch.cuda.synchronize)
     assert result["graph_error"] is None, result
     assert result["graph_check"] <= 1e-5, result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_reference_decoding_steps_compute_full_attentions_step_and_replay(dtype):
+    """bench decode --references: the sdpa-decode step (one unmasked SDPA call, the flash kernel in bf16) gives full
+    attention's own step after the same prefill, and both reference steps replay from their CUDA graphs as they
+    run eagerly."""
+    from clusterformer.bench.decode import DecodeBenchConfig, reference_steps
+
+    torch.manual_seed(SEED)
+    layer = build("full", dim=DIM, heads=HEADS).to("cuda", dtype).eval()
+    x = torch.randn(2, 3000, DIM, device="cuda", dtype=dtype)
+    config = DecodeBenchConfig(names=["full"], contexts=[3000], batch=2, heads=HEADS, head_dim=DIM // HEADS,
+                               steps=2, repeats=1, device="cuda", cuda_graph=True)
+    records = reference_steps(layer, x, config, torch.cuda.synchronize)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for record in records:
+        assert record["graph_error"] is None, record
+        assert record["check"] <= tol and record["graph_check"] <= tol, record

@@ -11,6 +11,12 @@ step cannot be captured (full's KV cache grows; lsh draws its rotations on the h
 the cache after the prefill (:meth:`clusterformer.ops.decode.DecodeCache.memory_bytes`;
 the full KV cache's capacity doubles, so it holds up to 2x the keys it uses). Everything runs in this process,
 the mechanisms of one context one after another, so ratios between mechanisms come from the same conditions.
+
+With ``references``, two more records per context, timed the same way (:func:`reference_steps`): ``sdpa-decode``,
+the step as a flash-decoding kernel runs it (one unmasked ``F.scaled_dot_product_attention`` over exactly the
+context's keys: the baseline a decoding speed-up should be measured against, where the library's own full step is a
+masked matmul-softmax), and ``projections``, the step without attention: the floor under every mechanism's step at
+this shape, since its Q/K/V and output projections are the same whatever the attention reads.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from typing import Any
 
 from .._checks import check_int
 
-__all__ = ["DecodeBenchConfig", "run_decode_benchmark"]
+__all__ = ["REFERENCES", "DecodeBenchConfig", "reference_steps", "run_decode_benchmark"]
+
+REFERENCES = ("sdpa-decode", "projections")  # the reference steps' record names
 
 
 @dataclass
@@ -43,6 +51,7 @@ class DecodeBenchConfig:
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-mechanism build options
     seed: int = 0
     cuda_graph: bool = False  # also time the step replayed from a CUDA graph
+    references: bool = False  # also time the sdpa-decode and projections-only steps per context
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "head_dim", "steps", "repeats"):
@@ -69,8 +78,23 @@ def run_decode_benchmark(config: DecodeBenchConfig, progress: Callable[[str], No
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     dim = config.heads * config.head_dim
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    records, total, done = [], len(config.names) * len(config.contexts), 0
+    records, done = [], 0
+    total = (len(config.names) + (len(REFERENCES) if config.references else 0)) * len(config.contexts)
     for context in config.contexts:
+        if config.references:
+            torch.manual_seed(config.seed)
+            layer = build("full", dim=dim, heads=config.heads).to(device=device, dtype=dtype).eval()
+            x = torch.randn(config.batch, context, dim, device=device, dtype=dtype)
+            for record in reference_steps(layer, x, config, sync):
+                done += 1
+                records.append(record)
+                if progress:
+                    graph = "" if not config.cuda_graph else (
+                        f"; CUDA graph: {record['graph_error']}" if record["graph_error"] else
+                        f"; CUDA graph {record['ms_per_token_graph']:.3f} ms/token")
+                    progress(f"[{done}/{total}] {record['name']} context={context}: "
+                             f"{record['ms_per_token']:.3f} ms/token (step vs full's: {record['check']:.1e}){graph}")
+            del layer, x
         for name in config.names:
             done += 1
             torch.manual_seed(config.seed)
@@ -85,16 +109,9 @@ def run_decode_benchmark(config: DecodeBenchConfig, progress: Callable[[str], No
                 sync()
                 prefill_ms = (time.perf_counter() - start) * 1000
                 cache_mb = cache.memory_bytes() / 2**20
-                for t in range(config.warmup):
-                    _, cache = layer.step(tokens[t], cache)
-                runs = []
-                for r in range(config.repeats):
-                    sync()
-                    start = time.perf_counter()
-                    for t in range(config.steps):  # decoding is sequential: one step per token
-                        _, cache = layer.step(tokens[config.warmup + r * config.steps + t], cache)
-                    sync()
-                    runs.append((time.perf_counter() - start) * 1000 / config.steps)
+                decoding = _Decoding(layer, tokens, cache)
+                runs = _time_runs(decoding.step, config, sync)
+                cache = decoding.cache
             record = {"name": name, "context": context, "batch": config.batch, "heads": config.heads,
                       "head_dim": config.head_dim, "device": str(device), "dtype": config.dtype,
                       "threads": torch.get_num_threads(), "machine": f"{platform.machine()} "
@@ -146,6 +163,115 @@ def _graph_step(layer, cache, tokens, config: DecodeBenchConfig, sync) -> dict:
                 graph.replay()
             sync()
             runs.append((time.perf_counter() - start) * 1000 / config.steps)
+        result.update(ms_per_token_graph=statistics.median(runs), graph_check=worst)
+    except Exception as error:  # recorded, not raised: the eager numbers stand
+        result["graph_error"] = error_line(error)
+    return result
+
+
+def reference_steps(layer, x, config: DecodeBenchConfig, sync) -> list[dict]:
+    """The two reference steps at context N = x.shape[1], both with full attention's ``layer`` (its weights):
+
+    * ``sdpa-decode``: the token projected, its key and value written into slot N of a cache holding exactly N + 1
+      keys, one unmasked ``F.scaled_dot_product_attention`` over them (CUDA: the flash kernel, which splits the keys
+      over the GPU for a single query), the output projected. Every step writes the same slot, so replays need no
+      growing state; ``check`` is the largest relative difference of its output from full's own first step after
+      the same prefill (the same computation: rounding only).
+    * ``projections``: the Q/K/V projection of the token and the output projection of its value, no attention; the
+      step of a mechanism that read nothing. ``check``: against that computation done by hand.
+
+    Timed as the mechanisms' steps are (``ms_per_token``; ``ms_per_token_graph`` with ``cuda_graph``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .graphs import relative_difference
+
+    B, N, dim = x.shape
+    tokens = torch.randn(config.warmup + config.repeats * config.steps, B, dim, device=x.device, dtype=x.dtype)
+    with torch.no_grad():
+        _, cache = layer.prefill(x)
+        _, k, v = layer.qkv(x)
+        keys = torch.cat([k, k[:, :, :1]], dim=2)  # (B, H, N + 1, D); slot N is the new token's
+        values = torch.cat([v, v[:, :, :1]], dim=2)
+        expected, _ = layer.step(tokens[0], cache)  # full's own first step after the prefill
+        by_hand = layer.to_out.weight @ layer.qkv(tokens[0].unsqueeze(1))[2].reshape(B, dim).T
+        by_hand = by_hand.T + (layer.to_out.bias if layer.to_out.bias is not None else 0)
+
+    def sdpa_step(x_t: torch.Tensor) -> torch.Tensor:
+        q_t, k_t, v_t = layer.qkv(x_t.unsqueeze(1))  # (B, H, 1, D)
+        keys[:, :, N:].copy_(k_t)
+        values[:, :, N:].copy_(v_t)
+        out = F.scaled_dot_product_attention(q_t, keys, values)
+        return layer.to_out(out.reshape(B, dim))
+
+    def projections_step(x_t: torch.Tensor) -> torch.Tensor:
+        _, _, v_t = layer.qkv(x_t.unsqueeze(1))
+        return layer.to_out(v_t.reshape(B, dim))
+
+    records = []
+    for name, step, bytes_read in (("sdpa-decode", sdpa_step, keys.numel() * keys.element_size() * 2),
+                                   ("projections", projections_step, 0)):
+        with torch.no_grad():
+            check = relative_difference(step(tokens[0]), expected if name == "sdpa-decode" else by_hand)
+            runs = _time_runs(lambda t, step=step: step(tokens[t]), config, sync)
+            record = {"name": name, "reference": True, "context": N, "batch": B, "heads": config.heads,
+                      "head_dim": config.head_dim, "device": str(x.device), "dtype": config.dtype,
+                      "threads": torch.get_num_threads(), "options": {}, "prefill_ms": None,
+                      "ms_per_token": statistics.median(runs), "cache_mb": bytes_read / 2**20, "check": check,
+                      "steps": config.steps, "repeats": config.repeats}
+            if config.cuda_graph:
+                record.update(_graph_replays(step, tokens, config, sync))
+        records.append(record)
+    return records
+
+
+class _Decoding:
+    """A mechanism's decoding, one token per call: step(t) feeds tokens[t] to the layer and keeps the cache."""
+
+    def __init__(self, layer, tokens, cache) -> None:
+        self.layer, self.tokens, self.cache = layer, tokens, cache
+
+    def step(self, t: int) -> None:  # decoding is sequential: one step per token
+        _, self.cache = self.layer.step(self.tokens[t], self.cache)
+
+
+def _time_runs(step: Callable[[int], Any], config: DecodeBenchConfig, sync) -> list[float]:
+    """``warmup`` untimed calls step(t), then ``repeats`` timed runs of ``steps`` calls: ms per call of each run."""
+    for t in range(config.warmup):
+        step(t)
+    runs = []
+    for r in range(config.repeats):
+        sync()
+        start = time.perf_counter()
+        for t in range(config.steps):
+            step(config.warmup + r * config.steps + t)
+        sync()
+        runs.append((time.perf_counter() - start) * 1000 / config.steps)
+    return runs
+
+
+def _graph_replays(step, tokens, config: DecodeBenchConfig, sync) -> dict:
+    """A stateless step (the references') captured once and replayed: the median of ``repeats`` runs of ``steps``
+    replays, the token copied into the graph's input counted in; ``graph_check`` compares three replays with eager
+    calls. ``graph_error`` where the capture fails."""
+    from .graphs import capture, error_line, relative_difference
+
+    result: dict = {"ms_per_token_graph": None, "graph_check": None, "graph_error": None}
+    try:
+        static = tokens[0].clone()
+        graph, static_out = capture(lambda: step(static))
+        worst = 0.0
+        for t in range(3):
+            static.copy_(tokens[t])
+            graph.replay()
+            sync()
+            worst = max(worst, relative_difference(static_out, step(tokens[t])))
+
+        def replay(t: int) -> None:
+            static.copy_(tokens[t % tokens.shape[0]])
+            graph.replay()
+
+        runs = _time_runs(replay, config, sync)
         result.update(ms_per_token_graph=statistics.median(runs), graph_check=worst)
     except Exception as error:  # recorded, not raised: the eager numbers stand
         result["graph_error"] = error_line(error)

@@ -112,6 +112,15 @@ def decode_table(records: list[dict], baseline: str = "full") -> str:
             slope = (math.log(rows[-1]["ms_per_token"] / rows[0]["ms_per_token"])
                      / math.log(rows[-1]["context"] / rows[0]["context"]))
             growth.append(f"{name} N^{slope:.2f}")
+    for context in sorted({r["context"] for r in records}):  # the references' verdict per context
+        ref = {r["name"]: r for r in records if r["context"] == context and r.get("reference")}
+        if {"sdpa-decode", "projections"} <= ref.keys():
+            key = "ms_per_token_graph" if graphs and ref["projections"].get("ms_per_token_graph") else "ms_per_token"
+            sdpa, floor = ref["sdpa-decode"][key], ref["projections"][key]
+            lines += ["", f"At {context} tokens ({'CUDA graphs' if key != 'ms_per_token' else 'eager'}): the "
+                          f"sdpa-decode step takes {sdpa:.3f} ms, the step without attention {floor:.3f} ms, so no "
+                          f"mechanism's step can be more than {_ratio(sdpa, floor)} faster than sdpa-decode's at "
+                          "this shape."]
     if growth:  # time per token ~ N^slope between the shortest and the longest context (sqrt(N): 0.5)
         lines += ["", f"Time per token grows like {', '.join(growth)} from {rows[0]['context']} to "
                       f"{rows[-1]['context']} tokens of context."]

@@ -61,6 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graph", action="store_true",
                    help="CUDA: also time the step replayed from a CUDA graph, checked against eager steps "
                         "(ms_per_token_graph, graph_check)")
+    p.add_argument("--references", action="store_true",
+                   help="also time, per context, the step as a flash-decoding kernel runs it (sdpa-decode: one "
+                        "unmasked SDPA call over the context's keys) and the step without attention (projections: "
+                        "the floor under every mechanism's step at this shape)")
     p.add_argument("--json", default=None, help="write the records here (default: stdout)")
     p.set_defaults(func=run_decode)
 
@@ -151,7 +155,7 @@ def run_decode(args: argparse.Namespace) -> int:
     config = DecodeBenchConfig(names=args.names, contexts=args.contexts, batch=args.batch, heads=args.heads,
                                head_dim=args.head_dim, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                                device=args.device, dtype=args.dtype, threads=args.threads, options=options,
-                               cuda_graph=args.cuda_graph)
+                               cuda_graph=args.cuda_graph, references=args.references)
     records = run_decode_benchmark(config, progress=log)
     emit_json(records, args.json, log=log)
     log(decode_table(records))
