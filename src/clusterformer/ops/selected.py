@@ -48,11 +48,11 @@ import torch
 import torch.nn.functional as F
 
 from ..masks import masked_sdpa, real_tokens
-from .key_lists import key_lists, listed_scores, listed_sum
+from .key_lists import KeyLists, key_lists, listed_scores, listed_sum, run_key_lists
 from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "bound_logits", "bound_selection",
-           "chunk_band", "cluster_layout", "cluster_summaries", "group_extremes", "resolve_kernel",
+           "chunk_band", "cluster_layout", "cluster_slots", "cluster_summaries", "group_extremes", "resolve_kernel",
            "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection", "top_groups",
            "upper_bounds"]
 
@@ -146,14 +146,23 @@ def selected_positions(
     key_ids: (B, H, N) in [0, num_clusters]; ``num_clusters`` marks padding (never counted or read).
     selected: (B, H, N, S) distinct cluster ids in [0, num_clusters) per query. ``layout``: :func:`cluster_layout`
     of the same ids, if the caller has it."""
-    B, H, N = key_ids.shape
-    S = selected.shape[-1]
-    device = key_ids.device
     if layout is None:
         layout = cluster_layout(key_ids, num_clusters=num_clusters, window=window, causal=causal)
-    order, total, start = layout.order, layout.total, layout.start
-    t = torch.arange(N, device=device)
-    steps = torch.arange(cluster_keys, device=device)
+    positions, allowed, _ = _selected_positions(layout, selected, cluster_keys=cluster_keys, window=window,
+                                                causal=causal, key_padding_mask=key_padding_mask)
+    return positions, allowed
+
+
+def cluster_slots(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the selected clusters' members that each query reads alone sit in cluster-sorted order: ((B, H, N, S,
+    cluster_keys) long slots of ``layout.order``, not clamped, (B, H, N, S, cluster_keys) bool valid). Causal: one
+    run of consecutive slots per cluster, its ``cluster_keys`` most recent members at positions <= t - window;
+    otherwise two, the members just before the window and just after it (``cluster_keys // 2`` and the rest). A slot
+    that is not valid may lie in a neighbouring cluster or up to ``cluster_keys`` outside [0, N)."""
+    B, H, N = layout.order.shape
+    S = selected.shape[-1]
+    steps = torch.arange(cluster_keys, device=selected.device)
     below, beyond = layout.selected_counts(selected)  # (B, H, N, S)
     if causal:  # the most recent members at positions <= t - window
         ranks = (below - cluster_keys).unsqueeze(-1) + steps
@@ -163,11 +172,22 @@ def selected_positions(
         lower = below.unsqueeze(-1) - first_half + steps[:first_half]
         upper = beyond.unsqueeze(-1) + steps[: cluster_keys - first_half]
         ranks = torch.cat([lower, upper], dim=-1)
-        size = total.gather(-1, selected.flatten(2)).view(B, H, N, S, 1)
+        size = layout.total.gather(-1, selected.flatten(2)).view(B, H, N, S, 1)
         valid = (ranks >= 0) & (ranks < size)
-    slots = start.gather(-1, selected.flatten(2)).view(B, H, N, S, 1) + ranks
-    slots = slots.clamp(0, max(N - 1, 0)).view(B, H, N * S * cluster_keys)
-    cluster_positions = order.gather(-1, slots).view(B, H, N, S * cluster_keys)
+    return layout.start.gather(-1, selected.flatten(2)).view(B, H, N, S, 1) + ranks, valid
+
+
+def _selected_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, window: int,
+                        causal: bool, key_padding_mask: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`selected_positions`, and the :func:`cluster_slots` its cluster part came from."""
+    B, H, N = layout.order.shape
+    S = selected.shape[-1]
+    device = selected.device
+    t = torch.arange(N, device=device)
+    slots, valid = cluster_slots(layout, selected, cluster_keys=cluster_keys, causal=causal)
+    clamped = slots.clamp(0, max(N - 1, 0)).view(B, H, N * S * cluster_keys)
+    cluster_positions = layout.order.gather(-1, clamped).view(B, H, N, S * cluster_keys)
     cluster_valid = valid.view(B, H, N, S * cluster_keys)
 
     offsets = torch.arange(window, device=device)
@@ -179,7 +199,7 @@ def selected_positions(
     if key_padding_mask is not None:  # the cluster part never reads padding (its id is num_clusters); the window may
         real = real_tokens(key_padding_mask, B, N, device)[:, None, None, :].expand(B, H, N, N)
         allowed = allowed & real.gather(-1, positions)
-    return positions, allowed
+    return positions, allowed, slots
 
 
 def cluster_summaries(
@@ -634,9 +654,8 @@ def selected_cluster_attention(
     B, H, N, D = q.shape
     if layout is None:
         layout = cluster_layout(key_ids, num_clusters=num_clusters, window=window, causal=causal)
-    positions, allowed = selected_positions(key_ids, selected, num_clusters=num_clusters, cluster_keys=cluster_keys,
-                                            window=window, causal=causal, key_padding_mask=key_padding_mask,
-                                            layout=layout)
+    positions, allowed, slots = _selected_positions(layout, selected, cluster_keys=cluster_keys, window=window,
+                                                    causal=causal, key_padding_mask=key_padding_mask)
     M = positions.shape[-1]
     scale = D ** -0.5
     kernel = resolve_kernel(kernel, N)
@@ -645,7 +664,7 @@ def selected_cluster_attention(
         return _banded_attention(q * scale, k, v, key_ids, selected, positions[..., :alone], allowed[..., :alone],
                                  layout, window=window, cluster_keys=cluster_keys, causal=causal,
                                  key_padding_mask=key_padding_mask, summaries=summaries, dropout_p=dropout_p,
-                                 band=band)
+                                 band=band, slots=slots)
     if kernel == "dense-mask":
         # scatter True at every allowed position; the entries that are not allowed go to an extra column, dropped
         index = torch.where(allowed, positions, N)
@@ -668,12 +687,14 @@ def selected_cluster_attention(
 def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
                       selected: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, layout: ClusterLayout, *,
                       window: int, cluster_keys: int, causal: bool, key_padding_mask: torch.Tensor | None,
-                      summaries: bool, dropout_p: float, band: ChunkBand | None) -> torch.Tensor:
+                      summaries: bool, dropout_p: float, band: ChunkBand | None,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
     """The ``"banded"`` kernel (module docstring): the window from the chunk bands, the selected clusters' keys as
     sparse key lists ((B, H, N, M) ``positions`` / ``allowed`` of the keys read alone, from :func:`selected_positions`
     without its window columns), the summaries from the band's ``summary_dots`` less the keys read alone -- one
     softmax over the three, normalised by the row's largest logit without concatenating them. q is already
-    scaled; a row without keys gets 0."""
+    scaled; a row without keys gets 0. ``slots``: the :func:`cluster_slots` of ``positions``, if the caller has
+    them: the keys are then listed as runs of the cluster-sorted keys (:func:`_read_alone`)."""
     B, H, N, _ = q.shape
     C = layout.total.shape[-1]
     if band is None:
@@ -681,8 +702,8 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
                           summaries=summaries)
     L = band.scores.shape[3]
     # the keys read alone as sparse key lists (ops/key_lists.py): no (B, H, N, M, D) gather
-    lists = key_lists(positions)
-    alone_raw = listed_scores(q, k, lists)  # (B, H, N, M)
+    lists, k_read, v_read = _read_alone(k, v, positions, slots, layout, cluster_keys=cluster_keys, causal=causal)
+    alone_raw = listed_scores(q, k_read, lists)  # (B, H, N, M)
     alone_scores = alone_raw.masked_fill(~allowed, float("-inf"))
 
     window_scores = _from_chunks(band.scores.masked_fill(~band.window, float("-inf")), N)
@@ -711,7 +732,7 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     if not summaries:
         with keep_values:
             banded = band_weights @ band.values
-        return _from_chunks(banded, N) + listed_sum(alone, v, lists)
+        return _from_chunks(banded, N) + listed_sum(alone, v_read, lists)
     # a summary's weight spreads over its members as w / n: those in whole chunks beyond the band through the
     # chunk sums, those in the band through the band weights, less the members read alone
     share = F.dropout(summary / total, dropout_p) / n.clamp(min=1)  # (B, H, N, C)
@@ -722,7 +743,30 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
             members, values = band.members[..., lo:hi, :], band.values[..., lo:hi, :]
             out = out + ((share_chunks @ members.transpose(-1, -2)) * band.outside[:, lo:hi]) @ values
     taken = share.gather(-1, selected).repeat_interleave(cluster_keys, dim=-1) * allowed  # (B, H, N, M)
-    return _from_chunks(out, N) + listed_sum(alone - taken, v, lists)
+    return _from_chunks(out, N) + listed_sum(alone - taken, v_read, lists)
+
+
+def _read_alone(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
+                layout: ClusterLayout, *, cluster_keys: int, causal: bool
+                ) -> tuple[KeyLists, torch.Tensor, torch.Tensor]:
+    """The keys each query reads alone as sparse key lists, and the keys and values they index.
+
+    A selected cluster's members read alone are one run of consecutive slots in cluster-sorted order (two runs of
+    ``cluster_keys / 2`` without ``causal``: :func:`cluster_slots`). Listed as runs of the sorted keys, padded by
+    ``cluster_keys`` rows at both ends so that no run is clamped, their transpose needs no sort of the entries
+    (:func:`run_key_lists`); the entries name the same keys as ``positions`` wherever they are read. Without
+    ``slots``, or with an odd ``cluster_keys`` and no ``causal`` (runs of two lengths), the lists are ``positions``
+    over k and v as they are."""
+    runs = None if slots is None else (1 if causal else 2 if cluster_keys % 2 == 0 else 0)
+    if not runs:
+        return key_lists(positions), k, v
+    B, H, N, D = k.shape
+    length, pad = cluster_keys // runs, cluster_keys
+    first = slots[..., ::length].reshape(B, H, N, -1) + pad  # (B, H, N, S runs) first sorted row of each run
+    index = layout.order.unsqueeze(-1).expand(B, H, N, D)
+    k_sorted = F.pad(k.gather(2, index), (0, 0, pad, pad))
+    v_sorted = F.pad(v.gather(2, index), (0, 0, pad, pad))
+    return run_key_lists(first, length, N + 2 * pad), k_sorted, v_sorted
 
 
 def _dense_with_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, mask: torch.Tensor,
