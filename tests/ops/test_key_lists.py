@@ -84,56 +84,66 @@ def test_key_lists_refuses_a_tensor_that_is_not_b_h_n_m():
         kl.key_lists(torch.zeros(3, 4, dtype=torch.long))
 
 
-RUN_SHAPES = [  # (B, H, N, runs, length, key rows, D): overlapping runs, a run as long as the keys, runs of one key
-    (2, 3, 7, 2, 3, 11, 4), (1, 2, 5, 3, 4, 4, 3), (3, 1, 2, 4, 1, 6, 2), (1, 1, 9, 1, 5, 17, 5),
+RUN_SHAPES = [  # (B, H, N, runs, length, pad, D): overlapping runs, a run as long as the keys, runs of one key
+    (2, 3, 7, 2, 3, 3, 4), (1, 2, 4, 3, 4, 4, 3), (3, 1, 6, 4, 1, 1, 2), (1, 1, 17, 1, 5, 5, 5),
 ]
 
 
-def _run_inputs(B, H, N, R, length, rows, D):
+def _run_inputs(B, H, N, R, length, pad, D, inside=True):
+    """Runs over a random reordering of the keys (slot pad + i holds key order[..., i]); ``inside``: every run within
+    the slots that hold keys, else anywhere in the padded slots (entries on the pad then name key order[..., 0] or
+    order[..., N - 1], and must get a zero gradient)."""
     g = torch.Generator().manual_seed(fixed_seed())
-    first = torch.randint(0, rows - length + 1, (B, H, N, R), generator=g)
-    positions = (first.unsqueeze(-1) + torch.arange(length)).reshape(B, H, N, R * length)
-    q = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(B, H, rows, D, generator=g, dtype=torch.float64) for _ in range(2))
+    order = torch.stack([torch.randperm(N, generator=g) for _ in range(B * H)]).view(B, H, N)
+    key_slot = torch.empty_like(order).scatter_(-1, order, torch.arange(N).expand(B, H, N)) + pad
+    low, high = (pad, pad + N - length) if inside else (0, N + 2 * pad - length)
+    first = torch.randint(low, high + 1, (B, H, N, R), generator=g)
+    slot = (first.unsqueeze(-1) + torch.arange(length)).reshape(B, H, N, R * length)
+    on_keys = (slot >= pad) & (slot < pad + N)
+    positions = order.gather(-1, (slot - pad).clamp(0, N - 1).flatten(2)).view(B, H, N, R * length)
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(3))
     w = torch.randn(B, H, N, R * length, generator=g, dtype=torch.float64)
-    return first, positions, q, k, v, w
+    lists = kl.run_key_lists(positions, first, length, key_slot, N + 2 * pad)
+    return lists, positions, on_keys, q, k, v, w
 
 
 @pytest.mark.parametrize("shape", RUN_SHAPES)
 def test_run_lists_match_a_loop_over_their_keys(shape, path):
-    first, positions, q, k, v, w = _run_inputs(*shape)
-    lists = kl.run_key_lists(first, shape[4], shape[5])
+    lists, positions, _, q, k, v, w = _run_inputs(*shape, inside=False)
     scores, out = _loop_reference(positions, q, k, v, w)
     torch.testing.assert_close(kl.listed_scores(q, k, lists), scores, rtol=0, atol=1e-12)
     torch.testing.assert_close(kl.listed_sum(w, v, lists), out, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("inside", [True, False])
 @pytest.mark.parametrize("shape", RUN_SHAPES[:3])
-def test_run_lists_gradcheck(shape, path):
-    """The backward's dk and dv read the transpose built from the runs."""
-    first, _, q, k, v, w = _run_inputs(*shape)
-    lists = kl.run_key_lists(first, shape[4], shape[5])
+def test_run_lists_gradcheck(shape, inside, path):
+    """The backward's dk and dv come from the transpose built from the runs, in slot order; entries on the pad get
+    a zero gradient, as the lists ask (the kernel masks them)."""
+    lists, _, on_keys, q, k, v, w = _run_inputs(*shape, inside=inside)
     q, k, v, w = (x.requires_grad_() for x in (q, k, v, w))
-    assert torch.autograd.gradcheck(lambda q, k: kl.listed_scores(q, k, lists), (q, k))
-    assert torch.autograd.gradcheck(lambda w, v: kl.listed_sum(w, v, lists), (w, v))
+    assert torch.autograd.gradcheck(lambda q, k: kl.listed_scores(q, k, lists).masked_fill(~on_keys, 0.0), (q, k))
+    assert torch.autograd.gradcheck(lambda w, v: kl.listed_sum(w.masked_fill(~on_keys, 0.0), v, lists), (w, v))
 
 
 @pytest.mark.parametrize("shape", RUN_SHAPES)
 def test_the_transpose_from_runs_lists_each_key_s_entries_as_the_sort_does(shape):
-    first, *_ = _run_inputs(*shape)
-    lists = kl.run_key_lists(first, shape[4], shape[5])
+    lists, *_ = _run_inputs(*shape)
     runs, sort = lists._from_runs(), lists._sorted()
-    assert torch.equal(runs.crow_t, sort.crow_t)
-    for key in range(lists.num_columns):  # the same entries and query rows per key, in any order
-        start, end = int(sort.crow_t[key]), int(sort.crow_t[key + 1])
-        assert sorted(runs.order[start:end].tolist()) == sorted(sort.order[start:end].tolist())
-        assert sorted(runs.columns_t[start:end].tolist()) == sorted(sort.columns_t[start:end].tolist())
+    for key, slot in enumerate(lists.runs.key_slot.tolist()):  # the same entries and query rows per key
+        start, end = int(runs.crow_t[slot]), int(runs.crow_t[slot + 1])
+        by_key = slice(int(sort.crow_t[key]), int(sort.crow_t[key + 1]))
+        assert sorted(runs.order[start:end].tolist()) == sorted(sort.order[by_key].tolist())
+        assert sorted(runs.columns_t[start:end].tolist()) == sorted(sort.columns_t[by_key].tolist())
+    on_keys = sum(int(runs.crow_t[slot + 1] - runs.crow_t[slot]) for slot in lists.runs.key_slot.tolist())
+    assert on_keys == lists.columns.numel()  # and nothing else: no entry filed under a pad slot
 
 
-def test_run_key_lists_refuses_runs_outside_the_keys():
-    with pytest.raises(ValueError, match="num_keys=6"):
-        kl.run_key_lists(torch.tensor([4]).view(1, 1, 1, 1), 3, 6)
-    with pytest.raises(ValueError, match="num_keys=6"):
-        kl.run_key_lists(torch.tensor([-1]).view(1, 1, 1, 1), 2, 6)
-    with pytest.raises(ValueError, match="first"):
-        kl.run_key_lists(torch.zeros(3, 4, dtype=torch.long), 2, 6)
+def test_run_key_lists_refuses_runs_outside_the_slots():
+    positions, key_slot = torch.zeros(1, 1, 1, 3, dtype=torch.long), torch.zeros(1, 1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="slots=6"):
+        kl.run_key_lists(positions, torch.tensor([4]).view(1, 1, 1, 1), 3, key_slot, 6)
+    with pytest.raises(ValueError, match="slots=6"):
+        kl.run_key_lists(positions, torch.tensor([-1]).view(1, 1, 1, 1), 3, key_slot, 6)
+    with pytest.raises(ValueError, match="first must be"):
+        kl.run_key_lists(positions, torch.zeros(1, 1, 1, 2, dtype=torch.long), 3, key_slot, 6)

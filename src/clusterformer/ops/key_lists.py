@@ -17,9 +17,10 @@ CSR x dense matmuls over its B H N M entries:
 
 S^T comes from one stable sort of the column indices per :class:`KeyLists`, made at its first backward and shared
 by every product of a layer's backward, so no CSR transpose is converted per product. Lists made of runs of
-consecutive columns (:func:`run_key_lists`: cluster-select's selected clusters, read in cluster-sorted order) build
-the transpose from the runs instead: a sort of the runs' starts, one per run rather than one per entry, and a count
-of the runs covering each column. An entry's value is computed
+consecutive slots of a reordering of the keys (:func:`run_key_lists`: cluster-select's selected clusters, which are
+runs in cluster-sorted order) build the transpose from the runs instead, with its rows in slot order: a sort of the
+runs' starts, one per run rather than one per entry, and a count of the runs covering each slot. dk and dv then
+come out in slot order and one gather puts them back in key order. An entry's value is computed
 alone, so repeated or clamped positions are fine: a caller masks the entries it does not read (weight 0, score
 ignored).
 Cost O(B H N M D) time for each product, O(B H N M) memory. Measured against the gather in docs/benchmarks.md
@@ -40,7 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from .._checks import check_int
 
-__all__ = ["KeyLists", "key_lists", "listed_scores", "listed_sum", "run_key_lists", "uses_sparse"]
+__all__ = ["KeyLists", "Runs", "key_lists", "listed_scores", "listed_sum", "run_key_lists", "uses_sparse"]
 
 
 class _Transpose(NamedTuple):
@@ -49,24 +50,42 @@ class _Transpose(NamedTuple):
     columns_t: torch.Tensor
 
 
+class Runs(NamedTuple):
+    """Lists whose entries are runs of consecutive slots of a reordering of the keys (:func:`run_key_lists`).
+
+    first: (B H N R,) flat slot (b h slots + slot) of each run's first entry, in entry order; length: entries per
+    run; slots: slots per (b, h); key_slot: (B H N,) the flat slot of every flat key row."""
+
+    first: torch.Tensor
+    length: int
+    slots: int
+    key_slot: torch.Tensor
+
+
 class KeyLists:
-    """Each query's keys as a CSR pattern: rows are the flattened (B H N) queries, columns the flattened key rows
-    (B H N of them for :func:`key_lists`; B H N' for :func:`run_key_lists`, over keys of N' rows per (b, h)).
+    """Each query's keys as a CSR pattern over the flattened (B H N) rows of q, k and v.
 
     shape: (B, H, N, M) of the lists; columns: (B H N M,) flat key row of every entry, in (row, m) order;
-    crow: (B H N + 1,) row pointers (M per row); num_columns: the key rows in all. The transpose, which only a
-    backward reads, is built on first use and kept (the scores' and the output's backward share it; a forward
-    without gradients never builds it): order: (B H N M,) entries grouped by column (the transpose's entry order);
-    crow_t: (num_columns + 1,) row pointers of the transpose; columns_t: (B H N M,) the query row of every entry of
-    the transpose. ``runs``: (first columns (B H N R,), length) when every entry m = r length + o of a row is
-    column first[r] + o (:func:`run_key_lists`)."""
+    crow: (B H N + 1,) row pointers (M per row). The transpose, which only a backward reads, is built on first use
+    and kept (the scores' and the output's backward share it; a forward without gradients never builds it): order:
+    (B H N M,) entries grouped by key (the transpose's entry order); crow_t: row pointers of the transpose;
+    columns_t: (B H N M,) the query row of every entry of the transpose. Its rows are the key rows, or with
+    ``runs`` (:func:`run_key_lists`) the slots, B H slots of them, which :meth:`to_keys` maps back to key rows."""
 
     def __init__(self, shape: tuple[int, int, int, int], columns: torch.Tensor, crow: torch.Tensor,
-                 num_columns: int | None = None, runs: tuple[torch.Tensor, int] | None = None) -> None:
-        self.shape, self.columns, self.crow = shape, columns, crow
-        self.num_columns = crow.numel() - 1 if num_columns is None else num_columns
-        self.runs = runs
+                 runs: Runs | None = None) -> None:
+        self.shape, self.columns, self.crow, self.runs = shape, columns, crow, runs
         self._transpose: _Transpose | None = None
+
+    @property
+    def transpose_rows(self) -> int:
+        """Rows of the transpose: the key rows, or the slots of ``runs``."""
+        rows = self.crow.numel() - 1
+        return rows if self.runs is None else rows // self.shape[2] * self.runs.slots
+
+    def to_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """(transpose_rows, D) rows of a product with the transpose -> (B H N, D) in key order."""
+        return x if self.runs is None else x.index_select(0, self.runs.key_slot)
 
     def transpose(self) -> _Transpose:
         if self._transpose is None:
@@ -75,36 +94,36 @@ class KeyLists:
 
     def _sorted(self) -> _Transpose:
         """The transpose by one stable sort of every entry's column."""
-        M = self.shape[-1]
+        rows, M = self.crow.numel() - 1, self.shape[-1]
         # argsort: without the sorted values, half the time of torch.sort's (30 ms against 63 ms for 3.1 M
         # int32 entries on one CPU thread); stable keeps each key's queries in row order, as CSR wants
         order = torch.argsort(self.columns, stable=True).to(self.columns.dtype)
-        crow_t = self.crow.new_zeros(self.num_columns + 1)
-        crow_t[1:] = torch.bincount(self.columns, minlength=self.num_columns).cumsum(0)
+        crow_t = torch.zeros_like(self.crow)
+        crow_t[1:] = torch.bincount(self.columns, minlength=rows).cumsum(0)
         return _Transpose(order, crow_t, torch.div(order, max(M, 1), rounding_mode="floor"))
 
     def _from_runs(self) -> _Transpose:
-        """The transpose from the runs, without sorting the entries: column j is read by the runs that start in
-        (j - length, j], which are consecutive once the runs are sorted by their start. Within a column the
+        """The transpose in slot order from the runs, without sorting the entries: slot j is read by the runs that
+        start in (j - length, j], which are consecutive once the runs are sorted by their start. Within a slot the
         queries come in the order of their runs' starts, not of their rows: a CSR product sums a row's entries in
         any order, so only the rounding of the sums can differ from the sorted transpose's."""
-        first, length = self.runs
-        M, cols = self.shape[-1], self.num_columns
+        first, length = self.runs.first, self.runs.length
+        M, cols = self.shape[-1], self.transpose_rows
         device, index = first.device, self.columns.dtype  # int32 where it fits: its gathers take half the time
         by_start = torch.argsort(first).to(index)  # one entry per run, not per key read
-        upto = torch.bincount(first, minlength=cols).cumsum(0)  # runs starting at or before each column
-        below = torch.cat([upto.new_zeros(length), upto])[:cols]  # ... at or before column j - length
-        count = upto - below  # the runs covering column j
+        upto = torch.bincount(first, minlength=cols).cumsum(0)  # runs starting at or before each slot
+        below = torch.cat([upto.new_zeros(length), upto])[:cols]  # ... at or before slot j - length
+        count = upto - below  # the runs covering slot j
         crow_t = torch.zeros(cols + 1, dtype=index, device=device)
         crow_t[1:] = count.cumsum(0)
         total = first.numel() * length
-        column = torch.repeat_interleave(torch.arange(cols, dtype=index, device=device), count.to(index),
-                                         output_size=total)
+        slot = torch.repeat_interleave(torch.arange(cols, dtype=index, device=device), count.to(index),
+                                       output_size=total)
         # entry p of the transpose's row j is run by_start[below[j] + p - crow_t[j]], at offset j - its start;
         # index_select, not indexing: about 5x faster with int32 indices on a CPU
-        shift = (below.to(index) - crow_t[:-1]).index_select(0, column)
+        shift = (below.to(index) - crow_t[:-1]).index_select(0, slot)
         run = by_start.index_select(0, torch.arange(total, dtype=index, device=device) + shift)
-        order = run * length + (column - first.to(index).index_select(0, run))
+        order = run * length + (slot - first.to(index).index_select(0, run))
         row_of_run = torch.arange(first.numel(), dtype=index, device=device) // (M // length)
         return _Transpose(order, crow_t, row_of_run.index_select(0, run))
 
@@ -136,40 +155,42 @@ def key_lists(positions: torch.Tensor) -> KeyLists:
     return KeyLists((B, H, N, M), columns, crow)
 
 
-def run_key_lists(first: torch.Tensor, length: int, num_keys: int) -> KeyLists:
-    """(B, H, N, R) first key rows of R runs of ``length`` consecutive key rows per query, over keys of ``num_keys``
-    rows per (b, h) -> :class:`KeyLists` whose entry m = r length + o of query n is key row first[..., r] + o. Its
-    transpose is built from the runs (:meth:`KeyLists._from_runs`), with no sort of the B H N R length entries.
-    Every run must lie inside [0, num_keys)."""
-    if first.dim() != 4:
-        raise ValueError(f"first must be (B, H, N, R); got shape {tuple(first.shape)}")
+def run_key_lists(positions: torch.Tensor, first: torch.Tensor, length: int, key_slot: torch.Tensor, slots: int
+                  ) -> KeyLists:
+    """:func:`key_lists` of ``positions`` (B, H, N, M) whose entries are runs of consecutive slots of a reordering of
+    the keys: entry m = r length + o of query n sits at slot first[..., r] + o (``first`` (B, H, N, R), M = R
+    length), in a slot space of ``slots`` per (b, h) in which key p sits at ``key_slot[..., p]`` (B, H, N); slots that
+    hold no key pad the ends. The transpose is then built from the runs (:meth:`KeyLists._from_runs`), with no sort
+    of the B H N M entries. An entry at a slot that holds no key, or whose slot holds another key than its position
+    names, must get a zero gradient (a masked entry): the transpose files it under its slot."""
+    lists = key_lists(positions)
+    B, H, N, M = lists.shape
+    if first.shape[:3] != (B, H, N) or first.shape[-1] * length != M:
+        raise ValueError(f"first must be (B, H, N, M / length) = ({B}, {H}, {N}, {M // max(length, 1)}) for "
+                         f"positions {tuple(positions.shape)} and length {length}; got {tuple(first.shape)}")
     check_int("length", length, minimum=1)
-    B, H, N, R = first.shape
     # checked where it costs no device round trip (a CUDA graph captures the lists' construction)
-    if first.device.type == "cpu" and first.numel() and (int(first.min()) < 0 or int(first.max()) + length > num_keys):
-        raise ValueError(f"every run of length {length} must lie in [0, num_keys={num_keys}); got first rows from "
+    if first.device.type == "cpu" and first.numel() and (int(first.min()) < 0 or int(first.max()) + length > slots):
+        raise ValueError(f"every run of length {length} must lie in [0, slots={slots}); got first slots from "
                          f"{int(first.min())} to {int(first.max())}")
-    rows, M, device = B * H * N, R * length, first.device
-    index = torch.int32 if rows * M < 2**31 and B * H * num_keys < 2**31 else torch.long
-    flat = (first + num_keys * torch.arange(B * H, device=device).view(B, H, 1, 1)).reshape(-1)
-    columns = (flat.unsqueeze(-1) + torch.arange(length, device=device)).reshape(-1).to(index)
-    crow = torch.arange(rows + 1, device=device, dtype=index) * M
-    return KeyLists((B, H, N, M), columns, crow, num_columns=B * H * num_keys, runs=(flat, length))
+    block = slots * torch.arange(B * H, device=first.device).view(B, H, 1)
+    lists.runs = Runs((first + block.unsqueeze(-1)).reshape(-1), length, slots, (key_slot + block).reshape(-1))
+    return lists
 
 
 def uses_sparse(x: torch.Tensor, lists: KeyLists) -> bool:
     """Whether the CSR products serve tensors like ``x`` (float32 / float64 on the CPU) with these lists, else the
     gather does. ``sampled_addmm`` refuses a pattern with more entries than the dense matrix has cells, which lists
-    longer than the key rows (tiny inputs, clamped repeats) would make."""
-    M = lists.shape[-1]
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and lists.num_columns >= M
+    longer than B H N (tiny inputs, clamped repeats) would make."""
+    B, H, N, M = lists.shape
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and M <= B * H * N
 
 
 def _matrix(lists: KeyLists, values: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """The (B H N, num_columns) CSR matrix with ``values`` in entry order (``transpose``: its transpose, values
-    already in the transpose's order)."""
+    """The (B H N, B H N) CSR matrix with ``values`` in entry order (``transpose``: its transpose, (transpose_rows,
+    B H N), values already in the transpose's order)."""
     rows = lists.crow.numel() - 1
-    shape = (lists.num_columns, rows) if transpose else (rows, lists.num_columns)
+    shape = (lists.transpose_rows, rows) if transpose else (rows, rows)
     crow, columns = (lists.crow_t, lists.columns_t) if transpose else (lists.crow, lists.columns)
     with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state": once per process, not ours
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
@@ -198,7 +219,8 @@ class _Scores(torch.autograd.Function):
         lists = ctx.lists
         grad = grad.contiguous()
         dq = _matrix(lists, grad) @ k if ctx.needs_input_grad[0] else None
-        dk = _matrix(lists, grad.index_select(0, lists.order), transpose=True) @ q if ctx.needs_input_grad[1] else None
+        dk = (lists.to_keys(_matrix(lists, grad.index_select(0, lists.order), transpose=True) @ q)
+              if ctx.needs_input_grad[1] else None)
         return dq, dk, None
 
 
@@ -218,7 +240,8 @@ class _Sum(torch.autograd.Function):
         lists = ctx.lists
         grad = grad.contiguous()
         dw = _sampled(lists, grad, v) if ctx.needs_input_grad[0] else None
-        dv = _matrix(lists, w.index_select(0, lists.order), transpose=True) @ grad if ctx.needs_input_grad[1] else None
+        dv = (lists.to_keys(_matrix(lists, w.index_select(0, lists.order), transpose=True) @ grad)
+              if ctx.needs_input_grad[1] else None)
         return dw, dv, None
 
 
@@ -233,15 +256,14 @@ def _gathered(x: torch.Tensor, lists: KeyLists) -> torch.Tensor:
 
 
 def listed_scores(q: torch.Tensor, k: torch.Tensor, lists: KeyLists) -> torch.Tensor:
-    """q (B, H, N, D), k (B, H, N', D) -> (B, H, N, M): q_n . k at each listed position (differentiable in both;
-    N' = N for :func:`key_lists`)."""
+    """q (B, H, N, D), k (B, H, N, D) -> (B, H, N, M): q_n . k at each listed position (differentiable in both)."""
     if uses_sparse(q, lists):
         return _Scores.apply(_rows(q), _rows(k), lists).view(lists.shape)
     return (_gathered(k, lists) @ q.unsqueeze(-1)).squeeze(-1)
 
 
 def listed_sum(w: torch.Tensor, v: torch.Tensor, lists: KeyLists) -> torch.Tensor:
-    """w (B, H, N, M), v (B, H, N', D) -> (B, H, N, D): sum_m w[..., m] v at the m-th listed position
+    """w (B, H, N, M), v (B, H, N, D) -> (B, H, N, D): sum_m w[..., m] v at the m-th listed position
     (differentiable in both)."""
     if uses_sparse(v, lists):
         B, H, N, _ = lists.shape

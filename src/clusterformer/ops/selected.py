@@ -749,24 +749,23 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
 def _read_alone(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
                 layout: ClusterLayout, *, cluster_keys: int, causal: bool
                 ) -> tuple[KeyLists, torch.Tensor, torch.Tensor]:
-    """The keys each query reads alone as sparse key lists, and the keys and values they index.
+    """The keys each query reads alone as sparse key lists, and the keys and values they index (k and v).
 
     A selected cluster's members read alone are one run of consecutive slots in cluster-sorted order (two runs of
-    ``cluster_keys / 2`` without ``causal``: :func:`cluster_slots`). Listed as runs of the sorted keys, padded by
-    ``cluster_keys`` rows at both ends so that no run is clamped, their transpose needs no sort of the entries
-    (:func:`run_key_lists`); the entries name the same keys as ``positions`` wherever they are read. Without
-    ``slots``, or with an odd ``cluster_keys`` and no ``causal`` (runs of two lengths), the lists are ``positions``
-    over k and v as they are."""
+    ``cluster_keys / 2`` without ``causal``: :func:`cluster_slots`), so the lists' transpose is built from the runs
+    with no sort of the entries (:func:`run_key_lists`), over the slots padded by ``cluster_keys`` at both ends so
+    that no run is clamped. The entries outside [0, N) or in a neighbouring cluster are masked, as the transpose
+    asks. Without ``slots``, or with an odd ``cluster_keys`` and no ``causal`` (runs of two lengths), plain
+    :func:`key_lists`."""
     runs = None if slots is None else (1 if causal else 2 if cluster_keys % 2 == 0 else 0)
     if not runs:
         return key_lists(positions), k, v
-    B, H, N, D = k.shape
+    B, H, N = layout.order.shape
     length, pad = cluster_keys // runs, cluster_keys
-    first = slots[..., ::length].reshape(B, H, N, -1) + pad  # (B, H, N, S runs) first sorted row of each run
-    index = layout.order.unsqueeze(-1).expand(B, H, N, D)
-    k_sorted = F.pad(k.gather(2, index), (0, 0, pad, pad))
-    v_sorted = F.pad(v.gather(2, index), (0, 0, pad, pad))
-    return run_key_lists(first, length, N + 2 * pad), k_sorted, v_sorted
+    first = slots[..., ::length].reshape(B, H, N, -1) + pad  # (B, H, N, S runs) first slot of each run
+    key_slot = torch.empty_like(layout.order).scatter_(-1, layout.order, torch.arange(N, device=k.device)
+                                                       .expand(B, H, N)) + pad
+    return run_key_lists(positions, first, length, key_slot, N + 2 * pad), k, v
 
 
 def _dense_with_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, mask: torch.Tensor,
