@@ -163,12 +163,12 @@ def run_key_lists(positions: torch.Tensor, first: torch.Tensor, length: int, key
     hold no key pad the ends. The transpose is then built from the runs (:meth:`KeyLists._from_runs`), with no sort
     of the B H N M entries. An entry at a slot that holds no key, or whose slot holds another key than its position
     names, must get a zero gradient (a masked entry): the transpose files it under its slot."""
+    check_int("length", length, minimum=1)
     lists = key_lists(positions)
     B, H, N, M = lists.shape
     if first.shape[:3] != (B, H, N) or first.shape[-1] * length != M:
         raise ValueError(f"first must be (B, H, N, M / length) = ({B}, {H}, {N}, {M // max(length, 1)}) for "
                          f"positions {tuple(positions.shape)} and length {length}; got {tuple(first.shape)}")
-    check_int("length", length, minimum=1)
     # checked where it costs no device round trip (a CUDA graph captures the lists' construction)
     if first.device.type == "cpu" and first.numel() and (int(first.min()) < 0 or int(first.max()) + length > slots):
         raise ValueError(f"every run of length {length} must lie in [0, slots={slots}); got first slots from "

@@ -702,8 +702,8 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
                           summaries=summaries)
     L = band.scores.shape[3]
     # the keys read alone as sparse key lists (ops/key_lists.py): no (B, H, N, M, D) gather
-    lists, k_read, v_read = _read_alone(k, v, positions, slots, layout, cluster_keys=cluster_keys, causal=causal)
-    alone_raw = listed_scores(q, k_read, lists)  # (B, H, N, M)
+    lists = _read_alone(positions, slots, layout, cluster_keys=cluster_keys, causal=causal)
+    alone_raw = listed_scores(q, k, lists)  # (B, H, N, M)
     alone_scores = alone_raw.masked_fill(~allowed, float("-inf"))
 
     window_scores = _from_chunks(band.scores.masked_fill(~band.window, float("-inf")), N)
@@ -732,7 +732,7 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     if not summaries:
         with keep_values:
             banded = band_weights @ band.values
-        return _from_chunks(banded, N) + listed_sum(alone, v_read, lists)
+        return _from_chunks(banded, N) + listed_sum(alone, v, lists)
     # a summary's weight spreads over its members as w / n: those in whole chunks beyond the band through the
     # chunk sums, those in the band through the band weights, less the members read alone
     share = F.dropout(summary / total, dropout_p) / n.clamp(min=1)  # (B, H, N, C)
@@ -743,13 +743,12 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
             members, values = band.members[..., lo:hi, :], band.values[..., lo:hi, :]
             out = out + ((share_chunks @ members.transpose(-1, -2)) * band.outside[:, lo:hi]) @ values
     taken = share.gather(-1, selected).repeat_interleave(cluster_keys, dim=-1) * allowed  # (B, H, N, M)
-    return _from_chunks(out, N) + listed_sum(alone - taken, v_read, lists)
+    return _from_chunks(out, N) + listed_sum(alone - taken, v, lists)
 
 
-def _read_alone(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
-                layout: ClusterLayout, *, cluster_keys: int, causal: bool
-                ) -> tuple[KeyLists, torch.Tensor, torch.Tensor]:
-    """The keys each query reads alone as sparse key lists, and the keys and values they index (k and v).
+def _read_alone(positions: torch.Tensor, slots: torch.Tensor | None, layout: ClusterLayout, *, cluster_keys: int,
+                causal: bool) -> KeyLists:
+    """The keys each query reads alone (``positions``) as sparse key lists.
 
     A selected cluster's members read alone are one run of consecutive slots in cluster-sorted order (two runs of
     ``cluster_keys / 2`` without ``causal``: :func:`cluster_slots`), so the lists' transpose is built from the runs
@@ -759,13 +758,13 @@ def _read_alone(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, slots
     :func:`key_lists`."""
     runs = None if slots is None else (1 if causal else 2 if cluster_keys % 2 == 0 else 0)
     if not runs:
-        return key_lists(positions), k, v
+        return key_lists(positions)
     B, H, N = layout.order.shape
     length, pad = cluster_keys // runs, cluster_keys
     first = slots[..., ::length].reshape(B, H, N, -1) + pad  # (B, H, N, S runs) first slot of each run
-    key_slot = torch.empty_like(layout.order).scatter_(-1, layout.order, torch.arange(N, device=k.device)
+    key_slot = torch.empty_like(layout.order).scatter_(-1, layout.order, torch.arange(N, device=positions.device)
                                                        .expand(B, H, N)) + pad
-    return run_key_lists(positions, first, length, key_slot, N + 2 * pad), k, v
+    return run_key_lists(positions, first, length, key_slot, N + 2 * pad)
 
 
 def _dense_with_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, mask: torch.Tensor,
