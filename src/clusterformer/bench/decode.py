@@ -194,8 +194,8 @@ def reference_steps(layer, x, config: DecodeBenchConfig, sync) -> list[dict]:
         keys = torch.cat([k, k[:, :, :1]], dim=2)  # (B, H, N + 1, D); slot N is the new token's
         values = torch.cat([v, v[:, :, :1]], dim=2)
         expected, _ = layer.step(tokens[0], cache)  # full's own first step after the prefill
-        by_hand = layer.to_out.weight @ layer.qkv(tokens[0].unsqueeze(1))[2].reshape(B, dim).T
-        by_hand = by_hand.T + (layer.to_out.bias if layer.to_out.bias is not None else 0)
+        by_hand = F.linear(layer.qkv(tokens[0].unsqueeze(1))[2].reshape(B, dim), layer.to_out.weight,
+                           layer.to_out.bias)
 
     def sdpa_step(x_t: torch.Tensor) -> torch.Tensor:
         q_t, k_t, v_t = layer.qkv(x_t.unsqueeze(1))  # (B, H, 1, D)
