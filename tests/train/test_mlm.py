@@ -149,8 +149,28 @@ def test_pretrain_then_fine_tune_from_the_checkpoint(tmp_path):
     tuned, _, _, _ = load_trained(tmp_path / "fine")
     assert tuned.encoder.embed.num_embeddings == model.encoder.embed.num_embeddings  # the pretrained vocabulary
 
-    # what fine-tuning starts from is the pretrained encoder (no steps: the weights as loaded)
+    # the from-scratch control with the pretrained vocabulary: the checkpoint's tokenizer, none of its weights
     from clusterformer.train.loop import _set_up
+    pretrained = torch.load(pre / "checkpoint.pt", weights_only=False)
+    control = _set_up(TrainConfig(task="mr", out=str(tmp_path / "control"), attention="neural-clustering",
+                                  max_steps=1, tokenizer_from=str(pre), **fine), None)
+    assert control.task.tokenizer == pretrained["tokenizer"] and control.init_report is None
+    assert control.model.encoder.embed.num_embeddings == model.encoder.embed.num_embeddings
+    scratch = _set_up(TrainConfig(task="mr", out=str(tmp_path / "own"), attention="neural-clustering", max_steps=1,
+                                  **dict(fine, vocab_size=3000)), None)
+    assert scratch.task.tokenizer != pretrained["tokenizer"]  # without it: a vocabulary fitted on the task's texts
+    fresh = control.model.encoder.state_dict()
+    assert not any(torch.equal(value, pretrained["model"]["encoder." + name]) for name, value in fresh.items()
+                   if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1
+                   and value.std() > 0)
+    with pytest.raises(ValueError, match="tokenizer_from is for a run without --init"):
+        TrainConfig(task="mr", out="x", max_steps=1, init=str(pre), tokenizer_from=str(pre))
+    with pytest.raises(ValueError, match="tokenizer_from must be a checkpoint"):
+        TrainConfig(task="mr", out="x", max_steps=1, tokenizer_from=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="leave --tokenizer at auto"):
+        TrainConfig(task="mr", out="x", max_steps=1, tokenizer_from=str(pre), tokenizer="word")
+
+    # what fine-tuning starts from is the pretrained encoder (no steps: the weights as loaded)
     run = _set_up(TrainConfig(task="mr", out=str(tmp_path / "fresh"), attention="neural-clustering", max_steps=1,
                               init=str(pre), **fine), None)
     pretrained = torch.load(pre / "checkpoint.pt", weights_only=False)["model"]

@@ -34,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cv", action="store_true", help="sentence tasks: run every fold, report mean +- std")
     p.add_argument("--tokenizer", default="auto", choices=["auto", "word", "bytes"],
                    help="auto: bytes for imdb (LRA text), word-level otherwise")
+    p.add_argument("--tokenizer-from", default=None, metavar="PATH",
+                   help="take the tokenizer saved in this checkpoint (file or run directory, e.g. a `train --task "
+                        "mlm` run) and nothing else: the weights start fresh. The from-scratch control of a "
+                        "pretraining claim, with the same vocabulary as the run fine-tuned with --init PATH")
     p.add_argument("--vocab-size", type=int, default=20000)
     p.add_argument("--max-len", type=int, default=256, help="tokens per example (LM: context length)")
     p.add_argument("--dim", type=int, default=128)

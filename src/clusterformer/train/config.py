@@ -212,6 +212,9 @@ class DataConfig:
     fold: int | None = None
     folds: int = 10
     tokenizer: str = "auto"
+    # a checkpoint (file or run directory) whose saved tokenizer this run takes, and nothing else: the from-scratch
+    # control of a pretraining claim, with the pretrained run's vocabulary (``init`` brings its tokenizer itself)
+    tokenizer_from: str | None = None
     vocab_size: int = 20000
     max_len: int = 256
     # translation (task multi30k): its decoder, loss and search
@@ -228,6 +231,13 @@ class DataConfig:
         for name in ("vocab_size", "max_len", "folds"):
             check_int(name, getattr(self, name), minimum=1)
         check_choice("tokenizer", self.tokenizer, ("auto", "word", "bytes"))
+        if self.tokenizer_from is not None:
+            path = Path(self.tokenizer_from)
+            if not (path.is_file() or (path / CHECKPOINT).is_file()):
+                raise ValueError(f"tokenizer_from must be a checkpoint (file or run directory); "
+                                 f"{self.tokenizer_from!r} is neither")
+            if self.tokenizer != "auto":
+                raise ValueError("tokenizer_from takes the checkpoint's own tokenizer; leave --tokenizer at auto")
         check_float("label_smoothing", self.label_smoothing, minimum=0.0, maximum=1.0, exclusive_maximum=True)
         check_int("beam", self.beam, minimum=1)
 
@@ -281,6 +291,8 @@ def _check_init(config: TrainConfig) -> None:
     positions; an MLM checkpoint, a text task with the pretrained run's tokenizer."""
     if config.init is None:
         return
+    if config.tokenizer_from is not None:
+        raise ValueError("--init brings its checkpoint's tokenizer; tokenizer_from is for a run without --init")
     if config.tokenizer != "auto":
         raise ValueError("--init uses the pretrained model's own tokenizer; leave --tokenizer at auto")
     if pretrained_model(config.init):

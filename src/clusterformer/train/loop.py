@@ -362,6 +362,8 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
         pretrained = _pretrained_checkpoint(config.init, config.task)
     if task is None:
         saved = state["tokenizer"] if state else pretrained["tokenizer"] if pretrained else None
+        if saved is None and config.tokenizer_from is not None:  # another run's vocabulary, fresh weights
+            saved = load_checkpoint(config.tokenizer_from)["tokenizer"]
         task = _prepare(config, tokenizer_state=saved)
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     model = build_model(config, task).to(device)
