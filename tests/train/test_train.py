@@ -686,3 +686,35 @@ def test_dense_warmup_loss_ends_the_warm_up_once_the_loss_is_below_it(tmp_path, 
         main(_argv(train, test, out, "--attention", "cluster-select", "--batch-size", "16", "--max-steps", "6",
                    "--dense-warmup-steps", "4", "--dense-warmup-loss", "0.5", "--resume"))
     assert exc.value.code == 2 and "different dense_warmup_loss" in capsys.readouterr().err
+
+
+def test_tokenizer_from_takes_another_runs_vocabulary_and_none_of_its_weights(tmp_path, capsys):
+    """--tokenizer-from PATH: the run tokenizes with the checkpoint's saved tokenizer (fitted on another training
+    file), not one fitted on its own; its weights start fresh (the from-scratch control of a pretraining claim)."""
+    first = tmp_path / "first"
+    first.mkdir()
+    train_a, test_a = _write_task(first)
+    source = tmp_path / "source"
+    assert main(_argv(train_a, test_a, source, "--max-steps", "1", "--batch-size", "16")) == 0
+    train_b, test_b = tmp_path / "train_b.txt", tmp_path / "test_b.txt"  # words the source never saw
+    train_b.write_text("".join(f"{i % 2} story movie scene {WORDS[i % len(WORDS)]}\n" for i in range(64)))
+    test_b.write_text("".join(f"{i % 2} story movie {WORDS[i % len(WORDS)]}\n" for i in range(16)))
+    own, borrowed = tmp_path / "own", tmp_path / "borrowed"
+    assert main(_argv(train_b, test_b, own, "--max-steps", "1", "--batch-size", "16")) == 0
+    assert main(_argv(train_b, test_b, borrowed, "--max-steps", "1", "--batch-size", "16",
+                      "--tokenizer-from", str(source))) == 0
+    saved = {name: load_checkpoint(out) for name, out in (("source", source), ("own", own), ("borrowed", borrowed))}
+    assert saved["borrowed"]["tokenizer"] == saved["source"]["tokenizer"] != saved["own"]["tokenizer"]
+    assert "story" in saved["own"]["tokenizer"] and "story" not in saved["source"]["tokenizer"]
+    from clusterformer.train.loop import _set_up  # the run as built, before its first step: fresh weights
+    run = _set_up(TrainConfig(task="text-classification", out=str(tmp_path / "built"), train_file=str(train_b),
+                              test_file=str(test_b), max_steps=1, dim=16, depth=2, heads=2, max_len=16,
+                              tokenizer_from=str(source)), None)
+    trained, fresh = saved["source"]["model"], run.model.state_dict()
+    compared = [k for k, v in trained.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.std() > 0]
+    assert trained.keys() == fresh.keys() and len(compared) > 10
+    assert not any(torch.equal(trained[k], fresh[k]) for k in compared)  # source's weights: one step further
+    assert "init" not in json.loads((borrowed / "metrics.json").read_text())
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(train_b, test_b, tmp_path / "bad", "--max-steps", "1", "--tokenizer-from", str(tmp_path)))
+    assert exc.value.code == 2 and "tokenizer_from must be a checkpoint" in capsys.readouterr().err
