@@ -718,3 +718,29 @@ def test_tokenizer_from_takes_another_runs_vocabulary_and_none_of_its_weights(tm
     with pytest.raises(SystemExit) as exc:
         main(_argv(train_b, test_b, tmp_path / "bad", "--max-steps", "1", "--tokenizer-from", str(tmp_path)))
     assert exc.value.code == 2 and "tokenizer_from must be a checkpoint" in capsys.readouterr().err
+
+
+def test_centroid_lr_scale_applies_when_fine_tuning_from_a_checkpoint(tmp_path):
+    """--init PATH builds the same neural-clustering layers: their centroids and W^C take their own rate (the
+    checkpoint's values loaded); a pretrained model of clusterformer.hf, which owns its layers, is refused."""
+    from clusterformer.train.loop import _set_up
+
+    train, test = _write_task(tmp_path)
+    source = tmp_path / "source"
+    assert main(_argv(train, test, source, "--attention", "neural-clustering", "--max-steps", "1", "--batch-size",
+                      "16")) == 0
+    common = dict(task="text-classification", train_file=str(train), test_file=str(test), max_steps=1, dim=16,
+                  depth=2, heads=2, max_len=16, attention="neural-clustering", init=str(source), lr=1e-3)
+    run = _set_up(TrainConfig(out=str(tmp_path / "tuned"), centroid_lr_scale=0.1, **common), None)
+    groups = run.optimizer.param_groups
+    assert len(groups) == 2 and groups[1]["lr"] == pytest.approx(0.1 * groups[0]["lr"]) and groups[0]["lr"] > 0
+    clustering = {id(p) for p in groups[1]["params"]}
+    named = dict(run.model.named_parameters())
+    assert {n for n, p in named.items() if id(p) in clustering} == {
+        f"encoder.blocks.{i}.attn.inner.{name}" for i in (0, 1) for name in ("centroids", "to_cluster.weight")}
+    loaded = load_checkpoint(source)["model"]
+    assert all(torch.equal(named[n], loaded[n]) for n in named if id(named[n]) in clustering)
+    with pytest.raises(ValueError, match="no pretrained model as init"):
+        TrainConfig(out="x", **{**common, "init": "minilm"}, centroid_lr_scale=0.1)
+    with pytest.raises(ValueError, match="centroid_flow cannot be combined"):  # it would rewire the layers
+        TrainConfig(out="x", **common, centroid_flow=True)

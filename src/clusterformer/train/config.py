@@ -344,9 +344,14 @@ def _check_neural_clustering(config: TrainConfig) -> None:
     if not (config.centroid_flow or config.centroid_lr_scale != 1.0):
         return
     flag = "centroid_flow" if config.centroid_flow else "centroid_lr_scale"
-    if config.attention != "neural-clustering" or config.init or TASK_SPECS[config.task].kind == "translation":
-        raise ValueError(f"{flag} acts on neural-clustering's centroids: it needs attention='neural-clustering', no "
-                         f"init and a task other than multi30k (got attention={config.attention!r}, "
+    # a checkpoint of this library (--init PATH) builds the same neural-clustering layers, so its centroids can take
+    # their own rate when fine-tuned; centroid_flow would rewire them, and a pretrained model of clusterformer.hf
+    # owns its layers
+    refused_init = config.init is not None and (config.centroid_flow or pretrained_model(config.init))
+    if config.attention != "neural-clustering" or refused_init or TASK_SPECS[config.task].kind == "translation":
+        raise ValueError(f"{flag} acts on neural-clustering's centroids: it needs attention='neural-clustering', "
+                         f"{'no init' if config.centroid_flow else 'no pretrained model as init (a PATH is fine)'} "
+                         f"and a task other than multi30k (got attention={config.attention!r}, "
                          f"init={config.init!r}, task={config.task!r})")
     if config.centroid_flow and (config.reversible or "own_centroids" in config.attention_options):
         raise ValueError("centroid_flow sets own_centroids per layer and replays no blocks: it cannot be combined "
