@@ -173,7 +173,7 @@ def test_pretrain_then_fine_tune_from_the_checkpoint(tmp_path):
     # what fine-tuning starts from is the pretrained encoder (no steps: the weights as loaded)
     run = _set_up(TrainConfig(task="mr", out=str(tmp_path / "fresh"), attention="neural-clustering", max_steps=1,
                               init=str(pre), **fine), None)
-    pretrained = torch.load(pre / "checkpoint.pt", weights_only=False)["model"]
+    pretrained = pretrained["model"]
     for name, value in run.model.encoder.state_dict().items():
         source = pretrained["encoder." + name]
         if name == "positions.weight":

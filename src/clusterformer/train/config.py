@@ -232,8 +232,7 @@ class DataConfig:
             check_int(name, getattr(self, name), minimum=1)
         check_choice("tokenizer", self.tokenizer, ("auto", "word", "bytes"))
         if self.tokenizer_from is not None:
-            path = Path(self.tokenizer_from)
-            if not (path.is_file() or (path / CHECKPOINT).is_file()):
+            if not _is_checkpoint(self.tokenizer_from):
                 raise ValueError(f"tokenizer_from must be a checkpoint (file or run directory); "
                                  f"{self.tokenizer_from!r} is neither")
             if self.tokenizer != "auto":
@@ -286,6 +285,11 @@ class TrainConfig(DataConfig, ModelConfig, OptimConfig, RunConfig):
         _check_neural_clustering(self)
 
 
+def _is_checkpoint(path: str) -> bool:
+    """Whether ``path`` names a checkpoint: the file, or a run directory holding one."""
+    return Path(path).is_file() or (Path(path) / CHECKPOINT).is_file()
+
+
 def _check_init(config: TrainConfig) -> None:
     """Fine-tuning (``init``) and the task: a pretrained model reads single texts with its own tokenizer and
     positions; an MLM checkpoint, a text task with the pretrained run's tokenizer."""
@@ -301,8 +305,7 @@ def _check_init(config: TrainConfig) -> None:
         if config.max_len > 512:
             raise ValueError(f"max_len must be <= 512 (the pretrained model's positions), got {config.max_len}")
         return
-    path = Path(config.init)
-    if not (path.is_file() or (path / CHECKPOINT).is_file()):
+    if not _is_checkpoint(config.init):
         from ..hf import PRETRAINED_ENCODERS
 
         raise ValueError(f"init must be one of {', '.join(PRETRAINED_ENCODERS)} or the checkpoint (file or run "
