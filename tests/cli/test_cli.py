@@ -274,3 +274,26 @@ def test_translation_refuses_what_it_cannot_do(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "lm2"), "--prompt", "to", "--no-cache",
                  "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("to")
+
+
+def test_train_takes_a_mechanisms_options_in_its_spec_as_compare_does(tmp_path, capsys):
+    common = ["--task", "mqar", "--max-len", "64", "--task-options",
+              '{"num_pairs": 4, "vocab_size": 64, "test_sequences": 4, "recall_sequences": 0}', "--limit", "16",
+              "--max-steps", "1", "--batch-size", "8", "--dim", "32", "--no-progress"]
+    out = tmp_path / "spec"
+    assert main(["train", *common, "--attention", "cluster-select:select=1,window=8,own_group=true",
+                 "--attention-options", '{"cluster_keys": 4}', "--out", str(out)]) == 0
+    config = json.loads((out / "metrics.json").read_text())["config"]
+    assert config["attention"] == "cluster-select"
+    assert config["attention_options"] == {"select": 1, "window": 8, "own_group": True, "cluster_keys": 4}
+    for spec, options, message in [
+        ("cluster-select:select=1", '{"select": 2}', "--attention 'cluster-select:select=1' and --attention-options "
+                                                     "both set select"),
+        ("cluster-select:select", None, "must be key=value"),
+        ("bogus:select=1", None, "unknown attention name(s) 'bogus'"),
+        ("cluster-select:bogus=1", None, "bogus"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["train", *common, "--attention", spec, *(["--attention-options", options] if options else []),
+                  "--out", str(tmp_path / "bad")])
+        assert message in capsys.readouterr().err

@@ -39,6 +39,35 @@ def mechanism(text: str) -> str:
     return name_list(text)[0]
 
 
+def mechanism_spec(text: str) -> str:
+    """One registered mechanism, optionally with options: ``NAME[:key=value,...]`` (the spec of ``compare`` and
+    ``longctx``); the name is checked here, the options by :func:`spec_options`."""
+    from .._specs import parse_spec
+
+    try:
+        name, _ = parse_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    mechanism(name)
+    return text.strip()
+
+
+def spec_options(
+    flag: str, spec: str | None, options_flag: str, options: dict[str, Any]
+) -> tuple[str | None, dict[str, Any]]:
+    """(name, options) of a ``NAME[:key=value,...]`` given to ``flag``, merged with the JSON of ``options_flag``;
+    ``ValueError`` naming both flags when they set the same option."""
+    from .._specs import parse_spec
+
+    if spec is None:
+        return None, options
+    name, inline = parse_spec(spec)
+    both = sorted(set(inline) & set(options))
+    if both:
+        raise ValueError(f"{flag} {spec!r} and {options_flag} both set {', '.join(both)}: give each option once")
+    return name, {**inline, **options}
+
+
 def json_object(flag: str, text: str | None, example: str) -> dict[str, Any]:
     """The JSON object given to ``flag`` ({} when absent); ``ValueError`` naming the flag otherwise."""
     if not text:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from .._io import write_json
-from ._args import json_object, log, mechanism
+from ._args import json_object, log, mechanism_spec, spec_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,8 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "test_sequences, far, recall_sequences "
                         "(clusterformer.train.recall.RecallOptions); the length is --max-len. mlm: corpus (a list "
                         "among imdb, 20news, shakespeare), mask_prob, nsp, eval_windows (clusterformer.train.mlm)")
-    p.add_argument("--attention", type=mechanism, default="full")
-    p.add_argument("--attention-options", default=None, help="options of that mechanism as JSON")
+    p.add_argument("--attention", type=mechanism_spec, default="full",
+                   help="the mechanism, optionally with options as in compare: NAME[:key=value,...], e.g. "
+                        "cluster-select:select=2,sink=1 (default: full)")
+    p.add_argument("--attention-options", default=None,
+                   help="options of that mechanism as JSON (beside any given in --attention, none twice)")
     p.add_argument("--data-dir", default=None, help="datasets (default: $CLUSTERFORMER_DATA, else the user cache)")
     p.add_argument("--out", required=True, help="run directory: metrics.json, metrics.{jsonl,csv}, checkpoint.pt")
     p.add_argument("--train-file", default=None, help="text-classification: label<space>text or TSV lines")
@@ -90,7 +93,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the last 20 steps (and over the processes), is below this value -- at a recall task's phase "
                         "change rather than at a fixed step; N is then the longest warm-up. metrics.json records "
                         "how many steps ran dense (dense_steps)")
-    p.add_argument("--decoder-attention", type=mechanism, default=None,
+    p.add_argument("--decoder-attention", type=mechanism_spec, default=None,
                    help="multi30k: the decoder's causal self-attention, one with cached decoding (default: --attention "
                         "where it has one, else full); cross-attention is full")
     p.add_argument("--decoder-attention-options", default=None, help="options of that mechanism as JSON")
@@ -130,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
                                   '{"causal_chunk_size": 16}')
     task_options = json_object("--task-options", args.task_options, '{"num_pairs": 32, "form": "causal"}')
     layer_attention = json_object("--layer-attention", args.layer_attention, '{"0": ["sliding-window", {}]}')
+    args.attention, options = spec_options("--attention", args.attention, "--attention-options", options)
+    args.decoder_attention, decoder_options = spec_options("--decoder-attention", args.decoder_attention,
+                                                           "--decoder-attention-options", decoder_options)
     values = {k: v for k, v in vars(args).items()
               if k not in ("func", "command", "attention_options", "decoder_attention_options", "task_options", "cv",
                            "layer_attention")}
