@@ -1,13 +1,16 @@
-"""cluster-select's banded kernel, one causal layer's forward and backward, against full attention and against itself
+"""cluster-select's kernels, one causal layer's forward and backward, against full attention and against themselves
 with other chunk lengths or another build of the library (issue #31; docs/benchmarks.md, eleventh session).
 
 Every entry runs in this one process, interleaved (entry 1, entry 2, ..., full; five times after a warm-up), so the
 ratios hold on a shared machine where absolute times do not. ``--chunks`` patches
-``clusterformer.ops.selected.BAND_CHUNK`` per entry; ``--other SRC`` also times the ``clusterformer`` importable
-from SRC (e.g. the ``src`` of a ``git worktree`` at an earlier commit), with its own defaults.
+``clusterformer.ops.selected.BAND_CHUNK`` per entry; ``--kernels`` times several of this build's kernels (e.g.
+``banded,fused``: the chunk bands against the C++ key lists, twenty-fourth session); ``--other SRC`` also times the
+``clusterformer`` importable from SRC (e.g. the ``src`` of a ``git worktree`` at an earlier commit), with its own
+defaults.
 
     OMP_NUM_THREADS=1 python docs/scripts/band_kernel_ab.py --length 4096 --window 512 --clusters 64 --batch 1 \
-        --chunks 128,512 [--other /path/to/old/src] [--options '{"selection": "bound"}'] [--eval]
+        --chunks 128,512 [--kernels banded,fused] [--other /path/to/old/src] [--options '{"selection": "bound"}'] \
+        [--key-directions 8] [--eval]
 """
 
 from __future__ import annotations
@@ -45,26 +48,40 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--chunks", default="", help="comma-separated BAND_CHUNK values (default: the library's)")
+    parser.add_argument("--kernels", default="banded", help="comma-separated kernels of this build to time")
     parser.add_argument("--other", default=None, help="the src directory of another build to time as well")
     parser.add_argument("--options", default="{}", help="more cluster-select options as JSON")
     parser.add_argument("--eval", action="store_true", help="time the eval forward (no gradient) instead")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--key-directions", type=int, default=0,
+                        help="draw the keys around this many directions (plus noise) so that they fall in that many "
+                             "large clusters and every selected cluster fills its cluster_keys, as a trained model's "
+                             "token-type clusters do; 0 (default): independent keys, spread over every cluster")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     B, H, N, D = args.batch, args.heads, args.length, args.head_dim
-    q, k, v = (torch.randn(B, H, N, D, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
+    if args.key_directions:
+        directions = torch.randn(args.key_directions, D) * 3
+        k = directions[torch.randint(0, args.key_directions, (B, H, N))] + k
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     options = {"num_clusters": args.clusters, "select": args.select, "cluster_keys": args.cluster_keys,
-               "window": args.window, "kernel": "banded", **json.loads(args.options)}
+               "window": args.window, **json.loads(args.options)}
+    kernels = [k for k in args.kernels.split(",") if k]
     entries = {}  # label -> (module, BAND_CHUNK to set or None, the selected module it lives in)
     builds = ([("other", args.other)] if args.other else []) + [("this", None)]
     for build_name, src in builds:
         attention, selected = load(src)
-        layer = attention.ClusterSelectAttention(H * D, H, attention.ClusterSelectOptions(**options))
-        layer.train(not args.eval)
-        chunks = [int(c) for c in args.chunks.split(",") if c] if build_name == "this" else []
-        for chunk in chunks or [None]:
-            entries[f"{build_name}" + (f" chunk {chunk}" if chunk else "")] = (layer, chunk, selected)
+        for kernel in kernels if build_name == "this" else ["banded"]:
+            torch.manual_seed(0)  # the same centroids for every kernel
+            layer = attention.ClusterSelectAttention(H * D, H, attention.ClusterSelectOptions(**options,
+                                                                                             kernel=kernel))
+            layer.train(not args.eval)
+            chunks = [int(c) for c in args.chunks.split(",") if c] if build_name == "this" else []
+            for chunk in chunks or [None]:
+                label = build_name + (f" {kernel}" if len(kernels) > 1 else "") + (f" chunk {chunk}" if chunk else "")
+                entries[label] = (layer, chunk, selected)
         if build_name == "this":
             entries["full"] = (attention.FullAttention(H * D, H, attention.FullOptions()).train(not args.eval), None,
                                selected)

@@ -9,8 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from clusterformer.attention import build, collect_aux_losses, describe, names, record_groups
+from clusterformer.ops.listed_attention import extension_available
 from reference import cluster_causal_allowed, groups_of, masked_softmax_attention, run_recorded, sorted_chunk_allowed
 from seeds import fixed_seed
+
+_fused_ready = pytest.mark.skipif(not extension_available(), reason="cluster-select's fused kernel is not built here")
+FUSED = pytest.param("fused", marks=_fused_ready)  # cluster-select's C++ kernel (no summaries)
 
 
 def _layer(name, dim=16, heads=2, **options):
@@ -323,7 +327,7 @@ def _cluster_select_allowed(layer, q, k, real, causal):
     (9, {"num_clusters": 2, "select": 2, "cluster_keys": 1, "window": 2}),
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded", FUSED])
 def test_cluster_select_matches_dense_reference(N, options, causal, kernel, balance_bias=None):
     """``"cluster-select"`` against the masked softmax over the keys its definition names, padding at the end and
     in the middle of a sequence (never read, never counted in a cluster); both kernels. ``balance_bias``: a layer
@@ -571,6 +575,56 @@ def test_cluster_select_kernels_give_one_gradient(chunk, causal, monkeypatch):
     for kernel in ("dense-mask", "banded"):
         for a, b in zip(grads[kernel], grads["gather"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@_fused_ready
+@pytest.mark.parametrize("options", [{"selection": "scores"}, {"selection": "bound", "own_group": True, "sink": 1},
+                                     {"grouping": "position", "selection": "bound"}])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cluster_select_fused_kernel_gives_the_gather_kernels_gradient(options, causal):
+    """The C++ kernel (no summaries) against the gather kernel, which lists the same keys per query: the layer's
+    output and gradients (input and every weight) in float64, padding in two places, more keys than the window at
+    37 positions. And "auto" takes it: the same values without naming it."""
+    options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 6, "summaries": False, **options}
+    N = 37
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    pad[1, -5:] = True
+    pad[0, 3:6] = True
+    state = _layer("cluster-select", **options).state_dict()
+    results = {}
+    for kernel in ("gather", "fused", "auto"):
+        layer = _layer("cluster-select", **options, kernel=kernel).eval()  # eval: the centroids stay put
+        layer.load_state_dict(state)
+        xi = x.clone().requires_grad_()
+        y = layer(xi, key_padding_mask=pad, causal=causal)
+        (y[~pad] * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
+        results[kernel] = [y[~pad], xi.grad] + [p.grad for p in layer.parameters()]
+    for kernel in ("fused", "auto"):
+        for a, b in zip(results[kernel], results["gather"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert torch.equal(results["auto"][0], results["fused"][0])
+
+
+def test_cluster_select_fused_kernel_refuses_what_it_cannot_run():
+    """Named explicitly, the fused kernel says why it cannot run (summaries; attention dropout in training); "auto"
+    then takes the banded or dense-mask kernel instead."""
+    from clusterformer.ops.selected import resolve_kernel
+
+    x = torch.randn(1, 20, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="kernel='fused' cannot run here: it reads no cluster summaries"):
+        _layer("cluster-select", num_clusters=3, select=1, cluster_keys=2, window=4, kernel="fused")(x)
+    layer = _layer("cluster-select", num_clusters=3, select=1, cluster_keys=2, window=4, kernel="fused",
+                   summaries=False, dropout=0.1).train()
+    with pytest.raises(ValueError, match=r"it has no attention dropout; got dropout_p=0\.1"):
+        layer(x)
+    layer.eval()(x)  # no dropout in evaluation
+    q = x.view(1, 1, 20, 16)
+    assert resolve_kernel("auto", 20, q=q, summaries=True) == "dense-mask"
+    assert resolve_kernel("auto", 300, q=q, dropout_p=0.1) == "banded"
+    assert resolve_kernel("auto", 20, q=q.to(torch.bfloat16)) == "dense-mask"
+    if extension_available():
+        assert resolve_kernel("auto", 20, q=q) == resolve_kernel("auto", 5000, q=q) == "fused"
 
 
 def test_cluster_select_summaries_options():

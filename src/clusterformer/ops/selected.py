@@ -49,12 +49,13 @@ import torch.nn.functional as F
 
 from ..masks import masked_sdpa, real_tokens
 from .key_lists import KeyLists, key_lists, listed_scores, listed_sum, run_key_lists
+from .listed_attention import listed_attention
 from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "bound_logits", "bound_selection",
-           "chunk_band", "cluster_layout", "cluster_slots", "cluster_summaries", "group_extremes", "resolve_kernel",
-           "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection", "top_groups",
-           "upper_bounds"]
+           "chunk_band", "cluster_layout", "cluster_slots", "cluster_summaries", "fused_usable", "group_extremes",
+           "resolve_kernel", "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection",
+           "top_groups", "upper_bounds"]
 
 
 class ClusterLayout:
@@ -115,7 +116,7 @@ class ClusterLayout:
         first = self.start.gather(-1, selected.flatten(2)).view(B, H, N, S)
 
         def members_before(ends: torch.Tensor) -> torch.Tensor:  # members of the selected clusters at positions < ends
-            probes = (selected * (N + 1) + ends[:, None]).flatten(2)  # (B, H, N S)
+            probes = (selected * (N + 1) + ends[:, None]).flatten(2).contiguous()  # (B, H, N S)
             return torch.searchsorted(sorted_keys, probes).view(B, H, N, S) - first
 
         low, high = self._bounds()
@@ -606,22 +607,49 @@ def _log_count(n: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, n.clamp(min=1).log(), float("-inf"))
 
 
-KERNELS = ("auto", "gather", "dense-mask", "banded")
+KERNELS = ("auto", "gather", "dense-mask", "banded", "fused")
 
 
 DENSE_MASK_UP_TO = 256  # "auto" takes the dense mask to this length, the banded kernel beyond
 
 
-def resolve_kernel(kernel: str, length: int) -> str:
-    """The kernel that ``kernel`` names at this length: "gather", "dense-mask" or "banded" as given; "auto" takes the
-    dense mask while N <= 256 and the banded kernel beyond. Measured on the CPU (one thread, a layer's forward and
-    backward, docs/benchmarks.md "cluster-select's sparse key lists") since the banded kernel reads its selected keys
-    as sparse key lists: the dense mask took 0.77x the banded kernel's time at N = 256 (causal, 64 keys) and 0.97x
-    at N = 256 (non-causal, 144 keys); the banded kernel took 0.47x the dense mask's at N = 384, 0.37x at 512,
-    0.26-0.45x at 1,024, 0.09x at 1,500 and 0.10x at 4,096. The gather kernel (every key, window included, listed
-    per query) is the reference form; it is slower than one of them at every length measured."""
+def fused_usable(q: torch.Tensor, *, summaries: bool = False, dropout_p: float = 0.0) -> str | None:
+    """Why the ``"fused"`` kernel cannot take these queries, or None when it can: it runs float32/float64 CPU tensors
+    without cluster summaries or attention dropout, once its C++ kernel is built
+    (:mod:`clusterformer.ops.listed_attention`). (Summaries per query and cluster beside it would be the gather
+    kernel's (B, H, N, C, D) tensors: 27 s against the banded kernel's 1.0 at N = 1,024, 64 clusters.)"""
+    from .listed_attention import extension_available, extension_error
+
+    if summaries:
+        return "it reads no cluster summaries (summaries=True: use the banded kernel)"
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return f"it runs float32/float64 CPU tensors; got {q.dtype} on {q.device}"
+    if dropout_p:
+        return f"it has no attention dropout; got dropout_p={dropout_p}"
+    if not extension_available():
+        return f"its C++ kernel is not built here ({extension_error()})"
+    return None
+
+
+def resolve_kernel(kernel: str, length: int, *, q: torch.Tensor | None = None, summaries: bool = False,
+                   dropout_p: float = 0.0) -> str:
+    """The kernel that ``kernel`` names at this length: "gather", "dense-mask", "banded" or "fused" as given ("fused"
+    with ``q``: a ``ValueError`` saying why where it cannot run, :func:`fused_usable`); "auto" takes the fused kernel
+    for queries ``q`` it can run without ``summaries``, else the dense mask while N <= 256 and the banded kernel
+    beyond. Measured on the CPU (one thread, a layer's forward and backward, docs/benchmarks.md "cluster-select's
+    sparse key lists" and "the fused key lists"): the dense mask took 0.77x the banded kernel's time at N = 256
+    (causal, 64 keys) and 0.97x at N = 256 (non-causal, 144 keys); the banded kernel took 0.47x the dense mask's at
+    N = 384, 0.37x at 512, 0.26-0.45x at 1,024, 0.09x at 1,500 and 0.10x at 4,096. The gather kernel (every key,
+    window included, listed per query) is the reference form; it is slower than one of them at every length
+    measured. The fused kernel reads the same lists in one C++ pass (FUSED_RESULTS)."""
+    if kernel == "fused" and q is not None:
+        reason = fused_usable(q, summaries=summaries, dropout_p=dropout_p)
+        if reason:
+            raise ValueError(f"cluster-select's kernel='fused' cannot run here: {reason}; use kernel='auto'")
     if kernel != "auto":
         return kernel
+    if q is not None and fused_usable(q, summaries=summaries, dropout_p=dropout_p) is None:
+        return "fused"
     return "dense-mask" if length <= DENSE_MASK_UP_TO else "banded"
 
 
@@ -644,8 +672,10 @@ def selected_cluster_attention(
     distinct cluster ids. ``kernel``: "gather" (every key each query reads as sparse key lists: O(N M D); the name
     is the historical one), "banded" (the window from chunk bands, the cluster keys listed, the summaries from
     per-chunk prefix sums: O(N (M + C) D), no (N, N) or (N, C, D) tensor), "dense-mask" (the same set as an (N, N)
-    boolean mask for one SDPA call: O(N^2 D) but matmul-shaped, faster at a few hundred positions), or "auto"
-    (:func:`resolve_kernel`).
+    boolean mask for one SDPA call: O(N^2 D) but matmul-shaped, faster at a few hundred positions), "fused" (the
+    gather kernel's lists read by one C++ pass, :mod:`clusterformer.ops.listed_attention`; no summaries, no attention
+    dropout) or
+    "auto" (:func:`resolve_kernel`).
     ``summaries``: also one summary per cluster of the members not read alone outside the window, in the same
     softmax (:func:`cluster_summaries`). ``layout``: :func:`cluster_layout` of ``key_ids``, if the caller has it;
     ``band``: with the banded kernel, the layer's :func:`chunk_band` of q / sqrt(D), k and v (with summaries when
@@ -658,13 +688,15 @@ def selected_cluster_attention(
                                                     causal=causal, key_padding_mask=key_padding_mask)
     M = positions.shape[-1]
     scale = D ** -0.5
-    kernel = resolve_kernel(kernel, N)
+    kernel = resolve_kernel(kernel, N, q=q, summaries=summaries, dropout_p=dropout_p)
     if kernel == "banded":  # the cluster part only: the band holds the window
         alone = M - window
         return _banded_attention(q * scale, k, v, key_ids, selected, positions[..., :alone], allowed[..., :alone],
                                  layout, window=window, cluster_keys=cluster_keys, causal=causal,
                                  key_padding_mask=key_padding_mask, summaries=summaries, dropout_p=dropout_p,
                                  band=band, slots=slots)
+    if kernel == "fused":  # every key a query reads, in one C++ pass (resolve_kernel refused summaries)
+        return listed_attention(q, k, v, torch.where(allowed, positions, -1), scale)[0]
     if kernel == "dense-mask":
         # scatter True at every allowed position; the entries that are not allowed go to an extra column, dropped
         index = torch.where(allowed, positions, N)

@@ -1,0 +1,170 @@
+"""Softmax attention of each query over its own list of keys, fused into one C++ loop on the CPU.
+
+For q (B, H, N, D), k and v (B, H, Nk, D) and ``index`` (B, H, N, M) -- the key positions each query reads, -1 for
+none -- returns
+
+    out[b, h, i] = sum_m p_m v[b, h, index_m],   p = softmax_m(q[b, h, i] . k[b, h, index_m] * scale)
+    lse[b, h, i] = log sum_m exp(q[b, h, i] . k[b, h, index_m] * scale)
+
+over the listed keys only (a query without keys: out 0, lse -inf). ``lse`` lets a caller merge this softmax with
+another over other keys (cluster summaries) exactly: out = (e^lse1 out1 + e^lse2 out2) / (e^lse1 + e^lse2).
+
+Why a kernel of its own. Cluster-select's keys per query are a window, a sink and runs of cluster members: a list
+of M positions. :mod:`clusterformer.ops.key_lists` reads them with sparse products (no (B, H, N, M, D) gather) but
+still materialises (B, H, N, M) scores, weights and their gradients, each pass over them an element-wise kernel of
+its own. Here the forward is one pass per query (scores, running maximum, weighted sum, kept only as ``lse``) and
+the backward another (the scores recomputed from ``lse``, then dq, dk and dv), work split over the (b, h) pairs so
+that the scatter into dk and dv has no race. Memory: O(B H N) beyond the inputs and outputs. Measured in
+docs/benchmarks.md ("the fused key lists").
+
+The kernel is C++ (``csrc/listed_attention.cpp``), compiled on first use with ``torch.utils.cpp_extension`` (about
+30 s, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions) for
+the CPU's vector width (AVX2 with FMA, or AVX-512). It needs a C++ compiler and ninja; without them, or with
+``CLUSTERFORMER_NO_EXTENSIONS=1``, :func:`extension_available` is False (:func:`extension_error` says why) and
+callers fall back to the unfused kernels. :func:`listed_attention_reference` is the same function by a gather, for
+tests and for tensors the kernel does not take (CUDA, half precision).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["extension_available", "extension_error", "listed_attention", "listed_attention_reference"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "listed_attention.cpp"
+_lock = threading.Lock()
+_module: Any = None
+_error: str | None = None
+
+
+def _flags() -> tuple[str, list[str]]:
+    """The build's name suffix and compiler flags for this CPU: vector instructions as wide as torch itself uses
+    here, and the reassociation that lets the compiler vectorise the dot products (no -ffast-math: the kernel
+    tests for -inf)."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ... (x86) or others
+    flags = ["-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+    if capability == "AVX512":
+        flags += ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"]
+    elif capability == "AVX2":
+        flags += ["-mavx2", "-mfma"]
+    return capability.lower(), flags
+
+
+def _load() -> Any:
+    """The compiled extension, built on first call; None (and the reason in ``_error``) when it cannot be."""
+    global _module, _error
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        if os.environ.get("CLUSTERFORMER_NO_EXTENSIONS", "") not in ("", "0"):
+            _error = "disabled by CLUSTERFORMER_NO_EXTENSIONS"
+            return None
+        try:
+            from torch.utils.cpp_extension import load, verify_ninja_availability
+
+            verify_ninja_availability()
+            suffix, flags = _flags()
+            name = f"clusterformer_listed_attention_{suffix}"
+            if not (_build_directory(name) / f"{name}.so").exists():  # a first build takes a while: say so
+                print(f"clusterformer: compiling the fused key-list kernel for this CPU ({suffix}), once; "
+                      "about 30 s", file=sys.stderr, flush=True)
+            _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+        except Exception as exc:  # no compiler, no ninja, a failed build: the unfused kernels remain
+            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
+        return _module
+
+
+def _build_directory(name: str) -> Path:
+    """Where ``torch.utils.cpp_extension.load`` builds ``name``: TORCH_EXTENSIONS_DIR, else its cache directory
+    (~/.cache/torch_extensions/py311_cpu)."""
+    from torch.utils import cpp_extension
+
+    try:
+        return Path(cpp_extension._get_build_directory(name, verbose=False))
+    except Exception:  # a private helper: without it, assume a first build
+        return Path(os.devnull)
+
+
+def extension_available() -> bool:
+    """Whether the fused kernel is built (building it now if it was not)."""
+    return _load() is not None
+
+
+def extension_error() -> str | None:
+    """Why the fused kernel is not available, or None when it is (or has not been tried)."""
+    return _error
+
+
+class _ListedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _module.forward(q, k, v, index, scale)
+        ctx.save_for_backward(q, k, v, index, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        q, k, v, index, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
+        dq, dk, dv = _module.backward(q, k, v, index, out, lse, dout, dlse, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (B, H, N, D); got shape {tuple(q.shape)}")
+    if k.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k and v must both have shape (B, H, Nk, D) matching q {tuple(q.shape)}; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if index.dim() != 4 or index.shape[:3] != q.shape[:3]:
+        raise ValueError(f"index must have shape (B, H, N, M) = {tuple(q.shape[:3])} + (M,); got {tuple(index.shape)}")
+    if index.dtype != torch.long:
+        raise ValueError(f"index must be int64; got {index.dtype}")
+    if index.numel() and not (int(index.min()) >= -1 and int(index.max()) < k.shape[2]):
+        raise ValueError(f"index must hold -1 (no key) or positions in [0, {k.shape[2]}); got values in "
+                         f"[{int(index.min())}, {int(index.max())}]")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k and v must share a floating-point dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, N, D), lse (B, H, N)) of each query over the keys ``index`` lists (module docstring); ``scale``
+    defaults to D^-0.5. Positions in ``index`` must be -1 (none) or in [0, Nk); a key listed twice counts twice.
+    The fused kernel on float32/float64 CPU tensors when it is built (:func:`extension_available`), else
+    :func:`listed_attention_reference`; the same values and gradients either way."""
+    _check(q, k, v, index)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    fused = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available())
+    if not fused:
+        return listed_attention_reference(q, k, v, index, scale)
+    return _ListedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index.contiguous(), scale)
+
+
+def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`listed_attention` by a gather of the listed keys and values, (B, H, N, M, D): the definition, written
+    plainly (autograd does the backward)."""
+    _check(q, k, v, index)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    B, H, N, M = index.shape
+    listed = index >= 0
+    flat = index.clamp(min=0).reshape(B, H, N * M, 1).expand(-1, -1, -1, k.shape[-1])
+    keys, values = (t.gather(2, flat).view(B, H, N, M, -1) for t in (k, v))
+    scores = torch.einsum("bhnd,bhnmd->bhnm", q, keys).mul(scale).masked_fill(~listed, float("-inf"))
+    empty = ~listed.any(-1, keepdim=True)
+    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return torch.einsum("bhnm,bhnmd->bhnd", weights, values), lse

@@ -1,0 +1,124 @@
+"""ops/listed_attention.py: softmax attention over each query's own list of keys, by the C++ kernel and by the
+gather it replaces, against a float64 loop over queries and list entries written from the definition; gradcheck of
+the kernel's backward (the output's and the logsumexp's gradients)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from clusterformer.ops import listed_attention as la
+from seeds import fixed_seed
+
+SHAPES = [  # (B, H, N, Nk, M, D): fewer and more keys than queries, one query, lists longer than Nk, D = 1
+    (2, 3, 7, 9, 4, 5), (1, 2, 13, 13, 13, 3), (3, 1, 1, 4, 2, 2), (1, 1, 4, 3, 9, 6), (2, 2, 10, 10, 1, 1),
+]
+
+needs_kernel = pytest.mark.skipif(not la.extension_available(), reason=f"no fused kernel: {la.extension_error()}")
+
+
+def _inputs(B, H, N, Nk, M, D, dtype=torch.float64):
+    g = torch.Generator().manual_seed(fixed_seed())
+    index = torch.randint(-1, Nk, (B, H, N, M), generator=g)  # -1: no key; repeats within a list included
+    index[0, 0, 0] = -1  # a query without keys
+    q = torch.randn(B, H, N, D, generator=g, dtype=dtype)
+    k, v = (torch.randn(B, H, Nk, D, generator=g, dtype=dtype) for _ in range(2))
+    return q, k, v, index
+
+
+def _loop_reference(q, k, v, index, scale):
+    """One query at a time: the softmax over its listed entries (a key listed twice counts twice)."""
+    B, H, N, _ = index.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((B, H, N), -math.inf, dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            for i in range(N):
+                keys = [j for j in index[b, h, i].tolist() if j >= 0]
+                if not keys:
+                    continue
+                scores = torch.stack([q[b, h, i] @ k[b, h, j] * scale for j in keys])
+                weights = torch.softmax(scores, 0)
+                out[b, h, i] = sum(w * v[b, h, j] for w, j in zip(weights, keys, strict=True))
+                lse[b, h, i] = torch.logsumexp(scores, 0)
+    return out, lse
+
+
+def test_the_kernel_builds_where_a_compiler_and_ninja_exist():
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja here")
+    assert la.extension_available(), la.extension_error()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_kernel), False])
+def test_listed_attention_matches_a_loop_over_queries(shape, fused):
+    q, k, v, index = _inputs(*shape)
+    scale = 0.7
+    fn = la.listed_attention if fused else la.listed_attention_reference
+    out, lse = fn(q, k, v, index, scale)
+    expected_out, expected_lse = _loop_reference(q, k, v, index, scale)
+    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)  # -inf where a query has no key
+    assert lse[0, 0, 0] == -math.inf and torch.equal(out[0, 0, 0], torch.zeros_like(out[0, 0, 0]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_listed_attention_kernel_gradcheck(shape):
+    """dq, dk and dv from the output's and the logsumexp's gradients (lse read where finite: a query without keys
+    has none)."""
+    q, k, v, index = _inputs(*shape)
+    finite = index.ge(0).any(-1)
+
+    def fn(q, k, v):
+        out, lse = la.listed_attention(q, k, v, index)
+        return out, lse.masked_fill(~finite, 0.0)
+
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
+
+
+@needs_kernel
+def test_listed_attention_kernel_gradients_equal_the_gathers_in_float32():
+    """The kernel in float32 (the dtype of training) against the gather's autograd: values and gradients."""
+    q, k, v, index = _inputs(2, 2, 33, 40, 17, 16, dtype=torch.float32)
+    grads = []
+    for fn in (la.listed_attention, la.listed_attention_reference):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*inputs, index)
+        (out.pow(2).sum() + lse.masked_fill(lse.isinf(), 0.0).sum()).backward()
+        grads.append([out, lse, *(t.grad for t in inputs)])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda a: {**a, "q": a["q"][0]}, "q must be 4-D"),
+        (lambda a: {**a, "k": a["k"][:, :1]}, "k and v must both have shape"),
+        (lambda a: {**a, "v": a["v"][..., :2]}, "k and v must both have shape"),
+        (lambda a: {**a, "index": a["index"][:, :, :2]}, "index must have shape"),
+        (lambda a: {**a, "index": a["index"].int()}, "index must be int64"),
+        (lambda a: {**a, "index": a["index"] + 7}, r"index must hold -1 \(no key\) or positions in \[0, 6\)"),
+        (lambda a: {**a, "index": a["index"] - 2}, "index must hold -1"),
+        (lambda a: {**a, "v": a["v"].float()}, "share a floating-point dtype"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_argument(change, match):
+    q, k, v, index = _inputs(1, 2, 5, 6, 3, 4)
+    args = change({"q": q, "k": k, "v": v, "index": index})
+    for fn in (la.listed_attention, la.listed_attention_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(**args)
+
+
+def test_tensors_the_kernel_does_not_take_go_through_the_gather():
+    """bfloat16 (no kernel instance): the gather's values, whatever the build."""
+    q, k, v, index = _inputs(1, 2, 6, 6, 3, 4, dtype=torch.bfloat16)
+    out, lse = la.listed_attention(q, k, v, index)
+    expected_out, expected_lse = la.listed_attention_reference(q, k, v, index)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
