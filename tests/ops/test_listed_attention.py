@@ -13,8 +13,10 @@ import torch
 from clusterformer.ops import listed_attention as la
 from seeds import fixed_seed
 
-SHAPES = [  # (B, H, N, Nk, M, D): fewer and more keys than queries, one query, lists longer than Nk, D = 1
+SHAPES = [  # (B, H, N, Nk, M, D): fewer and more keys than queries, one query, lists longer than Nk, D = 1; the
+    # head sizes the kernel unrolls at compile time (16, 32, 64, 128) and one it does not
     (2, 3, 7, 9, 4, 5), (1, 2, 13, 13, 13, 3), (3, 1, 1, 4, 2, 2), (1, 1, 4, 3, 9, 6), (2, 2, 10, 10, 1, 1),
+    (1, 2, 5, 6, 4, 16), (2, 1, 4, 5, 3, 32), (1, 1, 3, 4, 3, 64), (1, 1, 2, 3, 2, 128),
 ]
 
 needs_kernel = pytest.mark.skipif(not la.extension_available(), reason=f"no fused kernel: {la.extension_error()}")
@@ -29,15 +31,19 @@ def _inputs(B, H, N, Nk, M, D, dtype=torch.float64):
     return q, k, v, index
 
 
-def _loop_reference(q, k, v, index, scale):
-    """One query at a time: the softmax over its listed entries (a key listed twice counts twice)."""
+def _loop_reference(q, k, v, index, scale, window=0, offset=0, pad=None):
+    """One query at a time: the softmax over its window's real keys inside [0, Nk) and its listed entries (a key
+    listed twice, or listed and in the window, counts twice)."""
     B, H, N, _ = index.shape
+    Nk = k.shape[2]
     out = torch.zeros_like(q)
     lse = torch.full((B, H, N), -math.inf, dtype=q.dtype)
     for b in range(B):
         for h in range(H):
             for i in range(N):
-                keys = [j for j in index[b, h, i].tolist() if j >= 0]
+                in_window = [j for j in range(i - offset, i - offset + window)
+                             if 0 <= j < Nk and (pad is None or not pad[b, j])]
+                keys = in_window + [j for j in index[b, h, i].tolist() if j >= 0]
                 if not keys:
                     continue
                 scores = torch.stack([q[b, h, i] @ k[b, h, j] * scale for j in keys])
@@ -66,6 +72,39 @@ def test_listed_attention_matches_a_loop_over_queries(shape, fused):
     assert lse[0, 0, 0] == -math.inf and torch.equal(out[0, 0, 0], torch.zeros_like(out[0, 0, 0]))
 
 
+WINDOWS = [(1, 0), (3, 2), (4, 2), (5, 0), (12, 6), (20, 19)]  # (window, offset): causal-like, centred, wider than N
+
+
+@pytest.mark.parametrize(("window", "offset"), WINDOWS)
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_kernel), False])
+def test_the_window_read_in_place_matches_a_loop_over_queries(window, offset, padded, fused):
+    """The window, read without an index: keys i - offset .. i - offset + window - 1 inside [0, Nk), padding
+    skipped (in the window only: the list is taken as given), beside listed keys; gradients against the gather."""
+    q, k, v, index = _inputs(2, 2, 9, 11, 3, 4)
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    if padded:
+        pad[0, 2:4] = True
+        pad[1, -3:] = True
+    scale = 0.9
+    fn = la.listed_attention if fused else la.listed_attention_reference
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*inputs, index, scale, window=window, window_offset=offset,
+                  key_padding_mask=pad if padded else None)
+    expected_out, expected_lse = _loop_reference(q, k, v, index, scale, window, offset, pad if padded else None)
+    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
+    if fused:
+        finite = lse.isfinite()
+        (out.sum() + lse[finite].sum()).backward()
+        expected = [t.clone().requires_grad_() for t in (q, k, v)]
+        e_out, e_lse = la.listed_attention_reference(*expected, index, scale, window=window, window_offset=offset,
+                                                     key_padding_mask=pad if padded else None)
+        (e_out.sum() + e_lse[finite].sum()).backward()
+        for a, b in zip(inputs, expected, strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
 @needs_kernel
 @pytest.mark.parametrize("shape", SHAPES)
 def test_listed_attention_kernel_gradcheck(shape):
@@ -79,6 +118,14 @@ def test_listed_attention_kernel_gradcheck(shape):
         return out, lse.masked_fill(~finite, 0.0)
 
     assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
+    pad = torch.zeros(shape[0], shape[3], dtype=torch.bool)
+    pad[0, -1] = True
+
+    def windowed(q, k, v):  # a window of 3 ending at the query, with padding: every query keeps a key or two
+        out, lse = la.listed_attention(q, k, v, index, window=3, window_offset=2, key_padding_mask=pad)
+        return out, lse.masked_fill(lse.isinf(), 0.0)
+
+    assert torch.autograd.gradcheck(windowed, (q, k, v))
 
 
 @needs_kernel
@@ -106,6 +153,10 @@ def test_listed_attention_kernel_gradients_equal_the_gathers_in_float32():
         (lambda a: {**a, "index": a["index"] + 7}, r"index must hold -1 \(no key\) or positions in \[0, 6\)"),
         (lambda a: {**a, "index": a["index"] - 2}, "index must hold -1"),
         (lambda a: {**a, "v": a["v"].float()}, "share a floating-point dtype"),
+        (lambda a: {**a, "window": -1}, "window must be an int >= 0"),
+        (lambda a: {**a, "key_padding_mask": torch.zeros(1, 5, dtype=torch.bool)}, r"key_padding_mask must be a "
+                                                                                    r"bool tensor of shape \(B, Nk\)"),
+        (lambda a: {**a, "key_padding_mask": torch.zeros(1, 6)}, "key_padding_mask must be a bool"),
     ],
 )
 def test_bad_input_raises_value_error_naming_argument(change, match):

@@ -1,12 +1,15 @@
 """Softmax attention of each query over its own list of keys, fused into one C++ loop on the CPU.
 
 For q (B, H, N, D), k and v (B, H, Nk, D) and ``index`` (B, H, N, M) -- the key positions each query reads, -1 for
-none -- returns
+none -- and optionally a contiguous ``window`` (query i also reads the keys at i - window_offset .. i -
+window_offset + window - 1 that lie in [0, Nk) and are not padding), returns, over those keys j_m,
 
-    out[b, h, i] = sum_m p_m v[b, h, index_m],   p = softmax_m(q[b, h, i] . k[b, h, index_m] * scale)
-    lse[b, h, i] = log sum_m exp(q[b, h, i] . k[b, h, index_m] * scale)
+    out[b, h, i] = sum_m p_m v[b, h, j_m],   p = softmax_m(q[b, h, i] . k[b, h, j_m] * scale)
+    lse[b, h, i] = log sum_m exp(q[b, h, i] . k[b, h, j_m] * scale)
 
-over the listed keys only (a query without keys: out 0, lse -inf). ``lse`` lets a caller merge this softmax with
+(a query without keys: out 0, lse -inf). The window needs no index: a (B, H, N, window) int64 list, its padding
+check and its concatenation cost more than the window's attention here (cluster-select's window of 128 at N =
+1,024). ``lse`` lets a caller merge this softmax with
 another over other keys (cluster summaries) exactly: out = (e^lse1 out1 + e^lse2 out2) / (e^lse1 + e^lse2).
 
 Why a kernel of its own. Cluster-select's keys per query are a window, a sink and runs of cluster members: a list
@@ -105,24 +108,26 @@ def extension_error() -> str | None:
 class _ListedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _module.forward(q, k, v, index, scale)
-        ctx.save_for_backward(q, k, v, index, out, lse)
-        ctx.scale = scale
+                key_real: torch.Tensor, window: int, offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _module.forward(q, k, v, index, key_real, window, offset, scale)
+        ctx.save_for_backward(q, k, v, index, key_real, out, lse)
+        ctx.window, ctx.offset, ctx.scale = window, offset, scale
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        q, k, v, index, out, lse = ctx.saved_tensors
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None, None, None]:
+        q, k, v, index, key_real, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-        dq, dk, dv = _module.backward(q, k, v, index, out, lse, dout, dlse, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _module.backward(q, k, v, index, key_real, ctx.window, ctx.offset, out, lse, dout, dlse,
+                                      ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, window: int,
+           key_padding_mask: torch.Tensor | None) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, H, N, D); got shape {tuple(q.shape)}")
     if k.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
@@ -137,28 +142,51 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
                          f"[{int(index.min())}, {int(index.max())}]")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"q, k and v must share a floating-point dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0; got {window!r}")
+    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
+                                         or key_padding_mask.shape != (q.shape[0], k.shape[2])):
+        raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, Nk) = {(q.shape[0], k.shape[2])}; "
+                         f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
 
 
 def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, H, N, D), lse (B, H, N)) of each query over the keys ``index`` lists (module docstring); ``scale``
-    defaults to D^-0.5. Positions in ``index`` must be -1 (none) or in [0, Nk); a key listed twice counts twice.
-    The fused kernel on float32/float64 CPU tensors when it is built (:func:`extension_available`), else
-    :func:`listed_attention_reference`; the same values and gradients either way."""
-    _check(q, k, v, index)
+                     scale: float | None = None, *, window: int = 0, window_offset: int = 0,
+                     key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, N, D), lse (B, H, N)) of each query over the keys ``index`` lists and its ``window`` (module
+    docstring); ``scale`` defaults to D^-0.5. Positions in ``index`` must be -1 (none) or in [0, Nk); a key listed
+    twice, or listed and in the window, counts twice. ``key_padding_mask`` (B, Nk), True = padding: the window skips
+    those keys (the list is taken as given). The fused kernel on float32/float64 CPU tensors when it is built
+    (:func:`extension_available`), else :func:`listed_attention_reference`; the same values and gradients either
+    way."""
+    _check(q, k, v, index, window, key_padding_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     fused = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available())
     if not fused:
-        return listed_attention_reference(q, k, v, index, scale)
-    return _ListedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index.contiguous(), scale)
+        return listed_attention_reference(q, k, v, index, scale, window=window, window_offset=window_offset,
+                                          key_padding_mask=key_padding_mask)
+    key_real = (torch.empty(0, dtype=torch.bool) if key_padding_mask is None
+                else (~key_padding_mask).contiguous())
+    return _ListedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index.contiguous(), key_real,
+                                  window, int(window_offset), scale)
 
 
 def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`listed_attention` by a gather of the listed keys and values, (B, H, N, M, D): the definition, written
-    plainly (autograd does the backward)."""
-    _check(q, k, v, index)
+                               scale: float | None = None, *, window: int = 0, window_offset: int = 0,
+                               key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`listed_attention` by a gather of the listed keys and values, (B, H, N, window + M, D), the window's
+    positions listed first: the definition, written plainly (autograd does the backward)."""
+    _check(q, k, v, index, window, key_padding_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if window:
+        B, H, N, _ = index.shape
+        Nk = k.shape[2]
+        spans = torch.arange(N, device=q.device)[:, None] - window_offset + torch.arange(window, device=q.device)
+        inside = (spans >= 0) & (spans < Nk)
+        if key_padding_mask is not None:  # (B, N, window): the window's real keys
+            inside = inside & ~key_padding_mask[:, spans.clamp(0, max(Nk - 1, 0))]
+        spans = torch.where(inside, spans, -1).expand(B, N, window)  # -1: outside [0, Nk), or padding
+        index = torch.cat([spans[:, None].expand(B, H, N, window), index], dim=-1)
     B, H, N, M = index.shape
     listed = index >= 0
     flat = index.clamp(min=0).reshape(B, H, N * M, 1).expand(-1, -1, -1, k.shape[-1])

@@ -183,14 +183,10 @@ def _selected_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluste
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`selected_positions`, and the :func:`cluster_slots` its cluster part came from."""
     B, H, N = layout.order.shape
-    S = selected.shape[-1]
     device = selected.device
     t = torch.arange(N, device=device)
-    slots, valid = cluster_slots(layout, selected, cluster_keys=cluster_keys, causal=causal)
-    clamped = slots.clamp(0, max(N - 1, 0)).view(B, H, N * S * cluster_keys)
-    cluster_positions = layout.order.gather(-1, clamped).view(B, H, N, S * cluster_keys)
-    cluster_valid = valid.view(B, H, N, S * cluster_keys)
-
+    cluster_positions, cluster_valid, slots = _cluster_positions(layout, selected, cluster_keys=cluster_keys,
+                                                                 causal=causal)
     offsets = torch.arange(window, device=device)
     window_positions = t[:, None] + offsets - (window - 1 if causal else window // 2)  # (N, window)
     window_valid = (window_positions >= 0) & (window_positions < N)
@@ -201,6 +197,18 @@ def _selected_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluste
         real = real_tokens(key_padding_mask, B, N, device)[:, None, None, :].expand(B, H, N, N)
         allowed = allowed & real.gather(-1, positions)
     return positions, allowed, slots
+
+
+def _cluster_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, causal: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cluster part of :func:`selected_positions`: positions and valid (B, H, N, S * cluster_keys), and the
+    :func:`cluster_slots` they came from. Never padding: its id, num_clusters, is in no cluster."""
+    B, H, N = layout.order.shape
+    S = selected.shape[-1]
+    slots, valid = cluster_slots(layout, selected, cluster_keys=cluster_keys, causal=causal)
+    clamped = slots.clamp(0, max(N - 1, 0)).view(B, H, N * S * cluster_keys)
+    positions = layout.order.gather(-1, clamped).view(B, H, N, S * cluster_keys)
+    return positions, valid.view(B, H, N, S * cluster_keys), slots
 
 
 def cluster_summaries(
@@ -684,19 +692,22 @@ def selected_cluster_attention(
     B, H, N, D = q.shape
     if layout is None:
         layout = cluster_layout(key_ids, num_clusters=num_clusters, window=window, causal=causal)
+    scale = D ** -0.5
+    kernel = resolve_kernel(kernel, N, q=q, summaries=summaries, dropout_p=dropout_p)
+    if kernel == "fused":  # the selected clusters' keys listed, the window read in place: one C++ pass
+        positions, valid, _ = _cluster_positions(layout, selected, cluster_keys=cluster_keys, causal=causal)
+        return listed_attention(q, k, v, torch.where(valid, positions, -1), scale, window=window,
+                                window_offset=window - 1 if causal else window // 2,
+                                key_padding_mask=key_padding_mask)[0]
     positions, allowed, slots = _selected_positions(layout, selected, cluster_keys=cluster_keys, window=window,
                                                     causal=causal, key_padding_mask=key_padding_mask)
     M = positions.shape[-1]
-    scale = D ** -0.5
-    kernel = resolve_kernel(kernel, N, q=q, summaries=summaries, dropout_p=dropout_p)
     if kernel == "banded":  # the cluster part only: the band holds the window
         alone = M - window
         return _banded_attention(q * scale, k, v, key_ids, selected, positions[..., :alone], allowed[..., :alone],
                                  layout, window=window, cluster_keys=cluster_keys, causal=causal,
                                  key_padding_mask=key_padding_mask, summaries=summaries, dropout_p=dropout_p,
                                  band=band, slots=slots)
-    if kernel == "fused":  # every key a query reads, in one C++ pass (resolve_kernel refused summaries)
-        return listed_attention(q, k, v, torch.where(allowed, positions, -1), scale)[0]
     if kernel == "dense-mask":
         # scatter True at every allowed position; the entries that are not allowed go to an extra column, dropped
         index = torch.where(allowed, positions, N)
