@@ -173,3 +173,28 @@ def test_tensors_the_kernel_does_not_take_go_through_the_gather():
     out, lse = la.listed_attention(q, k, v, index)
     expected_out, expected_lse = la.listed_attention_reference(q, k, v, index)
     assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+
+
+def test_the_kernel_can_be_turned_off_and_auto_then_keeps_the_unfused_kernels():
+    """CLUSTERFORMER_NO_EXTENSIONS=1: nothing is built, extension_error says why, listed_attention gives the
+    gather's values and cluster-select's "auto" takes the dense mask (N <= 256) or the banded kernel."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from clusterformer.ops import listed_attention as la\n"
+        "from clusterformer.ops.selected import resolve_kernel\n"
+        "q = torch.randn(1, 2, 5, 4, dtype=torch.float64)\n"
+        "index = torch.tensor([0, 2, -1]).expand(1, 2, 5, 3).contiguous()\n"
+        "out, lse = la.listed_attention(q, q, q, index, window=2, window_offset=1)\n"
+        "ref, ref_lse = la.listed_attention_reference(q, q, q, index, window=2, window_offset=1)\n"
+        "assert torch.equal(out, ref) and torch.equal(lse, ref_lse)\n"
+        "assert not la.extension_available()\n"
+        "print(la.extension_error())\n"
+        "print(resolve_kernel('auto', 5, q=q), resolve_kernel('auto', 5000, q=q))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "CLUSTERFORMER_NO_EXTENSIONS": "1"})
+    assert result.stdout.splitlines() == ["disabled by CLUSTERFORMER_NO_EXTENSIONS", "dense-mask banded"]
