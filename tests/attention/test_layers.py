@@ -14,7 +14,7 @@ from reference import cluster_causal_allowed, groups_of, masked_softmax_attentio
 from seeds import fixed_seed
 
 _fused_ready = pytest.mark.skipif(not extension_available(), reason="cluster-select's fused kernel is not built here")
-FUSED = pytest.param("fused", marks=_fused_ready)  # cluster-select's C++ kernel (no summaries)
+FUSED = pytest.param("fused", marks=_fused_ready)  # cluster-select's C++ kernel
 
 
 def _layer(name, dim=16, heads=2, **options):
@@ -468,7 +468,7 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                                                     ("summaries-sink", "position"), ("summaries-own-sink", "random"),
                                                     ("bound-alone-sink", "kmeans")])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded", FUSED])
 def test_cluster_select_summaries_match_dense_reference(N, options, selection, grouping, causal, kernel,
                                                        balance_bias=None):
     """``summaries=True`` (and ``selection="summaries"``, ``grouping="position"``) against the softmax its
@@ -579,13 +579,16 @@ def test_cluster_select_kernels_give_one_gradient(chunk, causal, monkeypatch):
 
 @_fused_ready
 @pytest.mark.parametrize("options", [{"selection": "scores"}, {"selection": "bound", "own_group": True, "sink": 1},
-                                     {"grouping": "position", "selection": "bound"}])
+                                     {"grouping": "position", "selection": "bound"},
+                                     {"summaries": True}, {"summaries": True, "selection": "bound", "sink": 1}])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cluster_select_fused_kernel_gives_the_gather_kernels_gradient(options, causal):
-    """The C++ kernel (no summaries) against the gather kernel, which lists the same keys per query: the layer's
+    """The C++ kernel against the gather kernel, which lists the same keys per query: the layer's
     output and gradients (input and every weight) in float64, padding in two places, more keys than the window at
     37 positions. And "auto" takes it: the same values without naming it."""
     options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 6, "summaries": False, **options}
+    if options["summaries"] and options.get("selection") == "scores":
+        options.pop("selection")
     N = 37
     x = torch.randn(2, N, 16, dtype=torch.float64)
     pad = torch.zeros(2, N, dtype=torch.bool)
@@ -607,20 +610,20 @@ def test_cluster_select_fused_kernel_gives_the_gather_kernels_gradient(options, 
 
 
 def test_cluster_select_fused_kernel_refuses_what_it_cannot_run():
-    """Named explicitly, the fused kernel says why it cannot run (summaries; attention dropout in training); "auto"
-    then takes the banded or dense-mask kernel instead."""
+    """Named explicitly, the fused kernel says why it cannot run (attention dropout in training; half precision);
+    "auto" then takes the banded or dense-mask kernel instead."""
     from clusterformer.ops.selected import resolve_kernel
 
     x = torch.randn(1, 20, 16, dtype=torch.float64)
-    with pytest.raises(ValueError, match="kernel='fused' cannot run here: it reads no cluster summaries"):
-        _layer("cluster-select", num_clusters=3, select=1, cluster_keys=2, window=4, kernel="fused")(x)
     layer = _layer("cluster-select", num_clusters=3, select=1, cluster_keys=2, window=4, kernel="fused",
-                   summaries=False, dropout=0.1).train()
+                   dropout=0.1).train()
     with pytest.raises(ValueError, match=r"it has no attention dropout; got dropout_p=0\.1"):
         layer(x)
     layer.eval()(x)  # no dropout in evaluation
     q = x.view(1, 1, 20, 16)
-    assert resolve_kernel("auto", 20, q=q, summaries=True) == "dense-mask"
+    with pytest.raises(ValueError, match=r"it runs float32/float64 CPU tensors; got torch\.bfloat16"):
+        resolve_kernel("fused", 20, q=q.to(torch.bfloat16))
+    assert resolve_kernel("auto", 20, q=q, dropout_p=0.1) == "dense-mask"
     assert resolve_kernel("auto", 300, q=q, dropout_p=0.1) == "banded"
     assert resolve_kernel("auto", 20, q=q.to(torch.bfloat16)) == "dense-mask"
     if extension_available():
@@ -726,7 +729,7 @@ def test_cluster_select_own_group_and_sink_options():
     (23, {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 4}),
     (30, {"num_clusters": 5, "select": 2, "cluster_keys": 2, "window": 6})])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded"])
+@pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded", FUSED])
 def test_cluster_select_balance_bias_matches_dense_reference(N, options, causal, kernel):
     """Option ``balance``: a key's cluster is the largest cosine plus its cluster's bias -- the dense references
     above with a bias that moves keys between clusters."""

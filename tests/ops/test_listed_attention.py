@@ -198,3 +198,70 @@ def test_the_kernel_can_be_turned_off_and_auto_then_keeps_the_unfused_kernels():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={**os.environ, "CLUSTERFORMER_NO_EXTENSIONS": "1"})
     assert result.stdout.splitlines() == ["disabled by CLUSTERFORMER_NO_EXTENSIONS", "dense-mask banded"]
+
+
+def _summaries(B, H, N, Nk):
+    """Keys and values in a random order of rows, three groups of 3, 4 and 2 rows, and per query random ranges."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    sizes = torch.tensor([3, 4, 2]).expand(B, H, 3).contiguous()
+    start = (sizes.cumsum(-1) - sizes).contiguous()
+    lower = torch.minimum(torch.randint(0, 3, (B, H, N, 3), generator=g), sizes[:, :, None])
+    upper = torch.maximum(lower, sizes[:, :, None] - torch.randint(0, 3, (B, H, N, 3), generator=g))
+    order = torch.randperm(Nk, generator=g)
+    return sizes, start, lower, upper, order
+
+
+def _prefix(x, order):
+    return torch.nn.functional.pad(x[:, :, order].cumsum(2), (0, 0, 1, 0))
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_kernel), False])
+def test_range_summaries_match_a_loop_over_queries_and_groups(fused):
+    """Each query's summary of group c: the mean key and value of rows start + [0, lower) and start + [upper,
+    total) of the order (n of them; none where n = 0), logit q . mean * scale + log n, beside the window and the
+    listed keys in one softmax; and the logits alone (summary_logits)."""
+    q, k, v, index = _inputs(2, 2, 7, 9, 3, 5)
+    sizes, start, lower, upper, order = _summaries(2, 2, 7, 9)
+    summaries = la.RangeSummaries(_prefix(k, order), _prefix(v, order), start, sizes, lower, upper)
+    scale = 0.8
+    fn = la.listed_attention if fused else la.listed_attention_reference
+    out, lse = fn(q, k, v, index, scale, window=2, window_offset=1, summaries=summaries)
+    expected_out, expected_lse = torch.zeros_like(q), torch.zeros_like(lse)
+    expected_logits = torch.full((2, 2, 7, 3), -math.inf, dtype=q.dtype)
+    for b in range(2):
+        for h in range(2):
+            for i in range(7):
+                keys = [j for j in (i - 1, i) if 0 <= j < 9] + [j for j in index[b, h, i].tolist() if j >= 0]
+                logits = [q[b, h, i] @ k[b, h, j] * scale for j in keys]
+                values = [v[b, h, j] for j in keys]
+                for c in range(3):
+                    s, t = int(start[b, h, c]), int(sizes[b, h, c])
+                    held = [int(order[r]) for r in list(range(s, s + int(lower[b, h, i, c])))
+                            + list(range(s + int(upper[b, h, i, c]), s + t))]
+                    if held:
+                        mean_k = torch.stack([k[b, h, j] for j in held]).mean(0)
+                        mean_v = torch.stack([v[b, h, j] for j in held]).mean(0)
+                        logits.append(q[b, h, i] @ mean_k * scale + math.log(len(held)))
+                        values.append(mean_v)
+                        expected_logits[b, h, i, c] = logits[-1]
+                weights = torch.softmax(torch.stack(logits), 0)
+                expected_out[b, h, i] = (weights[:, None] * torch.stack(values)).sum(0)
+                expected_lse[b, h, i] = torch.logsumexp(torch.stack(logits), 0)
+    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(la.summary_logits(q, summaries, scale), expected_logits, rtol=1e-12, atol=1e-12)
+    assert (lower + sizes[:, :, None] - upper == 0).any(), "the case must hold a group without a summary"
+
+
+@needs_kernel
+def test_range_summaries_gradcheck_through_the_prefix_sums():
+    """The summaries' gradients reach the prefix sums at the four rows each reads, and through the sums k and v."""
+    q, k, v, index = _inputs(2, 2, 6, 9, 3, 4)
+    sizes, start, lower, upper, order = _summaries(2, 2, 6, 9)
+
+    def fn(q, k, v):
+        summaries = la.RangeSummaries(_prefix(k, order), _prefix(v, order), start, sizes, lower, upper)
+        out, lse = la.listed_attention(q, k, v, index, window=2, window_offset=1, summaries=summaries)
+        return out, lse
+
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))

@@ -351,7 +351,7 @@ class ClusterSelectAttention(InnerAttention):
         key_ids = ids.masked_fill(~real, G)
         layout = cluster_layout(key_ids, num_clusters=G, window=o.window, causal=causal)
         # one choice for the selection and the attention
-        kernel = resolve_kernel(o.kernel, N, q=q, summaries=o.summaries, dropout_p=self.dropout_p)
+        kernel = resolve_kernel(o.kernel, N, q=q, dropout_p=self.dropout_p)
         band = None  # the banded kernel's chunk bands, built once for the summaries' selection and the attention
         if kernel == "banded":
             band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, key_padding_mask, num_clusters=G,

@@ -7,10 +7,13 @@ window_offset + window - 1 that lie in [0, Nk) and are not padding), returns, ov
     out[b, h, i] = sum_m p_m v[b, h, j_m],   p = softmax_m(q[b, h, i] . k[b, h, j_m] * scale)
     lse[b, h, i] = log sum_m exp(q[b, h, i] . k[b, h, j_m] * scale)
 
-(a query without keys: out 0, lse -inf). The window needs no index: a (B, H, N, window) int64 list, its padding
-check and its concatenation cost more than the window's attention here (cluster-select's window of 128 at N =
-1,024). ``lse`` lets a caller merge this softmax with
-another over other keys (cluster summaries) exactly: out = (e^lse1 out1 + e^lse2 out2) / (e^lse1 + e^lse2).
+(a query without keys: out 0, lse -inf). With ``summaries`` (:class:`RangeSummaries`), each query also reads, in
+the same softmax, one summary per group: the mean key and value of some of the group's rows in a prefix-summed
+order, with logit q . mean * scale + log n (cluster-select's cluster summaries, NSA's compressed branch on
+clusters; the gradient reaches the prefix sums, and through them the keys and values). The window needs no index:
+a (B, H, N, window) int64 list, its padding check and its concatenation cost more than the window's attention
+(cluster-select's window of 128 at N = 1,024). ``lse`` lets a caller merge this softmax with another over other
+keys exactly: out = (e^lse1 out1 + e^lse2 out2) / (e^lse1 + e^lse2).
 
 Why a kernel of its own. Cluster-select's keys per query are a window, a sink and runs of cluster members: a list
 of M positions. :mod:`clusterformer.ops.key_lists` reads them with sparse products (no (B, H, N, M, D) gather) but
@@ -34,12 +37,13 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["extension_available", "extension_error", "listed_attention", "listed_attention_reference"]
+__all__ = ["RangeSummaries", "extension_available", "extension_error", "listed_attention",
+           "listed_attention_reference", "summary_logits"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "listed_attention.cpp"
 _lock = threading.Lock()
@@ -105,29 +109,51 @@ def extension_error() -> str | None:
     return _error
 
 
+class RangeSummaries(NamedTuple):
+    """One summary per (query, group) of rows in a prefix-summed order (cluster-select: keys sorted by cluster).
+
+    prefix_k, prefix_v: (B, H, R + 1, D) prefix sums of keys and values in that order (row 0 zero); start, total:
+    (B, H, C) int64, each group's first row and size; lower, upper: (B, H, N, C) int64. Query i's summary of group c
+    holds the rows start + [0, lower) and start + [upper, total): n = lower + total - upper of them (no summary where
+    n <= 0); key = their sum of keys / n, value = their sum of values / n, logit = q . key * scale + log n."""
+
+    prefix_k: torch.Tensor
+    prefix_v: torch.Tensor
+    start: torch.Tensor
+    total: torch.Tensor
+    lower: torch.Tensor
+    upper: torch.Tensor
+
+
+_NO_LONGS = torch.empty(0, dtype=torch.long)
+
+
 class _ListedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                key_real: torch.Tensor, window: int, offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _module.forward(q, k, v, index, key_real, window, offset, scale)
-        ctx.save_for_backward(q, k, v, index, key_real, out, lse)
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
+                prefix_v: torch.Tensor, index: torch.Tensor, key_real: torch.Tensor, ranges: tuple[torch.Tensor, ...],
+                window: int, offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _module.forward(q, k, v, index, key_real, window, offset, prefix_k, prefix_v, *ranges, scale)
+        ctx.save_for_backward(q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *ranges)
         ctx.window, ctx.offset, ctx.scale = window, offset, scale
         return out, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None, None, None]:
-        q, k, v, index, key_real, out, lse = ctx.saved_tensors
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *ranges = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-        dq, dk, dv = _module.backward(q, k, v, index, key_real, ctx.window, ctx.offset, out, lse, dout, dlse,
-                                      ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv, dprefix_k, dprefix_v = _module.backward(q, k, v, index, key_real, ctx.window, ctx.offset,
+                                                            prefix_k, prefix_v, *ranges, out, lse, dout, dlse,
+                                                            ctx.scale)
+        has = prefix_k.numel() > 0
+        return (dq, dk, dv, dprefix_k if has else None, dprefix_v if has else None, None, None, None, None, None,
+                None)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, window: int,
-           key_padding_mask: torch.Tensor | None) -> None:
+           key_padding_mask: torch.Tensor | None, summaries: RangeSummaries | None = None) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, H, N, D); got shape {tuple(q.shape)}")
     if k.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
@@ -148,35 +174,64 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
                                          or key_padding_mask.shape != (q.shape[0], k.shape[2])):
         raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, Nk) = {(q.shape[0], k.shape[2])}; "
                          f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    if summaries is not None:
+        B, H, N, D = q.shape
+        pk, pv, start, total, lower, upper = summaries
+        if pk.dim() != 4 or pk.shape != pv.shape or pk.shape[:2] != (B, H) or pk.shape[3] != D or pk.dtype != q.dtype:
+            raise ValueError(f"summaries.prefix_k and prefix_v must have shape (B, H, R + 1, D) with B, H, D = "
+                             f"{(B, H, D)} and q's dtype; got {tuple(pk.shape)}, {tuple(pv.shape)}")
+        if start.dim() != 3 or start.shape[:2] != (B, H) or total.shape != start.shape:
+            raise ValueError(f"summaries.start and total must have shape (B, H, C); got {tuple(start.shape)}, "
+                             f"{tuple(total.shape)}")
+        if lower.shape != (B, H, N, start.shape[2]) or upper.shape != lower.shape:
+            raise ValueError(f"summaries.lower and upper must have shape (B, H, N, C) = {(B, H, N, start.shape[2])}; "
+                             f"got {tuple(lower.shape)}, {tuple(upper.shape)}")
+        if any(t.dtype != torch.long for t in (start, total, lower, upper)):
+            raise ValueError("summaries.start, total, lower and upper must be int64")
+        rows = pk.shape[2] - 1
+        if start.numel() and (int(start.min()) < 0 or int((start + total).max()) > rows):
+            raise ValueError(f"summaries: every group's rows must lie in [0, {rows}) (the prefix sums' rows - 1)")
+        if lower.numel() and (int(lower.min()) < 0 or bool((upper > total[:, :, None]).any())
+                              or bool((lower > total[:, :, None]).any()) or int(upper.min()) < 0):
+            raise ValueError("summaries: lower and upper must lie in [0, total] of their group")
 
 
 def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                      scale: float | None = None, *, window: int = 0, window_offset: int = 0,
-                     key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     key_padding_mask: torch.Tensor | None = None, summaries: RangeSummaries | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, N, D), lse (B, H, N)) of each query over the keys ``index`` lists and its ``window`` (module
     docstring); ``scale`` defaults to D^-0.5. Positions in ``index`` must be -1 (none) or in [0, Nk); a key listed
     twice, or listed and in the window, counts twice. ``key_padding_mask`` (B, Nk), True = padding: the window skips
-    those keys (the list is taken as given). The fused kernel on float32/float64 CPU tensors when it is built
-    (:func:`extension_available`), else :func:`listed_attention_reference`; the same values and gradients either
-    way."""
-    _check(q, k, v, index, window, key_padding_mask)
+    those keys (the list is taken as given). ``summaries``: one more logit per group (:class:`RangeSummaries`).
+    The fused kernel on float32/float64 CPU tensors when it is built (:func:`extension_available`), else
+    :func:`listed_attention_reference`; the same values and gradients either way."""
+    _check(q, k, v, index, window, key_padding_mask, summaries)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     fused = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available())
     if not fused:
         return listed_attention_reference(q, k, v, index, scale, window=window, window_offset=window_offset,
-                                          key_padding_mask=key_padding_mask)
+                                          key_padding_mask=key_padding_mask, summaries=summaries)
     key_real = (torch.empty(0, dtype=torch.bool) if key_padding_mask is None
                 else (~key_padding_mask).contiguous())
-    return _ListedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), index.contiguous(), key_real,
-                                  window, int(window_offset), scale)
+    if summaries is None:
+        prefix_k = prefix_v = q.new_empty(0)
+        ranges = (_NO_LONGS,) * 4
+    else:
+        prefix_k, prefix_v = summaries.prefix_k.contiguous(), summaries.prefix_v.contiguous()
+        ranges = tuple(t.contiguous() for t in summaries[2:])
+    return _ListedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), prefix_k, prefix_v,
+                                  index.contiguous(), key_real, ranges, window, int(window_offset), scale)
 
 
 def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                                scale: float | None = None, *, window: int = 0, window_offset: int = 0,
-                               key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               key_padding_mask: torch.Tensor | None = None, summaries: RangeSummaries | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`listed_attention` by a gather of the listed keys and values, (B, H, N, window + M, D), the window's
-    positions listed first: the definition, written plainly (autograd does the backward)."""
-    _check(q, k, v, index, window, key_padding_mask)
+    positions listed first, and of the summaries' prefix rows, (B, H, N, C, D): the definition, written plainly
+    (autograd does the backward)."""
+    _check(q, k, v, index, window, key_padding_mask, summaries)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if window:
         B, H, N, _ = index.shape
@@ -188,11 +243,53 @@ def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         spans = torch.where(inside, spans, -1).expand(B, N, window)  # -1: outside [0, Nk), or padding
         index = torch.cat([spans[:, None].expand(B, H, N, window), index], dim=-1)
     B, H, N, M = index.shape
+    D = q.shape[-1]
     listed = index >= 0
-    flat = index.clamp(min=0).reshape(B, H, N * M, 1).expand(-1, -1, -1, k.shape[-1])
+    flat = index.clamp(min=0).reshape(B, H, N * M, 1).expand(-1, -1, -1, D)
     keys, values = (t.gather(2, flat).view(B, H, N, M, -1) for t in (k, v))
     scores = torch.einsum("bhnd,bhnmd->bhnm", q, keys).mul(scale).masked_fill(~listed, float("-inf"))
+    if summaries is not None:  # one more key per group: the mean of its rows, logit + log n
+        prefix_k, prefix_v, start, total, lower, upper = summaries
+        C = start.shape[-1]
+        first, size = start[:, :, None].expand(B, H, N, C), total[:, :, None].expand(B, H, N, C)
+        rows = torch.stack([first + lower, first, first + size, first + upper], dim=2)  # (B, H, 4, N, C)
+        rows = rows.reshape(B, H, 4 * N * C, 1).expand(-1, -1, -1, D)
+
+        def range_sums(prefix: torch.Tensor) -> torch.Tensor:  # (B, H, N, C, D)
+            a, b, c, d = prefix.gather(2, rows).view(B, H, 4, N, C, D).unbind(2)
+            return (a - b) + (c - d)
+
+        n = (lower + size - upper).to(q.dtype)
+        held = n > 0
+        count = n.clamp(min=1).unsqueeze(-1)
+        summary_keys, summary_values = range_sums(prefix_k) / count, range_sums(prefix_v) / count
+        summary_scores = (torch.einsum("bhnd,bhncd->bhnc", q, summary_keys) * scale
+                          + n.clamp(min=1).log()).masked_fill(~held, float("-inf"))
+        scores = torch.cat([scores, summary_scores], dim=-1)
+        values = torch.cat([values, summary_values], dim=3)
+        listed = torch.cat([listed, held], dim=-1)
     empty = ~listed.any(-1, keepdim=True)
     lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return torch.einsum("bhnm,bhnmd->bhnd", weights, values), lse
+
+
+def summary_logits(q: torch.Tensor, summaries: RangeSummaries, scale: float | None = None) -> torch.Tensor:
+    """The summaries' logits alone, (B, H, N, C): q . mean key * scale + log n, -inf where a summary holds no row (to
+    rank groups: no gradient). The fused kernel where it runs, else a gather of the prefix rows; ``prefix_v`` is not
+    read."""
+    _check(q, q, q, q.new_empty(*q.shape[:3], 0, dtype=torch.long), 0, None, summaries)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available():
+            return _module.summary_logits(q.detach().contiguous(), summaries.prefix_k.detach().contiguous(),
+                                          *(t.contiguous() for t in summaries[2:]), scale)
+        B, H, N, D = q.shape
+        prefix_k, _, start, total, lower, upper = summaries
+        C = start.shape[-1]
+        first, size = start[:, :, None].expand(B, H, N, C), total[:, :, None].expand(B, H, N, C)
+        rows = torch.stack([first + lower, first, first + size, first + upper], dim=2).reshape(B, H, 4 * N * C, 1)
+        a, b, c, d = prefix_k.gather(2, rows.expand(-1, -1, -1, D)).view(B, H, 4, N, C, D).unbind(2)
+        n = (lower + size - upper).to(q.dtype)
+        dots = torch.einsum("bhnd,bhncd->bhnc", q, (a - b) + (c - d))
+        return (dots * scale / n.clamp(min=1) + n.clamp(min=1).log()).masked_fill(n <= 0, float("-inf"))

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ..masks import masked_sdpa, real_tokens
 from .key_lists import KeyLists, key_lists, listed_scores, listed_sum, run_key_lists
-from .listed_attention import listed_attention
+from .listed_attention import RangeSummaries, listed_attention, summary_logits
 from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "bound_logits", "bound_selection",
@@ -430,7 +430,8 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
     clusters without such members rank last. ``kernel`` (one of :func:`resolve_kernel`'s answers):
     "dense-mask" from the (N, N) scores by two matmuls, "banded" from chunk bands and per-chunk prefix sums (``band``:
     the layer's :func:`chunk_band` of the same q / sqrt(D) and k, built with summaries, whose dots the attention
-    reads too; otherwise one is built here), "gather" from :func:`cluster_summaries`."""
+    reads too; otherwise one is built here), "fused" from one prefix sum of the keys in sorted order and a C++ pass
+    (:func:`clusterformer.ops.listed_attention.summary_logits`), "gather" from :func:`cluster_summaries`."""
     with torch.no_grad():
         q, k = q.detach() * q.shape[-1] ** -0.5, k.detach()
         if kernel in ("dense-mask", "banded"):  # every member outside the window
@@ -445,6 +446,11 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
                 band = chunk_band(q, k, None, key_ids, key_padding_mask, num_clusters=layout.total.shape[-1],
                                   window=window, causal=causal, summaries=True)
             logits = band.summary_dots / n.clamp(min=1) + _log_count(n)
+        elif kernel == "fused":  # the fused kernel's summaries of every member outside the window, logits alone
+            B, H, N, D = k.shape
+            prefix = F.pad(k.gather(2, layout.order.unsqueeze(-1).expand(B, H, N, D)).cumsum(2), (0, 0, 1, 0))
+            logits = summary_logits(q, RangeSummaries(prefix, prefix, layout.start, layout.total, layout.below,
+                                                      layout.beyond), scale=1.0)
         else:
             keys, _, log_n = cluster_summaries(k, k, layout, None, cluster_keys=0, causal=causal)
             logits = torch.einsum("bhnd,bhncd->bhnc", q, keys) + log_n
@@ -621,15 +627,11 @@ KERNELS = ("auto", "gather", "dense-mask", "banded", "fused")
 DENSE_MASK_UP_TO = 256  # "auto" takes the dense mask to this length, the banded kernel beyond
 
 
-def fused_usable(q: torch.Tensor, *, summaries: bool = False, dropout_p: float = 0.0) -> str | None:
+def fused_usable(q: torch.Tensor, *, dropout_p: float = 0.0) -> str | None:
     """Why the ``"fused"`` kernel cannot take these queries, or None when it can: it runs float32/float64 CPU tensors
-    without cluster summaries or attention dropout, once its C++ kernel is built
-    (:mod:`clusterformer.ops.listed_attention`). (Summaries per query and cluster beside it would be the gather
-    kernel's (B, H, N, C, D) tensors: 27 s against the banded kernel's 1.0 at N = 1,024, 64 clusters.)"""
+    without attention dropout, once its C++ kernel is built (:mod:`clusterformer.ops.listed_attention`)."""
     from .listed_attention import extension_available, extension_error
 
-    if summaries:
-        return "it reads no cluster summaries (summaries=True: use the banded kernel)"
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
         return f"it runs float32/float64 CPU tensors; got {q.dtype} on {q.device}"
     if dropout_p:
@@ -639,24 +641,24 @@ def fused_usable(q: torch.Tensor, *, summaries: bool = False, dropout_p: float =
     return None
 
 
-def resolve_kernel(kernel: str, length: int, *, q: torch.Tensor | None = None, summaries: bool = False,
-                   dropout_p: float = 0.0) -> str:
+def resolve_kernel(kernel: str, length: int, *, q: torch.Tensor | None = None, dropout_p: float = 0.0) -> str:
     """The kernel that ``kernel`` names at this length: "gather", "dense-mask", "banded" or "fused" as given ("fused"
     with ``q``: a ``ValueError`` saying why where it cannot run, :func:`fused_usable`); "auto" takes the fused kernel
-    for queries ``q`` it can run without ``summaries``, else the dense mask while N <= 256 and the banded kernel
-    beyond. Measured on the CPU (one thread, a layer's forward and backward, docs/benchmarks.md "cluster-select's
-    sparse key lists" and "the fused key lists"): the dense mask took 0.77x the banded kernel's time at N = 256
-    (causal, 64 keys) and 0.97x at N = 256 (non-causal, 144 keys); the banded kernel took 0.47x the dense mask's at
-    N = 384, 0.37x at 512, 0.26-0.45x at 1,024, 0.09x at 1,500 and 0.10x at 4,096. The gather kernel (every key,
-    window included, listed per query) is the reference form; it is slower than one of them at every length
-    measured. The fused kernel reads the same lists in one C++ pass (FUSED_RESULTS)."""
+    for queries ``q`` it can run, else the dense mask while N <= 256 and the banded kernel beyond. Measured on the
+    CPU (one thread, a layer's forward and backward, docs/benchmarks.md "cluster-select's sparse key lists" and "the
+    fused key lists"): the dense mask took 0.77x the banded kernel's time at N = 256 (causal, 64 keys) and 0.97x at
+    N = 256 (non-causal, 144 keys); the banded kernel took 0.47x the dense mask's at N = 384, 0.37x at 512,
+    0.26-0.45x at 1,024, 0.09x at 1,500 and 0.10x at 4,096. The gather kernel (every key, window included, listed
+    per query) is the reference form; it is slower than one of them at every length measured. The fused kernel
+    reads the same keys and summaries in one C++ pass, and was faster than the three at every length and shape
+    measured."""
     if kernel == "fused" and q is not None:
-        reason = fused_usable(q, summaries=summaries, dropout_p=dropout_p)
+        reason = fused_usable(q, dropout_p=dropout_p)
         if reason:
             raise ValueError(f"cluster-select's kernel='fused' cannot run here: {reason}; use kernel='auto'")
     if kernel != "auto":
         return kernel
-    if q is not None and fused_usable(q, summaries=summaries, dropout_p=dropout_p) is None:
+    if q is not None and fused_usable(q, dropout_p=dropout_p) is None:
         return "fused"
     return "dense-mask" if length <= DENSE_MASK_UP_TO else "banded"
 
@@ -681,8 +683,8 @@ def selected_cluster_attention(
     is the historical one), "banded" (the window from chunk bands, the cluster keys listed, the summaries from
     per-chunk prefix sums: O(N (M + C) D), no (N, N) or (N, C, D) tensor), "dense-mask" (the same set as an (N, N)
     boolean mask for one SDPA call: O(N^2 D) but matmul-shaped, faster at a few hundred positions), "fused" (the
-    gather kernel's lists read by one C++ pass, :mod:`clusterformer.ops.listed_attention`; no summaries, no attention
-    dropout) or
+    gather kernel's lists and the summaries read by one C++ pass, :mod:`clusterformer.ops.listed_attention`; no
+    attention dropout) or
     "auto" (:func:`resolve_kernel`).
     ``summaries``: also one summary per cluster of the members not read alone outside the window, in the same
     softmax (:func:`cluster_summaries`). ``layout``: :func:`cluster_layout` of ``key_ids``, if the caller has it;
@@ -693,12 +695,21 @@ def selected_cluster_attention(
     if layout is None:
         layout = cluster_layout(key_ids, num_clusters=num_clusters, window=window, causal=causal)
     scale = D ** -0.5
-    kernel = resolve_kernel(kernel, N, q=q, summaries=summaries, dropout_p=dropout_p)
+    kernel = resolve_kernel(kernel, N, q=q, dropout_p=dropout_p)
     if kernel == "fused":  # the selected clusters' keys listed, the window read in place: one C++ pass
         positions, valid, _ = _cluster_positions(layout, selected, cluster_keys=cluster_keys, causal=causal)
+        ranges = None
+        if summaries:  # each cluster's rows in sorted order outside the window, less those read alone
+            lower_end, upper_start = _summary_ranges(layout, selected, cluster_keys=cluster_keys, causal=causal)
+            order = layout.order.unsqueeze(-1).expand(B, H, N, D)
+
+            def prefix(x: torch.Tensor) -> torch.Tensor:  # (B, H, N + 1, D) in sorted (cluster, position) order
+                return F.pad(x.gather(2, order).cumsum(2), (0, 0, 1, 0))
+
+            ranges = RangeSummaries(prefix(k), prefix(v), layout.start, layout.total, lower_end, upper_start)
         return listed_attention(q, k, v, torch.where(valid, positions, -1), scale, window=window,
                                 window_offset=window - 1 if causal else window // 2,
-                                key_padding_mask=key_padding_mask)[0]
+                                key_padding_mask=key_padding_mask, summaries=ranges)[0]
     positions, allowed, slots = _selected_positions(layout, selected, cluster_keys=cluster_keys, window=window,
                                                     causal=causal, key_padding_mask=key_padding_mask)
     M = positions.shape[-1]

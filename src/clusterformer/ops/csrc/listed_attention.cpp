@@ -5,8 +5,16 @@
 // [0, Nk) and are real (key_real (B, Nk) bool; an empty tensor: every key is real), so that a contiguous window
 // needs no index. out[b, h, i] = sum_m p_m v[key_m] with p = softmax_m(q . k[key_m] * scale) over those keys;
 // lse[b, h, i] = log sum_m exp(q . k[key_m] * scale) (-inf for a query without keys, whose output is 0).
-// The backward takes the gradients of out and lse: ds_m = p_m (dout . v_m - dout . out + dlse).
-// Work is split over the (b, h) pairs, so the scatter of dk and dv into one pair's keys has no race.
+//
+// Range summaries (optional; empty tensors: none): prefix_k, prefix_v (B, H, R + 1, D) prefix sums of keys and
+// values in some order of R rows (row 0 zero), start, total (B, H, C) int64 each group's first row and size,
+// lower, upper (B, H, N, C) int64. Query i also reads, in the same softmax, one summary per group c of the rows
+// start + [0, lower) and start + [upper, total), n = lower + total - upper of them (none where n <= 0): key = their
+// sum of keys / n, value = their sum of values / n, logit = q . key * scale + log n (cluster-select's summaries).
+//
+// The backward takes the gradients of out and lse: ds_m = p_m (dout . v_m - dout . out + dlse); a summary's
+// gradient reaches prefix_k and prefix_v at the four rows its sums read.
+// Work is split over the (b, h) pairs, so the scatter of dk, dv and the prefix gradients has no race.
 // Python side: clusterformer/ops/listed_attention.py (validation, autograd, the reference, the build).
 
 #include <torch/extension.h>
@@ -31,20 +39,49 @@ inline void for_each_key(int64_t i, const int64_t* keys, int64_t M, int64_t wind
   for (int64_t m = 0; m < M; ++m) visit(window + m, keys[m]);
 }
 
+// The range summaries of one (b, h) pair (pointers already offset to it); groups == 0: none.
+template <typename T>
+struct Summaries {
+  const T* prefix_k = nullptr;
+  const T* prefix_v = nullptr;
+  const int64_t* start = nullptr;
+  const int64_t* total = nullptr;
+  const int64_t* lower = nullptr;  // (N, C)
+  const int64_t* upper = nullptr;
+  int64_t groups = 0;
+
+  // The four prefix rows of query i's summary of group c, and its count n (rows: +a - b + c - d).
+  inline int64_t rows(int64_t i, int64_t c, int64_t* r) const {
+    const int64_t s = start[c], t = total[c], lo = lower[i * groups + c], up = upper[i * groups + c];
+    r[0] = s + lo;
+    r[1] = s;
+    r[2] = s + t;
+    r[3] = s + up;
+    return lo + t - up;
+  }
+};
+
 template <typename T, int64_t FixedD>
-void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const bool* key_real, T* out, T* lse,
-                    int64_t pairs, int64_t H, int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window,
-                    int64_t offset, T scale) {
+void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const bool* key_real,
+                    const Summaries<T>& all, int64_t prefix_rows, T* out, T* lse, int64_t pairs, int64_t H,
+                    int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
   const int64_t D = FixedD ? FixedD : head_dim;  // a compile-time head size unrolls the loops over channels
+  const int64_t C = all.groups;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
-    std::vector<T> scores(window + M);
+    std::vector<T> scores(window + M + C), sum_buffer(D);
+    T* __restrict__ summed = sum_buffer.data();
     for (int64_t pair = first; pair < last; ++pair) {
       const T* qp = q + pair * N * D;
       const T* kp = k + pair * Nk * D;
       const T* vp = v + pair * Nk * D;
       const int64_t* ip = index + pair * N * M;
       const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
+      Summaries<T> sums;
+      if (C) {
+        sums = {all.prefix_k + pair * prefix_rows * D, all.prefix_v + pair * prefix_rows * D, all.start + pair * C,
+                all.total + pair * C, all.lower + pair * N * C, all.upper + pair * N * C, C};
+      }
       T* op = out + pair * N * D;
       T* lp = lse + pair * N;
       for (int64_t i = 0; i < N; ++i) {
@@ -62,6 +99,21 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
           scores[m] = dot * scale;
           if (scores[m] > largest) largest = scores[m];
         });
+        for (int64_t c = 0; c < C; ++c) {  // summaries: q . (sum of keys) / n * scale + log n
+          int64_t r[4];
+          const int64_t n = sums.rows(i, c, r);
+          T& score = scores[window + M + c];
+          if (n <= 0) {
+            score = minus_inf;
+            continue;
+          }
+          const T* a = sums.prefix_k + r[0] * D; const T* b = sums.prefix_k + r[1] * D;
+          const T* e = sums.prefix_k + r[2] * D; const T* f = sums.prefix_k + r[3] * D;
+          T dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += qi[d] * ((a[d] - b[d]) + (e[d] - f[d]));
+          score = dot * scale / T(n) + std::log(T(n));
+          if (score > largest) largest = score;
+        }
         for (int64_t d = 0; d < D; ++d) oi[d] = 0;
         if (largest == minus_inf) {  // no key: output 0, lse -inf
           lp[i] = minus_inf;
@@ -75,6 +127,18 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
           const T* __restrict__ vj = vp + j * D;
           for (int64_t d = 0; d < D; ++d) oi[d] += p * vj[d];
         });
+        for (int64_t c = 0; c < C; ++c) {
+          const T score = scores[window + M + c];
+          if (score == minus_inf) continue;
+          int64_t r[4];
+          const int64_t n = sums.rows(i, c, r);
+          const T p = std::exp(score - largest);
+          total += p;
+          const T w = p / T(n);
+          const T* a = sums.prefix_v + r[0] * D; const T* b = sums.prefix_v + r[1] * D;
+          const T* e = sums.prefix_v + r[2] * D; const T* f = sums.prefix_v + r[3] * D;
+          for (int64_t d = 0; d < D; ++d) oi[d] += w * ((a[d] - b[d]) + (e[d] - f[d]));
+        }
         const T inverse = T(1) / total;
         for (int64_t d = 0; d < D; ++d) oi[d] *= inverse;
         lp[i] = largest + std::log(total);
@@ -84,10 +148,12 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
 }
 
 template <typename T, int64_t FixedD>
-void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const bool* key_real, const T* out,
-                     const T* lse, const T* dout, const T* dlse, T* dq, T* dk, T* dv, int64_t pairs, int64_t H,
+void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const bool* key_real,
+                     const Summaries<T>& all, int64_t prefix_rows, const T* out, const T* lse, const T* dout,
+                     const T* dlse, T* dq, T* dk, T* dv, T* dprefix_k, T* dprefix_v, int64_t pairs, int64_t H,
                      int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
   const int64_t D = FixedD ? FixedD : head_dim;
+  const int64_t C = all.groups;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
     // the query's row, its output gradient and its dq in buffers of their own: no aliasing with dk, dv
@@ -101,6 +167,15 @@ void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, c
       const T* vp = v + pair * Nk * D;
       const int64_t* ip = index + pair * N * M;
       const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
+      Summaries<T> sums;
+      T* dpk = nullptr;
+      T* dpv = nullptr;
+      if (C) {
+        sums = {all.prefix_k + pair * prefix_rows * D, all.prefix_v + pair * prefix_rows * D, all.start + pair * C,
+                all.total + pair * C, all.lower + pair * N * C, all.upper + pair * N * C, C};
+        dpk = dprefix_k + pair * prefix_rows * D;
+        dpv = dprefix_v + pair * prefix_rows * D;
+      }
       const T* op = out + pair * N * D;
       const T* lp = lse + pair * N;
       const T* gp = dout + pair * N * D;
@@ -137,6 +212,33 @@ void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, c
           for (int64_t d = 0; d < D; ++d) dkj[d] += ds * qi[d];
           for (int64_t d = 0; d < D; ++d) dqi[d] += ds * kj[d];
         });
+        for (int64_t c = 0; c < C; ++c) {  // a summary: key = K / n, value = V / n, logit = q . K * scale / n + log n
+          int64_t r[4];
+          const int64_t n = sums.rows(i, c, r);
+          if (n <= 0) continue;
+          const T inverse_n = T(1) / T(n);
+          const T* ka = sums.prefix_k + r[0] * D; const T* kb = sums.prefix_k + r[1] * D;
+          const T* ke = sums.prefix_k + r[2] * D; const T* kf = sums.prefix_k + r[3] * D;
+          const T* va = sums.prefix_v + r[0] * D; const T* vb = sums.prefix_v + r[1] * D;
+          const T* ve = sums.prefix_v + r[2] * D; const T* vf = sums.prefix_v + r[3] * D;
+          T score = 0, dp = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            score += qi[d] * ((ka[d] - kb[d]) + (ke[d] - kf[d]));
+            dp += gi[d] * ((va[d] - vb[d]) + (ve[d] - vf[d]));
+          }
+          const T p = std::exp(score * inverse_n + std::log(T(n)) - log_total);
+          const T ds = p * (dp * inverse_n + shift) * inverse_n;  // d logit / d (q . K) = 1 / n (q already scaled)
+          const T w = p * inverse_n;                              // d out / d V
+          for (int64_t d = 0; d < D; ++d) dqi[d] += ds * ((ka[d] - kb[d]) + (ke[d] - kf[d]));
+          const T signs[4] = {T(1), T(-1), T(1), T(-1)};
+          for (int row = 0; row < 4; ++row) {
+            T* __restrict__ gk = dpk + r[row] * D;
+            T* __restrict__ gv = dpv + r[row] * D;
+            const T sk = signs[row] * ds, sv = signs[row] * w;
+            for (int64_t d = 0; d < D; ++d) gk[d] += sk * qi[d];
+            for (int64_t d = 0; d < D; ++d) gv[d] += sv * gi[d];
+          }
+        }
         for (int64_t d = 0; d < D; ++d) dqp[i * D + d] = dqi[d] * scale;
       }
     }
@@ -161,6 +263,32 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::T
               "key_real: empty, or a contiguous (B, Nk) bool tensor");
 }
 
+// The summaries' tensors as pointers (groups 0 where prefix_k is empty), checked against q.
+template <typename T>
+Summaries<T> summaries_of(const torch::Tensor& q, const torch::Tensor& prefix_k, const torch::Tensor& prefix_v,
+                          const torch::Tensor& start, const torch::Tensor& total, const torch::Tensor& lower,
+                          const torch::Tensor& upper) {
+  Summaries<T> s;
+  if (prefix_k.numel() == 0) return s;
+  TORCH_CHECK(prefix_k.is_contiguous() && prefix_v.is_contiguous() && start.is_contiguous() && total.is_contiguous()
+                  && lower.is_contiguous() && upper.is_contiguous(), "expected contiguous summaries");
+  TORCH_CHECK(prefix_k.sizes() == prefix_v.sizes() && prefix_k.dim() == 4 && prefix_k.size(0) == q.size(0) &&
+              prefix_k.size(1) == q.size(1) && prefix_k.size(3) == q.size(3), "prefix sums (B, H, R + 1, D)");
+  TORCH_CHECK(start.scalar_type() == torch::kLong && total.scalar_type() == torch::kLong &&
+              lower.scalar_type() == torch::kLong && upper.scalar_type() == torch::kLong, "int64 ranges");
+  TORCH_CHECK(lower.dim() == 4 && lower.sizes() == upper.sizes() && lower.size(2) == q.size(2) &&
+              start.dim() == 3 && start.sizes() == total.sizes() && start.size(2) == lower.size(3),
+              "start, total (B, H, C); lower, upper (B, H, N, C)");
+  s.prefix_k = prefix_k.data_ptr<T>();
+  s.prefix_v = prefix_v.data_ptr<T>();
+  s.start = start.data_ptr<int64_t>();
+  s.total = total.data_ptr<int64_t>();
+  s.lower = lower.data_ptr<int64_t>();
+  s.upper = upper.data_ptr<int64_t>();
+  s.groups = start.size(2);
+  return s;
+}
+
 const bool* real_or_null(const torch::Tensor& key_real) {
   return key_real.numel() == 0 ? nullptr : key_real.data_ptr<bool>();
 }
@@ -168,16 +296,21 @@ const bool* real_or_null(const torch::Tensor& key_real) {
 }  // namespace
 
 std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor index,
-                                          torch::Tensor key_real, int64_t window, int64_t offset, double scale) {
+                                          torch::Tensor key_real, int64_t window, int64_t offset,
+                                          torch::Tensor prefix_k, torch::Tensor prefix_v, torch::Tensor start,
+                                          torch::Tensor total, torch::Tensor lower, torch::Tensor upper,
+                                          double scale) {
   check_inputs(q, k, v, index, key_real);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
+  const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
   auto out = torch::empty_like(q);
   auto lse = torch::empty({B, H, N}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "listed_forward", [&] {
+    const auto sums = summaries_of<scalar_t>(q, prefix_k, prefix_v, start, total, lower, upper);
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), index.data_ptr<int64_t>(),
-             real_or_null(key_real), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), B * H, H, N, Nk, M, D,
-             window, offset, static_cast<scalar_t>(scale));
+             real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), B * H, H, N,
+             Nk, M, D, window, offset, static_cast<scalar_t>(scale));
     };
     switch (D) {
       case 16: run(forward_kernel<scalar_t, 16>); break;
@@ -191,21 +324,31 @@ std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torc
 }
 
 std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor index,
-                                           torch::Tensor key_real, int64_t window, int64_t offset, torch::Tensor out,
-                                           torch::Tensor lse, torch::Tensor dout, torch::Tensor dlse, double scale) {
+                                           torch::Tensor key_real, int64_t window, int64_t offset,
+                                           torch::Tensor prefix_k, torch::Tensor prefix_v, torch::Tensor start,
+                                           torch::Tensor total, torch::Tensor lower, torch::Tensor upper,
+                                           torch::Tensor out, torch::Tensor lse, torch::Tensor dout,
+                                           torch::Tensor dlse, double scale) {
   check_inputs(q, k, v, index, key_real);
   TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && dout.is_contiguous() && dlse.is_contiguous(),
               "expected contiguous tensors");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
+  const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
   auto dq = torch::zeros_like(q);
   auto dk = torch::zeros_like(k);
   auto dv = torch::zeros_like(v);
+  auto dprefix_k = torch::zeros_like(prefix_k);
+  auto dprefix_v = torch::zeros_like(prefix_v);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "listed_backward", [&] {
+    const auto sums = summaries_of<scalar_t>(q, prefix_k, prefix_v, start, total, lower, upper);
+    scalar_t* dpk = rows ? dprefix_k.data_ptr<scalar_t>() : nullptr;
+    scalar_t* dpv = rows ? dprefix_v.data_ptr<scalar_t>() : nullptr;
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), index.data_ptr<int64_t>(),
-             real_or_null(key_real), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(),
-             dlse.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-             B * H, H, N, Nk, M, D, window, offset, static_cast<scalar_t>(scale));
+             real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+             dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+             dv.data_ptr<scalar_t>(), dpk, dpv, B * H, H, N, Nk, M, D, window, offset,
+             static_cast<scalar_t>(scale));
     };
     switch (D) {
       case 16: run(backward_kernel<scalar_t, 16>); break;
@@ -215,10 +358,51 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
       default: run(backward_kernel<scalar_t, 0>);
     }
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dprefix_k, dprefix_v};
+}
+
+// The summaries' logits alone, (B, H, N, C): q . (sum of keys) * scale / n + log n, -inf where n <= 0 (to rank
+// groups; no gradient).
+torch::Tensor summary_logits(torch::Tensor q, torch::Tensor prefix_k, torch::Tensor start, torch::Tensor total,
+                             torch::Tensor lower, torch::Tensor upper, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && q.is_contiguous(), "q: a contiguous (B, H, N, D) CPU tensor");
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  const int64_t rows = prefix_k.size(2), C = start.size(2);
+  auto logits = torch::empty({B, H, N, C}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "summary_logits", [&] {
+    const auto all = summaries_of<scalar_t>(q, prefix_k, prefix_k, start, total, lower, upper);
+    const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
+    const scalar_t* qd = q.data_ptr<scalar_t>();
+    scalar_t* out = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
+      for (int64_t pair = first; pair < last; ++pair) {
+        const Summaries<scalar_t> sums = {all.prefix_k + pair * rows * D, nullptr, all.start + pair * C,
+                                          all.total + pair * C, all.lower + pair * N * C, all.upper + pair * N * C, C};
+        for (int64_t i = 0; i < N; ++i) {
+          const scalar_t* qi = qd + (pair * N + i) * D;
+          scalar_t* oi = out + (pair * N + i) * C;
+          for (int64_t c = 0; c < C; ++c) {
+            int64_t r[4];
+            const int64_t n = sums.rows(i, c, r);
+            if (n <= 0) {
+              oi[c] = minus_inf;
+              continue;
+            }
+            const scalar_t* a = sums.prefix_k + r[0] * D; const scalar_t* b = sums.prefix_k + r[1] * D;
+            const scalar_t* e = sums.prefix_k + r[2] * D; const scalar_t* f = sums.prefix_k + r[3] * D;
+            scalar_t dot = 0;
+            for (int64_t d = 0; d < D; ++d) dot += qi[d] * ((a[d] - b[d]) + (e[d] - f[d]));
+            oi[c] = dot * static_cast<scalar_t>(scale) / scalar_t(n) + std::log(scalar_t(n));
+          }
+        }
+      }
+    });
+  });
+  return logits;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("summary_logits", &summary_logits, "the summaries' logits alone (no gradient)");
   m.def("forward", &listed_forward, "listed attention: (out, lse)");
-  m.def("backward", &listed_backward, "listed attention's backward: (dq, dk, dv)");
+  m.def("backward", &listed_backward, "listed attention's backward: (dq, dk, dv, dprefix_k, dprefix_v)");
 }
