@@ -40,9 +40,10 @@ Keys per query: window + select * cluster_keys (+ num_clusters summaries) at any
 kernel (``kernel="auto"`` beyond N = 256): O(N C D) for the assignment, the selection and the summaries (per-chunk
 prefix sums), O(N (2 window + select * cluster_keys) D) for the attention (the window by chunk-band matmuls, the
 cluster keys as sparse key lists, ops/key_lists.py), plus one sort of the keys per head and one of the listed keys;
-to N = 256 the dense-mask kernel's O(N^2 D) matmuls are faster on a CPU. Without summaries, the fused kernel reads
-every listed key (window, sink and clusters) in one C++ pass: O(N (window + select * cluster_keys) D), faster than
-both at every length measured on the CPU (docs/benchmarks.md, "the fused key lists"). Groups published: the key
+to N = 256 the dense-mask kernel's O(N^2 D) matmuls are faster on a CPU. The fused kernel (the default where it
+runs) reads every key a query reads (window, sink, clusters) and its summaries in one C++ pass: O(N (window + select
+* cluster_keys + C) D), faster than both at every length measured on the CPU (docs/benchmarks.md, "the fused key
+lists"). Groups published: the key
 clusters, (B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``): the last ``window`` keys, each cluster's last
 ``cluster_keys`` members outside the window and the sums of all its members there (with selection="bound" their
 running channel max and min), per head.
@@ -116,10 +117,10 @@ class ClusterSelectOptions(SeededOptions):
             are not keys of the softmax (as the centroids of "scores" are not).
         kernel: "auto" (default), "gather", "dense-mask", "banded" or "fused": how the same keys are attended
             (:func:`clusterformer.ops.selected_cluster_attention`); "auto" takes the fused C++ kernel
-            (:mod:`clusterformer.ops.listed_attention`) where it runs -- CPU float32/float64, no summaries, no
-            attention dropout, built -- else the dense mask while N <= 256 and the banded kernel (linear in N)
-            beyond (:func:`clusterformer.ops.selected.resolve_kernel`). The same function by each: they differ in
-            rounding and speed.
+            (:mod:`clusterformer.ops.listed_attention`) where it runs -- CPU float32/float64, no attention dropout,
+            built -- else the dense mask while N <= 256 and the banded kernel (linear in N) beyond
+            (:func:`clusterformer.ops.selected.resolve_kernel`). The same function by each: they differ in rounding
+            and speed.
         grouping: "kmeans" (default): a key's cluster is its nearest centroid; "position": the ablation with
             contiguous groups -- position j is in group (j // page) mod num_clusters, pages of ``page_size``
             positions (Quest's pages). "random": the ablation with random groups of the same expected size --
