@@ -563,18 +563,25 @@ def test_cluster_select_kernels_give_one_gradient(chunk, causal, monkeypatch):
     x = torch.randn(2, N, 16, dtype=torch.float64)
     pad = torch.zeros(2, N, dtype=torch.bool)
     pad[1, -5:] = True
-    grads = {}
+    grads = _cluster_select_by_kernels(options, x, pad, causal, ("gather", "dense-mask", "banded"))
+    for kernel in ("dense-mask", "banded"):
+        for a, b in zip(grads[kernel][1:], grads["gather"][1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _cluster_select_by_kernels(options, x, pad, causal, kernels):
+    """Per kernel, one cluster-select layer's outputs on the real tokens, input gradient and weight gradients
+    (the same weights for every kernel; eval, so that the centroids stay put)."""
     state = _layer("cluster-select", **options).state_dict()
-    for kernel in ("gather", "dense-mask", "banded"):
-        layer = _layer("cluster-select", **options, kernel=kernel).eval()  # eval: the centroids stay put
+    results = {}
+    for kernel in kernels:
+        layer = _layer("cluster-select", **options, kernel=kernel).eval()
         layer.load_state_dict(state)
         xi = x.clone().requires_grad_()
         y = layer(xi, key_padding_mask=pad, causal=causal)
-        (y[~pad] * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
-        grads[kernel] = [xi.grad] + [p.grad for p in layer.parameters()]
-    for kernel in ("dense-mask", "banded"):
-        for a, b in zip(grads[kernel], grads["gather"], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+        (y[~pad] * torch.linspace(-1, 1, x.shape[-1], dtype=torch.float64)).sum().backward()
+        results[kernel] = [y[~pad], xi.grad] + [p.grad for p in layer.parameters()]
+    return results
 
 
 @_fused_ready
@@ -587,22 +594,12 @@ def test_cluster_select_fused_kernel_gives_the_gather_kernels_gradient(options, 
     output and gradients (input and every weight) in float64, padding in two places, more keys than the window at
     37 positions. And "auto" takes it: the same values without naming it."""
     options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 6, "summaries": False, **options}
-    if options["summaries"] and options.get("selection") == "scores":
-        options.pop("selection")
     N = 37
     x = torch.randn(2, N, 16, dtype=torch.float64)
     pad = torch.zeros(2, N, dtype=torch.bool)
     pad[1, -5:] = True
     pad[0, 3:6] = True
-    state = _layer("cluster-select", **options).state_dict()
-    results = {}
-    for kernel in ("gather", "fused", "auto"):
-        layer = _layer("cluster-select", **options, kernel=kernel).eval()  # eval: the centroids stay put
-        layer.load_state_dict(state)
-        xi = x.clone().requires_grad_()
-        y = layer(xi, key_padding_mask=pad, causal=causal)
-        (y[~pad] * torch.linspace(-1, 1, 16, dtype=torch.float64)).sum().backward()
-        results[kernel] = [y[~pad], xi.grad] + [p.grad for p in layer.parameters()]
+    results = _cluster_select_by_kernels(options, x, pad, causal, ("gather", "fused", "auto"))
     for kernel in ("fused", "auto"):
         for a, b in zip(results[kernel], results["gather"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

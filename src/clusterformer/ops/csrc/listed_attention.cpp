@@ -50,6 +50,14 @@ struct Summaries {
   const int64_t* upper = nullptr;
   int64_t groups = 0;
 
+  // The summaries of (b, h) pair `pair` (this struct holding all pairs' tensors), or none.
+  inline Summaries at(int64_t pair, int64_t prefix_rows, int64_t N, int64_t D) const {
+    if (groups == 0) return {};
+    return {prefix_k + pair * prefix_rows * D, prefix_v == nullptr ? nullptr : prefix_v + pair * prefix_rows * D,
+            start + pair * groups, total + pair * groups, lower + pair * N * groups, upper + pair * N * groups,
+            groups};
+  }
+
   // The four prefix rows of query i's summary of group c, and its count n (rows: +a - b + c - d).
   inline int64_t rows(int64_t i, int64_t c, int64_t* r) const {
     const int64_t s = start[c], t = total[c], lo = lower[i * groups + c], up = upper[i * groups + c];
@@ -69,19 +77,14 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
   const int64_t C = all.groups;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
-    std::vector<T> scores(window + M + C), sum_buffer(D);
-    T* __restrict__ summed = sum_buffer.data();
+    std::vector<T> scores(window + M + C);
     for (int64_t pair = first; pair < last; ++pair) {
       const T* qp = q + pair * N * D;
       const T* kp = k + pair * Nk * D;
       const T* vp = v + pair * Nk * D;
       const int64_t* ip = index + pair * N * M;
       const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
-      Summaries<T> sums;
-      if (C) {
-        sums = {all.prefix_k + pair * prefix_rows * D, all.prefix_v + pair * prefix_rows * D, all.start + pair * C,
-                all.total + pair * C, all.lower + pair * N * C, all.upper + pair * N * C, C};
-      }
+      const Summaries<T> sums = all.at(pair, prefix_rows, N, D);
       T* op = out + pair * N * D;
       T* lp = lse + pair * N;
       for (int64_t i = 0; i < N; ++i) {
@@ -167,15 +170,9 @@ void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, c
       const T* vp = v + pair * Nk * D;
       const int64_t* ip = index + pair * N * M;
       const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
-      Summaries<T> sums;
-      T* dpk = nullptr;
-      T* dpv = nullptr;
-      if (C) {
-        sums = {all.prefix_k + pair * prefix_rows * D, all.prefix_v + pair * prefix_rows * D, all.start + pair * C,
-                all.total + pair * C, all.lower + pair * N * C, all.upper + pair * N * C, C};
-        dpk = dprefix_k + pair * prefix_rows * D;
-        dpv = dprefix_v + pair * prefix_rows * D;
-      }
+      const Summaries<T> sums = all.at(pair, prefix_rows, N, D);
+      T* dpk = C ? dprefix_k + pair * prefix_rows * D : nullptr;
+      T* dpv = C ? dprefix_v + pair * prefix_rows * D : nullptr;
       const T* op = out + pair * N * D;
       const T* lp = lse + pair * N;
       const T* gp = dout + pair * N * D;
@@ -376,8 +373,7 @@ torch::Tensor summary_logits(torch::Tensor q, torch::Tensor prefix_k, torch::Ten
     scalar_t* out = logits.data_ptr<scalar_t>();
     at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
       for (int64_t pair = first; pair < last; ++pair) {
-        const Summaries<scalar_t> sums = {all.prefix_k + pair * rows * D, nullptr, all.start + pair * C,
-                                          all.total + pair * C, all.lower + pair * N * C, all.upper + pair * N * C, C};
+        const Summaries<scalar_t> sums = all.at(pair, rows, N, D);
         for (int64_t i = 0; i < N; ++i) {
           const scalar_t* qi = qd + (pair * N + i) * D;
           scalar_t* oi = out + (pair * N + i) * C;
