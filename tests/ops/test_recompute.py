@@ -118,13 +118,13 @@ def test_an_empty_tensor_passes_through():
     assert x.grad.shape == (0, 4)
 
 
-def _alive_after_forward(name: str, length: int = 484):
+def _alive_after_forward(name: str, length: int = 484, **options):
     """Bytes of tensors alive after a training forward (what the graph keeps for the backward, and the output), the
     input's gradient after a backward, and the input's bytes. The default length, 484 = 22 clusters x chunks of 22,
     leaves neural clustering no empty slot, so its CPU path needs no window mask (which SDPA keeps, and which the
     fused GPU kernel does not build)."""
     torch.manual_seed(SEED)
-    layer = build(name, dim=64, heads=4).train()
+    layer = build(name, dim=64, heads=4, **options).train()
     x = torch.randn(2, length, 64, requires_grad=True)
     with TensorMemoryTracker() as tracker:
         out = layer(x)
@@ -157,8 +157,8 @@ def test_cluster_select_keeps_neither_band_copy(monkeypatch):
     band kept fails this). Both give the same gradients."""
     import clusterformer.ops.selected as selected_module
 
-    with_recompute, grad, x_bytes = _alive_after_forward("cluster-select", 600)  # N > 256: the banded kernel
+    with_recompute, grad, x_bytes = _alive_after_forward("cluster-select", 600, kernel="banded")
     monkeypatch.setattr(selected_module, "recompute_saved", lambda source, recompute: nullcontext())
-    without, grad_without, _ = _alive_after_forward("cluster-select", 600)
+    without, grad_without, _ = _alive_after_forward("cluster-select", 600, kernel="banded")
     assert without - with_recompute >= 3 * x_bytes, (without, with_recompute, x_bytes)
     assert torch.equal(grad, grad_without)
