@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ..masks import masked_sdpa, real_tokens
 from .key_lists import KeyLists, key_lists, listed_scores, listed_sum, run_key_lists
-from .listed_attention import RangeSummaries, listed_attention, summary_logits
+from .listed_attention import RangeSummaries, extension_available, extension_error, listed_attention, summary_logits
 from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "bound_logits", "bound_selection",
@@ -630,8 +630,6 @@ DENSE_MASK_UP_TO = 256  # "auto" takes the dense mask to this length, the banded
 def fused_usable(q: torch.Tensor, *, dropout_p: float = 0.0) -> str | None:
     """Why the ``"fused"`` kernel cannot take these queries, or None when it can: it runs float32/float64 CPU tensors
     without attention dropout, once its C++ kernel is built (:mod:`clusterformer.ops.listed_attention`)."""
-    from .listed_attention import extension_available, extension_error
-
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
         return f"it runs float32/float64 CPU tensors; got {q.dtype} on {q.device}"
     if dropout_p:
