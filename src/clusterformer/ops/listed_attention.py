@@ -249,25 +249,11 @@ def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     keys, values = (t.gather(2, flat).view(B, H, N, M, -1) for t in (k, v))
     scores = torch.einsum("bhnd,bhnmd->bhnm", q, keys).mul(scale).masked_fill(~listed, float("-inf"))
     if summaries is not None:  # one more key per group: the mean of its rows, logit + log n
-        prefix_k, prefix_v, start, total, lower, upper = summaries
-        C = start.shape[-1]
-        first, size = start[:, :, None].expand(B, H, N, C), total[:, :, None].expand(B, H, N, C)
-        rows = torch.stack([first + lower, first, first + size, first + upper], dim=2)  # (B, H, 4, N, C)
-        rows = rows.reshape(B, H, 4 * N * C, 1).expand(-1, -1, -1, D)
-
-        def range_sums(prefix: torch.Tensor) -> torch.Tensor:  # (B, H, N, C, D)
-            a, b, c, d = prefix.gather(2, rows).view(B, H, 4, N, C, D).unbind(2)
-            return (a - b) + (c - d)
-
-        n = (lower + size - upper).to(q.dtype)
-        held = n > 0
-        count = n.clamp(min=1).unsqueeze(-1)
-        summary_keys, summary_values = range_sums(prefix_k) / count, range_sums(prefix_v) / count
-        summary_scores = (torch.einsum("bhnd,bhncd->bhnc", q, summary_keys) * scale
-                          + n.clamp(min=1).log()).masked_fill(~held, float("-inf"))
+        summary_scores, n = _summary_scores(q, summaries, scale)
+        summary_values = _range_sums(summaries.prefix_v, summaries) / n.clamp(min=1).unsqueeze(-1)
         scores = torch.cat([scores, summary_scores], dim=-1)
         values = torch.cat([values, summary_values], dim=3)
-        listed = torch.cat([listed, held], dim=-1)
+        listed = torch.cat([listed, n > 0], dim=-1)
     empty = ~listed.any(-1, keepdim=True)
     lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
@@ -284,12 +270,24 @@ def summary_logits(q: torch.Tensor, summaries: RangeSummaries, scale: float | No
         if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available():
             return _module.summary_logits(q.detach().contiguous(), summaries.prefix_k.detach().contiguous(),
                                           *(t.contiguous() for t in summaries[2:]), scale)
-        B, H, N, D = q.shape
-        prefix_k, _, start, total, lower, upper = summaries
-        C = start.shape[-1]
-        first, size = start[:, :, None].expand(B, H, N, C), total[:, :, None].expand(B, H, N, C)
-        rows = torch.stack([first + lower, first, first + size, first + upper], dim=2).reshape(B, H, 4 * N * C, 1)
-        a, b, c, d = prefix_k.gather(2, rows.expand(-1, -1, -1, D)).view(B, H, 4, N, C, D).unbind(2)
-        n = (lower + size - upper).to(q.dtype)
-        dots = torch.einsum("bhnd,bhncd->bhnc", q, (a - b) + (c - d))
-        return (dots * scale / n.clamp(min=1) + n.clamp(min=1).log()).masked_fill(n <= 0, float("-inf"))
+        return _summary_scores(q, summaries, scale)[0]
+
+
+def _range_sums(prefix: torch.Tensor, summaries: RangeSummaries) -> torch.Tensor:
+    """Per query and group, the sum of the summary's rows of ``prefix`` (B, H, R + 1, D): (B, H, N, C, D)."""
+    _, _, start, total, lower, upper = summaries
+    B, H, N, C = lower.shape
+    D = prefix.shape[-1]
+    first, size = start[:, :, None].expand(B, H, N, C), total[:, :, None].expand(B, H, N, C)
+    rows = torch.stack([first + lower, first, first + size, first + upper], dim=2)  # (B, H, 4, N, C)
+    a, b, c, d = prefix.gather(2, rows.reshape(B, H, 4 * N * C, 1).expand(-1, -1, -1, D)).view(
+        B, H, 4, N, C, D).unbind(2)
+    return (a - b) + (c - d)
+
+
+def _summary_scores(q: torch.Tensor, summaries: RangeSummaries, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summaries' logits (B, H, N, C), q . mean key * scale + log n (-inf where n = 0), and n, by a gather."""
+    n = (summaries.lower + summaries.total[:, :, None] - summaries.upper).to(q.dtype)
+    keys = _range_sums(summaries.prefix_k, summaries) / n.clamp(min=1).unsqueeze(-1)
+    scores = torch.einsum("bhnd,bhncd->bhnc", q, keys) * scale + n.clamp(min=1).log()
+    return scores.masked_fill(n <= 0, float("-inf")), n
