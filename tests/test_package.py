@@ -64,8 +64,9 @@ def test_every_docs_script_imports_against_the_current_api():
 
 def test_option_swap_reevaluates_a_run_as_trained_and_with_another_ranking(tmp_path):
     """docs/scripts/option_swap.py: without options it gives the run's recorded test accuracy (the rebuilt model is
-    the trained one); with ``selection=bound`` it evaluates the same weights with the bound's ranking, which is
-    recorded in the line it prints and changes the outputs of some query."""
+    the trained one); with ``selection=summaries`` it evaluates the same weights (trained with the default, the
+    bound) with the summaries' ranking, which is recorded in the line it prints and changes the outputs of some
+    query."""
     import importlib.util
     import json
     from pathlib import Path
@@ -82,15 +83,16 @@ def test_option_swap_reevaluates_a_run_as_trained_and_with_another_ranking(tmp_p
     out = tmp_path / "run"
     run_training(TrainConfig(task="mqar", out=str(out), max_len=64, max_steps=3, batch_size=4, dim=16, heads=2,
                              depth=1, attention="cluster-select",
-                             attention_options={"num_clusters": 4, "select": 1, "cluster_keys": 4, "window": 8},
+                             attention_options={"num_clusters": 4, "select": 2, "cluster_keys": 4, "window": 8},
                              task_options={"num_pairs": 4, "vocab_size": 32, "test_sequences": 16,
                                            "recall_sequences": 4}))
     recorded = json.loads((out / "metrics.json").read_text())["metrics"]["accuracy"]
     assert f"'accuracy': {round(recorded, 4)}" in script.option_swap(str(out), {})
-    swapped = script.option_swap(str(out), {"selection": "bound", "bound_block": 4})
-    assert "'selection': 'bound'" in swapped and "'bound_block': 4" in swapped
+    swapped = script.option_swap(str(out), {"selection": "summaries"})
+    assert "'selection': 'summaries'" in swapped
     trained, task, _, _ = load_trained(out)
-    bound, _, _, _ = load_trained(out, adjust=lambda c: c.attention_options.update(selection="bound", bound_block=4))
+    assert trained.encoder.blocks[0].attn.inner.options.selection == "bound"
+    means, _, _, _ = load_trained(out, adjust=lambda c: c.attention_options.update(selection="summaries"))
     ids = task.test.ids[:4]
     with torch.no_grad():
-        assert (trained(ids) - bound(ids)).abs().max() > 1e-6, "the swapped ranking must change some output"
+        assert (trained(ids) - means(ids)).abs().max() > 1e-6, "the swapped ranking must change some output"

@@ -270,3 +270,29 @@ def test_report_grids_joins_comparisons_into_one_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["report", "--grids", str(tmp_path / "bad.json")])
     assert "not a comparison summary" in capsys.readouterr().err
+
+
+def test_compare_refuses_to_add_runs_to_an_entry_trained_under_earlier_defaults(tmp_path, capsys):
+    """A finished cluster-select run whose metrics.json records no defaults versions (written before version 2 of
+    its defaults) and a seed still to run: one summary row would mix two configurations, so compare refuses before
+    training anything, naming the run; --summary-only, or a record of the current defaults, goes on."""
+    _write_task(tmp_path)
+    out = tmp_path / "cmp"
+    argv = ["compare", "--tasks", "text-classification", "--attention", "cluster-select", "--seeds", "0,1",
+            "--out", str(out), *_train_flags(tmp_path, steps=1)]
+    assert main([*argv[:argv.index("0,1")], "0", *argv[argv.index("0,1") + 1:]]) == 0  # seed 0 alone
+    old = out / "text-classification" / "cluster-select" / "seed0"
+    record = json.loads((old / "metrics.json").read_text())
+    assert record["defaults_versions"]["cluster-select"] == 2
+    (old / "metrics.json").write_text(json.dumps({k: v for k, v in record.items() if k != "defaults_versions"}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert "seed0 ran cluster-select under its earlier defaults (version 1, now 2)" in err
+    assert not (out / "text-classification" / "cluster-select" / "seed1").exists()
+    assert main([*argv[:argv.index("--out")], "--summary-only", *argv[argv.index("--out"):]]) == 0
+    # a current record of the same entry does not stop it
+    (old / "metrics.json").write_text(json.dumps(record))
+    assert main(argv) == 0
+    assert (out / "text-classification" / "cluster-select" / "seed1" / "metrics.json").is_file()

@@ -226,7 +226,7 @@ def test_probe_tells_a_key_read_as_the_answer_from_one_averaged_into_a_summary()
     x[0, 0, 0], x[0, 10, 0], x[0, 11, 0] = 4.0, 2.0, 1.0
     query, keys = torch.tensor([[11, 11]]), torch.tensor([[0, 10]])
     options = {"summaries": True, "selection": "summaries", "grouping": "position", "num_clusters": 2, "select": 1,
-               "cluster_keys": 1, "window": 2}
+               "cluster_keys": 1, "window": 2, "own_group": False}
     layers = {}
     for name, extra in (("full", {}), ("cluster-select", options)):
         layer = build(name, dim=2, heads=1, bias=False, **extra).double().eval()

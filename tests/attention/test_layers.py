@@ -15,6 +15,9 @@ from seeds import fixed_seed
 
 _fused_ready = pytest.mark.skipif(not extension_available(), reason="cluster-select's fused kernel is not built here")
 FUSED = pytest.param("fused", marks=_fused_ready)  # cluster-select's C++ kernel
+# cluster-select's own group and sink, on by default since version 2 of its defaults: off where a test names the
+# configuration before them (its references add them only when asked)
+OFF = {"own_group": False, "sink": 0}
 
 
 def _layer(name, dim=16, heads=2, **options):
@@ -333,7 +336,7 @@ def test_cluster_select_matches_dense_reference(N, options, causal, kernel, bala
     in the middle of a sequence (never read, never counted in a cluster); both kernels. ``balance_bias``: a layer
     with option ``balance`` and that bias (H, C)."""
     balance = {} if balance_bias is None else {"balance": 0.1}
-    layer = _layer("cluster-select", **options, kernel=kernel, summaries=False, **balance)
+    layer = _layer("cluster-select", **options, kernel=kernel, summaries=False, selection="scores", **OFF, **balance)
     if balance_bias is not None:
         layer.inner.balance_bias.copy_(balance_bias)
     B = 3
@@ -479,9 +482,9 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     if grouping.endswith("-clusters"):  # a query selects clusters, then a span of each
         splits["split_selection"] = "clusters"
     grouping = grouping.removesuffix("-5").removesuffix("-clusters").removesuffix("-split")
-    sink = {"sink": options["cluster_keys"] // 2} if selection.endswith("-sink") else {}  # read by every query
+    sink = {"sink": options["cluster_keys"] // 2 if selection.endswith("-sink") else 0}  # read by every query
     selection = selection.removesuffix("-sink")
-    own = {"own_group": True} if selection.endswith("-own") else {}  # the own key's group read first
+    own = {"own_group": selection.endswith("-own")}  # the own key's group read first
     selection = selection.removesuffix("-own")
     summaries = selection != "bound-alone"  # "bound-alone": the bound's selection without summaries
     selection = selection.removesuffix("-alone")
@@ -499,7 +502,7 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
         pad[1, -3:] = True
         pad[2, 2:4] = True
     plain = _layer("cluster-select", **options, kernel=kernel, grouping=grouping, **pages, summaries=False,
-                   selection="scores" if grouping == "kmeans" else "random",
+                   selection="scores" if grouping == "kmeans" else "random", **OFF,
                    **({} if balance_bias is None else {"balance": 0.1}))
     plain.load_state_dict(layer.state_dict())
     y = layer(x, key_padding_mask=pad, causal=causal)
@@ -515,10 +518,10 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
     if selection == "bound" and N > 6:  # the bound must choose other groups than the summaries' means or centroids
         other = _layer("cluster-select", **options, kernel=kernel, summaries=summaries, grouping=grouping,
                        **{key: value for key, value in splits.items() if key != "bound_block"},
-                       selection="summaries" if summaries else "scores")
+                       selection="summaries" if summaries else "scores", **OFF)
         other.load_state_dict(layer.state_dict())
         assert (y - other(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "the bound must count"
-    for option in [option for option in (own, sink) if option and N > 6]:  # each must change what some query reads
+    for option in [option for option in (own, sink) if any(option.values()) and N > 6]:  # each must change a read
         without = {**own, **sink, **{key: type(value)() for key, value in option.items()}}
         other = _layer("cluster-select", **options, kernel=kernel, summaries=summaries, grouping=grouping,
                        selection=selection, **splits, **without)
@@ -526,7 +529,7 @@ def test_cluster_select_summaries_match_dense_reference(N, options, selection, g
         assert (y - other(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, f"{option} must count"
     if splits and N > 6:  # the spans must split some cluster of the case, so that the groups differ from the clusters
         whole = _layer("cluster-select", **options, kernel=kernel, summaries=True, selection=selection,
-                       grouping=grouping)
+                       grouping=grouping, **OFF)
         whole.load_state_dict(layer.state_dict())
         assert (y - whole(x, key_padding_mask=pad, causal=causal))[~pad].abs().max() > 1e-3, "the spans must count"
 
@@ -632,20 +635,25 @@ def test_cluster_select_summaries_options():
     them."""
     from clusterformer.attention.cluster_select import ClusterSelectOptions
     options = ClusterSelectOptions(num_clusters=16, select=2, cluster_keys=8, window=16, summaries=True)
-    assert options.keys_per_query(1024) == 16 + 2 * 8 + 16
+    assert options.keys_per_query(1024) == 16 + 2 * 8 + 16 + 1  # the window, the clusters, summaries, the sink
     budget = options.for_budget(64, 1024)
     assert ClusterSelectOptions(**{**vars(options), **budget}).keys_per_query(1024) <= 64
-    assert budget == {"window": 24, "cluster_keys": 12}
-    # the defaults (sixth session): summaries on, ranked by them; without summaries, by q . mu
-    assert (ClusterSelectOptions().summaries, ClusterSelectOptions().selection) == (True, "summaries")
-    assert ClusterSelectOptions(summaries=False).selection == "scores"
+    assert budget == {"window": 22, "cluster_keys": 12}
+    # the defaults (version 2, twenty-fifth session): summaries on (sixth session), groups ranked by the bound,
+    # the own key's group read first, a sink of 1 -- each resolved at construction, so records name what ran
+    defaults = ClusterSelectOptions()
+    assert (defaults.summaries, defaults.selection, defaults.own_group, defaults.sink) == (True, "bound", True, 1)
+    assert ClusterSelectOptions(summaries=False).selection == "bound"
     assert ClusterSelectOptions(summaries=False, selection="random").selection == "random"
+    assert ClusterSelectOptions(cluster_keys=1).sink == 0  # a sink must fit half a cluster's keys
+    clusters = ClusterSelectOptions(num_clusters=4, position_splits=2, split_size=8, split_selection="clusters")
+    assert (clusters.own_group, clusters.sink) == (False, 0)  # one group per selected cluster: neither applies
     with pytest.raises(ValueError, match="summaries"):
         ClusterSelectOptions(summaries=False, selection="summaries")
-    with pytest.raises(ValueError, match="grouping"):
-        ClusterSelectOptions(grouping="position", summaries=False)  # selection="scores" needs trained centroids
+    with pytest.raises(ValueError, match="grouping"):  # selection="scores" needs trained centroids
+        ClusterSelectOptions(grouping="position", summaries=False, selection="scores")
     with pytest.raises(ValueError, match="grouping='random' has no trained centroids"):
-        ClusterSelectOptions(grouping="random", summaries=False)
+        ClusterSelectOptions(grouping="random", summaries=False, selection="scores")
     with pytest.raises(ValueError, match="grouping"):
         ClusterSelectOptions(grouping="pages", summaries=True, selection="summaries")
     with pytest.raises(ValueError, match="page_size"):
@@ -655,12 +663,13 @@ def test_cluster_select_summaries_options():
     # position_splits: num_clusters x position_splits groups, each with its summary in the budget
     split = ClusterSelectOptions(num_clusters=8, position_splits=4, split_size=128, select=4, cluster_keys=24,
                                  window=32)
-    assert split.num_groups == 32 and split.keys_per_query(1024) == 32 + 4 * 24 + 32
-    assert split.for_budget(256, 1024) == {"window": 112, "cluster_keys": 28}
+    assert split.num_groups == 32 and split.keys_per_query(1024) == 32 + 4 * 24 + 32 + 1
+    assert split.for_budget(256, 1024) == {"window": 110, "cluster_keys": 28}
     assert ClusterSelectOptions(num_clusters=4, position_splits=2, split_size=8, select=8).select == 8
     for bad, message in (({"position_splits": 2}, "split_size"), ({"split_size": 8}, "position_splits > 1"),
                          ({"position_splits": 0}, "position_splits"),
-                         ({"position_splits": 2, "split_size": 8, "summaries": False}, "selection='summaries'"),
+                         ({"position_splits": 2, "split_size": 8, "summaries": False, "selection": "scores"},
+                          "selection='summaries'"),
                          ({"position_splits": 2, "split_size": 8, "grouping": "position"}, "grouping='kmeans'"),
                          ({"position_splits": 2, "split_size": 8, "grouping": "random", "summaries": False,
                            "selection": "random"}, "selection='summaries'"),
@@ -681,10 +690,11 @@ def test_cluster_select_summaries_options():
     # vectors rank groups and are not keys of the softmax (the budget is the summaries' selection's)
     bound = ClusterSelectOptions(selection="bound", position_splits=2, split_size=8)
     assert bound.block == 64 and ClusterSelectOptions(selection="bound", bound_block=5).block == 5
-    assert ClusterSelectOptions().block == 0
+    assert ClusterSelectOptions().block == 64 and ClusterSelectOptions(selection="summaries").block == 0
     assert bound.keys_per_query(1024) == ClusterSelectOptions(position_splits=2, split_size=8).keys_per_query(1024)
     assert ClusterSelectOptions(selection="bound", grouping="position", summaries=False).selection == "bound"
-    for bad, message in (({"bound_block": 8}, "bound_block=8 sets the blocks of selection='bound'"),
+    for bad, message in (({"bound_block": 8, "selection": "summaries"},
+                          "bound_block=8 sets the blocks of selection='bound'"),
                          ({"selection": "bound", "bound_block": -1}, "bound_block"),
                          ({"selection": "bounds"}, "selection")):
         with pytest.raises(ValueError, match=message):
@@ -703,14 +713,20 @@ def test_cluster_select_own_group_and_sink_options():
     assert with_own_group(torch.tensor([[3]]), torch.tensor([4])).tolist() == [[4]]
     options = {"selection": "bound", "summaries": False}
     assert (ClusterSelectOptions(**options, own_group=True).keys_per_query(1024)
-            == ClusterSelectOptions(**options).keys_per_query(1024))
+            == ClusterSelectOptions(**options, own_group=False).keys_per_query(1024))
     # sink: that many more keys per query, taken first from a budget; at most cluster_keys // 2
     sunk = ClusterSelectOptions(**options, sink=4)
-    assert sunk.keys_per_query(1024) == ClusterSelectOptions(**options).keys_per_query(1024) + 4
+    assert sunk.keys_per_query(1024) == ClusterSelectOptions(**options, sink=0).keys_per_query(1024) + 4
     assert sunk.attended_groups == sunk.num_groups + 1 == 17
+    assert ClusterSelectOptions(**options, sink=0).attended_groups == 16
     budget = sunk.for_budget(64, 1024)
     assert ClusterSelectOptions(**options, sink=4, **budget).keys_per_query(1024) <= 64
-    assert budget == ClusterSelectOptions(**options).for_budget(60, 1024)
+    assert budget == ClusterSelectOptions(**options, sink=0).for_budget(60, 1024)
+    # a budget whose clusters get fewer than 2 sink keys each goes without the sink, and says so
+    assert ClusterSelectOptions(**options).for_budget(8, 1024) == {"window": 2, "cluster_keys": 2}
+    small = ClusterSelectOptions(**options).for_budget(6, 1024)
+    assert small == {"window": 2, "cluster_keys": 2, "sink": 0}
+    assert ClusterSelectOptions(**options, **small).keys_per_query(1024) == 6
     for bad, message in (({"sink": 17}, "sink=17 positions .* at most cluster_keys // 2 = 16"),
                          ({"sink": -1}, "sink"),
                          ({"sink": 1, "position_splits": 2, "split_size": 4, "split_selection": "clusters"},

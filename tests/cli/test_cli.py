@@ -112,7 +112,7 @@ def test_demo_runs_end_to_end_on_a_tiny_budget(tmp_path):
     assert below == any("Why neural-clustering is below full here" in line for line in lines)
 
 
-def test_demo_trains_cluster_select_with_summaries_by_default(tmp_path, monkeypatch):
+def test_demo_trains_cluster_select_with_its_defaults(tmp_path, monkeypatch):
     """cluster-select is in the demo by default (benchmark, training, and a line that says whether it reached full's
     accuracy, decided by the numbers); ``--with ""`` leaves it out; an unknown name is refused."""
     from clusterformer.apps import demo
@@ -124,7 +124,7 @@ def test_demo_trains_cluster_select_with_summaries_by_default(tmp_path, monkeypa
     runs = summary["training"]
     assert [r["attention"] for r in runs] == ["full", "neural-clustering", "cluster-select"]
     assert {r["name"] for r in summary["benchmark"]} == {"full", "neural-clustering", "cluster-select"}
-    assert runs[2]["keys_per_query"] == 64 + 2 * 32 + 16  # window, 2 clusters x 32 keys and the 16 summaries
+    assert runs[2]["keys_per_query"] == 64 + 2 * 32 + 16 + 1  # window, 2 clusters x 32 keys, 16 summaries, sink
     reached = runs[2]["accuracy"] >= runs[0]["accuracy"] - 0.02
     verdict = [line for line in "\n".join(lines).splitlines() if line.startswith("cluster-select reads")]
     assert len(verdict) == 1 and ("at full's accuracy" in verdict[0]) == reached

@@ -744,3 +744,38 @@ def test_centroid_lr_scale_applies_when_fine_tuning_from_a_checkpoint(tmp_path):
         TrainConfig(out="x", **{**common, "init": "minilm"}, centroid_lr_scale=0.1)
     with pytest.raises(ValueError, match="centroid_flow cannot be combined"):  # it would rewire the layers
         TrainConfig(out="x", **common, centroid_flow=True)
+
+
+def test_a_checkpoint_written_under_earlier_defaults_is_rebuilt_as_it_was_trained(tmp_path, capsys):
+    """cluster-select's defaults changed (version 2: the bound, the own group, a sink). A checkpoint that records no
+    defaults versions (written before) and gives only sizes is rebuilt with the defaults of then -- by evaluation,
+    load_trained and --init -- and --resume with the same flags is refused, naming the options to give."""
+    from clusterformer.train.loop import evaluate_checkpoint, load_trained
+
+    train, test = _write_task(tmp_path)
+    out = tmp_path / "run"
+    sizes = {"window": 4, "cluster_keys": 2, "num_clusters": 4}
+    then = {"selection": "summaries", "own_group": False, "sink": 0}
+    assert main(_argv(train, test, out, "--attention", "cluster-select", "--attention-options",
+                      json.dumps({**sizes, **then}), "--max-steps", "2", "--batch-size", "16")) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["defaults_versions"]["cluster-select"] == 2
+    assert {k: metrics["resolved_options"]["attention"][k] for k in then} == then
+    state = load_checkpoint(out)
+    assert state["defaults_versions"]["cluster-select"] == 2
+    del state["defaults_versions"]  # as the runs before version 2 wrote it: the sizes given, the defaults implied
+    state["config"]["attention_options"] = dict(sizes)
+    save_checkpoint(out, state)
+
+    model, _task, config, _step = load_trained(out)
+    assert config.attention_options == {**sizes, **then}
+    for block in model.encoder.blocks:
+        assert {k: getattr(block.attn.inner.options, k) for k in then} == then
+    assert evaluate_checkpoint(out, device="cpu")["metrics"] == pytest.approx(metrics["metrics"])
+    with pytest.raises(SystemExit):
+        main(_argv(train, test, out, "--attention", "cluster-select", "--attention-options", json.dumps(sizes),
+                   "--max-steps", "3", "--batch-size", "16", "--resume"))
+    err = capsys.readouterr().err
+    assert "defaults of its mechanism changed" in err and "'own_group': False" in err
+    assert main(_argv(train, test, out, "--attention", "cluster-select", "--attention-options",
+                      json.dumps({**sizes, **then}), "--max-steps", "3", "--batch-size", "16", "--resume")) == 0

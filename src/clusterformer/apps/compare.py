@@ -229,6 +229,23 @@ class _Run:
     started: float = 0.0
 
 
+def _check_defaults(config: CompareConfig, pending: list[_Run]) -> None:
+    """Refuse to add runs to an entry whose finished runs were trained under older defaults of its mechanism
+    (``DEFAULTS_VERSION``): one summary row would average two configurations under one label."""
+    from ..attention.registry import defaults_versions
+
+    current = defaults_versions()
+    for (task, _label), entry in {(run.task, run.entry.label): run.entry for run in pending}.items():
+        directory = Path(config.out) / task / entry.directory
+        for metrics_file in sorted(directory.glob("*/metrics.json")):
+            recorded = json.loads(metrics_file.read_text()).get("defaults_versions") or {}
+            if recorded.get(entry.mechanism, 1) < current.get(entry.mechanism, 1):
+                raise ValueError(f"{metrics_file.parent} ran {entry.mechanism} under its earlier defaults (version "
+                                 f"{recorded.get(entry.mechanism, 1)}, now {current[entry.mechanism]}): new runs of "
+                                 f"{entry.label!r} would not be the same configuration; use another --out, or name "
+                                 f"the options those runs had (docs/ARCHITECTURE.md, \"Defaults that change\")")
+
+
 def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the grid, ``config.jobs`` trainings at a time, then write and return the summary."""
     grid = [(task, entry, unit, flags) for task in config.tasks for entry in config.entries
@@ -254,6 +271,7 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
                 "--no-progress", *flags,
                 *_per_seed([*config.train_args, *entry.train_args], flags), *resume]
         pending.append(_Run(i, task, entry, unit, run_dir, argv))
+    _check_defaults(config, pending)
     _run_all(pending, len(grid), config.jobs, log)
     summary = summarise(config)
     write_json(Path(config.out) / "summary.json", summary)

@@ -71,10 +71,22 @@ class AttentionOptions:
         ALIASES: the papers' names accepted for an option, {alias: option} (e.g. Reformer's ``bucket_size``
             for ``chunk_size``); :func:`clusterformer.attention.registry.make_options` maps them.
         ATTENTION_DROPOUT: False when the mechanism has no attention dropout (then ``dropout`` must be 0).
+        DEFAULTS_VERSION: raised by one whenever a default changes what the mechanism computes, with
+            :meth:`earlier_defaults` saying what the defaults were before. Checkpoints and ``metrics.json``
+            record every mechanism's version (:func:`clusterformer.attention.registry.defaults_versions`), so a
+            run written under older defaults is rebuilt as it was trained
+            (:func:`clusterformer.attention.registry.pin_defaults`), not silently under the new ones.
     """
 
     ALIASES: ClassVar[dict[str, str]] = {}
     ATTENTION_DROPOUT: ClassVar[bool] = True
+    DEFAULTS_VERSION: ClassVar[int] = 1
+
+    @classmethod
+    def earlier_defaults(cls, version: int, options: dict[str, Any]) -> dict[str, Any]:
+        """The options to set over ``options`` (as given, canonical names) so that they build what they built
+        under the defaults of ``version`` (< DEFAULTS_VERSION). None changed yet: {}."""
+        return {}
 
     dropout: float = 0.0
     bias: bool = True

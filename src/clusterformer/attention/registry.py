@@ -21,8 +21,8 @@ from .._checks import check_int
 from .aux import declare_losses
 from .base import AttentionLayer, AttentionOptions, InnerAttention, option_fields
 
-__all__ = ["Mechanism", "build", "build_inner", "can_decode", "causal_semantics", "describe", "make_options",
-           "mechanisms", "names", "register"]
+__all__ = ["Mechanism", "build", "build_inner", "can_decode", "causal_semantics", "defaults_versions", "describe",
+           "make_options", "mechanisms", "names", "pin_defaults", "register"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,24 @@ def make_options(name: str, options: dict[str, Any] | AttentionOptions) -> Atten
             if alias in options and message.startswith(target):
                 raise ValueError(f"{target} (given as {alias}){message[len(target):]}") from None
         raise
+
+
+def defaults_versions() -> dict[str, int]:
+    """Every mechanism's ``DEFAULTS_VERSION`` (what its defaults compute), for checkpoints and run records."""
+    return {name: _REGISTRY[name].options.DEFAULTS_VERSION for name in names()}
+
+
+def pin_defaults(name: str, options: dict[str, Any], versions: dict[str, int] | None) -> dict[str, Any]:
+    """``options`` of mechanism ``name`` as a record written under the defaults ``versions`` meant them: the options
+    whose defaults changed since (:meth:`AttentionOptions.earlier_defaults`) set to the old defaults, unless given.
+    ``versions`` is the record's :func:`defaults_versions`; None, or a mechanism missing from it, is version 1 (the
+    records written before versions were kept). An unknown name is returned as it is (its own code refuses it)."""
+    mech = _REGISTRY.get(name)
+    version = (versions or {}).get(name, 1)
+    if mech is None or version >= mech.options.DEFAULTS_VERSION:
+        return dict(options)
+    canonical = {mech.options.ALIASES.get(key, key): value for key, value in options.items()}
+    return {**options, **mech.options.earlier_defaults(version, canonical)}
 
 
 def build_inner(name: str, *, dim: int, heads: int, **options: Any) -> InnerAttention:

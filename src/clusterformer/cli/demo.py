@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--with", dest="also", type=_names, default=None, metavar="NAMES",
                    help="comma-separated mechanisms trained beside full and neural-clustering (default: "
-                        "cluster-select, with summaries; '' for none)")
+                        "cluster-select, with its defaults; '' for none)")
     p.set_defaults(func=run)
 
 

@@ -61,7 +61,7 @@ from ..attention import (
     collect_aux_losses,
     total_loss,
 )
-from ..attention.registry import make_options
+from ..attention.registry import defaults_versions, make_options, pin_defaults
 from ..models import EncoderConfig, cluster_former_config
 from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .config import INIT_TASKS, TrainConfig, pretrained_model
@@ -395,7 +395,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
 
 
 def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
-    state = load_checkpoint(out / CHECKPOINT)
+    state = read_checkpoint(out / CHECKPOINT)
     saved = state["config"]
     changed = {k for k in ("task", "task_options", "attention", "attention_options", "dim", "depth", "heads",
                            "max_len", "seed", "batch_size", "cluster_layers", "reversible", "tied", "tied_lipschitz",
@@ -404,7 +404,11 @@ def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
                            "dense_warmup_steps", "dense_warmup_loss")
                if _comparable(saved.get(k, getattr(config, k))) != _comparable(getattr(config, k))}
     if changed:
-        raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}")
+        pinned = sorted(k for k in changed & {"attention_options", "decoder_attention_options", "layer_attention"}
+                        if _comparable(state.get("unpinned_config", {}).get(k)) == _comparable(getattr(config, k)))
+        hint = (f"; the defaults of its mechanism changed since it was written: to resume it, give {pinned[0]} as "
+                f"the checkpoint trained with, {saved[pinned[0]]}" if pinned else "")
+        raise ValueError(f"--resume with different {', '.join(sorted(changed))} than the checkpoint in {out}{hint}")
     if state["world_size"] != world:
         raise ValueError(f"the checkpoint was written with {state['world_size']} processes, not {world}")
     return state
@@ -524,7 +528,7 @@ def _checkpoint(run: _Run) -> None:
             "scheduler": run.scheduler.state_dict(), "step": run.step, "train_seconds": run.train_seconds,
             "rng": rngs, "config": asdict(run.config), "tokenizer": task.tokenizer, "world_size": run.world,
             "evaluations": run.evaluations, "dense_losses": run.dense_losses, "dense_ended": run.dense_ended,
-            "init_report": run.init_report,
+            "init_report": run.init_report, "defaults_versions": defaults_versions(),
             "task": {"name": task.name, "kind": task.kind, "vocab_size": task.vocab_size,
                      "num_classes": task.num_classes, "metric": task.metric, "info": task.info},
         })
@@ -554,6 +558,7 @@ def _finish(run: _Run) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(config),
             "keys_per_query": keys_per_query(model, config.max_len, getattr(run.task, "causal", run.task.kind == "lm")),
+            "defaults_versions": defaults_versions(), "resolved_options": resolved_options(config),
         }
         if run.init_report is not None:
             result["init"] = run.init_report
@@ -571,7 +576,7 @@ def _finish(run: _Run) -> dict:
 def _pretrained_checkpoint(path: str, task: str) -> dict:
     """The checkpoint behind --init PATH: a `train --task mlm` run, whose encoder a text task fine-tunes, or a run
     of this same ``task``, whose whole model this run continues (at another length, with another mechanism)."""
-    state = load_checkpoint(path)
+    state = read_checkpoint(path)
     kind, saved_task = state.get("task", {}).get("kind"), state.get("config", {}).get("task")
     if kind == "mlm":
         if task not in INIT_TASKS:
@@ -676,9 +681,41 @@ def keys_per_query(model: torch.nn.Module, length: int, causal: bool) -> int | N
     return max(budgets) if budgets else None
 
 
+def read_checkpoint(path: str | Path) -> dict:
+    """A checkpoint (run directory or file) whose config names the options it was trained with: the options of
+    each mechanism whose defaults have changed since it was written set to the defaults of then
+    (:func:`clusterformer.attention.registry.pin_defaults`; checkpoints without ``defaults_versions`` predate them),
+    so that evaluating, resuming or continuing it rebuilds the model that was trained."""
+    state = load_checkpoint(path)
+    config = state.get("config")
+    if not isinstance(config, dict):
+        return state
+    versions = state.get("defaults_versions")
+    config = dict(config)
+    if config.get("attention") is not None:
+        config["attention_options"] = pin_defaults(config["attention"], config.get("attention_options") or {},
+                                                   versions)
+    if config.get("decoder_attention") is not None:
+        config["decoder_attention_options"] = pin_defaults(config["decoder_attention"],
+                                                           config.get("decoder_attention_options") or {}, versions)
+    if config.get("layer_attention"):
+        config["layer_attention"] = {layer: [name, pin_defaults(name, options or {}, versions)]
+                                     for layer, (name, options) in config["layer_attention"].items()}
+    return {**state, "config": config, "unpinned_config": state["config"]}
+
+
+def resolved_options(config: TrainConfig) -> dict[str, dict[str, Any]]:
+    """Every option of each mechanism the run trains, defaults included ({"attention": {...},
+    "layer_attention[L]": {...}}): what ran, whatever the defaults become. Empty for a pretrained --init model
+    (its patch options are its own)."""
+    if pretrained_model(config.init):
+        return {}
+    return {role: dataclasses.asdict(make_options(name, options)) for role, name, options in config.mechanisms()}
+
+
 def load_run(path: str | Path) -> tuple[dict[str, Any], TrainConfig]:
     """A checkpoint (run directory or file) and the :class:`TrainConfig` it was trained with."""
-    state = load_checkpoint(path)
+    state = read_checkpoint(path)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     return state, TrainConfig(**{k: v for k, v in state["config"].items() if k in fields})
 
