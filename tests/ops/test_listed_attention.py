@@ -265,3 +265,99 @@ def test_range_summaries_gradcheck_through_the_prefix_sums():
         return out, lse
 
     assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
+
+
+def _runs(B, H, N, Nk, R, capacity, seed_offset=0):
+    """Random slot runs: a permutation of the key positions per (b, h) and R runs per query, lengths 0..capacity
+    (one query with none), each inside [0, Nk)."""
+    g = torch.Generator().manual_seed(fixed_seed() + 1 + seed_offset)
+    order = torch.stack([torch.randperm(Nk, generator=g) for _ in range(B * H)]).view(B, H, Nk)
+    length = torch.randint(0, capacity + 1, (B, H, N, R), generator=g).clamp(max=Nk)
+    length[0, 0, 0] = 0
+    first = (torch.rand(B, H, N, R, generator=g) * (Nk - length + 1)).long()
+    return la.SlotRuns(order, first, length, capacity)
+
+
+def _runs_loop_index(runs):
+    """The runs' keys written out one query at a time: order[first + u] for u < length, -1 for the rest."""
+    order, first, length, capacity = runs
+    B, H, N, R = first.shape
+    index = torch.full((B, H, N, R * capacity), -1, dtype=torch.long)
+    for b in range(B):
+        for h in range(H):
+            for i in range(N):
+                for r in range(R):
+                    for u in range(int(length[b, h, i, r])):
+                        index[b, h, i, r * capacity + u] = order[b, h, int(first[b, h, i, r]) + u]
+    return index
+
+
+RUN_SHAPES = [(2, 2, 9, 11, 3, 4, 2, 4), (1, 1, 5, 4, 0, 16, 3, 2), (2, 1, 12, 12, 1, 32, 4, 5),
+              (1, 2, 3, 7, 2, 3, 1, 7)]  # (B, H, N, Nk, M, D, R, capacity): with and without listed keys
+
+
+@pytest.mark.parametrize("shape", RUN_SHAPES)
+@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_kernel), False])
+def test_slot_runs_match_a_loop_over_queries(shape, windowed, fused):
+    """Keys listed as runs of a sorted order (cluster-select's selected clusters) read the same keys as the loop
+    reference given them written out per query, beside a window and listed keys; the kernel's gradients equal the
+    gather's."""
+    B, H, N, Nk, M, D, R, capacity = shape
+    q, k, v, index = _inputs(B, H, N, Nk, M, D)
+    runs = _runs(B, H, N, Nk, R, capacity)
+    assert torch.equal(runs.as_index(), _runs_loop_index(runs))
+    window = {"window": 3, "window_offset": 2} if windowed else {}
+    scale = 0.8
+    fn = la.listed_attention if fused else la.listed_attention_reference
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*inputs, index, scale, runs=runs, **window)
+    expected_out, expected_lse = _loop_reference(q, k, v, torch.cat([index, _runs_loop_index(runs)], -1), scale,
+                                                 window.get("window", 0), window.get("window_offset", 0))
+    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
+    if fused:
+        finite = lse.isfinite()
+        (out.sum() + lse[finite].sum()).backward()
+        expected = [t.clone().requires_grad_() for t in (q, k, v)]
+        e_out, e_lse = la.listed_attention_reference(*expected, index, scale, runs=runs, **window)
+        (e_out.sum() + e_lse[finite].sum()).backward()
+        for a, b in zip(inputs, expected, strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+@needs_kernel
+def test_slot_runs_gradcheck_with_summaries():
+    """dq, dk, dv and the prefix sums' gradients with runs, a window and summaries in one softmax."""
+    B, H, N, Nk, D = 1, 2, 6, 9, 3  # the summaries' groups hold 9 rows
+    q, k, v, index = _inputs(B, H, N, Nk, 0, D)
+    runs = _runs(B, H, N, Nk, 2, 2)
+    sizes, start, lower, upper, order = _summaries(B, H, N, Nk)
+    summaries = la.RangeSummaries(_prefix(k, order), _prefix(v, order), start, sizes, lower, upper)
+
+    def fn(q, k, v, pk, pv):
+        out, lse = la.listed_attention(q, k, v, index, runs=runs, window=2, window_offset=1,
+                                       summaries=summaries._replace(prefix_k=pk, prefix_v=pv))
+        return out, lse.masked_fill(lse.isinf(), 0.0)
+
+    inputs = (q, k, v, summaries.prefix_k.clone(), summaries.prefix_v.clone())
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in inputs))
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda r: r._replace(order=r.order[:, :, :-1]), r"runs.order must be an int64 tensor of shape \(B, H, Nk\)"),
+    (lambda r: r._replace(order=r.order.int()), "runs.order must be an int64"),
+    (lambda r: r._replace(order=r.order + 1), r"runs.order must hold key positions in \[0, 6\)"),
+    (lambda r: r._replace(first=r.first[..., :1]), "runs.first and runs.length must be"),
+    (lambda r: r._replace(length=r.length.int()), "runs.first and runs.length must be"),
+    (lambda r: r._replace(capacity=-1), "runs.capacity must be an int >= 0"),
+    (lambda r: r._replace(length=r.length + 3), r"runs.length must lie in \[0, capacity=2\]"),
+    (lambda r: r._replace(first=r.first + 6), r"runs: every run's slots .* must lie in \[0, 6\)"),
+    (lambda r: r._replace(first=r.first - 7), r"runs: every run's slots"),
+])
+def test_bad_runs_raise_value_error_naming_them(change, match):
+    q, k, v, index = _inputs(1, 2, 5, 6, 0, 4)
+    runs = change(_runs(1, 2, 5, 6, 2, 2))
+    for fn in (la.listed_attention, la.listed_attention_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(q, k, v, index, runs=runs)

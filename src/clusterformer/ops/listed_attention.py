@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["RangeSummaries", "extension_available", "extension_error", "listed_attention",
+__all__ = ["RangeSummaries", "SlotRuns", "extension_available", "extension_error", "listed_attention",
            "listed_attention_reference", "summary_logits"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "listed_attention.cpp"
@@ -125,35 +125,60 @@ class RangeSummaries(NamedTuple):
     upper: torch.Tensor
 
 
+class SlotRuns(NamedTuple):
+    """Keys listed as runs of consecutive slots of a sorted order, without an index per key (cluster-select: each
+    selected cluster's members that a query reads alone are consecutive in cluster-sorted order).
+
+    order: (B, H, Nk) int64 slot -> key position; first, length: (B, H, N, R) int64; capacity: the most keys of
+    one run. Query i reads the keys order[first[..., r] + u] for u < length[..., r], each run r. ``length`` 0: none."""
+
+    order: torch.Tensor
+    first: torch.Tensor
+    length: torch.Tensor
+    capacity: int
+
+    def as_index(self) -> torch.Tensor:
+        """The same keys as an index (B, H, N, R * capacity), -1 where a run has fewer than ``capacity``."""
+        B, H, N, R = self.first.shape
+        steps = torch.arange(self.capacity, device=self.first.device)
+        slots = (self.first.unsqueeze(-1) + steps).clamp(max=max(self.order.shape[2] - 1, 0))
+        positions = self.order.gather(2, slots.view(B, H, N * R * self.capacity)).view(B, H, N, R * self.capacity)
+        return torch.where((steps < self.length.unsqueeze(-1)).view(B, H, N, -1), positions, -1)
+
+
 _NO_LONGS = torch.empty(0, dtype=torch.long)
 
 
 class _ListedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
-                prefix_v: torch.Tensor, index: torch.Tensor, key_real: torch.Tensor, ranges: tuple[torch.Tensor, ...],
-                window: int, offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _module.forward(q, k, v, index, key_real, window, offset, prefix_k, prefix_v, *ranges, scale)
-        ctx.save_for_backward(q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *ranges)
-        ctx.window, ctx.offset, ctx.scale = window, offset, scale
+                prefix_v: torch.Tensor, index: torch.Tensor, runs: tuple[torch.Tensor, ...], capacity: int,
+                key_real: torch.Tensor, ranges: tuple[torch.Tensor, ...], window: int, offset: int, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _module.forward(q, k, v, index, *runs, capacity, key_real, window, offset, prefix_k, prefix_v,
+                                   *ranges, scale)
+        ctx.save_for_backward(q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *runs, *ranges)
+        ctx.window, ctx.offset, ctx.scale, ctx.capacity = window, offset, scale, capacity
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *ranges = ctx.saved_tensors
+        q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *rest = ctx.saved_tensors
+        runs, ranges = rest[:3], rest[3:]
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-        dq, dk, dv, dprefix_k, dprefix_v = _module.backward(q, k, v, index, key_real, ctx.window, ctx.offset,
-                                                            prefix_k, prefix_v, *ranges, out, lse, dout, dlse,
-                                                            ctx.scale)
+        dq, dk, dv, dprefix_k, dprefix_v = _module.backward(q, k, v, index, *runs, ctx.capacity, key_real, ctx.window,
+                                                            ctx.offset, prefix_k, prefix_v, *ranges, out, lse, dout,
+                                                            dlse, ctx.scale)
         has = prefix_k.numel() > 0
         return (dq, dk, dv, dprefix_k if has else None, dprefix_v if has else None, None, None, None, None, None,
-                None)
+                None, None, None)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, window: int,
-           key_padding_mask: torch.Tensor | None, summaries: RangeSummaries | None = None) -> None:
+           key_padding_mask: torch.Tensor | None, summaries: RangeSummaries | None = None,
+           runs: SlotRuns | None = None) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, H, N, D); got shape {tuple(q.shape)}")
     if k.dim() != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
@@ -174,6 +199,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
                                          or key_padding_mask.shape != (q.shape[0], k.shape[2])):
         raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, Nk) = {(q.shape[0], k.shape[2])}; "
                          f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    if runs is not None:
+        _check_runs(runs, q, k)
     if summaries is not None:
         B, H, N, D = q.shape
         pk, pv, start, total, lower, upper = summaries
@@ -198,20 +225,21 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
 
 def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                      scale: float | None = None, *, window: int = 0, window_offset: int = 0,
-                     key_padding_mask: torch.Tensor | None = None, summaries: RangeSummaries | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, H, N, D), lse (B, H, N)) of each query over the keys ``index`` lists and its ``window`` (module
-    docstring); ``scale`` defaults to D^-0.5. Positions in ``index`` must be -1 (none) or in [0, Nk); a key listed
-    twice, or listed and in the window, counts twice. ``key_padding_mask`` (B, Nk), True = padding: the window skips
-    those keys (the list is taken as given). ``summaries``: one more logit per group (:class:`RangeSummaries`).
-    The fused kernel on float32/float64 CPU tensors when it is built (:func:`extension_available`), else
-    :func:`listed_attention_reference`; the same values and gradients either way."""
-    _check(q, k, v, index, window, key_padding_mask, summaries)
+                     key_padding_mask: torch.Tensor | None = None, summaries: RangeSummaries | None = None,
+                     runs: SlotRuns | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, N, D), lse (B, H, N)) of each query over the keys ``index`` lists, the keys of its ``runs``
+    (:class:`SlotRuns`) and its ``window`` (module docstring); ``scale`` defaults to D^-0.5. Positions in ``index``
+    must be -1 (none) or in [0, Nk); a key listed twice, or listed and in the window, counts twice.
+    ``key_padding_mask`` (B, Nk), True = padding: the window skips those keys (the lists and runs are taken as
+    given). ``summaries``: one more logit per group (:class:`RangeSummaries`). The fused kernel on float32/float64
+    CPU tensors when it is built (:func:`extension_available`), else :func:`listed_attention_reference`; the same
+    values and gradients either way."""
+    _check(q, k, v, index, window, key_padding_mask, summaries, runs)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     fused = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available())
     if not fused:
         return listed_attention_reference(q, k, v, index, scale, window=window, window_offset=window_offset,
-                                          key_padding_mask=key_padding_mask, summaries=summaries)
+                                          key_padding_mask=key_padding_mask, summaries=summaries, runs=runs)
     key_real = (torch.empty(0, dtype=torch.bool) if key_padding_mask is None
                 else (~key_padding_mask).contiguous())
     if summaries is None:
@@ -220,18 +248,24 @@ def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
     else:
         prefix_k, prefix_v = summaries.prefix_k.contiguous(), summaries.prefix_v.contiguous()
         ranges = tuple(t.contiguous() for t in summaries[2:])
+    slot_runs, capacity = (_NO_LONGS,) * 3, 0
+    if runs is not None:
+        slot_runs, capacity = (runs.order.contiguous(), runs.first.contiguous(), runs.length.contiguous()), runs.capacity
     return _ListedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), prefix_k, prefix_v,
-                                  index.contiguous(), key_real, ranges, window, int(window_offset), scale)
+                                  index.contiguous(), slot_runs, capacity, key_real, ranges, window,
+                                  int(window_offset), scale)
 
 
 def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                                scale: float | None = None, *, window: int = 0, window_offset: int = 0,
-                               key_padding_mask: torch.Tensor | None = None, summaries: RangeSummaries | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               key_padding_mask: torch.Tensor | None = None, summaries: RangeSummaries | None = None,
+                               runs: SlotRuns | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`listed_attention` by a gather of the listed keys and values, (B, H, N, window + M, D), the window's
-    positions listed first, and of the summaries' prefix rows, (B, H, N, C, D): the definition, written plainly
-    (autograd does the backward)."""
-    _check(q, k, v, index, window, key_padding_mask, summaries)
+    positions listed first and the runs' keys last (:meth:`SlotRuns.as_index`), and of the summaries' prefix rows,
+    (B, H, N, C, D): the definition, written plainly (autograd does the backward)."""
+    _check(q, k, v, index, window, key_padding_mask, summaries, runs)
+    if runs is not None:
+        index = torch.cat([index, runs.as_index()], dim=-1)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if window:
         B, H, N, _ = index.shape
@@ -258,6 +292,28 @@ def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return torch.einsum("bhnm,bhnmd->bhnd", weights, values), lse
+
+
+def _check_runs(runs: SlotRuns, q: torch.Tensor, k: torch.Tensor) -> None:
+    B, H, N, _ = q.shape
+    Nk = k.shape[2]
+    order, first, length, capacity = runs
+    if order.shape != (B, H, Nk) or order.dtype != torch.long:
+        raise ValueError(f"runs.order must be an int64 tensor of shape (B, H, Nk) = {(B, H, Nk)}; got {order.dtype} "
+                         f"{tuple(order.shape)}")
+    if (first.dim() != 4 or first.shape[:3] != (B, H, N) or length.shape != first.shape
+            or first.dtype != torch.long or length.dtype != torch.long):
+        raise ValueError(f"runs.first and runs.length must be int64 tensors of shape (B, H, N, R) with (B, H, N) = "
+                         f"{(B, H, N)}; got {tuple(first.shape)}, {tuple(length.shape)}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"runs.capacity must be an int >= 0; got {capacity!r}")
+    if first.numel() and (int(length.min()) < 0 or int(length.max()) > capacity):
+        raise ValueError(f"runs.length must lie in [0, capacity={capacity}]; got [{int(length.min())}, "
+                         f"{int(length.max())}]")
+    if first.numel() and (int(first.min()) < 0 or int((first + length).max()) > Nk):
+        raise ValueError(f"runs: every run's slots first .. first + length - 1 must lie in [0, {Nk})")
+    if order.numel() and (int(order.min()) < 0 or int(order.max()) >= Nk):
+        raise ValueError(f"runs.order must hold key positions in [0, {Nk})")
 
 
 def summary_logits(q: torch.Tensor, summaries: RangeSummaries, scale: float | None = None) -> torch.Tensor:

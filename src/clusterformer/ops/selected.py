@@ -49,7 +49,14 @@ import torch.nn.functional as F
 
 from ..masks import masked_sdpa, real_tokens
 from .key_lists import KeyLists, key_lists, listed_scores, listed_sum, run_key_lists
-from .listed_attention import RangeSummaries, extension_available, extension_error, listed_attention, summary_logits
+from .listed_attention import (
+    RangeSummaries,
+    SlotRuns,
+    extension_available,
+    extension_error,
+    listed_attention,
+    summary_logits,
+)
 from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "bound_logits", "bound_selection",
@@ -176,6 +183,27 @@ def cluster_slots(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys
         size = layout.total.gather(-1, selected.flatten(2)).view(B, H, N, S, 1)
         valid = (ranks >= 0) & (ranks < size)
     return layout.start.gather(-1, selected.flatten(2)).view(B, H, N, S, 1) + ranks, valid
+
+
+def cluster_runs(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, causal: bool) -> SlotRuns:
+    """The slots of :func:`cluster_slots` as runs of consecutive slots of ``layout.order`` (:class:`SlotRuns`), one
+    per selected cluster (causal) or two (before the window, then after it): (B, H, N, S or 2 S) tensors in place of
+    (B, H, N, S, cluster_keys) ones, for the fused kernel. The same keys in the same order."""
+    B, H, N = layout.order.shape
+    S = selected.shape[-1]
+    below, beyond = layout.selected_counts(selected)  # (B, H, N, S)
+    start = layout.start.gather(-1, selected.flatten(2)).view(B, H, N, S)
+    if causal:  # the cluster_keys most recent members at positions <= t - window
+        length = below.clamp(max=cluster_keys)
+        return SlotRuns(layout.order, start + below - length, length, cluster_keys)
+    first_half = cluster_keys // 2
+    size = layout.total.gather(-1, selected.flatten(2)).view(B, H, N, S)
+    lower = below.clamp(max=first_half)
+    upper = (size - beyond).clamp(min=0, max=cluster_keys - first_half)
+    # per selected cluster its run before the window, then its run after it (cluster_slots' order)
+    first = torch.stack([start + below - lower, start + beyond], dim=-1).view(B, H, N, 2 * S)
+    length = torch.stack([lower, upper], dim=-1).view(B, H, N, 2 * S)
+    return SlotRuns(layout.order, first, length, max(first_half, cluster_keys - first_half))
 
 
 def _selected_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, window: int,
@@ -694,8 +722,8 @@ def selected_cluster_attention(
         layout = cluster_layout(key_ids, num_clusters=num_clusters, window=window, causal=causal)
     scale = D ** -0.5
     kernel = resolve_kernel(kernel, N, q=q, dropout_p=dropout_p)
-    if kernel == "fused":  # the selected clusters' keys listed, the window read in place: one C++ pass
-        positions, valid, _ = _cluster_positions(layout, selected, cluster_keys=cluster_keys, causal=causal)
+    if kernel == "fused":  # the selected clusters' keys as runs of sorted slots, the window read in place: one C++ pass
+        runs = cluster_runs(layout, selected, cluster_keys=cluster_keys, causal=causal)
         ranges = None
         if summaries:  # each cluster's rows in sorted order outside the window, less those read alone
             lower_end, upper_start = _summary_ranges(layout, selected, cluster_keys=cluster_keys, causal=causal)
@@ -705,9 +733,9 @@ def selected_cluster_attention(
                 return F.pad(x.gather(2, order).cumsum(2), (0, 0, 1, 0))
 
             ranges = RangeSummaries(prefix(k), prefix(v), layout.start, layout.total, lower_end, upper_start)
-        return listed_attention(q, k, v, torch.where(valid, positions, -1), scale, window=window,
+        return listed_attention(q, k, v, q.new_empty(B, H, N, 0, dtype=torch.long), scale, window=window,
                                 window_offset=window - 1 if causal else window // 2,
-                                key_padding_mask=key_padding_mask, summaries=ranges)[0]
+                                key_padding_mask=key_padding_mask, summaries=ranges, runs=runs)[0]
     positions, allowed, slots = _selected_positions(layout, selected, cluster_keys=cluster_keys, window=window,
                                                     causal=causal, key_padding_mask=key_padding_mask)
     M = positions.shape[-1]

@@ -6,6 +6,11 @@
 // needs no index. out[b, h, i] = sum_m p_m v[key_m] with p = softmax_m(q . k[key_m] * scale) over those keys;
 // lse[b, h, i] = log sum_m exp(q . k[key_m] * scale) (-inf for a query without keys, whose output is 0).
 //
+// Slot runs (optional; empty tensors: none): order (B, H, Nk) int64, a permutation of the key positions (slot ->
+// position); run_first, run_length (B, H, N, R) int64. Query i also reads the keys order[run_first[r] + u] for
+// u < run_length[r] <= capacity, each run r: consecutive slots of a sorted order (cluster-select's selected clusters'
+// members), listed without a (B, H, N, R * capacity) index.
+//
 // Range summaries (optional; empty tensors: none): prefix_k, prefix_v (B, H, R + 1, D) prefix sums of keys and
 // values in some order of R rows (row 0 zero), start, total (B, H, C) int64 each group's first row and size,
 // lower, upper (B, H, N, C) int64. Query i also reads, in the same softmax, one summary per group c of the rows
@@ -26,17 +31,38 @@
 
 namespace {
 
+// The slot runs of one (b, h) pair (pointers already offset to it); count == 0: none.
+struct Runs {
+  const int64_t* order = nullptr;   // (Nk,) slot -> position
+  const int64_t* first = nullptr;   // (N, count)
+  const int64_t* length = nullptr;  // (N, count)
+  int64_t count = 0;
+  int64_t capacity = 0;
+
+  inline Runs at(int64_t pair, int64_t N, int64_t Nk) const {
+    if (count == 0) return {};
+    return {order + pair * Nk, first + pair * N * count, length + pair * N * count, count, capacity};
+  }
+};
+
 // Calls visit(m, j) for the keys query i reads: first its window (m = 0 .. window - 1; j = -1 where the position
-// is outside [0, Nk) or padding), then its listed keys (m = window .. window + M - 1; j = -1 where none).
+// is outside [0, Nk) or padding), then its listed keys (m = window .. window + M - 1; j = -1 where none), then its
+// runs' keys (m = window + M + r * capacity + u, u < run_length; the rest of each run's places are not visited).
 template <typename F>
-inline void for_each_key(int64_t i, const int64_t* keys, int64_t M, int64_t window, int64_t offset, int64_t Nk,
-                         const bool* real, F&& visit) {
+inline void for_each_key(int64_t i, const int64_t* keys, int64_t M, const Runs& runs, int64_t window,
+                         int64_t offset, int64_t Nk, const bool* real, F&& visit) {
   const int64_t first = i - offset;
   for (int64_t w = 0; w < window; ++w) {
     const int64_t j = first + w;
     visit(w, (j < 0 || j >= Nk || (real != nullptr && !real[j])) ? int64_t(-1) : j);
   }
   for (int64_t m = 0; m < M; ++m) visit(window + m, keys[m]);
+  for (int64_t r = 0; r < runs.count; ++r) {
+    const int64_t* slots = runs.order + runs.first[i * runs.count + r];
+    const int64_t length = runs.length[i * runs.count + r];
+    const int64_t base = window + M + r * runs.capacity;
+    for (int64_t u = 0; u < length; ++u) visit(base + u, slots[u]);
+  }
 }
 
 // The range summaries of one (b, h) pair (pointers already offset to it); groups == 0: none.
@@ -70,19 +96,21 @@ struct Summaries {
 };
 
 template <typename T, int64_t FixedD>
-void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const bool* key_real,
-                    const Summaries<T>& all, int64_t prefix_rows, T* out, T* lse, int64_t pairs, int64_t H,
+void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
+                    const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, T* out, T* lse, int64_t pairs, int64_t H,
                     int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
   const int64_t D = FixedD ? FixedD : head_dim;  // a compile-time head size unrolls the loops over channels
   const int64_t C = all.groups;
   const T minus_inf = -std::numeric_limits<T>::infinity();
+  const int64_t listed = M + all_runs.count * all_runs.capacity;  // places after the window, before the summaries
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
-    std::vector<T> scores(window + M + C);
+    std::vector<T> scores(window + listed + C);
     for (int64_t pair = first; pair < last; ++pair) {
       const T* qp = q + pair * N * D;
       const T* kp = k + pair * Nk * D;
       const T* vp = v + pair * Nk * D;
       const int64_t* ip = index + pair * N * M;
+      const Runs runs = all_runs.at(pair, N, Nk);
       const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
       const Summaries<T> sums = all.at(pair, prefix_rows, N, D);
       T* op = out + pair * N * D;
@@ -91,7 +119,7 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
         const T* __restrict__ qi = qp + i * D;
         T* __restrict__ oi = op + i * D;
         T largest = minus_inf;
-        for_each_key(i, ip + i * M, M, window, offset, Nk, real, [&](int64_t m, int64_t j) {
+        for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
           if (j < 0) {
             scores[m] = minus_inf;
             return;
@@ -105,7 +133,7 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
         for (int64_t c = 0; c < C; ++c) {  // summaries: q . (sum of keys) / n * scale + log n
           int64_t r[4];
           const int64_t n = sums.rows(i, c, r);
-          T& score = scores[window + M + c];
+          T& score = scores[window + listed + c];
           if (n <= 0) {
             score = minus_inf;
             continue;
@@ -123,7 +151,7 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
           continue;
         }
         T total = 0;
-        for_each_key(i, ip + i * M, M, window, offset, Nk, real, [&](int64_t m, int64_t j) {
+        for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
           if (j < 0) return;
           const T p = std::exp(scores[m] - largest);
           total += p;
@@ -131,7 +159,7 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
           for (int64_t d = 0; d < D; ++d) oi[d] += p * vj[d];
         });
         for (int64_t c = 0; c < C; ++c) {
-          const T score = scores[window + M + c];
+          const T score = scores[window + listed + c];
           if (score == minus_inf) continue;
           int64_t r[4];
           const int64_t n = sums.rows(i, c, r);
@@ -151,8 +179,8 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
 }
 
 template <typename T, int64_t FixedD>
-void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const bool* key_real,
-                     const Summaries<T>& all, int64_t prefix_rows, const T* out, const T* lse, const T* dout,
+void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
+                     const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, const T* out, const T* lse, const T* dout,
                      const T* dlse, T* dq, T* dk, T* dv, T* dprefix_k, T* dprefix_v, int64_t pairs, int64_t H,
                      int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
   const int64_t D = FixedD ? FixedD : head_dim;
@@ -169,6 +197,7 @@ void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, c
       const T* kp = k + pair * Nk * D;
       const T* vp = v + pair * Nk * D;
       const int64_t* ip = index + pair * N * M;
+      const Runs runs = all_runs.at(pair, N, Nk);
       const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
       const Summaries<T> sums = all.at(pair, prefix_rows, N, D);
       T* dpk = C ? dprefix_k + pair * prefix_rows * D : nullptr;
@@ -192,7 +221,7 @@ void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, c
           delta += gi[d] * oi[d];
         }
         const T shift = glp[i] - delta;
-        for_each_key(i, ip + i * M, M, window, offset, Nk, real, [&](int64_t, int64_t j) {
+        for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t, int64_t j) {
           if (j < 0) return;
           const T* __restrict__ kj = kp + j * D;
           const T* __restrict__ vj = vp + j * D;
@@ -290,23 +319,45 @@ const bool* real_or_null(const torch::Tensor& key_real) {
   return key_real.numel() == 0 ? nullptr : key_real.data_ptr<bool>();
 }
 
+// The slot runs as pointers (count 0 where order is empty), checked against q and k.
+Runs runs_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& order, const torch::Tensor& first,
+             const torch::Tensor& length, int64_t capacity) {
+  Runs r;
+  if (order.numel() == 0) return r;
+  TORCH_CHECK(order.is_contiguous() && first.is_contiguous() && length.is_contiguous(), "expected contiguous runs");
+  TORCH_CHECK(order.scalar_type() == torch::kLong && first.scalar_type() == torch::kLong &&
+              length.scalar_type() == torch::kLong, "int64 runs");
+  TORCH_CHECK(order.dim() == 3 && order.size(0) == q.size(0) && order.size(1) == q.size(1) &&
+              order.size(2) == k.size(2) && first.dim() == 4 && first.sizes() == length.sizes() &&
+              first.size(0) == q.size(0) && first.size(1) == q.size(1) && first.size(2) == q.size(2),
+              "order (B, H, Nk); run_first, run_length (B, H, N, R)");
+  r.order = order.data_ptr<int64_t>();
+  r.first = first.data_ptr<int64_t>();
+  r.length = length.data_ptr<int64_t>();
+  r.count = first.size(3);
+  r.capacity = capacity;
+  return r;
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor index,
-                                          torch::Tensor key_real, int64_t window, int64_t offset,
+                                          torch::Tensor order, torch::Tensor run_first, torch::Tensor run_length,
+                                          int64_t capacity, torch::Tensor key_real, int64_t window, int64_t offset,
                                           torch::Tensor prefix_k, torch::Tensor prefix_v, torch::Tensor start,
                                           torch::Tensor total, torch::Tensor lower, torch::Tensor upper,
                                           double scale) {
   check_inputs(q, k, v, index, key_real);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
   const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
+  const Runs runs = runs_of(q, k, order, run_first, run_length, capacity);
   auto out = torch::empty_like(q);
   auto lse = torch::empty({B, H, N}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "listed_forward", [&] {
     const auto sums = summaries_of<scalar_t>(q, prefix_k, prefix_v, start, total, lower, upper);
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), index.data_ptr<int64_t>(),
-             real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), B * H, H, N,
+             runs, real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), B * H, H, N,
              Nk, M, D, window, offset, static_cast<scalar_t>(scale));
     };
     switch (D) {
@@ -321,7 +372,8 @@ std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torc
 }
 
 std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor index,
-                                           torch::Tensor key_real, int64_t window, int64_t offset,
+                                           torch::Tensor order, torch::Tensor run_first, torch::Tensor run_length,
+                                           int64_t capacity, torch::Tensor key_real, int64_t window, int64_t offset,
                                            torch::Tensor prefix_k, torch::Tensor prefix_v, torch::Tensor start,
                                            torch::Tensor total, torch::Tensor lower, torch::Tensor upper,
                                            torch::Tensor out, torch::Tensor lse, torch::Tensor dout,
@@ -331,6 +383,7 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
               "expected contiguous tensors");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
   const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
+  const Runs runs = runs_of(q, k, order, run_first, run_length, capacity);
   auto dq = torch::zeros_like(q);
   auto dk = torch::zeros_like(k);
   auto dv = torch::zeros_like(v);
@@ -342,7 +395,7 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
     scalar_t* dpv = rows ? dprefix_v.data_ptr<scalar_t>() : nullptr;
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), index.data_ptr<int64_t>(),
-             real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+             runs, real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
              dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
              dv.data_ptr<scalar_t>(), dpk, dpv, B * H, H, N, Nk, M, D, window, offset,
              static_cast<scalar_t>(scale));
