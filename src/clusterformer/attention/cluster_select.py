@@ -25,8 +25,8 @@ Option ``summaries`` (on by default; NSA's compressed branch, Yuan et al. 2025, 
 query also reads, in the same softmax, one summary per cluster of the members outside its window that it does not
 read alone -- mean key, mean value, logit q . mean / sqrt(D) + log n -- so every cluster gets the task's gradient,
 selected or not, and ``selection="summaries"`` (the default from the sixth to the twenty-fourth session) ranks the
-clusters by those logits (the clusters that would draw most weight). Every key outside the window then counts once, alone or inside its summary;
-num_clusters more keys per query.
+clusters by those logits (the clusters that would draw most weight). Every key outside the window then counts
+once, alone or inside its summary; num_clusters more keys per query.
 
 Option ``selection="bound"`` (seventeenth session of issue #31) ranks the groups instead by Quest's upper bound of
 q . k over their members (Tang et al. 2024: per-channel max and min, here per group and over whole blocks outside

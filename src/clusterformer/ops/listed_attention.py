@@ -250,7 +250,8 @@ def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
         ranges = tuple(t.contiguous() for t in summaries[2:])
     slot_runs, capacity = (_NO_LONGS,) * 3, 0
     if runs is not None:
-        slot_runs, capacity = (runs.order.contiguous(), runs.first.contiguous(), runs.length.contiguous()), runs.capacity
+        slot_runs = (runs.order.contiguous(), runs.first.contiguous(), runs.length.contiguous())
+        capacity = runs.capacity
     return _ListedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), prefix_k, prefix_v,
                                   index.contiguous(), slot_runs, capacity, key_real, ranges, window,
                                   int(window_offset), scale)
