@@ -380,6 +380,12 @@ def _bound_reference(q_t, k, members, t, o, causal):
                bound([j for j in members if j >= block * -(-(t + o.window - half) // block)]))
 
 
+def _best(values, select):
+    """The ``select`` largest of ``values`` (a list), largest first, equal ones by the lower index: the selection's
+    rule for ties (groups without members tie at -inf)."""
+    return sorted(range(len(values)), key=lambda c: (-values[c], c))[:select]
+
+
 def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     """Per head, (N, D) outputs of ``"cluster-select"`` with ``summaries=True``, one query at a time from the
     definition: the window, the selected clusters' nearest members outside it, and one summary per cluster of its
@@ -422,11 +428,11 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
                                        dtype=q.dtype)
             else:
                 ranking = q[h, t] @ mu.T
-            chosen_groups = ranking.topk(o.select).indices.tolist()
+            chosen_groups = _best(ranking.tolist(), o.select)
             if o.split_selection == "clusters":  # clusters by the log-sum-exp of their spans, then the best span
                 R = o.position_splits
                 spans = [ranking[c * R:(c + 1) * R] for c in range(o.num_clusters)]
-                best = torch.stack([torch.logsumexp(span, 0) for span in spans]).topk(o.select).indices.tolist()
+                best = _best([float(torch.logsumexp(span, 0)) for span in spans], o.select)
                 chosen_groups = [c * R + int(spans[c].argmax()) for c in best]
             if o.own_group and t >= o.sink:  # the group of the query's own key first, then the best others
                 chosen_groups = [int(ids[t]), *[c for c in chosen_groups if c != int(ids[t])][: o.select - 1]]

@@ -361,3 +361,91 @@ def test_bad_runs_raise_value_error_naming_them(change, match):
     for fn in (la.listed_attention, la.listed_attention_reference):
         with pytest.raises(ValueError, match=match):
             fn(q, k, v, index, runs=runs)
+
+
+def _bound_loop(q, k, ids, G, window, causal, block):
+    """selection="bound" from its definition, one query and group at a time: sum_d max(q_d max k_d, q_d min k_d)
+    over the group's members in whole blocks outside the window (causal: blocks < floor((t + 1 - window) / block);
+    otherwise the larger of the bound over blocks < floor((t - window // 2) / block) and over blocks >=
+    ceil((t + window - window // 2) / block)); -inf without members."""
+    B, H, N, _ = q.shape
+    out = torch.full((B, H, N, G), -math.inf, dtype=q.dtype)
+
+    def bound(qt, js):
+        if not js:
+            return -math.inf
+        return float(torch.maximum(qt * k[b, h, js].amax(0), qt * k[b, h, js].amin(0)).sum())
+
+    for b in range(B):
+        for h in range(H):
+            for t in range(N):
+                for g in range(G):
+                    members = [j for j in range(N) if int(ids[b, h, j]) == g]
+                    if causal:
+                        out[b, h, t, g] = bound(q[b, h, t], [j for j in members
+                                                            if j // block < (t + 1 - window) // block])
+                    else:
+                        half = window // 2
+                        before = [j for j in members if j // block < (t - half) // block]
+                        after = [j for j in members if j // block >= -(-(t + window - half) // block)]
+                        out[b, h, t, g] = max(bound(q[b, h, t], before), bound(q[b, h, t], after))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize(("window", "block"), [(2, 1), (3, 2), (4, 4), (6, 3), (2, 20)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_bound_groups_match_the_definition_and_choose_ties_by_the_lower_group(window, block, causal):
+    """The fused bounds against a loop over queries and groups (padding, id G, in no group; blocks that do not
+    divide N; a block longer than N), and its choice against top_groups of the bounds: the same groups in the same
+    order, ties (groups without members, at -inf) to the lower id."""
+    from clusterformer.ops.selected import top_groups
+
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, H, N, D, G = 2, 2, 13, 4, 4
+    q, k = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    ids = torch.randint(0, G + 1, (B, H, N), generator=g)  # G: padding, or the sink
+    ids[0, 0] = torch.tensor([0, 1] * 6 + [4])[:N]  # groups 2 and 3 empty here: ties at -inf for every query
+    expected = _bound_loop(q, k, ids, G, window, causal, block)
+    bounds = la.bound_groups(q, k, ids, num_groups=G, window=window, causal=causal, block=block)
+    torch.testing.assert_close(bounds, expected, rtol=1e-12, atol=1e-12)
+    if block < N:
+        assert (expected == -math.inf).any() and expected.isfinite().any(), "the case must hold both"
+    else:  # one block, cut by every window: no bound
+        assert (expected == -math.inf).all()
+    for select in (1, 2, 3, 4):
+        chosen = la.bound_groups(q, k, ids, num_groups=G, window=window, causal=causal, block=block, select=select)
+        assert torch.equal(chosen, top_groups(expected, select))
+    float32 = la.bound_groups(q.float(), k.float(), ids, num_groups=G, window=window, causal=causal, block=block)
+    torch.testing.assert_close(float32, expected.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_top_groups_puts_equal_logits_in_order_of_their_ids():
+    """The selection's rule for ties, which topk leaves unspecified: largest first, equal ones by the lower id."""
+    from clusterformer.ops.selected import top_groups
+
+    inf = math.inf
+    logits = torch.tensor([[-inf, 1.0, -inf, 1.0, -inf, 2.0], [-inf] * 6, [0.5, -inf, 0.5, 0.5, 0.7, -inf]])
+    assert top_groups(logits, 4).tolist() == [[5, 1, 3, 0], [0, 1, 2, 3], [4, 0, 2, 3]]
+    wide = torch.full((70,), -inf)
+    wide[40] = 0.0
+    assert top_groups(wide, 3).tolist() == [40, 0, 1]  # topk gave [40, 47, 48] here
+    spans = torch.tensor([[0.0, 0.0, -inf, -inf, 0.0, 0.0]])  # 3 clusters of 2 spans: clusters 0 and 2 tie
+    assert top_groups(spans, 2, by_cluster=2).tolist() == [[0, 4]]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("change", "match"), [
+    ({"k": torch.zeros(1, 2, 5, 3)}, "q and k must be float32/float64 CPU tensors of one shape"),
+    ({"key_ids": torch.zeros(1, 2, 4, dtype=torch.long)}, r"key_ids must be an int64 tensor of shape \(B, H, N\)"),
+    ({"key_ids": torch.full((1, 2, 5), 4)}, r"key_ids must lie in \[0, num_groups=3\]"),
+    ({"block": 0}, "block must be an int >= 1"),
+    ({"select": 4}, "select must be at most num_groups=3"),
+    ({"num_groups": True}, "num_groups must be an int"),
+])
+def test_bad_bound_input_raises_value_error_naming_it(change, match):
+    args = {"q": torch.randn(1, 2, 5, 4), "k": torch.randn(1, 2, 5, 4),
+            "key_ids": torch.zeros(1, 2, 5, dtype=torch.long), "num_groups": 3, "window": 2, "causal": True,
+            "block": 2, **change}
+    with pytest.raises(ValueError, match=match):
+        la.bound_groups(**args)

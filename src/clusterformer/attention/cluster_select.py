@@ -453,7 +453,8 @@ class ClusterSelectAttention(InnerAttention):
                                      by_cluster=o.by_cluster, groups=o.num_groups)
         if o.selection == "bound":
             return bound_selection(q, k, key_ids.clamp(max=o.num_groups), num_groups=o.num_groups, select=o.select,
-                                   window=o.window, causal=causal, block=o.block, by_cluster=o.by_cluster)
+                                   window=o.window, causal=causal, block=o.block, by_cluster=o.by_cluster,
+                                   kernel=kernel)
         return self._random_selection(B, H, N, q.device)
 
     def _pages(self, positions: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["RangeSummaries", "SlotRuns", "extension_available", "extension_error", "listed_attention",
-           "listed_attention_reference", "summary_logits"]
+__all__ = ["RangeSummaries", "SlotRuns", "bound_groups", "extension_available", "extension_error",
+           "listed_attention", "listed_attention_reference", "summary_logits"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "listed_attention.cpp"
 _lock = threading.Lock()
@@ -328,6 +328,37 @@ def summary_logits(q: torch.Tensor, summaries: RangeSummaries, scale: float | No
             return _module.summary_logits(q.detach().contiguous(), summaries.prefix_k.detach().contiguous(),
                                           *(t.contiguous() for t in summaries[2:]), scale)
         return _summary_scores(q, summaries, scale)[0]
+
+
+def bound_groups(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, window: int,
+                 causal: bool, block: int, select: int = 0) -> torch.Tensor:
+    """Cluster-select's ``selection="bound"`` in one C++ pass per (sequence, head): for q (B, H, N, D) as given (the
+    caller scales it), k (B, H, N, D) and ``key_ids`` (B, H, N) in [0, num_groups] (num_groups: in no group), the
+    upper bound sum_d max(q_d hi_d, q_d lo_d) of q . k over each group's members in the whole blocks of ``block``
+    positions outside the query's window (:func:`clusterformer.ops.selected.bound_logits`, which is its definition
+    in tensor operations), built from running extremes as the queries move, not from a state per block. With
+    ``select`` > 0, the ``select`` groups of largest bound per query, (B, H, N, select), best first, ties to the lower
+    group id (:func:`clusterformer.ops.selected.top_groups`' rule); with 0 the bounds (B, H, N, G), -inf where a
+    group has no such member. No gradient. Needs the fused kernel (:func:`extension_available`)."""
+    if not extension_available():
+        raise ValueError(f"bound_groups needs the fused kernel: {extension_error()}")
+    if q.dim() != 4 or k.shape != q.shape or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"q and k must be float32/float64 CPU tensors of one shape (B, H, N, D); got {q.dtype} "
+                         f"{tuple(q.shape)} on {q.device} and {tuple(k.shape)}")
+    if key_ids.shape != q.shape[:3] or key_ids.dtype != torch.long:
+        raise ValueError(f"key_ids must be an int64 tensor of shape (B, H, N) = {tuple(q.shape[:3])}; got "
+                         f"{key_ids.dtype} {tuple(key_ids.shape)}")
+    for name, value, least in (("num_groups", num_groups, 1), ("window", window, 0), ("block", block, 1),
+                               ("select", select, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}; got {value!r}")
+    if select > num_groups:
+        raise ValueError(f"select must be at most num_groups={num_groups}; got {select}")
+    if key_ids.numel() and (int(key_ids.min()) < 0 or int(key_ids.max()) > num_groups):
+        raise ValueError(f"key_ids must lie in [0, num_groups={num_groups}]")
+    with torch.no_grad():
+        return _module.bound_select(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
+                                    key_ids.contiguous(), num_groups, select, window, block, causal)
 
 
 def _range_sums(prefix: torch.Tensor, summaries: RangeSummaries) -> torch.Tensor:

@@ -52,6 +52,7 @@ from .key_lists import KeyLists, key_lists, listed_scores, listed_sum, run_key_l
 from .listed_attention import (
     RangeSummaries,
     SlotRuns,
+    bound_groups,
     extension_available,
     extension_error,
     listed_attention,
@@ -428,13 +429,21 @@ def top_groups(logits: torch.Tensor, select: int, by_cluster: int = 0) -> torch.
     """The ``select`` groups (..., S) of largest summary logits (..., G). With ``by_cluster`` = R > 0 (groups
     c R + r: cluster c cut into R spans, the option ``position_splits``), ``select`` clusters by the log-sum-exp
     of their groups' logits (log of the weight the whole cluster's summaries would draw), then each selected
-    cluster's one group of largest logit: distinct groups of distinct clusters."""
+    cluster's one group of largest logit: distinct groups of distinct clusters. Best first; equal logits go to the
+    lower id (a stable sort: ``topk`` leaves the order of ties unspecified, and groups without members tie at -inf,
+    so the rule is part of the definition -- the fused :func:`clusterformer.ops.listed_attention.bound_groups` and
+    the cached decoder keep it too)."""
     if not by_cluster:
-        return logits.topk(select, dim=-1).indices
+        return _largest(logits, select)
     spans = logits.unflatten(-1, (-1, by_cluster))  # (..., C, R)
-    clusters = spans.logsumexp(-1).topk(select, dim=-1).indices  # (..., S)
-    best = spans.argmax(-1).gather(-1, clusters)  # each selected cluster's best span
+    clusters = _largest(spans.logsumexp(-1), select)  # (..., S)
+    best = spans.argmax(-1).gather(-1, clusters)  # each selected cluster's best span (the first of equal ones)
     return clusters * by_cluster + best
+
+
+def _largest(x: torch.Tensor, select: int) -> torch.Tensor:
+    """The indices of the ``select`` largest entries along the last axis, largest first, equal ones in index order."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :select]
 
 
 def with_own_group(selected: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -626,12 +635,20 @@ def bound_logits(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
 
 
 def bound_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, select: int,
-                    window: int, causal: bool, block: int, by_cluster: int = 0) -> torch.Tensor:
+                    window: int, causal: bool, block: int, by_cluster: int = 0, kernel: str = "auto") -> torch.Tensor:
     """The ``select`` groups (B, H, N, S) of largest :func:`bound_logits` for q / sqrt(D) (``by_cluster``:
-    :func:`top_groups`'s). No gradient (an argmax); groups without members there rank last."""
+    :func:`top_groups`'s). No gradient (an argmax); groups without members there rank last. ``kernel="fused"``: the
+    bounds and the choice in one C++ pass (:func:`clusterformer.ops.listed_attention.bound_groups`; the bounds alone
+    with ``by_cluster``), the same groups up to the rounding of near ties."""
+    scaled = q.detach() * q.shape[-1] ** -0.5
+    if kernel == "fused":
+        extremes = {"num_groups": num_groups, "window": window, "causal": causal, "block": block}
+        if not by_cluster:
+            return bound_groups(scaled, k.detach(), key_ids, select=select, **extremes)
+        return top_groups(bound_groups(scaled, k.detach(), key_ids, **extremes), select, by_cluster)
     with torch.no_grad():
-        logits = bound_logits(q.detach() * q.shape[-1] ** -0.5, k.detach(), key_ids, num_groups=num_groups,
-                              window=window, causal=causal, block=block)
+        logits = bound_logits(scaled, k.detach(), key_ids, num_groups=num_groups, window=window, causal=causal,
+                              block=block)
     return top_groups(logits, select, by_cluster)
 
 

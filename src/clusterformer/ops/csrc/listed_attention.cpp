@@ -25,6 +25,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -450,8 +451,149 @@ torch::Tensor summary_logits(torch::Tensor q, torch::Tensor prefix_k, torch::Ten
   return logits;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Quest's bound on groups (cluster-select's selection="bound"), fused with the choice of the best groups.
+//
+// q (B, H, N, D) already scaled, k (B, H, N, D), ids (B, H, N) int64 in [0, G] (G: in no group). For query t and
+// group g, the upper bound sum_d max(q_d hi_d, q_d lo_d) of q . k over g's members in the whole blocks of `block`
+// positions outside t's window (causal: blocks < floor((t + 1 - window) / block); otherwise the larger of the bound
+// over blocks < floor((t - window / 2) / block) and the bound over blocks >= ceil((t + window - window / 2) /
+// block)); -inf where there is no such member. The blocks join a running max / min as the queries move (forward for
+// the blocks before the window, backward for those after it): O(N D) to build, O(N G D) to score, no state per
+// block. select > 0: the `select` groups of largest bound per query, best first, ties to the lower group id;
+// select == 0: the bounds themselves (B, H, N, G).
+
+inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+template <typename T, int64_t FixedD>
+void bound_kernel(const T* q, const T* k, const int64_t* ids, T* bounds_out, int64_t* chosen_out, int64_t pairs,
+                  int64_t N, int64_t head_dim, int64_t G, int64_t S, int64_t window, int64_t block, bool causal) {
+  const int64_t D = FixedD ? FixedD : head_dim;
+  const T inf = std::numeric_limits<T>::infinity();
+  const int64_t blocks = (N + block - 1) / block;
+  at::parallel_for(0, pairs, 1, [&](int64_t first_pair, int64_t last_pair) {
+    std::vector<T> hi(G * D), lo(G * D), other(G);
+    std::vector<char> filled(G);
+    std::vector<T> rows(causal ? G : N * G);  // non-causal: the bounds before the window, for the backward sweep
+    std::vector<T> best_values(S > 0 ? S : 1);
+    for (int64_t pair = first_pair; pair < last_pair; ++pair) {
+      const T* qp = q + pair * N * D;
+      const T* kp = k + pair * N * D;
+      const int64_t* ip = ids + pair * N;
+      auto reset = [&]() {
+        std::fill(hi.begin(), hi.end(), -inf);
+        std::fill(lo.begin(), lo.end(), inf);
+        std::fill(filled.begin(), filled.end(), char(0));
+      };
+      auto merge_block = [&](int64_t b) {  // block b's members into their groups' running max and min
+        const int64_t end = std::min((b + 1) * block, N);
+        for (int64_t j = b * block; j < end; ++j) {
+          const int64_t g = ip[j];
+          if (g < 0 || g >= G) continue;
+          T* __restrict__ h = hi.data() + g * D;
+          T* __restrict__ l = lo.data() + g * D;
+          const T* __restrict__ kj = kp + j * D;
+          for (int64_t d = 0; d < D; ++d) {
+            h[d] = std::max(h[d], kj[d]);
+            l[d] = std::min(l[d], kj[d]);
+          }
+          filled[g] = 1;
+        }
+      };
+      auto score = [&](const T* __restrict__ qi, T* __restrict__ out) {
+        for (int64_t g = 0; g < G; ++g) {
+          if (!filled[g]) {
+            out[g] = -inf;
+            continue;
+          }
+          const T* __restrict__ h = hi.data() + g * D;
+          const T* __restrict__ l = lo.data() + g * D;
+          T sum = 0;
+          for (int64_t d = 0; d < D; ++d) sum += std::max(qi[d] * h[d], qi[d] * l[d]);
+          out[g] = sum;
+        }
+      };
+      auto emit = [&](int64_t t, const T* row) {
+        if (bounds_out != nullptr) std::copy(row, row + G, bounds_out + (pair * N + t) * G);
+        if (chosen_out == nullptr) return;
+        int64_t* best = chosen_out + (pair * N + t) * S;
+        int64_t held = 0;  // best[0 .. held) by value, descending; equal values in order of arrival (lower id)
+        for (int64_t g = 0; g < G; ++g) {
+          const T value = row[g];
+          if (held == S) {
+            if (!(value > best_values[S - 1])) continue;
+            held = S - 1;  // the worst leaves
+          }
+          int64_t p = held;
+          while (p > 0 && best_values[p - 1] < value) {
+            best_values[p] = best_values[p - 1];
+            best[p] = best[p - 1];
+            --p;
+          }
+          best_values[p] = value;
+          best[p] = g;
+          ++held;
+        }
+      };
+      reset();
+      int64_t joined = 0;  // blocks 0 .. joined - 1 are in the running state
+      const int64_t before_shift = causal ? 1 - window : -(window / 2);
+      for (int64_t t = 0; t < N; ++t) {
+        const int64_t target = std::min(std::max(floor_div(t + before_shift, block), int64_t(0)), blocks);
+        while (joined < target) merge_block(joined++);
+        T* row = causal ? rows.data() : rows.data() + t * G;
+        score(qp + t * D, row);
+        if (causal) emit(t, row);
+      }
+      if (causal) continue;
+      reset();
+      int64_t from = blocks;  // blocks from .. blocks - 1 are in the running state
+      const int64_t after_end = window - window / 2;
+      for (int64_t t = N - 1; t >= 0; --t) {
+        const int64_t target = std::min(std::max(floor_div(t + after_end + block - 1, block), int64_t(0)), blocks);
+        while (from > target) merge_block(--from);
+        T* row = rows.data() + t * G;
+        score(qp + t * D, other.data());
+        for (int64_t g = 0; g < G; ++g) row[g] = std::max(row[g], other[g]);
+      }
+      for (int64_t t = 0; t < N; ++t) emit(t, rows.data() + t * G);
+    }
+  });
+}
+
+// selection="bound"'s groups (B, H, N, select), or with select == 0 the bounds (B, H, N, G); see bound_kernel.
+torch::Tensor bound_select(torch::Tensor q, torch::Tensor k, torch::Tensor ids, int64_t groups, int64_t select,
+                           int64_t window, int64_t block, bool causal) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && ids.device().is_cpu(), "bound_select runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && q.sizes() == k.sizes() && q.is_contiguous() && k.is_contiguous() &&
+              q.scalar_type() == k.scalar_type(), "q and k: contiguous (B, H, N, D) tensors of one dtype");
+  TORCH_CHECK(ids.dim() == 3 && ids.size(0) == q.size(0) && ids.size(1) == q.size(1) && ids.size(2) == q.size(2) &&
+              ids.is_contiguous() && ids.scalar_type() == torch::kLong, "ids: a contiguous (B, H, N) int64 tensor");
+  TORCH_CHECK(groups >= 1 && select >= 0 && select <= groups && block >= 1 && window >= 0, "bad sizes");
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
+  torch::Tensor out = select > 0 ? torch::empty({B, H, N, select}, ids.options())
+                                 : torch::empty({B, H, N, groups}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "bound_select", [&] {
+    scalar_t* bounds = select > 0 ? nullptr : out.data_ptr<scalar_t>();
+    int64_t* chosen = select > 0 ? out.data_ptr<int64_t>() : nullptr;
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), bounds, chosen, B * H, N, D,
+             groups, select, window, block, causal);
+    };
+    switch (D) {
+      case 16: run(bound_kernel<scalar_t, 16>); break;
+      case 32: run(bound_kernel<scalar_t, 32>); break;
+      case 64: run(bound_kernel<scalar_t, 64>); break;
+      case 128: run(bound_kernel<scalar_t, 128>); break;
+      default: run(bound_kernel<scalar_t, 0>);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("summary_logits", &summary_logits, "the summaries' logits alone (no gradient)");
   m.def("forward", &listed_forward, "listed attention: (out, lse)");
   m.def("backward", &listed_backward, "listed attention's backward: (dq, dk, dv, dprefix_k, dprefix_v)");
+  m.def("bound_select", &bound_select, "selection='bound': the best groups per query (select > 0) or the bounds");
 }
