@@ -27,6 +27,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -96,6 +98,32 @@ struct Summaries {
   }
 };
 
+// exp(x) for x <= 0 in plain arithmetic, so that a loop over a buffer vectorises (std::exp is a call per element):
+// exp(x) = 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (Cody and Waite's ln 2 in two
+// parts), exp(r) by its Taylor series to degree 7 (float) or 12 (double): relative error about 1e-8 / 3e-16. x is
+// clamped to [-87, 0] (float) or [-708, 0] (double), so that 2^n stays a normal number: a key e^87 below the
+// largest gets e^-87 of its weight instead of 0.
+template <typename T>
+inline T exp_nonpositive(T x) {
+  constexpr bool single = std::is_same<T, float>::value;
+  using Bits = typename std::conditional<single, int32_t, int64_t>::type;
+  constexpr T low = single ? T(-87) : T(-708);
+  constexpr T log2e = T(1.4426950408889634074);
+  constexpr T ln2_hi = single ? T(0.693359375) : T(6.93147180369123816490e-01);
+  constexpr T ln2_lo = single ? T(-2.12194440e-4) : T(1.90821492927058770002e-10);
+  constexpr int degree = single ? 7 : 12;
+  x = x < low ? low : (x > T(0) ? T(0) : x);
+  const Bits n = static_cast<Bits>(x * log2e - T(0.5));  // x <= 0: truncation of y - 0.5 rounds y to nearest
+  const T whole = static_cast<T>(n);
+  const T r = (x - whole * ln2_hi) - whole * ln2_lo;
+  T p = T(1);
+  for (int i = degree; i >= 1; --i) p = T(1) + p * (r * (T(1) / T(i)));  // 1 + r (1 + r / 2 (1 + r / 3 (...)))
+  const Bits exponent = (n + (single ? Bits(127) : Bits(1023))) << (single ? 23 : 52);
+  T scale;
+  std::memcpy(&scale, &exponent, sizeof(T));
+  return p * scale;
+}
+
 template <typename T, int64_t FixedD>
 void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
                     const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, T* out, T* lse, int64_t pairs, int64_t H,
@@ -151,20 +179,24 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
           lp[i] = minus_inf;
           continue;
         }
+        {  // every place's weight in one vectorised pass (places of no key: read by nobody below)
+          T* __restrict__ sp = scores.data();
+          const int64_t places = window + listed + C;
+          for (int64_t m = 0; m < places; ++m) sp[m] = exp_nonpositive(sp[m] - largest);
+        }
         T total = 0;
         for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
           if (j < 0) return;
-          const T p = std::exp(scores[m] - largest);
+          const T p = scores[m];
           total += p;
           const T* __restrict__ vj = vp + j * D;
           for (int64_t d = 0; d < D; ++d) oi[d] += p * vj[d];
         });
         for (int64_t c = 0; c < C; ++c) {
-          const T score = scores[window + listed + c];
-          if (score == minus_inf) continue;
           int64_t r[4];
           const int64_t n = sums.rows(i, c, r);
-          const T p = std::exp(score - largest);
+          if (n <= 0) continue;  // no summary
+          const T p = scores[window + listed + c];
           total += p;
           const T w = p / T(n);
           const T* a = sums.prefix_v + r[0] * D; const T* b = sums.prefix_v + r[1] * D;
@@ -179,6 +211,13 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
   });
 }
 
+// Head sizes up to this take the backward in two passes over a query's keys (scores and dout . v into buffers, their
+// exp in one vectorised loop, then the gradients); larger ones in one pass, an inline exp per key. The kernel's
+// forward and backward, one thread (docs/benchmarks.md, twenty-fifth session): at D = 16 (N 512, 144 keys per query)
+// two passes 101 ms, one pass 129; at D = 64 (N 1,024, 256 keys) one pass 172-182 ms, two passes 210. D = 32: not
+// measured.
+constexpr int64_t kTwoPassBackward = 32;
+
 template <typename T, int64_t FixedD>
 void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
                      const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, const T* out, const T* lse, const T* dout,
@@ -187,9 +226,11 @@ void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, c
   const int64_t D = FixedD ? FixedD : head_dim;
   const int64_t C = all.groups;
   const T minus_inf = -std::numeric_limits<T>::infinity();
+  const int64_t listed = M + all_runs.count * all_runs.capacity;
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
     // the query's row, its output gradient and its dq in buffers of their own: no aliasing with dk, dv
     std::vector<T> q_buffer(D), g_buffer(D), dq_buffer(D);
+    std::vector<T> weights(window + listed), dots(window + listed);  // per key: p, then dout . v
     T* __restrict__ qi = q_buffer.data();
     T* __restrict__ gi = g_buffer.data();
     T* __restrict__ dqi = dq_buffer.data();
@@ -222,18 +263,42 @@ void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, c
           delta += gi[d] * oi[d];
         }
         const T shift = glp[i] - delta;
-        for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t, int64_t j) {
+        T* __restrict__ wp = weights.data();
+        T* __restrict__ dotp = dots.data();
+        if (D <= kTwoPassBackward) {  // small heads: the weights' exp in one vectorised pass over a buffer
+          for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
+            if (j < 0) return;
+            const T* __restrict__ kj = kp + j * D;
+            const T* __restrict__ vj = vp + j * D;
+            T score = 0, dp = 0;
+            for (int64_t d = 0; d < D; ++d) {
+              score += qi[d] * kj[d];
+              dp += gi[d] * vj[d];
+            }
+            wp[m] = score - log_total;
+            dotp[m] = dp;
+          });
+          for (int64_t m = 0; m < window + listed; ++m) wp[m] = exp_nonpositive(wp[m]);
+        }
+        for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
           if (j < 0) return;
           const T* __restrict__ kj = kp + j * D;
-          const T* __restrict__ vj = vp + j * D;
           T* __restrict__ dkj = dkp + j * D;
           T* __restrict__ dvj = dvp + j * D;
-          T score = 0, dp = 0;
-          for (int64_t d = 0; d < D; ++d) {
-            score += qi[d] * kj[d];
-            dp += gi[d] * vj[d];
+          T p, dp;
+          if (D <= kTwoPassBackward) {
+            p = wp[m];
+            dp = dotp[m];
+          } else {  // large heads: one pass over the keys, which the second would read again
+            const T* __restrict__ vj = vp + j * D;
+            T score = 0;
+            dp = 0;
+            for (int64_t d = 0; d < D; ++d) {
+              score += qi[d] * kj[d];
+              dp += gi[d] * vj[d];
+            }
+            p = exp_nonpositive(score - log_total);
           }
-          const T p = std::exp(score - log_total);
           const T ds = p * (dp + shift);
           for (int64_t d = 0; d < D; ++d) dvj[d] += p * gi[d];
           for (int64_t d = 0; d < D; ++d) dkj[d] += ds * qi[d];
