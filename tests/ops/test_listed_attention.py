@@ -449,3 +449,30 @@ def test_bad_bound_input_raises_value_error_naming_it(change, match):
             "block": 2, **change}
     with pytest.raises(ValueError, match=match):
         la.bound_groups(**args)
+
+
+@needs_kernel
+def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_two():
+    """Work is split over (sequence, head) pairs, each computed whole by one thread: outputs, the logsumexp and
+    every gradient are bitwise the same whatever torch.set_num_threads says (float32, runs, window, summaries)."""
+    B, H, N, Nk, D = 2, 3, 6, 9, 16
+    q, k, v, index = _inputs(B, H, N, Nk, 2, D, dtype=torch.float32)
+    runs = _runs(B, H, N, Nk, 2, 3)
+    sizes, start, lower, upper, order = _summaries(B, H, N, Nk)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            summaries = la.RangeSummaries(_prefix(inputs[1], order), _prefix(inputs[2], order), start, sizes, lower,
+                                          upper)
+            out, lse = la.listed_attention(*inputs, index, runs=runs, window=3, window_offset=2, summaries=summaries)
+            (out.square().sum() + lse[lse.isfinite()].sum()).backward()
+            bounds = la.bound_groups(q, k[:, :, :N], order.expand(B, H, Nk)[..., :N] % 4, num_groups=3, window=2,
+                                     causal=False, block=2)
+            results.append([out, lse, bounds, *(t.grad for t in inputs)])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

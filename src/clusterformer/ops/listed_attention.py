@@ -82,7 +82,11 @@ def _load() -> Any:
             if not (_build_directory(name) / f"{name}.so").exists():  # a first build takes a while: say so
                 print(f"clusterformer: compiling the fused key-list kernel for this CPU ({suffix}), once; "
                       "about 30 s", file=sys.stderr, flush=True)
-            _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+            # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's builds, serial without it (the kernel
+            # then ran on one thread whatever torch.set_num_threads said). The libgomp it links is torch's own, already
+            # loaded under the same soname, so the process keeps one OpenMP runtime.
+            _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=[*flags, "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # no compiler, no ninja, a failed build: the unfused kernels remain
             _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
         return _module

@@ -125,14 +125,15 @@ inline T exp_nonpositive(T x) {
 }
 
 template <typename T, int64_t FixedD>
-void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
+void forward_pairs(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
                     const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, T* out, T* lse, int64_t pairs, int64_t H,
-                    int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
+                    int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale,
+                   int64_t first, int64_t last) {
   const int64_t D = FixedD ? FixedD : head_dim;  // a compile-time head size unrolls the loops over channels
   const int64_t C = all.groups;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   const int64_t listed = M + all_runs.count * all_runs.capacity;  // places after the window, before the summaries
-  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
+  {
     std::vector<T> scores(window + listed + C);
     for (int64_t pair = first; pair < last; ++pair) {
       const T* qp = q + pair * N * D;
@@ -208,6 +209,18 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
         lp[i] = largest + std::log(total);
       }
     }
+  }
+}
+
+// forward_kernel: forward_pairs over every pair, split over torch's threads. The body is a function of its own, not
+// the parallel loop's lambda, so that its loops compile as they would inline whatever the loop does with it.
+template <typename T, int64_t FixedD>
+void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
+                    const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, T* out, T* lse, int64_t pairs, int64_t H,
+                    int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
+  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
+    forward_pairs<T, FixedD>(q, k, v, index, all_runs, key_real, all, prefix_rows, out, lse, pairs, H, N, Nk, M,
+                             head_dim, window, offset, scale, first, last);
   });
 }
 
@@ -219,15 +232,16 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
 constexpr int64_t kTwoPassBackward = 32;
 
 template <typename T, int64_t FixedD>
-void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
+void backward_pairs(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
                      const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, const T* out, const T* lse, const T* dout,
                      const T* dlse, T* dq, T* dk, T* dv, T* dprefix_k, T* dprefix_v, int64_t pairs, int64_t H,
-                     int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
+                     int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale,
+                   int64_t first, int64_t last) {
   const int64_t D = FixedD ? FixedD : head_dim;
   const int64_t C = all.groups;
   const T minus_inf = -std::numeric_limits<T>::infinity();
   const int64_t listed = M + all_runs.count * all_runs.capacity;
-  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
+  {
     // the query's row, its output gradient and its dq in buffers of their own: no aliasing with dk, dv
     std::vector<T> q_buffer(D), g_buffer(D), dq_buffer(D);
     std::vector<T> weights(window + listed), dots(window + listed);  // per key: p, then dout . v
@@ -334,6 +348,19 @@ void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, c
         for (int64_t d = 0; d < D; ++d) dqp[i * D + d] = dqi[d] * scale;
       }
     }
+  }
+}
+
+// backward_kernel: backward_pairs over every pair, split over torch's threads. The body is a function of its own, not
+// the parallel loop's lambda, so that its loops compile as they would inline whatever the loop does with it.
+template <typename T, int64_t FixedD>
+void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
+                     const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, const T* out, const T* lse, const T* dout,
+                     const T* dlse, T* dq, T* dk, T* dv, T* dprefix_k, T* dprefix_v, int64_t pairs, int64_t H,
+                     int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
+  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
+    backward_pairs<T, FixedD>(q, k, v, index, all_runs, key_real, all, prefix_rows, out, lse, dout, dlse, dq, dk, dv,
+                              dprefix_k, dprefix_v, pairs, H, N, Nk, M, head_dim, window, offset, scale, first, last);
   });
 }
 
@@ -531,12 +558,13 @@ torch::Tensor summary_logits(torch::Tensor q, torch::Tensor prefix_k, torch::Ten
 inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 template <typename T, int64_t FixedD>
-void bound_kernel(const T* q, const T* k, const int64_t* ids, T* bounds_out, int64_t* chosen_out, int64_t pairs,
-                  int64_t N, int64_t head_dim, int64_t G, int64_t S, int64_t window, int64_t block, bool causal) {
+void bound_pairs(const T* q, const T* k, const int64_t* ids, T* bounds_out, int64_t* chosen_out, int64_t pairs,
+                  int64_t N, int64_t head_dim, int64_t G, int64_t S, int64_t window, int64_t block, bool causal,
+                 int64_t first_pair, int64_t last_pair) {
   const int64_t D = FixedD ? FixedD : head_dim;
   const T inf = std::numeric_limits<T>::infinity();
   const int64_t blocks = (N + block - 1) / block;
-  at::parallel_for(0, pairs, 1, [&](int64_t first_pair, int64_t last_pair) {
+  {
     std::vector<T> hi(G * D), lo(G * D), other(G);
     std::vector<char> filled(G);
     std::vector<T> rows(causal ? G : N * G);  // non-causal: the bounds before the window, for the backward sweep
@@ -623,6 +651,17 @@ void bound_kernel(const T* q, const T* k, const int64_t* ids, T* bounds_out, int
       }
       for (int64_t t = 0; t < N; ++t) emit(t, rows.data() + t * G);
     }
+  }
+}
+
+// bound_kernel: bound_pairs over every pair, split over torch's threads. The body is a function of its own, not
+// the parallel loop's lambda, so that its loops compile as they would inline whatever the loop does with it.
+template <typename T, int64_t FixedD>
+void bound_kernel(const T* q, const T* k, const int64_t* ids, T* bounds_out, int64_t* chosen_out, int64_t pairs,
+                  int64_t N, int64_t head_dim, int64_t G, int64_t S, int64_t window, int64_t block, bool causal) {
+  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
+    bound_pairs<T, FixedD>(q, k, ids, bounds_out, chosen_out, pairs, N, head_dim, G, S, window, block, causal, first,
+                           last);
   });
 }
 
