@@ -96,3 +96,28 @@ def test_option_swap_reevaluates_a_run_as_trained_and_with_another_ranking(tmp_p
     ids = task.test.ids[:4]
     with torch.no_grad():
         assert (trained(ids) - means(ids)).abs().max() > 1e-6, "the swapped ranking must change some output"
+
+
+def test_cluster_probe_statistics_and_agreement_on_hand_built_groupings():
+    """docs/scripts/cluster_probe.py: on one text of 6 real tokens (2 padding) in groups 0, 0, 0, 1, 1, 2: the
+    largest group holds 1/2, 3 groups are used, the entropy is that of (1/2, 1/3, 1/6) over log 3; a relabelling
+    agrees fully (NMI 1), a grouping that splits every group the other way agrees less."""
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "cluster_probe.py"
+    spec = importlib.util.spec_from_file_location("docs_script_cluster_probe", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    groups = torch.tensor([[[0, 0, 0, 1, 1, 2, -1, -1]]])
+    stats = script.statistics(groups)
+    p = torch.tensor([1 / 2, 1 / 3, 1 / 6], dtype=torch.float64)
+    assert stats["largest"] == 0.5 and stats["used"] == 3 and stats["of"] == 3
+    assert abs(stats["entropy"] - float(-(p * p.log()).sum()) / math.log(3)) < 1e-12
+    relabelled = torch.tensor([[[2, 2, 2, 0, 0, 1, 5, 5]]])  # padding's id does not matter: -1 in the first
+    assert abs(script.agreement(groups, relabelled) - 1.0) < 1e-12
+    crossed = torch.tensor([[[0, 1, 2, 0, 1, 0, -1, -1]]])
+    assert script.agreement(groups, crossed) < 0.5
