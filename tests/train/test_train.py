@@ -490,10 +490,11 @@ def test_cluster_layers_build_the_cluster_former_stack(tmp_path):
 
 def test_centroid_lr_scale_scales_only_the_clustering_parameters_update(tmp_path):
     """One AdamW step moves each parameter by lr * (g / |g| + weight decay * p): proportional to its group's lr.
-    With --centroid-lr-scale 4 the centroids and W^C move exactly 4x as far, every other weight exactly as far."""
+    With --centroid-lr-scale 4 the centroids and W^C move exactly 4x as far, every other weight exactly as far; with
+    0 they do not move at all (frozen), the other weights again exactly as far."""
     train, test = _write_task(tmp_path)
     moved = {}
-    for scale in ("1", "4"):
+    for scale in ("1", "4", "0"):
         out = tmp_path / f"scale{scale}"
         assert main(_argv(train, test, out, "--attention", "neural-clustering", "--max-steps", "1", "--batch-size",
                           "16", "--dropout", "0", "--centroid-lr-scale", scale)) == 0
@@ -517,8 +518,10 @@ def test_centroid_lr_scale_scales_only_the_clustering_parameters_update(tmp_path
             # float32 weights of size ~1 round each delta to ~1e-7: compare the ratio of norms and each entry
             assert d1.abs().max() > 1e-5 and abs(d4.norm() / d1.norm() - 4) < 1e-3, name
             assert torch.allclose(d4, 4 * d1, rtol=1e-2, atol=1e-6), name
+            assert torch.equal(moved["0"][name], start), name
         else:
             assert torch.equal(moved["1"][name], moved["4"][name]), name
+            assert torch.equal(moved["1"][name], moved["0"][name]), name
 
 
 def test_centroid_flow_flag_builds_the_papers_flow_and_resume_refuses_a_change(tmp_path, capsys):
@@ -536,7 +539,7 @@ def test_centroid_flow_flag_builds_the_papers_flow_and_resume_refuses_a_change(t
     assert len(parameter_groups(model, config)) == 1
     for bad, message in (({"attention": "full"}, "needs attention='neural-clustering'"),
                          ({"reversible": True}, "reversible"),
-                         ({"centroid_flow": False, "centroid_lr_scale": 0.0}, "centroid_lr_scale must be > 0"),
+                         ({"centroid_flow": False, "centroid_lr_scale": -1.0}, "centroid_lr_scale must be >= 0"),
                          ({"centroid_flow": False, "centroid_lr_scale": 2.0, "attention": "routing"},
                           "centroid_lr_scale acts on neural-clustering")):
         with pytest.raises(ValueError, match=message):

@@ -82,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "starts from layer l's updated centroids (default: every layer its own)")
     p.add_argument("--centroid-lr-scale", type=float, default=1.0,
                    help="neural-clustering: multiply the learning rate of the centroids and W^C by this (also when "
-                        "fine-tuning from --init PATH)")
+                        "fine-tuning from --init PATH; 0 freezes them)")
     p.add_argument("--dense-warmup-steps", type=int, default=0,
                    help="neural-clustering: the first N training steps attend to every key (a causal mask kept), "
                         "while the clustering and its losses train as usual; evaluation and decoding always use the "
