@@ -87,21 +87,26 @@ def test_the_window_read_in_place_matches_a_loop_over_queries(window, offset, pa
         pad[0, 2:4] = True
         pad[1, -3:] = True
     scale = 0.9
+    expected = _loop_reference(q, k, v, index, scale, window, offset, pad if padded else None)
+    _assert_matches(q, k, v, index, scale, expected, fused, window=window, window_offset=offset,
+                    key_padding_mask=pad if padded else None)
+
+
+def _assert_matches(q, k, v, index, scale, expected, fused, **options):
+    """The kernel (``fused``) or the gather on (q, k, v, index, scale, **options) against ``expected`` (out, lse) at
+    1e-12; the kernel's gradients of out and the finite lse against the gather's autograd."""
     fn = la.listed_attention if fused else la.listed_attention_reference
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = fn(*inputs, index, scale, window=window, window_offset=offset,
-                  key_padding_mask=pad if padded else None)
-    expected_out, expected_lse = _loop_reference(q, k, v, index, scale, window, offset, pad if padded else None)
-    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
+    out, lse = fn(*inputs, index, scale, **options)
+    torch.testing.assert_close(out, expected[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected[1], rtol=1e-12, atol=1e-12)
     if fused:
         finite = lse.isfinite()
         (out.sum() + lse[finite].sum()).backward()
-        expected = [t.clone().requires_grad_() for t in (q, k, v)]
-        e_out, e_lse = la.listed_attention_reference(*expected, index, scale, window=window, window_offset=offset,
-                                                     key_padding_mask=pad if padded else None)
-        (e_out.sum() + e_lse[finite].sum()).backward()
-        for a, b in zip(inputs, expected, strict=True):
+        gathered = [t.clone().requires_grad_() for t in (q, k, v)]
+        g_out, g_lse = la.listed_attention_reference(*gathered, index, scale, **options)
+        (g_out.sum() + g_lse[finite].sum()).backward()
+        for a, b in zip(inputs, gathered, strict=True):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
 
 
@@ -309,21 +314,9 @@ def test_slot_runs_match_a_loop_over_queries(shape, windowed, fused):
     assert torch.equal(runs.as_index(), _runs_loop_index(runs))
     window = {"window": 3, "window_offset": 2} if windowed else {}
     scale = 0.8
-    fn = la.listed_attention if fused else la.listed_attention_reference
-    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = fn(*inputs, index, scale, runs=runs, **window)
-    expected_out, expected_lse = _loop_reference(q, k, v, torch.cat([index, _runs_loop_index(runs)], -1), scale,
-                                                 window.get("window", 0), window.get("window_offset", 0))
-    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
-    if fused:
-        finite = lse.isfinite()
-        (out.sum() + lse[finite].sum()).backward()
-        expected = [t.clone().requires_grad_() for t in (q, k, v)]
-        e_out, e_lse = la.listed_attention_reference(*expected, index, scale, runs=runs, **window)
-        (e_out.sum() + e_lse[finite].sum()).backward()
-        for a, b in zip(inputs, expected, strict=True):
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    expected = _loop_reference(q, k, v, torch.cat([index, _runs_loop_index(runs)], -1), scale,
+                               window.get("window", 0), window.get("window_offset", 0))
+    _assert_matches(q, k, v, index, scale, expected, fused, runs=runs, **window)
 
 
 @needs_kernel
