@@ -36,6 +36,12 @@ outside the window, read from the band's own scores through the band's one-hot c
 less the members the query reads alone (their scores are computed anyway). Only those keys, S * cluster_keys per
 query, are listed per query, as sparse key lists. One band per layer call (:func:`chunk_band`) serves the
 summaries' selection and the attention.
+
+The ``"fused"`` kernel (CPU, :mod:`clusterformer.ops.listed_attention`) reads the window in place, the selected
+clusters' keys as runs of consecutive slots of the cluster-sorted order (:func:`cluster_runs`: one run per selected
+cluster, two without a causal mask) and the summaries from one prefix sum in that order, in one C++ pass; with
+``selection="bound"`` the ranking is another (:func:`bound_selection`). Ties between groups go to the lower id
+(:func:`top_groups`), in every kernel and in the cached decoder.
 """
 
 from __future__ import annotations
