@@ -153,10 +153,13 @@ def test_every_command_has_its_own_module_and_help():
         assert f"\n  {name} " in cli.__doc__, name
 
 
-def test_list_shows_aliases(capsys):
+def test_list_shows_aliases_and_resolved_defaults(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "chunk_size = 64  (alias bucket_size)" in out and "num_clusters = 100  (alias clusters)" in out
+    # defaults resolved at construction say what they become with nothing given (cluster-select's version 2)
+    assert "selection = 'auto'  (resolves to 'bound')" in out and "own_group = None  (resolves to True)" in out
+    assert "sink = None  (resolves to 1)" in out and "window = 64\n" in out
 
 
 def test_generate_streams_a_continuation_from_a_checkpoint(tmp_path, capsys):

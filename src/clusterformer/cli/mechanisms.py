@@ -12,12 +12,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..attention import describe, names
+    from ..attention.registry import make_options
 
     for name in names():
         info = describe(name)
         print(f"{name}: {info['summary']}")
         aliases = {target: alias for alias, target in info["aliases"].items()}
+        built = make_options(name, {})  # what the defaults resolve to ("auto", None) when nothing is given
         for option, default in info["options"].items():
             alias = f"  (alias {aliases[option]})" if option in aliases else ""
-            print(f"    {option} = {default!r}{alias}")
+            value = getattr(built, option)
+            resolved = f"  (resolves to {value!r})" if value != default else ""
+            print(f"    {option} = {default!r}{alias}{resolved}")
     return 0
