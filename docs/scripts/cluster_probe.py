@@ -14,12 +14,13 @@ grouping up to the groups' ids; how much fine-tuning moved the clustering).
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 
 import torch
 
 from clusterformer.attention import InnerAttention, record_groups
-from clusterformer.train.loop import _pretrained_checkpoint, load_pretrained, load_trained
+from clusterformer.train.loop import load_pretrained, load_trained, read_checkpoint
 
 
 def groups_of(model: torch.nn.Module, ids: torch.Tensor, pad: torch.Tensor, batch: int) -> list[torch.Tensor]:
@@ -94,9 +95,8 @@ def main() -> None:
         print(f"{run} (step {step}, {config.attention}):")
         start = None
         if args.start and config.init is not None:
-            state = _pretrained_checkpoint(config.init, config.task)
-            first, _, _, _ = load_trained(run, data_dir=args.data_dir, device="cpu")
-            load_pretrained(first, state, config)
+            first = copy.deepcopy(model)  # the same model, its weights replaced by the --init checkpoint's
+            load_pretrained(first, read_checkpoint(config.init), config)
             start = groups_of(first.eval(), ids, pad, args.batch)
         for layer, groups in enumerate(end):
             line = "  layer {}: end   largest {largest:.3f}  used {used:.1f} of {of}  entropy {entropy:.3f}".format(

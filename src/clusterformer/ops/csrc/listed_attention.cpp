@@ -408,6 +408,19 @@ Summaries<T> summaries_of(const torch::Tensor& q, const torch::Tensor& prefix_k,
   return s;
 }
 
+// Calls run with std::integral_constant<int64_t, D> for the head sizes the kernels unroll at compile time (16, 32,
+// 64, 128), and with std::integral_constant<int64_t, 0> for any other (the loops then read D at run time).
+template <typename F>
+void with_head_size(int64_t D, F&& run) {
+  switch (D) {
+    case 16: run(std::integral_constant<int64_t, 16>{}); break;
+    case 32: run(std::integral_constant<int64_t, 32>{}); break;
+    case 64: run(std::integral_constant<int64_t, 64>{}); break;
+    case 128: run(std::integral_constant<int64_t, 128>{}); break;
+    default: run(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 const bool* real_or_null(const torch::Tensor& key_real) {
   return key_real.numel() == 0 ? nullptr : key_real.data_ptr<bool>();
 }
@@ -453,13 +466,7 @@ std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torc
              runs, real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), B * H, H, N,
              Nk, M, D, window, offset, static_cast<scalar_t>(scale));
     };
-    switch (D) {
-      case 16: run(forward_kernel<scalar_t, 16>); break;
-      case 32: run(forward_kernel<scalar_t, 32>); break;
-      case 64: run(forward_kernel<scalar_t, 64>); break;
-      case 128: run(forward_kernel<scalar_t, 128>); break;
-      default: run(forward_kernel<scalar_t, 0>);
-    }
+    with_head_size(D, [&](auto fixed) { run(forward_kernel<scalar_t, decltype(fixed)::value>); });
   });
   return {out, lse};
 }
@@ -493,13 +500,7 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
              dv.data_ptr<scalar_t>(), dpk, dpv, B * H, H, N, Nk, M, D, window, offset,
              static_cast<scalar_t>(scale));
     };
-    switch (D) {
-      case 16: run(backward_kernel<scalar_t, 16>); break;
-      case 32: run(backward_kernel<scalar_t, 32>); break;
-      case 64: run(backward_kernel<scalar_t, 64>); break;
-      case 128: run(backward_kernel<scalar_t, 128>); break;
-      default: run(backward_kernel<scalar_t, 0>);
-    }
+    with_head_size(D, [&](auto fixed) { run(backward_kernel<scalar_t, decltype(fixed)::value>); });
   });
   return {dq, dk, dv, dprefix_k, dprefix_v};
 }
@@ -684,13 +685,7 @@ torch::Tensor bound_select(torch::Tensor q, torch::Tensor k, torch::Tensor ids, 
       kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), bounds, chosen, B * H, N, D,
              groups, select, window, block, causal);
     };
-    switch (D) {
-      case 16: run(bound_kernel<scalar_t, 16>); break;
-      case 32: run(bound_kernel<scalar_t, 32>); break;
-      case 64: run(bound_kernel<scalar_t, 64>); break;
-      case 128: run(bound_kernel<scalar_t, 128>); break;
-      default: run(bound_kernel<scalar_t, 0>);
-    }
+    with_head_size(D, [&](auto fixed) { run(bound_kernel<scalar_t, decltype(fixed)::value>); });
   });
   return out;
 }
