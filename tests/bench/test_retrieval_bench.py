@@ -31,6 +31,24 @@ def test_records_cover_every_context_and_method(tmp_path, capsys):
     assert "cluster-retrieval" in capsys.readouterr().out
 
 
+def test_methods_take_options_and_dense_runs_first(tmp_path):
+    """Cache readers as NAME:key=value specs, several of one mechanism (the fused step against the composition);
+    dense is timed first whatever the order given, so every ratio is to its time."""
+    out = tmp_path / "r.json"
+    assert main(["bench", "retrieval", "--contexts", "96", "--steps", "2", "--budget", "0.5",
+                 "--methods", "cluster-retrieval:kernel=torch;dense;cluster-retrieval:rerank=1;quest",
+                 "--options", '{"clusters": 4, "window": 8}', "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["method"] for r in records] == ["dense", "cluster-retrieval:kernel=torch", "cluster-retrieval:rerank=1",
+                                              "quest"]
+    assert [r["refresh"] for r in records] == [None, 4096, 4096, None]  # only cluster retrieval builds an index
+    with pytest.raises(ValueError, match="rerank"):
+        run_retrieval_benchmark(RetrievalBenchConfig(contexts=[96], steps=1,
+                                                     methods=["dense", "cluster-retrieval:rerank=0"]))
+    with pytest.raises(ValueError, match="dense takes no options"):
+        RetrievalBenchConfig(contexts=[64], methods=["dense:kernel=torch"])
+
+
 def test_bad_configuration():
     with pytest.raises(ValueError, match="answer_tokens must be >= 1"):
         RetrievalBenchConfig(contexts=[64], answer_tokens=0)

@@ -15,8 +15,21 @@ import torch
 
 from clusterformer.attention.retrieval import ClusterRetrievalOptions, SinkWindowOptions
 from clusterformer.clustering.kmeans import euclidean_kmeans
-from clusterformer.ops.retrieval import build_index, extend_index, keys_allowed, retrieval_attention
+from clusterformer.ops.retrieval import (
+    DECODE_KERNEL,
+    build_index,
+    decode_kernel_unusable,
+    extend_index,
+    keys_allowed,
+    retrieval_attention,
+)
 from seeds import fixed_seed
+
+needs_decode_kernel = pytest.mark.skipif(not DECODE_KERNEL.available(),
+                                         reason=f"the fused decoding step is not built: {DECODE_KERNEL.error}")
+# the decoding steps (one query position) of "group" and "head" selection without the remainder estimate run the
+# fused C++ step with kernel "auto" where it is built; "torch" holds them to the composition, "fused" to the kernel
+KERNELS = ["torch", pytest.param("fused", marks=needs_decode_kernel)]
 
 
 class ReferenceIndex:
@@ -148,10 +161,14 @@ def _cache(seed, B=2, Hkv=2, n=70, D=8, pad=(0, 9)):
     (0.3, True, "head", 1), (9, False, "head", 1), (0.3, False, "group", 3), (9, False, "group", 2),
     (0.3, False, "head", 2), (9, False, "head", 4), (0.3, True, "block", 1), (9, False, "block", 3),
     (0.3, True, "group", 3), (23, True, "head", 2), (0.3, True, "block", 2)])
-def test_retrieval_matches_reference_through_steps(budget, estimate, selection, rerank):
-    """Prefill-sized cache, then steps of 1 and 3 queries (index built, keys joining, a refresh), float64."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_retrieval_matches_reference_through_steps(budget, estimate, selection, rerank, kernel):
+    """Prefill-sized cache, then steps of 1 and 3 queries (index built, keys joining, a refresh), float64; the
+    single steps by the PyTorch composition and by the fused decoding step (where it applies: no estimate)."""
+    if kernel == "fused" and (estimate or selection == "block"):
+        pytest.skip("the fused step has no remainder estimate and no block selection")
     opts = ClusterRetrievalOptions(budget=budget, num_clusters=5, sink=2, window=6, refresh=7, iterations=3,
-                                   estimate_remainder=estimate, selection=selection, rerank=rerank)
+                                   estimate_remainder=estimate, selection=selection, rerank=rerank, kernel=kernel)
     k_all, v_all, real_all, g = _cache(fixed_seed(), n=70)
     H, scale = 4, 0.37
     n, index, ref_index = 50, None, None
@@ -235,7 +252,8 @@ def test_no_future_key_and_batch_invariance():
 
 def test_options_are_validated():
     for bad in ({"budget": 0.0}, {"budget": 1.5}, {"budget": 0}, {"budget": True}, {"num_clusters": 0},
-                {"refresh": 0}, {"estimate_remainder": 1}, {"selection": "query"}, {"rerank": 0}, {"rerank": 2.0}):
+                {"refresh": 0}, {"estimate_remainder": 1}, {"selection": "query"}, {"rerank": 0}, {"rerank": 2.0},
+                {"kernel": "cuda"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ClusterRetrievalOptions(**bad)
     for bad in ({"budget": 2.0}, {"sink": -1}, {"dense_layers": -1}, {"prefill_block": -1}, {"prefill_block": 1.5}):
@@ -263,15 +281,18 @@ def test_no_padding_path_equals_an_all_real_mask(estimate):
                                                        (False, "group", 3), (False, "head", 2),
                                                        (True, "block", 1), (False, "block", 2),
                                                        (True, "group", 3)])
-def test_every_key_and_centroid_read_counts_against_the_budget(budget, estimate, selection, rerank):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_key_and_centroid_read_counts_against_the_budget(budget, estimate, selection, rerank, kernel):
     """Count what each query reads: values one-hot per position (a key read puts weight on its own coordinate)
     and, for the centroid terms, the index's value means one-hot on extra coordinates (one per cluster). Every
     query, of every head and sequence, in prefill-sized chunks and single steps, with sinks (4) that a small
     budget must cut and a window (6) wider than some budgets: keys + centroid terms <= the budget of its
     sequence, and a budget of a few keys is used whole (no query reads fewer keys than it may and than exist)."""
+    if kernel == "fused" and (estimate or selection == "block"):
+        pytest.skip("the fused step has no remainder estimate and no block selection")
     C, sink = 3, 4
     opts = ClusterRetrievalOptions(budget=budget, num_clusters=C, sink=sink, window=6, refresh=100, iterations=2,
-                                   estimate_remainder=estimate, selection=selection, rerank=rerank)
+                                   estimate_remainder=estimate, selection=selection, rerank=rerank, kernel=kernel)
     k, _v, real, g = _cache(fixed_seed(), n=64, pad=(0, 20))
     n = k.shape[2]
     v = torch.zeros(2, 2, n, n + C, dtype=torch.float64)
@@ -308,3 +329,64 @@ def test_an_index_recognises_its_cache_by_keys_spread_over_it():
         other[:, :, position] += 1.0
         assert not index.follows(other), position
     assert not index.follows(k[:, :, :35])
+
+
+@needs_decode_kernel
+def test_fused_decoding_step_runs_where_it_applies_and_says_why_not_elsewhere():
+    """kernel="auto" takes the fused step for a decoding step (the same output as kernel="fused", bit for bit) and
+    the composition for a call of several positions; kernel="fused" refuses what the kernel cannot take, naming
+    the reason, and the remainder estimate at construction."""
+    k, v, real, g = _cache(fixed_seed(), n=80)
+    opts = {"budget": 0.3, "num_clusters": 4, "sink": 2, "window": 5}
+    index = build_index(k, v, ~real, 80 - 5, ClusterRetrievalOptions(**opts))
+    q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
+    auto, fused, composed = (retrieval_attention(q, k, v, ~real, index, ClusterRetrievalOptions(**opts, kernel=kn), 0.3)
+                             for kn in ("auto", "fused", "torch"))
+    assert torch.equal(auto, fused)
+    assert not torch.equal(fused, composed)  # two computations (equal to rounding: the reference tests)
+    torch.testing.assert_close(fused, composed, rtol=0, atol=1e-12)
+    fused_opts = ClusterRetrievalOptions(**opts, kernel="fused")
+    for bad, reason in ((q.float(), "float32 or float64"), (q.clone().requires_grad_(), "no backward")):
+        with pytest.raises(ValueError, match=reason):
+            retrieval_attention(bad, k, v, ~real, index, fused_opts, 0.3)
+    assert decode_kernel_unusable(q, k, v) is None
+    q3 = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)  # several positions: the composition, no error
+    torch.testing.assert_close(retrieval_attention(q3, k, v, ~real, index, fused_opts, 0.3),
+                               retrieval_attention(q3, k, v, ~real, index, ClusterRetrievalOptions(**opts), 0.3),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="estimate_remainder"):
+        ClusterRetrievalOptions(**opts, kernel="fused", estimate_remainder=True)
+
+
+def test_the_decoding_step_builds_where_a_compiler_and_ninja_exist():
+    import shutil
+
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja here")
+    assert DECODE_KERNEL.available(), DECODE_KERNEL.error
+
+
+def test_without_the_extension_auto_composes_and_fused_says_why():
+    """CLUSTERFORMER_NO_EXTENSIONS=1: nothing is built; kernel="auto" computes the composition's values bit for bit
+    and kernel="fused" raises ValueError naming the reason."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from clusterformer.attention.retrieval import ClusterRetrievalOptions as O\n"
+        "from clusterformer.ops.retrieval import build_index, retrieval_attention\n"
+        "k = torch.randn(1, 2, 60, 8, dtype=torch.float64); q = torch.randn(1, 4, 1, 8, dtype=torch.float64)\n"
+        "index = build_index(k, k, None, 50, O(num_clusters=4, window=10))\n"
+        "a, t = (retrieval_attention(q, k, k, None, index, O(num_clusters=4, window=10, budget=0.3, kernel=kn), 0.3)"
+        " for kn in ('auto', 'torch'))\n"
+        "assert torch.equal(a, t)\n"
+        "try:\n"
+        "    retrieval_attention(q, k, k, None, index, O(num_clusters=4, window=10, budget=0.3, kernel='fused'), 0.3)\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "CLUSTERFORMER_NO_EXTENSIONS": "1"})
+    assert "kernel='fused' cannot run here: the extension is not available (disabled by " in result.stdout

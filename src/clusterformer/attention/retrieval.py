@@ -180,6 +180,13 @@ class ClusterRetrievalOptions(SinkWindowOptions):
             are *scored* (one dot product each, no value read), ``f`` times the retrieved keys, the price of a
             choice closer to the oracle's (docs/results.md). With ``estimate_remainder`` a cluster's remainder is
             its members that were not kept.
+        kernel: how a decoding step (one query position) is computed: ``"auto"`` (default): the fused C++ step
+            (:func:`clusterformer.ops.retrieval.decode_kernel_unusable` says where it runs: CPU, float32/64, no
+            gradient, the extension built; ``"group"`` or ``"head"`` selection, without ``estimate_remainder``),
+            else the PyTorch composition; ``"fused"``: the fused step, ``ValueError`` where it cannot run;
+            ``"torch"``: the PyTorch composition always. The same keys and function: they differ in rounding and
+            speed (docs/benchmarks.md). Calls with several query positions (a prompt in chunks, the sparse
+            prefill's blocks) always run the composition.
     """
 
     ALIASES: ClassVar[dict[str, str]] = {"clusters": "num_clusters"}
@@ -191,6 +198,7 @@ class ClusterRetrievalOptions(SinkWindowOptions):
     estimate_remainder: bool = False
     selection: str = "group"
     rerank: int = 4
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -201,6 +209,10 @@ class ClusterRetrievalOptions(SinkWindowOptions):
         check_bool("estimate_remainder", self.estimate_remainder)
         check_choice("selection", self.selection, ("group", "head", "block"))
         check_int("rerank", self.rerank, minimum=1)
+        check_choice("kernel", self.kernel, ("auto", "fused", "torch"))
+        if self.kernel == "fused" and self.estimate_remainder:
+            raise ValueError("kernel='fused' has no remainder estimate: use kernel='auto' or 'torch' with "
+                             "estimate_remainder=True")
 
 
 PREFILL_REGROWTH = 4  # the sparse prefill re-clusters its index when its keys have grown this many times over

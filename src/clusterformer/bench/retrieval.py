@@ -16,7 +16,10 @@ per step with ``torch.cat`` as ``DynamicCache`` does (not timed: every method pa
   long prompt (``longctx`` generates at most 48 tokens), where the index's build is spread over those tokens
   alone; ``answer_speedup_vs_dense`` compares it with dense's.
 
-Methods run one after another in this process, dense first, so ratios come from the same conditions.
+Methods (``dense``, or a cache reader as ``NAME[:key=value,...]``: ``sink-window``, ``cluster-retrieval``,
+``oracle``, ``quest``) run one after another in this process, dense first, so ratios come from the same
+conditions; ``options`` apply to every cluster-retrieval entry, beside its own (e.g. ``cluster-retrieval:kernel=torch``
+against the default fused decoding step).
 """
 
 from __future__ import annotations
@@ -54,9 +57,20 @@ class RetrievalBenchConfig:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         for n in self.contexts:
             check_int("contexts entry", n, minimum=16)
+        from .._specs import parse_spec
+
         for method in self.methods:
-            if method not in ("dense", "sink-window", "cluster-retrieval"):
-                raise ValueError(f"methods must be among dense, sink-window, cluster-retrieval; got {method!r}")
+            name, options = parse_spec(method)
+            if name not in METHODS:
+                raise ValueError(f"methods must be among {', '.join(METHODS)} (cache readers with options as "
+                                 f"NAME:key=value,...); got {method!r}")
+            if name == "dense" and options:
+                raise ValueError(f"dense takes no options; got {method!r}")
+        # dense first: the others' ratios are to its time in the same conditions
+        self.methods = sorted(self.methods, key=lambda method: method != "dense")
+
+
+METHODS = ("dense", "sink-window", "cluster-retrieval", "oracle", "quest")
 
 
 class _Cache:
@@ -84,6 +98,7 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
     import torch
     from transformers import AttentionInterface
 
+    from .._specs import parse_spec
     from ..attention.registry import make_options
     from ..hf.interface import register_attention
     from ..ops.retrieval import JOIN_BATCH
@@ -91,14 +106,17 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
     if config.threads:
         torch.set_num_threads(config.threads)
     functions: dict[str, Any] = {}
-    refresh = make_options("cluster-retrieval", config.options).refresh
-    for method in config.methods:
-        if method == "dense":
+    refreshes: dict[str, int] = {}
+    for number, method in enumerate(config.methods):
+        name, inline = parse_spec(method)
+        if name == "dense":
             functions[method] = None
             continue
-        options = {"budget": config.budget, **(config.options if method == "cluster-retrieval" else {})}
-        name = register_attention(method, name=f"clusterformer-bench-{method}", **options)
-        functions[method] = AttentionInterface()[name]  # the function transformers will call
+        options = {"budget": config.budget, **(config.options if name == "cluster-retrieval" else {}), **inline}
+        registered = register_attention(name, name=f"clusterformer-bench-{number}", **options)
+        functions[method] = AttentionInterface()[registered]  # the function transformers will call
+        if name == "cluster-retrieval":
+            refreshes[method] = make_options(name, options).refresh
     B, H, Hkv, D = 1, config.heads, config.kv_heads, config.head_dim
     records = []
     for n in config.contexts:
@@ -129,7 +147,8 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
             build_ms = times[0] * 1000
             steps = times[1:]
             median = statistics.median(steps) * 1000
-            builds = method == "cluster-retrieval"
+            builds = method in refreshes  # the methods with an index to build
+            refresh = refreshes.get(method)
             amortized = statistics.fmean(steps) * 1000 + (build_ms / refresh if builds else 0)
             answer = statistics.fmean(steps) * 1000 + (build_ms / config.answer_tokens if builds else 0)
             if method == "dense":

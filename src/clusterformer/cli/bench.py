@@ -71,9 +71,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("retrieval", help="decode attention time per token over a long cache: dense SDPA vs "
                                                "cluster retrieval (SmolLM2 shapes)")
     p.add_argument("--contexts", type=int_list, default=[2048, 4096, 8192, 16384])
-    p.add_argument("--methods", default="dense,sink-window,cluster-retrieval")
+    p.add_argument("--methods", default="dense,sink-window,cluster-retrieval",
+                   help="dense and cache readers NAME[:key=value,...] (sink-window, cluster-retrieval, oracle, quest), "
+                        "separated by ';' (or ',' without options), e.g. "
+                        "'dense;cluster-retrieval;cluster-retrieval:kernel=torch'")
     p.add_argument("--budget", type=float, default=0.1, help="fraction (<= 1) or count (> 1) of keys per query")
-    p.add_argument("--options", default=None, help='cluster-retrieval options as JSON, e.g. {"num_clusters": 128}')
+    p.add_argument("--options", default=None, help='options of every cluster-retrieval entry as JSON, e.g. '
+                                                   '{"num_clusters": 128}')
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
@@ -167,7 +171,9 @@ def run_retrieval(args: argparse.Namespace) -> int:
 
     options = json_object("--options", args.options, '{"num_clusters": 128}')
     budget = args.budget if args.budget <= 1 else int(args.budget)
-    config = RetrievalBenchConfig(contexts=args.contexts, methods=[m.strip() for m in args.methods.split(",")],
+    from .._specs import split_specs
+
+    config = RetrievalBenchConfig(contexts=args.contexts, methods=split_specs(args.methods),
                                   budget=budget, options=options, heads=args.heads, kv_heads=args.kv_heads,
                                   head_dim=args.head_dim, steps=args.steps, answer_tokens=args.answer_tokens,
                                   threads=args.threads)

@@ -23,9 +23,8 @@ the backward another (the scores recomputed from ``lse``, then dq, dk and dv), w
 that the scatter into dk and dv has no race. Memory: O(B H N) beyond the inputs and outputs. Measured in
 docs/benchmarks.md ("the fused key lists").
 
-The kernel is C++ (``csrc/listed_attention.cpp``), compiled on first use with ``torch.utils.cpp_extension`` (about
-30 s, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions) for
-the CPU's vector width (AVX2 with FMA, or AVX-512). It needs a C++ compiler and ninja; without them, or with
+The kernel is C++ (``csrc/listed_attention.cpp``), compiled on first use (:mod:`clusterformer.ops.extensions`: about
+30 s, once per machine, for the CPU's vector width). It needs a C++ compiler and ninja; without them, or with
 ``CLUSTERFORMER_NO_EXTENSIONS=1``, :func:`extension_available` is False (:func:`extension_error` says why) and
 callers fall back to the unfused kernels. :func:`listed_attention_reference` is the same function by a gather, for
 tests and for tensors the kernel does not take (CUDA, half precision).
@@ -33,84 +32,27 @@ tests and for tensors the kernel does not take (CUDA, half precision).
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from .extensions import CppExtension
+
 __all__ = ["RangeSummaries", "SlotRuns", "bound_groups", "extension_available", "extension_error",
            "listed_attention", "listed_attention_reference", "summary_logits"]
 
-_SOURCE = Path(__file__).with_name("csrc") / "listed_attention.cpp"
-_lock = threading.Lock()
-_module: Any = None
-_error: str | None = None
-
-
-def _flags() -> tuple[str, list[str]]:
-    """The build's name suffix and compiler flags for this CPU: vector instructions as wide as torch itself uses
-    here, and the reassociation that lets the compiler vectorise the dot products (no -ffast-math: the kernel
-    tests for -inf)."""
-    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ... (x86) or others
-    flags = ["-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-    if capability == "AVX512":
-        flags += ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"]
-    elif capability == "AVX2":
-        flags += ["-mavx2", "-mfma"]
-    return capability.lower(), flags
-
-
-def _load() -> Any:
-    """The compiled extension, built on first call; None (and the reason in ``_error``) when it cannot be."""
-    global _module, _error
-    with _lock:
-        if _module is not None or _error is not None:
-            return _module
-        if os.environ.get("CLUSTERFORMER_NO_EXTENSIONS", "") not in ("", "0"):
-            _error = "disabled by CLUSTERFORMER_NO_EXTENSIONS"
-            return None
-        try:
-            from torch.utils.cpp_extension import load, verify_ninja_availability
-
-            verify_ninja_availability()
-            suffix, flags = _flags()
-            name = f"clusterformer_listed_attention_{suffix}"
-            if not (_build_directory(name) / f"{name}.so").exists():  # a first build takes a while: say so
-                print(f"clusterformer: compiling the fused key-list kernel for this CPU ({suffix}), once; "
-                      "about 30 s", file=sys.stderr, flush=True)
-            # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's builds, serial without it (the kernel
-            # then ran on one thread whatever torch.set_num_threads said). The libgomp it links is torch's own, already
-            # loaded under the same soname, so the process keeps one OpenMP runtime.
-            _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=[*flags, "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as exc:  # no compiler, no ninja, a failed build: the unfused kernels remain
-            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
-        return _module
-
-
-def _build_directory(name: str) -> Path:
-    """Where ``torch.utils.cpp_extension.load`` builds ``name``: TORCH_EXTENSIONS_DIR, else its cache directory
-    (~/.cache/torch_extensions/py311_cpu)."""
-    from torch.utils import cpp_extension
-
-    try:
-        return Path(cpp_extension._get_build_directory(name, verbose=False))
-    except Exception:  # a private helper: without it, assume a first build
-        return Path(os.devnull)
+_KERNEL = CppExtension("listed_attention", "the fused key-list kernel")
 
 
 def extension_available() -> bool:
     """Whether the fused kernel is built (building it now if it was not)."""
-    return _load() is not None
+    return _KERNEL.available()
 
 
 def extension_error() -> str | None:
     """Why the fused kernel is not available, or None when it is (or has not been tried)."""
-    return _error
+    return _KERNEL.error
 
 
 class RangeSummaries(NamedTuple):
@@ -159,8 +101,8 @@ class _ListedAttention(torch.autograd.Function):
                 prefix_v: torch.Tensor, index: torch.Tensor, runs: tuple[torch.Tensor, ...], capacity: int,
                 key_real: torch.Tensor, ranges: tuple[torch.Tensor, ...], window: int, offset: int, scale: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _module.forward(q, k, v, index, *runs, capacity, key_real, window, offset, prefix_k, prefix_v,
-                                   *ranges, scale)
+        out, lse = _KERNEL.load().forward(q, k, v, index, *runs, capacity, key_real, window, offset, prefix_k,
+                                          prefix_v, *ranges, scale)
         ctx.save_for_backward(q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *runs, *ranges)
         ctx.window, ctx.offset, ctx.scale, ctx.capacity = window, offset, scale, capacity
         return out, lse
@@ -172,9 +114,9 @@ class _ListedAttention(torch.autograd.Function):
         runs, ranges = rest[:3], rest[3:]
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-        dq, dk, dv, dprefix_k, dprefix_v = _module.backward(q, k, v, index, *runs, ctx.capacity, key_real, ctx.window,
-                                                            ctx.offset, prefix_k, prefix_v, *ranges, out, lse, dout,
-                                                            dlse, ctx.scale)
+        dq, dk, dv, dprefix_k, dprefix_v = _KERNEL.load().backward(
+            q, k, v, index, *runs, ctx.capacity, key_real, ctx.window, ctx.offset, prefix_k, prefix_v, *ranges, out,
+            lse, dout, dlse, ctx.scale)
         has = prefix_k.numel() > 0
         return (dq, dk, dv, dprefix_k if has else None, dprefix_v if has else None, None, None, None, None, None,
                 None, None, None)
@@ -329,7 +271,7 @@ def summary_logits(q: torch.Tensor, summaries: RangeSummaries, scale: float | No
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():
         if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available():
-            return _module.summary_logits(q.detach().contiguous(), summaries.prefix_k.detach().contiguous(),
+            return _KERNEL.load().summary_logits(q.detach().contiguous(), summaries.prefix_k.detach().contiguous(),
                                           *(t.contiguous() for t in summaries[2:]), scale)
         return _summary_scores(q, summaries, scale)[0]
 
@@ -361,7 +303,7 @@ def bound_groups(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
     if key_ids.numel() and (int(key_ids.min()) < 0 or int(key_ids.max()) > num_groups):
         raise ValueError(f"key_ids must lie in [0, num_groups={num_groups}]")
     with torch.no_grad():
-        return _module.bound_select(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
+        return _KERNEL.load().bound_select(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
                                     key_ids.contiguous(), num_groups, select, window, block, causal)
 
 

@@ -63,10 +63,12 @@ import torch.nn.functional as F
 
 from ..clustering.kmeans import cluster_sums, euclidean_kmeans
 from ..masks import allow_empty_rows, real_tokens
+from .extensions import CppExtension
 from .layouts import group_ranks
 
-__all__ = ["JOIN_BATCH", "KeyClusterIndex", "RetrievalSettings", "build_index", "extend_index", "gather_positions",
-           "keys_allowed", "keys_allowed_count", "retrieval_attention"]
+__all__ = ["DECODE_KERNEL", "JOIN_BATCH", "KeyClusterIndex", "RetrievalSettings", "build_index",
+           "decode_kernel_unusable", "extend_index", "gather_positions", "keys_allowed", "keys_allowed_count",
+           "retrieval_attention"]
 
 
 class RetrievalSettings(Protocol):
@@ -83,6 +85,7 @@ class RetrievalSettings(Protocol):
     estimate_remainder: bool
     selection: str
     rerank: int
+    kernel: str
 
 
 def keys_allowed(budget: float | int, lengths: torch.Tensor) -> torch.Tensor:
@@ -114,7 +117,7 @@ class KeyClusterIndex:
     keys of rank >= sink at positions < end, and the window is everything from ``end`` on; joined: keys that
     joined since the last clustering; fewest: the fewest keys any row holds (slots beyond it may be empty);
     length: the cache length at the last call; probe (G, P, D): the keys at :data:`PROBES` positions spread over
-    0 .. end - 1 then (to recognise the same cache later)."""
+    0 .. end - 1 then (to recognise the same cache later), probe_at (P,) those positions."""
 
     centroids: torch.Tensor
     centroids_t: torch.Tensor
@@ -129,6 +132,7 @@ class KeyClusterIndex:
     fewest: int
     length: int
     probe: torch.Tensor | None
+    probe_at: torch.Tensor | None = None
     _live: tuple[int, torch.Tensor] | None = None
 
     def follows(self, k: torch.Tensor) -> bool:
@@ -138,7 +142,7 @@ class KeyClusterIndex:
             return False
         if self.probe is None:
             return True
-        return bool(torch.equal(k[:, :, _probe_positions(self.end)].reshape(B * Hkv, -1, D), self.probe))
+        return bool(torch.equal(k[:, :, self.probe_at].reshape(B * Hkv, -1, D), self.probe))
 
     @property
     def sink_live(self) -> torch.Tensor:
@@ -227,7 +231,11 @@ def _probe_positions(end: int) -> torch.Tensor:
 def _set_probe(index: KeyClusterIndex, k: torch.Tensor) -> None:
     B, Hkv, n, D = k.shape
     index.length = n
-    index.probe = None if index.end == 0 else k[:, :, _probe_positions(index.end)].reshape(B * Hkv, -1, D).clone()
+    if index.end == 0:
+        index.probe = index.probe_at = None
+        return
+    index.probe_at = _probe_positions(index.end)  # kept: follows() reads the same positions at every step
+    index.probe = k[:, :, index.probe_at].reshape(B * Hkv, -1, D).clone()
 
 
 def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
@@ -372,6 +380,13 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     all Lq positions of the call (``"block"``, m = rep x Lq: one gather for the whole block, each query masked to
     its own causal window)."""
     B, H, Lq, D = q.shape
+    if Lq == 1 and ranking is None and selection != "block" and not options.estimate_remainder and \
+            options.kernel != "torch":
+        reason = decode_kernel_unusable(q, k, v)
+        if reason is None:
+            return _decode_fused(q, k, v, real, index, options, scale, allowed, selection == "head")
+        if options.kernel == "fused":
+            raise ValueError(f"cluster retrieval's kernel='fused' cannot run here: {reason}; use kernel='auto'")
     Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
     dev = q.device
@@ -499,6 +514,49 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
     if selection == "group":  # units are positions, their queries heads
         return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)
     return out.view(B, H, Lq, -1)  # (head, position) order
+
+
+DECODE_KERNEL = CppExtension("retrieval_decode", "cluster retrieval's fused decoding step")
+
+
+def decode_kernel_unusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the fused decoding step (``csrc/retrieval_decode.cpp``) cannot run on these tensors, or None when it
+    can: CPU, float32 or float64 alike, no gradient (it has no backward), the extension built."""
+    if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+        return f"it runs on the CPU (got {q.device.type})"
+    if q.dtype not in (torch.float32, torch.float64) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return (f"it takes float32 or float64 queries, keys and values of one dtype (got {q.dtype}, {k.dtype}, "
+                f"{v.dtype})")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "it has no backward (run decoding under torch.no_grad())"
+    if DECODE_KERNEL.load() is None:
+        return f"the extension is not available ({DECODE_KERNEL.error})"
+    return None
+
+
+def _decode_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
+                  index: KeyClusterIndex, options: RetrievalSettings, scale: float, allowed: torch.Tensor | int,
+                  per_head: bool) -> torch.Tensor:
+    """:func:`_attend_retrieved` for one query position (a decoding step), ``"group"`` or ``"head"`` selection,
+    without the remainder estimate, in one C++ pass per unit that reads the cache where it lies (no gathered copy of
+    the candidates, sinks or window): the same keys read, the same function up to rounding (a test holds the two to
+    1e-10 in float64). Here only the per-sequence numbers of the budget are worked out: the sinks each sequence
+    reads, its window's first position and its retrieved keys."""
+    B, H, _, D = q.shape
+    Hkv, n = k.shape[1], k.shape[2]
+    start = index.end
+    sink_count, cap = _split_budget(allowed, options.sink, 0)
+    if isinstance(cap, int):  # one budget for every sequence: a decoding step's query is at n - 1
+        rows = torch.tensor([max(0, cap - (n - start)), max(start, n - cap), sink_count]).expand(B, 3)
+    else:  # per sequence: its window holds its real positions from index.end on
+        window_read = real[:, start:].sum(1) if real is not None else n - start
+        rows = torch.stack([(cap - window_read).clamp(min=0), (n - cap).clamp(min=start), sink_count], 1)
+    # rows: per sequence the keys it retrieves, its window's first position, the sinks it reads
+    out = DECODE_KERNEL.load().decode(
+        (q.reshape(B, Hkv, H // Hkv, D) * scale).contiguous(), k.contiguous(), v.contiguous(), index.centroids_t,
+        index.counts, index.members, index.sinks.contiguous(), index.sink_live.contiguous(), rows.contiguous(),
+        torch.empty(0, dtype=torch.bool) if real is None else real.contiguous(), options.rerank, per_head)
+    return out.view(B, H, 1, v.shape[-1])
 
 
 def _rerank(unit_queries: torch.Tensor, k: torch.Tensor, candidates: torch.Tensor, valid: torch.Tensor | None,
