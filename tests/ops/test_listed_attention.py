@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from clusterformer.ops import listed_attention as la
+from extensions_off import run_without_extensions
 from seeds import fixed_seed
 
 SHAPES = [  # (B, H, N, Nk, M, D): fewer and more keys than queries, one query, lists longer than Nk, D = 1; the
@@ -183,10 +184,6 @@ def test_tensors_the_kernel_does_not_take_go_through_the_gather():
 def test_the_kernel_can_be_turned_off_and_auto_then_keeps_the_unfused_kernels():
     """CLUSTERFORMER_NO_EXTENSIONS=1: nothing is built, extension_error says why, listed_attention gives the
     gather's values and cluster-select's "auto" takes the dense mask (N <= 256) or the banded kernel."""
-    import os
-    import subprocess
-    import sys
-
     code = (
         "import torch\n"
         "from clusterformer.ops import listed_attention as la\n"
@@ -200,9 +197,7 @@ def test_the_kernel_can_be_turned_off_and_auto_then_keeps_the_unfused_kernels():
         "print(la.extension_error())\n"
         "print(resolve_kernel('auto', 5, q=q), resolve_kernel('auto', 5000, q=q))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            env={**os.environ, "CLUSTERFORMER_NO_EXTENSIONS": "1"})
-    assert result.stdout.splitlines() == ["disabled by CLUSTERFORMER_NO_EXTENSIONS", "dense-mask banded"]
+    assert run_without_extensions(code).splitlines() == ["disabled by CLUSTERFORMER_NO_EXTENSIONS", "dense-mask banded"]
 
 
 def _summaries(B, H, N, Nk):
