@@ -98,6 +98,26 @@ def test_option_swap_reevaluates_a_run_as_trained_and_with_another_ranking(tmp_p
         assert (trained(ids) - means(ids)).abs().max() > 1e-6, "the swapped ranking must change some output"
 
 
+def test_group_sizes_on_a_hand_built_grouping():
+    """docs/scripts/group_sizes.py: 6 real keys (2 padding, whose ids must not count) in groups 0, 0, 0, 1, 1, 2 on
+    head 0 and all apart on head 1, reach 2: the largest group holds 1/2 and 1/6 (mean 1/3), 3 and 6 groups are
+    used (4.5), 3 of the 12 keys lie in a group of more than 2."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "group_sizes.py"
+    spec = importlib.util.spec_from_file_location("docs_script_group_sizes", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    groups = torch.tensor([[[0, 0, 0, 1, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 0, 0]]])
+    real = torch.tensor([[True] * 6 + [False] * 2])
+    stats = script.sizes(groups, real, reach=2)
+    assert abs(stats["largest_share"] - 1 / 3) < 1e-6 and stats["groups_used"] == 4.5
+    assert stats["beyond_reach"] == 0.25
+
+
 def test_cluster_probe_statistics_and_agreement_on_hand_built_groupings():
     """docs/scripts/cluster_probe.py: on one text of 6 real tokens (2 padding) in groups 0, 0, 0, 1, 1, 2: the
     largest group holds 1/2, 3 groups are used, the entropy is that of (1/2, 1/3, 1/6) over log 3; a relabelling
