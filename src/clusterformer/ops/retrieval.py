@@ -46,6 +46,12 @@ Cost per query and head: O(C D) to score the centroids, O(f R log C) to find the
 (f = ``rerank``), O((sink + window + R) D) to attend -- against O(n D) for dense attention over n cached keys.
 Clustering: O(iterations n C D) per rebuild, amortised over ``refresh`` tokens.
 
+Kernels. A decoding step (one query position, ``"group"`` or ``"head"`` selection, no remainder estimate) runs
+as one C++ pass per (sequence, key/value head, unit) where the extension is built (``csrc/retrieval_decode.cpp``,
+option ``kernel``: steps 1-2 above reading the candidate rows where they lie in the cache, prefetched, instead of
+gathering copies of them); every other call is the PyTorch composition below, which is also the reference the
+tests hold the kernel to.
+
 Padding: ``key_padding_mask`` (B, n), True = padding (the library's one mask value, :mod:`clusterformer.masks`;
 left padding, as Hugging Face batches prompts for generation); inside, its view ``real`` marks the real keys.
 Every choice is per sequence -- its budget from its own number of real keys, its own sinks, clusters from its
