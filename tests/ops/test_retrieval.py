@@ -386,3 +386,28 @@ def test_without_the_extension_auto_composes_and_fused_says_why():
     )
     reason = "kernel='fused' cannot run here: the extension is not available (disabled by "
     assert reason in run_without_extensions(code)
+
+
+@needs_decode_kernel
+@pytest.mark.parametrize("selection", ["group", "head"])
+def test_fused_decoding_step_gives_the_same_bits_on_one_and_two_threads(selection):
+    """The step's work is split over threads by units, candidate chunks and query heads; each output is computed
+    by one thread, so the thread count changes no bit (600 candidates per unit: two chunks of 512)."""
+    k, v, real, g = _cache(fixed_seed(), n=2000)
+    opts = ClusterRetrievalOptions(budget=0.1, num_clusters=16, sink=2, window=8, rerank=4, selection=selection,
+                                   kernel="fused")
+    index = build_index(k, v, ~real, 2000 - 8, opts)
+    q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = retrieval_attention(q, k, v, ~real, index, opts, 0.3)
+        torch.set_num_threads(2)
+        two = retrieval_attention(q, k, v, ~real, index, opts, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    composed = retrieval_attention(q, k, v, ~real, index, ClusterRetrievalOptions(**{
+        **{f: getattr(opts, f) for f in ("budget", "num_clusters", "sink", "window", "rerank", "selection")},
+        "kernel": "torch"}), 0.3)
+    torch.testing.assert_close(one, composed, rtol=0, atol=1e-10)

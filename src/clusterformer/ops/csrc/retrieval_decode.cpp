@@ -1,4 +1,4 @@
-// Cluster retrieval's decoding step fused into one pass per (sequence, key/value head, unit) (CPU).
+// Cluster retrieval's decoding step fused into four passes over the cache, read in place (CPU).
 //
 // One query position per sequence (a decoding step), its H = Hkv x rep query heads grouped by key/value head. Per
 // unit -- the rep heads of a key/value head (per_head false: "group" selection) or one head (per_head true) -- the
@@ -48,99 +48,117 @@ inline T dot(const T* a, const T* b, int64_t D) {
   return s;
 }
 
+// What one unit reads: its keys (sinks, window, then the kept candidates), and before the re-ranking its
+// candidates and their scores.
 template <typename T>
-void decode_unit(const T* q, int64_t heads, int64_t D, const T* k, const T* v, int64_t Dv, int64_t n,
-                 const T* centroids_t, const int64_t* counts, const int64_t* members, int64_t C, int64_t capacity,
-                 const int64_t* sinks, const bool* sink_live, int64_t S, int64_t sink_count, int64_t window_first,
-                 const bool* real, int64_t retrieved, int64_t rerank, T* out) {
+struct UnitKeys {
+  std::vector<int64_t> keys;
+  std::vector<int64_t> candidates;
+  std::vector<T> scores;
+  int64_t retrieved = 0;
+  bool rerank = false;  // candidates to score, then keep the best `retrieved`
+};
+
+// Steps 1-2 for one unit: sinks and window, the clusters ranked, the candidates (kept at once without re-ranking).
+template <typename T>
+void gather_unit(UnitKeys<T>& unit, const T* q, int64_t heads, int64_t D, int64_t n, const T* centroids_t,
+                 const int64_t* counts, const int64_t* members, int64_t C, int64_t capacity, const int64_t* sinks,
+                 const bool* sink_live, int64_t S, int64_t sink_count, int64_t window_first, const bool* real,
+                 int64_t retrieved, int64_t rerank) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  std::vector<int64_t> keys;  // the positions read: sinks, window, kept candidates
+  auto& keys = unit.keys;
   keys.reserve(S + (n - window_first) + retrieved);
   for (int64_t s = 0; s < std::min(S, sink_count); ++s)  // the first sink_count sinks, before the window
     if (sink_live[s] && sinks[s] < window_first) keys.push_back(sinks[s]);
   for (int64_t j = window_first; j < n; ++j)
     if (real == nullptr || real[j]) keys.push_back(j);
-
-  if (retrieved > 0) {
-    // 1. the clusters in descending order of their best score over the unit's heads
-    std::vector<T> score(C, neg_inf), head_score(C);
-    for (int64_t h = 0; h < heads; ++h) {
-      std::fill(head_score.begin(), head_score.end(), T(0));
-      const T* qh = q + h * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const T qd = qh[d];
-        const T* row = centroids_t + d * C;
-        for (int64_t c = 0; c < C; ++c) head_score[c] += qd * row[c];
-      }
-      for (int64_t c = 0; c < C; ++c) score[c] = std::max(score[c], head_score[c]);
+  unit.retrieved = retrieved;
+  if (retrieved <= 0) return;
+  // 1. the clusters in descending order of their best score over the unit's heads
+  std::vector<T> score(C, neg_inf), head_score(C);
+  for (int64_t h = 0; h < heads; ++h) {
+    std::fill(head_score.begin(), head_score.end(), T(0));
+    const T* qh = q + h * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const T qd = qh[d];
+      const T* row = centroids_t + d * C;
+      for (int64_t c = 0; c < C; ++c) head_score[c] += qd * row[c];
     }
-    std::vector<int64_t> order(C);
-    std::iota(order.begin(), order.end(), int64_t(0));
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return score[a] > score[b]; });
-    // 2. the candidates: the ranked clusters' members, in order, up to retrieved x rerank slots
-    const int64_t wanted = retrieved * rerank;
-    std::vector<int64_t> candidates;
-    candidates.reserve(wanted);
-    for (int64_t r = 0; r < C && static_cast<int64_t>(candidates.size()) < wanted; ++r) {
-      const int64_t c = order[r];
-      const int64_t take = std::min(counts[c], wanted - static_cast<int64_t>(candidates.size()));
-      const int64_t* list = members + c * capacity;
-      candidates.insert(candidates.end(), list, list + take);
-    }
-    // 3. re-ranked: the `retrieved` candidates of highest exact score, the best over the unit's heads
-    if (rerank > 1 && static_cast<int64_t>(candidates.size()) > retrieved) {
-      std::vector<std::pair<T, int64_t>> scored(candidates.size());
-      for (size_t m = 0; m < candidates.size(); ++m) {
-        if (m + kAhead < candidates.size()) prefetch_row(k + candidates[m + kAhead] * D, D);
-        const T* key = k + candidates[m] * D;
-        T best = neg_inf;
-        for (int64_t h = 0; h < heads; ++h) best = std::max(best, dot(q + h * D, key, D));
-        scored[m] = {best, candidates[m]};
-      }
-      std::nth_element(scored.begin(), scored.begin() + retrieved, scored.end(),
-                       [](const auto& a, const auto& b) { return a.first > b.first; });
-      for (int64_t m = 0; m < retrieved; ++m) keys.push_back(scored[m].second);
-    } else {
-      const int64_t kept = std::min<int64_t>(retrieved, candidates.size());
-      keys.insert(keys.end(), candidates.begin(), candidates.begin() + kept);
-    }
+    for (int64_t c = 0; c < C; ++c) score[c] = std::max(score[c], head_score[c]);
   }
-
-  // 4. each head's softmax over the keys read; the scores of all heads per key while its row is in cache
-  const int64_t K = keys.size();
-  if (K == 0) {
-    std::fill(out, out + heads * Dv, T(0));
-    return;
+  std::vector<int64_t> order(C);
+  std::iota(order.begin(), order.end(), int64_t(0));
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+  // 2. the candidates: the ranked clusters' members, in order, up to retrieved x rerank slots
+  const int64_t wanted = retrieved * rerank;
+  auto& candidates = unit.candidates;
+  candidates.reserve(wanted);
+  for (int64_t r = 0; r < C && static_cast<int64_t>(candidates.size()) < wanted; ++r) {
+    const int64_t c = order[r];
+    const int64_t take = std::min(counts[c], wanted - static_cast<int64_t>(candidates.size()));
+    const int64_t* list = members + c * capacity;
+    candidates.insert(candidates.end(), list, list + take);
   }
-  std::vector<T> logits(heads * K);
-  std::vector<T> top(heads, neg_inf);
-  for (int64_t m = 0; m < K; ++m) {
-    if (m + kAhead < K) prefetch_row(k + keys[m + kAhead] * D, D);
-    const T* key = k + keys[m] * D;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T s = dot(q + h * D, key, D);
-      logits[h * K + m] = s;
-      top[h] = std::max(top[h], s);
-    }
-  }
-  std::vector<T> total(heads, T(0));
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t m = 0; m < K; ++m) {
-      const T p = std::exp(logits[h * K + m] - top[h]);
-      logits[h * K + m] = p;
-      total[h] += p;
-    }
-  std::fill(out, out + heads * Dv, T(0));
-  for (int64_t m = 0; m < K; ++m) {
-    if (m + kAhead < K) prefetch_row(v + keys[m + kAhead] * Dv, Dv);
-    const T* value = v + keys[m] * Dv;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T p = logits[h * K + m] / total[h];
-      T* o = out + h * Dv;
-      for (int64_t d = 0; d < Dv; ++d) o[d] += p * value[d];
-    }
+  if (rerank > 1 && static_cast<int64_t>(candidates.size()) > retrieved) {
+    unit.rerank = true;
+    unit.scores.resize(candidates.size());
+  } else {  // every candidate is kept (at most `retrieved` of them)
+    keys.insert(keys.end(), candidates.begin(), candidates.end());
   }
 }
+
+// Step 3's scores of candidates [first, last) of a unit: the best q . k over its heads.
+template <typename T>
+void score_candidates(UnitKeys<T>& unit, int64_t first, int64_t last, const T* q, int64_t heads, int64_t D,
+                      const T* k) {
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  for (int64_t m = first; m < last; ++m) {
+    if (m + static_cast<int64_t>(kAhead) < last) prefetch_row(k + unit.candidates[m + kAhead] * D, D);
+    const T* key = k + unit.candidates[m] * D;
+    T best = neg_inf;
+    for (int64_t h = 0; h < heads; ++h) best = std::max(best, dot(q + h * D, key, D));
+    unit.scores[m] = best;
+  }
+}
+
+// Step 3: keep the `retrieved` candidates of highest score.
+template <typename T>
+void keep_best(UnitKeys<T>& unit) {
+  std::vector<int64_t> at(unit.candidates.size());
+  std::iota(at.begin(), at.end(), int64_t(0));
+  std::nth_element(at.begin(), at.begin() + unit.retrieved, at.end(),
+                   [&](int64_t a, int64_t b) { return unit.scores[a] > unit.scores[b]; });
+  for (int64_t m = 0; m < unit.retrieved; ++m) unit.keys.push_back(unit.candidates[at[m]]);
+}
+
+// Step 4 for one query head: its softmax over the unit's keys, out = sum p v. No key: zeros.
+template <typename T>
+void attend_head(const std::vector<int64_t>& keys, const T* q, int64_t D, const T* k, const T* v, int64_t Dv,
+                 T* out) {
+  const int64_t K = keys.size();
+  std::fill(out, out + Dv, T(0));
+  if (K == 0) return;
+  std::vector<T> weights(K);
+  T top = -std::numeric_limits<T>::infinity();
+  for (int64_t m = 0; m < K; ++m) {
+    if (m + static_cast<int64_t>(kAhead) < K) prefetch_row(k + keys[m + kAhead] * D, D);
+    weights[m] = dot(q, k + keys[m] * D, D);
+    top = std::max(top, weights[m]);
+  }
+  T total = 0;
+  for (int64_t m = 0; m < K; ++m) {
+    weights[m] = std::exp(weights[m] - top);
+    total += weights[m];
+  }
+  for (int64_t m = 0; m < K; ++m) {
+    if (m + static_cast<int64_t>(kAhead) < K) prefetch_row(v + keys[m + kAhead] * Dv, Dv);
+    const T p = weights[m] / total;
+    const T* value = v + keys[m] * Dv;
+    for (int64_t d = 0; d < Dv; ++d) out[d] += p * value[d];
+  }
+}
+
+constexpr int64_t kChunk = 512;  // candidates per piece of work in the scoring, so that few units fill the threads
 
 torch::Tensor retrieval_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& centroids_t, const torch::Tensor& counts,
@@ -163,7 +181,7 @@ torch::Tensor retrieval_decode(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK(rerank >= 1, "rerank must be >= 1");
   const bool has_real = real.numel() > 0;
   auto out = torch::empty({B, Hkv, rep, Dv}, v.options());
-  const int64_t units = per_head ? rep : 1, heads = per_head ? 1 : rep;
+  const int64_t units = per_head ? rep : 1, heads = per_head ? 1 : rep, H = Hkv * rep;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "retrieval_decode", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k.data_ptr<scalar_t>();
@@ -176,15 +194,41 @@ torch::Tensor retrieval_decode(const torch::Tensor& q, const torch::Tensor& k, c
     const bool* sink_live_p = sink_live.data_ptr<bool>();
     const int64_t* rows_p = rows.data_ptr<int64_t>();
     const bool* real_p = has_real ? real.data_ptr<bool>() : nullptr;
-    at::parallel_for(0, B * Hkv * units, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t pair = task / units, unit = task % units, b = pair / Hkv;
-        const int64_t head = unit * heads;  // the unit's first query head within its group
-        decode_unit<scalar_t>(qp + (pair * rep + head) * D, heads, D, kp + pair * n * D, vp + pair * n * Dv, Dv, n,
-                              cp + pair * D * C, counts_p + pair * C, members_p + pair * C * capacity, C, capacity,
-                              sinks_p + b * S, sink_live_p + b * S, S, rows_p[b * 3 + 2], rows_p[b * 3 + 1],
-                              real_p == nullptr ? nullptr : real_p + b * n, rows_p[b * 3], rerank,
-                              op + (pair * rep + head) * Dv);
+    // Work in four passes, each split over torch's threads by its own pieces -- units (sequence, key/value head,
+    // unit), candidate chunks, query heads -- so that a decoding step of one sequence and three key/value heads
+    // still fills more than three threads.
+    const int64_t U = B * Hkv * units;
+    std::vector<UnitKeys<scalar_t>> read(U);
+    auto unit_q = [&](int64_t u) { return qp + ((u / units) * rep + (u % units) * heads) * D; };
+    at::parallel_for(0, U, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t pair = u / units, b = pair / Hkv;
+        gather_unit<scalar_t>(read[u], unit_q(u), heads, D, n, cp + pair * D * C, counts_p + pair * C,
+                              members_p + pair * C * capacity, C, capacity, sinks_p + b * S, sink_live_p + b * S, S,
+                              rows_p[b * 3 + 2], rows_p[b * 3 + 1], real_p == nullptr ? nullptr : real_p + b * n,
+                              rows_p[b * 3], rerank);
+      }
+    });
+    std::vector<std::pair<int64_t, int64_t>> pieces;  // (unit, first candidate) of each chunk to score
+    for (int64_t u = 0; u < U; ++u)
+      if (read[u].rerank)
+        for (int64_t first = 0; first < static_cast<int64_t>(read[u].candidates.size()); first += kChunk)
+          pieces.emplace_back(u, first);
+    at::parallel_for(0, pieces.size(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        auto [u, first] = pieces[i];
+        const int64_t last = std::min<int64_t>(first + kChunk, read[u].candidates.size());
+        score_candidates<scalar_t>(read[u], first, last, unit_q(u), heads, D, kp + (u / units) * n * D);
+      }
+    });
+    at::parallel_for(0, U, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u)
+        if (read[u].rerank) keep_best<scalar_t>(read[u]);
+    });
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // query heads, in (b, kv head, rep) order
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t pair = i / rep, u = pair * units + (units == 1 ? 0 : i % rep);
+        attend_head<scalar_t>(read[u].keys, qp + i * D, D, kp + pair * n * D, vp + pair * n * Dv, Dv, op + i * Dv);
       }
     });
   });
