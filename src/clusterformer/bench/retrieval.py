@@ -32,8 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._checks import check_int
+from .._specs import parse_spec
 
-__all__ = ["RetrievalBenchConfig", "run_retrieval_benchmark"]
+__all__ = ["METHODS", "RetrievalBenchConfig", "run_retrieval_benchmark"]
+
+METHODS = ("dense", "sink-window", "cluster-retrieval", "oracle", "quest")  # dense SDPA and the cache readers
 
 
 @dataclass
@@ -57,8 +60,6 @@ class RetrievalBenchConfig:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         for n in self.contexts:
             check_int("contexts entry", n, minimum=16)
-        from .._specs import parse_spec
-
         for method in self.methods:
             name, options = parse_spec(method)
             if name not in METHODS:
@@ -68,9 +69,6 @@ class RetrievalBenchConfig:
                 raise ValueError(f"dense takes no options; got {method!r}")
         # dense first: the others' ratios are to its time in the same conditions
         self.methods = sorted(self.methods, key=lambda method: method != "dense")
-
-
-METHODS = ("dense", "sink-window", "cluster-retrieval", "oracle", "quest")
 
 
 class _Cache:
@@ -98,7 +96,6 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
     import torch
     from transformers import AttentionInterface
 
-    from .._specs import parse_spec
     from ..attention.registry import make_options
     from ..hf.interface import register_attention
     from ..ops.retrieval import JOIN_BATCH
