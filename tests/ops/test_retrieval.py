@@ -8,6 +8,7 @@ and only borrows the K-means itself (tested in tests/ops/test_ops.py) for the (r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -407,7 +408,5 @@ def test_fused_decoding_step_gives_the_same_bits_on_one_and_two_threads(selectio
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    composed = retrieval_attention(q, k, v, ~real, index, ClusterRetrievalOptions(**{
-        **{f: getattr(opts, f) for f in ("budget", "num_clusters", "sink", "window", "rerank", "selection")},
-        "kernel": "torch"}), 0.3)
+    composed = retrieval_attention(q, k, v, ~real, index, dataclasses.replace(opts, kernel="torch"), 0.3)
     torch.testing.assert_close(one, composed, rtol=0, atol=1e-10)

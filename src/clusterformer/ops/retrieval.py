@@ -218,7 +218,7 @@ def build_index(k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor
     index = KeyClusterIndex(
         centroids=centroids, centroids_t=centroids.transpose(1, 2).to(k.dtype).contiguous(), key_sums=key_sums,
         value_sums=value_sums, counts=counts, members=members.view(G, C + 1, capacity)[:, :C].contiguous(),
-        sinks=sinks, sink_ok=sink_ok,
+        sinks=sinks.contiguous(), sink_ok=sink_ok,  # contiguous once here: every fused decoding step reads them
         end=end, joined=0, fewest=int(counts.sum(1).min()) if G else 0, length=n, probe=None,
     )
     _set_probe(index, k)
@@ -559,8 +559,8 @@ def _decode_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch
         rows = torch.stack([(cap - window_read).clamp(min=0), (n - cap).clamp(min=start), sink_count], 1)
     # rows: per sequence the keys it retrieves, its window's first position, the sinks it reads
     out = DECODE_KERNEL.load().decode(
-        (q.reshape(B, Hkv, H // Hkv, D) * scale).contiguous(), k.contiguous(), v.contiguous(), index.centroids_t,
-        index.counts, index.members, index.sinks.contiguous(), index.sink_live.contiguous(), rows.contiguous(),
+        q.reshape(B, Hkv, H // Hkv, D) * scale, k.contiguous(), v.contiguous(), index.centroids_t,
+        index.counts, index.members, index.sinks, index.sink_live, rows.contiguous(),
         torch.empty(0, dtype=torch.bool) if real is None else real.contiguous(), options.rerank, per_head)
     return out.view(B, H, 1, v.shape[-1])
 
