@@ -62,6 +62,11 @@ STRICT_CAUSAL: list[tuple[str, dict]] = [
                         "kernel": "banded", "summaries": False}),
     ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "sink": 1,
                         "selection": "summaries", "grouping": "position"}),
+    ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "summaries": False,
+                        "members": "score"}),
+    ("cluster-select", {"num_clusters": 2, "select": 2, "cluster_keys": 3, "window": 2, "summaries": False,
+                        "members": "score", "selection": "bound", "bound_block": 3, "position_splits": 2,
+                        "split_size": 5, "sink": 1, "kernel": "banded"}),
     ("sliding-window", {"window": 8, "stride": 3}),
     ("sliding-window", {"window": 6, "stride": 6}),
 ]

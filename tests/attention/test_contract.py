@@ -63,6 +63,10 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
             "cluster-select+balance": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
                                                        "window": 4, "balance": 0.5},
                                        {"balance": 0.5}),  # one training step moves every cluster's bias by 0.5
+            "cluster-select+score-members": ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2,
+                                                             "window": 4, "summaries": False, "members": "score",
+                                                             "position_splits": 2, "split_size": 5},
+                                             {"summaries": False, "members": "score"}),
             "neural-clustering+explore": ("neural-clustering", {"num_clusters": 3, "explore": 0.5}, {"explore": 0.5})}
 ALL = [*names(), *VARIANTS]
 NON_CAUSAL = {"clustered", "improved-clustered"}  # refuse causal=True with a ValueError

@@ -290,12 +290,15 @@ def _key_clusters(layer, k, h):
     return cosines.argmax(-1)
 
 
-def _cluster_select_allowed(layer, q, k, real, causal):
+def _cluster_select_allowed(layer, q, k, real, causal, members=None):
     """Per head, the (N, N) keys each query reads under ``"cluster-select"``, from its definition: key clusters by
     the nearest unit centroid, each query's ``select`` clusters by the largest q . mu, its window, and from each
     selected cluster the members nearest to it outside the window (causal: the most recent at positions <= t -
-    window; otherwise cluster_keys // 2 before the window and the rest after it)."""
+    window; otherwise cluster_keys // 2 before the window and the rest after it) -- with ``members="score"`` the
+    ``cluster_keys`` of its members outside the window of largest q . k (``members``: that option in place of the
+    layer's)."""
     o = layer.options
+    members_rule = members or o.members
     H, N, _ = q.shape
     masks = []
     for h in range(H):
@@ -309,7 +312,11 @@ def _cluster_select_allowed(layer, q, k, real, causal):
                     allowed[t, j] = True
             for c in (q[h, t] @ mu.T).topk(o.select).indices.tolist():
                 members = [j for j in range(N) if real[j] and ids[j] == c]
-                if causal:
+                if members_rule == "score":
+                    outside = [j for j in members if (j <= t - o.window if causal else
+                                                      j < t - o.window // 2 or j >= t + o.window // 2)]
+                    chosen = sorted(outside, key=lambda j: -float((q[h, t] @ k[h, j]).detach()))[: o.cluster_keys]
+                elif causal:
                     chosen = [j for j in members if j <= t - o.window][-o.cluster_keys:]
                 else:
                     before = [j for j in members if j < t - o.window // 2]
@@ -331,12 +338,15 @@ def _cluster_select_allowed(layer, q, k, real, causal):
     (1, {"num_clusters": 2, "select": 1, "cluster_keys": 2, "window": 2})])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kernel", ["gather", "dense-mask", "banded", FUSED])
-def test_cluster_select_matches_dense_reference(N, options, causal, kernel, balance_bias=None):
+@pytest.mark.parametrize("members", ["recent", "score"])
+def test_cluster_select_matches_dense_reference(N, options, causal, kernel, members, balance_bias=None):
     """``"cluster-select"`` against the masked softmax over the keys its definition names, padding at the end and
-    in the middle of a sequence (never read, never counted in a cluster); both kernels. ``balance_bias``: a layer
-    with option ``balance`` and that bias (H, C)."""
+    in the middle of a sequence (never read, never counted in a cluster); every kernel; a selected cluster's
+    nearest members or (``members="score"``) its best-scoring ones. ``balance_bias``: a layer with option
+    ``balance`` and that bias (H, C)."""
     balance = {} if balance_bias is None else {"balance": 0.1}
-    layer = _layer("cluster-select", **options, kernel=kernel, summaries=False, selection="scores", **OFF, **balance)
+    layer = _layer("cluster-select", **options, kernel=kernel, summaries=False, selection="scores", **OFF, **balance,
+                   members=members)
     if balance_bias is not None:
         layer.inner.balance_bias.copy_(balance_bias)
     B = 3
@@ -346,11 +356,14 @@ def test_cluster_select_matches_dense_reference(N, options, causal, kernel, bala
         pad[1, -3:] = True
         pad[2, 2:4] = True
     y, aux, groups = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
-    read = 0
+    read = differ = 0
     for b in range(B):
         real = ~pad[b]
         q, k, v = _heads(layer, x[b] * real[:, None])
         masks = _cluster_select_allowed(layer, q, k, real, causal)
+        if members == "score":  # the case must tell the best-scoring members from the nearest ones
+            other = _cluster_select_allowed(layer, q, k, real, causal, members="recent")
+            differ += sum(int((m != r).sum()) for m, r in zip(masks, other, strict=True))
         for h in range(layer.heads):  # the published groups are the key clusters
             assert torch.equal(groups[layer.inner][b, h][real], _key_clusters(layer, k[h], h)[real])
         heads = torch.stack([masked_softmax_attention(q[h], k[h], v[h], masks[h]) for h in range(layer.heads)])
@@ -358,6 +371,7 @@ def test_cluster_select_matches_dense_reference(N, options, causal, kernel, bala
         torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
         read += sum(int(m.sum()) for m in masks)
     assert N == 1 or read < B * layer.heads * N * N * 0.9, "the case must leave keys out"
+    assert N < 17 or members == "recent" or differ > 0, "the best-scoring members must differ from the nearest"
     assert "commitment" in aux
 
 
@@ -552,7 +566,7 @@ def test_cluster_select_banded_chunks_shorter_than_the_window_match_dense_refere
     monkeypatch.setattr(selected, "BAND_CHUNK", chunk)
     assert selected.band_chunk(10, causal) == chunk
     options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 10}
-    test_cluster_select_matches_dense_reference(37, options, causal, "banded")
+    test_cluster_select_matches_dense_reference(37, options, causal, "banded", "recent")
     test_cluster_select_summaries_match_dense_reference(37, options, "summaries", "kmeans", causal, "banded")
 
 
@@ -707,6 +721,27 @@ def test_cluster_select_summaries_options():
             ClusterSelectOptions(**bad)
 
 
+def test_cluster_select_members_option():
+    """``members``: "recent" by default; "score" reads as many keys per query and refuses the summaries, whose
+    ranges leave out the nearest members; anything else is named in the error. The layer function refuses a member
+    list beside summaries too."""
+    from clusterformer.attention.cluster_select import ClusterSelectOptions
+    from clusterformer.ops.selected import selected_cluster_attention
+
+    assert ClusterSelectOptions().members == "recent"
+    scored = ClusterSelectOptions(summaries=False, members="score")
+    assert scored.keys_per_query(1024) == ClusterSelectOptions(summaries=False).keys_per_query(1024)
+    with pytest.raises(ValueError, match=r"members='score' .* set summaries=False"):
+        ClusterSelectOptions(members="score")
+    with pytest.raises(ValueError, match="members"):
+        ClusterSelectOptions(summaries=False, members="best")
+    q = torch.randn(1, 1, 6, 4)
+    ids = torch.zeros(1, 1, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="pass summaries=False with members"):
+        selected_cluster_attention(q, q, q, ids, ids[..., None], num_clusters=1, cluster_keys=2, window=2,
+                                   causal=True, summaries=True, members=torch.zeros(1, 1, 6, 2, dtype=torch.long))
+
+
 def test_cluster_select_own_group_and_sink_options():
     """``with_own_group``: the own group first, then the selection's best others in their order -- the own group
     moves to the front where it was selected, and replaces the worst where it was not; the keys per query do not
@@ -759,7 +794,7 @@ def test_cluster_select_balance_bias_matches_dense_reference(N, options, causal,
     moved = [(_key_clusters(layer, k[h], h) != (F.normalize(k[h], dim=-1) @ layer.inner.centroids[h].T + bias[h])
               .argmax(-1)).any() for h in range(2)]
     assert any(moved), "the bias must move keys between clusters"
-    test_cluster_select_matches_dense_reference(N, options, causal, kernel, balance_bias=bias)
+    test_cluster_select_matches_dense_reference(N, options, causal, kernel, "recent", balance_bias=bias)
     test_cluster_select_summaries_match_dense_reference(N, options, "summaries", "kmeans", causal, kernel,
                                                        balance_bias=bias)
 

@@ -464,3 +464,72 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_two():
         torch.set_num_threads(threads)
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def _members_loop(q, k, ids, selected, keep, window, causal):
+    """members="score" from its definition: per query and selected group, the group's members outside the query's
+    window (causal: at positions <= t - window; otherwise before t - window / 2 or from t + window - window / 2 on)
+    by q . k descending, equal scores the later position first; ``keep`` of them, -1 after."""
+    B, H, N, _ = q.shape
+    out = torch.full((B, H, N, selected.shape[-1] * keep), -1, dtype=torch.long)
+    for b in range(B):
+        for h in range(H):
+            for t in range(N):
+                for s, group in enumerate(selected[b, h, t].tolist()):
+                    outside = [j for j in range(N) if ids[b, h, j] == group and (
+                        j <= t - window if causal else j < t - window // 2 or j >= t + window - window // 2)]
+                    best = sorted(outside, key=lambda j: (-float(q[b, h, t] @ k[b, h, j]), -j))[:keep]
+                    out[b, h, t, s * keep: s * keep + len(best)] = torch.tensor(best, dtype=torch.long)
+    return out
+
+
+@pytest.mark.parametrize(("N", "window", "keep"), [(1, 2, 2), (13, 2, 2), (21, 4, 3), (30, 6, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_kernel), False])
+def test_scored_members_match_the_definition_with_ties_to_the_later_position(N, window, keep, causal, fused,
+                                                                              monkeypatch):
+    """cluster-select's members="score": the fused pass and the tensor operations (without the kernel) against a
+    loop over queries and groups -- padding (id G) in no group, groups of fewer than ``keep`` members, and equal
+    keys (equal scores), which go to the later position first."""
+    from clusterformer.ops import selected as sel
+
+    if not fused:
+        monkeypatch.setattr(sel, "extension_available", lambda: False)
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, H, D, G, S = 2, 2, 4, 4, 2
+    q, k = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    if N > 10:
+        k[:, :, 7] = k[:, :, 3]  # equal keys: equal scores for every query
+        k[:, :, 9] = k[:, :, 3]
+    ids = torch.randint(0, G, (B, H, N), generator=g)
+    ids[1, :, N - 3:] = G  # padding
+    if N > 10:
+        ids[:, :, [3, 7, 9]] = 1
+    selected = torch.stack([torch.randperm(G, generator=g)[:S] for _ in range(B * H * N)]).view(B, H, N, S)
+    layout = sel.cluster_layout(ids, num_clusters=G, window=window, causal=causal)
+    got = sel.scored_members(q, k, layout, selected, cluster_keys=keep, causal=causal)
+    expected = _members_loop(q, k, ids, selected, keep, window, causal)
+    assert torch.equal(got, expected)
+    if N > 10:
+        assert (expected >= 0).any(), "the case must read members"
+        assert (expected < 0).any() or not causal, "the case must hold groups short of keep members"
+        with_ties = (selected == 1).any(-1) & (torch.arange(N) >= (9 + window if causal else 0))
+        assert with_ties.any(), "the case must rank equal scores"
+    float32 = sel.scored_members(q.float(), k.float(), layout, selected, cluster_keys=keep, causal=causal)
+    assert torch.equal(float32 >= 0, expected >= 0)  # as many members read in float32
+
+
+@needs_kernel
+@pytest.mark.parametrize(("change", "match"), [
+    ({"per_group": 0}, "per_group must be an int >= 1"),
+    ({"keep": 0}, "keep must be an int >= 1"),
+    ({"per_group": 2}, "not a multiple of per_group=2"),
+    ({"q": torch.randn(1, 2, 5, 4, dtype=torch.float16)}, "q must be a float32/float64 CPU tensor"),
+])
+def test_bad_top_members_input_raises_value_error_naming_it(change, match):
+    order = torch.arange(5).expand(1, 2, 5).contiguous()
+    runs = la.SlotRuns(order, torch.zeros(1, 2, 5, 3, dtype=torch.long), torch.ones(1, 2, 5, 3, dtype=torch.long), 1)
+    args = {"q": torch.randn(1, 2, 5, 4), "k": torch.randn(1, 2, 5, 4), "runs": runs, "per_group": 1, "keep": 2,
+            **change}
+    with pytest.raises(ValueError, match=match):
+        la.top_members(**args)

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from .._checks import check_choice, check_float, check_int
 from ..distributed import all_reduce_sum
 from ..masks import AttentionMask, masked_sdpa, real_tokens
-from ..ops.decode import SelectionCache
+from ..ops.decode import MemberScoreCache, SelectionCache
 from ..ops.selected import (
     KERNELS,
     ChunkBand,
@@ -74,6 +74,7 @@ from ..ops.selected import (
     chunk_band,
     cluster_layout,
     resolve_kernel,
+    scored_members,
     selected_cluster_attention,
     summary_selection,
     with_own_group,
@@ -169,6 +170,17 @@ class ClusterSelectOptions(SeededOptions):
         bound_block: selection="bound": positions per block of the bounds; 0 (default) = 64. Members in the block
             that the window cuts are left out of the bound (they lie within window + bound_block positions), so
             that a cached decoder keeps one running max and min per group (O(G D) per head, any length).
+        members: which of a selected group's members outside the window a query reads alone: "recent" (default):
+            the ``cluster_keys`` nearest to its window (causal: the most recent); "score": the ``cluster_keys`` of
+            largest q . k among all of them (ClusterKV's and cluster retrieval's re-ranking inside the selected
+            groups; :func:`clusterformer.ops.selected.scored_members`), so a group larger than ``cluster_keys`` gives
+            up its best-matching member wherever it lies. The keys per query do not change; the scores of the
+            selected groups' members cost O(N select n D) for groups of n members, and cached decoding keeps every
+            key (:class:`clusterformer.ops.decode.MemberScoreCache`: a step scores them all, O(t D) per head). An
+            argmax, like the selection: the gradient reaches the keys read. Needs ``summaries=False`` (the summaries
+            leave out the nearest members). Issue #31, twenty-seventh session: on the trained MQAR models at N =
+            4,096 the needed key's group is selected for up to 0.92 of the queries but its key read alone for 0.61
+            (the group larger than ``cluster_keys``).
         own_group: True by default (None resolves to True, or to False with split_selection="clusters"): each
             query reads the group of its *own* key first, then the ``select`` - 1 best others by the
             selection (:func:`clusterformer.ops.selected.with_own_group`). Key t's group is known at t, so strict
@@ -214,6 +226,7 @@ class ClusterSelectOptions(SeededOptions):
     bound_block: int = 0
     own_group: bool | None = None
     sink: int | None = None
+    members: str = "recent"
 
     @classmethod
     def earlier_defaults(cls, version: int, options: dict[str, Any]) -> dict[str, Any]:
@@ -312,6 +325,10 @@ class ClusterSelectOptions(SeededOptions):
         if self.sink and self.split_selection == "clusters":
             raise ValueError("sink is a group every query reads beside the selected ones: it needs "
                              "split_selection='groups'")
+        check_choice("members", self.members, ("recent", "score"))
+        if self.members == "score" and self.summaries:
+            raise ValueError("members='score' reads each selected group's best-scoring members, but the summaries "
+                             "leave out its members nearest to the window: set summaries=False")
         check_int("bound_block", self.bound_block, minimum=0)
         if self.bound_block and self.selection != "bound":
             raise ValueError(f"bound_block={self.bound_block} sets the blocks of selection='bound' (got "
@@ -402,10 +419,13 @@ class ClusterSelectAttention(InnerAttention):
             band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, key_padding_mask, num_clusters=G,
                               window=o.window, causal=causal, summaries=o.summaries)
         selected = self._forced(self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel, band), ids)
+        members = (scored_members(q, k, layout, selected, cluster_keys=o.cluster_keys, causal=causal)
+                   if o.members == "score" else None)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=G,
                                           cluster_keys=o.cluster_keys, window=o.window, causal=causal,
                                           key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
-                                          kernel=kernel, summaries=o.summaries, layout=layout, band=band)
+                                          kernel=kernel, summaries=o.summaries, layout=layout, band=band,
+                                          members=members)
 
     def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
         """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid (with ``balance``: the
@@ -505,16 +525,18 @@ class ClusterSelectAttention(InnerAttention):
 
     # cached decoding: the last `window` keys and, per cluster, its last `cluster_keys` members outside the window
     # (clusterformer.ops.decode.SelectionCache); a step costs O((window + select * cluster_keys) D + C D) per head.
+    # With members="score" every key besides (MemberScoreCache): a step scores them all, O(t D) per head.
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_padding_mask: torch.Tensor | None) -> SelectionCache:
+                   key_padding_mask: torch.Tensor | None) -> SelectionCache | MemberScoreCache:
         o = self.options
         positions = torch.arange(k.shape[2], device=k.device)
         ids = self._sunk(self._assign(k, positions), positions)
-        return SelectionCache.from_prompt(ids, k, v, key_padding_mask, o.attended_groups, o.cluster_keys, o.window,
-                                          bound_block=o.block)
+        cache = MemberScoreCache if o.members == "score" else SelectionCache
+        return cache.from_prompt(ids, k, v, key_padding_mask, o.attended_groups, o.cluster_keys, o.window,
+                                 bound_block=o.block)
 
-    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache
-             ) -> tuple[torch.Tensor, SelectionCache]:
+    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: SelectionCache | MemberScoreCache
+             ) -> tuple[torch.Tensor, SelectionCache | MemberScoreCache]:
         if self.options.selection == "random":
             raise ValueError("cluster-select with selection='random' is a training ablation: it has no cached "
                              "decoding (its random clusters depend on the position); use selection='scores'")
@@ -538,4 +560,5 @@ class ClusterSelectAttention(InnerAttention):
                 + (f", position_splits={o.position_splits}, split_size={o.split_size}"
                    if o.position_splits > 1 else "")
                 + (f", selection=bound, bound_block={o.block}" if o.selection == "bound" else "")
-                + (", own_group=True" if o.own_group else "") + (f", sink={o.sink}" if o.sink else ""))
+                + (", own_group=True" if o.own_group else "") + (f", sink={o.sink}" if o.sink else "")
+                + (", members=score" if o.members == "score" else ""))

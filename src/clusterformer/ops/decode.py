@@ -36,8 +36,8 @@ from ..masks import real_lengths
 from .layouts import group_ranks
 from .selected import group_extremes, top_groups, upper_bounds
 
-__all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBlockCache", "WindowCache",
-           "attend_allowed", "check_right_padded", "merge_attention"]
+__all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBlockCache", "MemberScoreCache",
+           "WindowCache", "attend_allowed", "check_right_padded", "merge_attention"]
 
 
 def check_right_padded(key_padding_mask: torch.Tensor | None) -> None:
@@ -547,3 +547,95 @@ class SelectionCache(DecodeCache):
         out_s, lse_s = attend_allowed(q_t, summary_keys, summary_values, log_n > float("-inf"), D ** -0.5,
                                       bias=log_n)
         return merge_attention(out, lse, out_s, lse_s)
+
+
+@dataclass
+class MemberScoreCache(DecodeCache):
+    """``"cluster-select"`` with ``members="score"``: a query reads each selected group's members of largest q . k
+    outside its window, which may be any of them, so besides the :class:`SelectionCache` (window, ranking state)
+    every key and value so far is kept (``store``, a :class:`KVCache`) with its group (``ids`` (B, H, capacity), -1
+    for none). A step scores every cached key: O(t D) per head, as full attention's does, plus the selection's.
+
+    ``lengths`` is the selection cache's own tensor (advanced in place by its append)."""
+
+    selection: SelectionCache
+    store: KVCache
+    ids: torch.Tensor
+    cluster_keys: int = 1
+
+    @classmethod
+    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                    num_clusters: int, cluster_keys: int, window: int, bound_block: int = 0) -> MemberScoreCache:
+        """ids (B, H, N) key groups; k, v (B, H, N, D) of a right-padded prompt batch (:meth:`SelectionCache
+        .from_prompt`'s arguments)."""
+        selection = SelectionCache.from_prompt(ids, k, v, key_padding_mask, num_clusters, cluster_keys, window,
+                                               bound_block=bound_block)
+        store = KVCache.from_prompt(k, v, key_padding_mask)
+        B, H, N = ids.shape
+        real = torch.arange(N, device=ids.device) < selection.lengths.unsqueeze(1)  # (B, N)
+        kept = torch.full((B, H, store.keys.shape[2]), -1, dtype=torch.long, device=ids.device)
+        kept[:, :, :N] = ids.masked_fill(~real[:, None, :], -1)
+        return cls(selection.lengths, selection, store, kept, cluster_keys)
+
+    def select(self, index: torch.Tensor) -> MemberScoreCache:
+        selection = self.selection.select(index)
+        return MemberScoreCache(selection.lengths, selection, self.store.select(index), self.ids.index_select(0, index),
+                                self.cluster_keys)
+
+    def memory_bytes(self) -> int:
+        return (self.selection.memory_bytes() + self.store.memory_bytes()
+                + self.ids.numel() * self.ids.element_size())
+
+    def reserve(self, tokens: int) -> None:
+        self.store.reserve(tokens)
+        self._fit_ids()
+
+    def _fit_ids(self) -> None:
+        """``ids`` as long as the store's capacity (it doubles, or is fixed by reserve)."""
+        capacity = self.store.keys.shape[2]
+        if self.ids.shape[2] != capacity:
+            keep = min(capacity, self.ids.shape[2])
+            ids = torch.full((*self.ids.shape[:2], capacity), -1, dtype=torch.long, device=self.ids.device)
+            ids[:, :, :keep] = self.ids[:, :, :keep]
+            self.ids = ids
+
+    def append(self, k_t: torch.Tensor, v_t: torch.Tensor, id_t: torch.Tensor) -> None:
+        """The token at position ``lengths``: k_t, v_t (B, H, D) of group id_t (B, H)."""
+        position = self.lengths.clone()
+        self.store.append(k_t, v_t)
+        self._fit_ids()
+        self.ids[torch.arange(self.batch_size, device=k_t.device), :, position] = id_t
+        self.selection.append(k_t, v_t, id_t)  # advances lengths
+
+    def summary_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0, groups: int | None = None
+                          ) -> torch.Tensor:
+        return self.selection.summary_selection(q_t, select, by_cluster, groups)
+
+    def bound_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0, groups: int | None = None
+                        ) -> torch.Tensor:
+        return self.selection.bound_selection(q_t, select, by_cluster, groups)
+
+    def attend(self, q_t: torch.Tensor, selected: torch.Tensor, summaries: bool = False) -> torch.Tensor:
+        """q_t (B, H, D) reads its window and, from each ``selected`` (B, H, S) group, its ``cluster_keys`` members
+        outside the window of largest q . k (equal scores: the later position first), in one softmax (after
+        :meth:`append`). Returns (B, H, D)."""
+        if summaries:
+            raise ValueError("members='score' reads no summaries (cluster-select refuses the pair)")
+        sel = self.selection
+        B, _, W, D = sel.window_keys.shape
+        used = self.store.keys.shape[2] if self.store.static else int(self.lengths.max())
+        keys, values = self.store.keys[:, :, :used], self.store.values[:, :, :used]
+        position = torch.arange(used, device=q_t.device)
+        outside = position <= (self.lengths - 1 - W).view(B, 1, 1, 1)  # (B, 1, 1, used): p <= t - window
+        candidate = (self.ids[:, :, :used].unsqueeze(2) == selected.unsqueeze(-1)) & outside  # (B, H, S, used)
+        scores = (keys @ q_t.unsqueeze(-1)).squeeze(-1).unsqueeze(2)  # (B, H, 1, used)
+        scores = scores.masked_fill(~candidate, float("-inf")).flip(-1)  # the later position first on ties
+        order = scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.cluster_keys]  # (B, H, S, <= Kc)
+        found = scores.gather(-1, order) > float("-inf")
+        chosen = (used - 1 - order).flatten(2)  # positions, (B, H, S * <= Kc)
+        index = chosen.unsqueeze(-1).expand(-1, -1, -1, D)
+        member_keys, member_values = keys.gather(2, index), values.gather(2, index)
+        out, _ = attend_allowed(q_t, torch.cat([member_keys, sel.window_keys], dim=2),
+                                torch.cat([member_values, sel.window_values], dim=2),
+                                torch.cat([found.flatten(2), sel.window_ids >= 0], dim=2), D ** -0.5)
+        return out

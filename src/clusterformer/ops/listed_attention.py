@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 from .extensions import CppExtension
 
 __all__ = ["RangeSummaries", "SlotRuns", "bound_groups", "extension_available", "extension_error",
-           "listed_attention", "listed_attention_reference", "summary_logits"]
+           "listed_attention", "listed_attention_reference", "summary_logits", "top_members"]
 
 _KERNEL = CppExtension("listed_attention", "the fused key-list kernel")
 
@@ -305,6 +305,30 @@ def bound_groups(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
     with torch.no_grad():
         return _KERNEL.load().bound_select(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
                                     key_ids.contiguous(), num_groups, select, window, block, causal)
+
+
+def top_members(q: torch.Tensor, k: torch.Tensor, runs: SlotRuns, *, per_group: int, keep: int) -> torch.Tensor:
+    """Cluster-select's ``members="score"`` in one C++ pass: for q (B, H, N, D) and k (B, H, Nk, D), the candidates
+    of each group s are the keys of its ``per_group`` runs (runs s * per_group .. (s + 1) * per_group - 1 of
+    ``runs``, :class:`SlotRuns`); returns (B, H, N, groups * keep) int64, per group its ``keep`` candidates of
+    largest q . k, best first (equal scores: the later position first), -1 where it has fewer. No gradient. Needs
+    the fused kernel (:func:`extension_available`); :func:`clusterformer.ops.selected.scored_members` falls back to
+    tensor operations without it."""
+    if not extension_available():
+        raise ValueError(f"top_members needs the fused kernel: {extension_error()}")
+    if q.dim() != 4 or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"q must be a float32/float64 CPU tensor (B, H, N, D); got {q.dtype} {tuple(q.shape)} on "
+                         f"{q.device}")
+    _check_runs(runs, q, k)
+    for name, value in (("per_group", per_group), ("keep", keep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    if runs.first.shape[-1] % per_group:
+        raise ValueError(f"runs hold {runs.first.shape[-1]} runs per query: not a multiple of per_group={per_group}")
+    with torch.no_grad():
+        return _KERNEL.load().top_members(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
+                                          runs.order.contiguous(), runs.first.contiguous(),
+                                          runs.length.contiguous(), per_group, keep)
 
 
 def _range_sums(prefix: torch.Tensor, summaries: RangeSummaries) -> torch.Tensor:

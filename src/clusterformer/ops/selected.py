@@ -63,13 +63,14 @@ from .listed_attention import (
     extension_error,
     listed_attention,
     summary_logits,
+    top_members,
 )
 from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "bound_logits", "bound_selection",
            "chunk_band", "cluster_layout", "cluster_slots", "cluster_summaries", "fused_usable", "group_extremes",
-           "resolve_kernel", "selected_cluster_attention", "selected_positions", "summary_counts", "summary_selection",
-           "top_groups", "upper_bounds"]
+           "member_runs", "resolve_kernel", "scored_members", "selected_cluster_attention", "selected_positions",
+           "summary_counts", "summary_selection", "top_groups", "upper_bounds"]
 
 
 class ClusterLayout:
@@ -213,15 +214,71 @@ def cluster_runs(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys:
     return SlotRuns(layout.order, first, length, max(first_half, cluster_keys - first_half))
 
 
+def member_runs(layout: ClusterLayout, selected: torch.Tensor, *, causal: bool) -> tuple[SlotRuns, int]:
+    """Every member of each selected cluster outside the query's window, as runs of the cluster-sorted order: causal,
+    one run per cluster (its members at positions <= t - window); otherwise two (before the window, after it).
+    Returns the runs (:class:`SlotRuns`, capacity the longest run) and the runs per cluster (1 or 2): the
+    candidates of ``members="score"`` (:func:`scored_members`)."""
+    B, H, N = layout.order.shape
+    S = selected.shape[-1]
+    below, beyond = layout.selected_counts(selected)  # (B, H, N, S)
+    start = layout.start.gather(-1, selected.flatten(2)).view(B, H, N, S)
+    if causal:
+        return SlotRuns(layout.order, start, below, int(below.max()) if below.numel() else 0), 1
+    size = layout.total.gather(-1, selected.flatten(2)).view(B, H, N, S)
+    first = torch.stack([start, start + beyond], dim=-1).view(B, H, N, 2 * S)
+    length = torch.stack([below, size - beyond], dim=-1).view(B, H, N, 2 * S)
+    return SlotRuns(layout.order, first, length, int(length.max()) if length.numel() else 0), 2
+
+
+def scored_members(q: torch.Tensor, k: torch.Tensor, layout: ClusterLayout, selected: torch.Tensor, *,
+                   cluster_keys: int, causal: bool) -> torch.Tensor:
+    """``members="score"``: the keys each query reads alone from each selected cluster -- its ``cluster_keys``
+    members outside the query's window of largest q . k (causal: at positions <= t - window), in place of the most
+    recent ones. (B, H, N, S * cluster_keys) int64 positions, per cluster best first (equal scores: the later
+    position first), -1 where the cluster has fewer such members. No gradient (an argmax, as the selection is).
+
+    The fused C++ pass where it runs (:func:`clusterformer.ops.listed_attention.top_members`: O(N S n D) for
+    clusters of n members), else tensor operations over the candidates padded to the largest run, (B, H, N, S, 2 n)
+    scores -- the definition, and the path on CUDA."""
+    with torch.no_grad():
+        runs, per_group = member_runs(layout, selected, causal=causal)
+        if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available()):
+            return top_members(q, k, runs, per_group=per_group, keep=cluster_keys)
+        B, H, N, S = selected.shape
+        candidates = runs.as_index().view(B, H, N, S, -1)  # (B, H, N, S, per_group * capacity), -1: none
+        n = candidates.shape[-1]
+        flat = candidates.clamp(min=0).view(B, H, N * S * n, 1).expand(-1, -1, -1, k.shape[-1])
+        keys = k.detach().to(q.dtype).gather(2, flat).view(B, H, N, S, n, k.shape[-1])
+        scores = torch.einsum("bhnd,bhnsmd->bhnsm", q.detach(), keys).masked_fill(candidates < 0, float("-inf"))
+        # best first, equal scores the later position first: a stable sort by position, then by score
+        by_position = candidates.sort(dim=-1, descending=True, stable=True).indices
+        ranked = by_position.gather(-1, scores.gather(-1, by_position).sort(dim=-1, descending=True, stable=True)
+                                    .indices)
+        best = candidates.gather(-1, ranked)[..., :cluster_keys]
+        if best.shape[-1] < cluster_keys:
+            best = F.pad(best, (0, cluster_keys - best.shape[-1]), value=-1)
+        return best.reshape(B, H, N, S * cluster_keys)
+
+
 def _selected_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, window: int,
                         causal: bool, key_padding_mask: torch.Tensor | None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`selected_positions`, and the :func:`cluster_slots` its cluster part came from."""
-    B, H, N = layout.order.shape
-    device = selected.device
-    t = torch.arange(N, device=device)
     cluster_positions, cluster_valid, slots = _cluster_positions(layout, selected, cluster_keys=cluster_keys,
                                                                  causal=causal)
+    positions, allowed = _with_window(cluster_positions, cluster_valid, window=window, causal=causal,
+                                      key_padding_mask=key_padding_mask)
+    return positions, allowed, slots
+
+
+def _with_window(cluster_positions: torch.Tensor, cluster_valid: torch.Tensor, *, window: int, causal: bool,
+                 key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys a query reads alone from its clusters, (B, H, N, M) positions and valid, followed by its window:
+    (B, H, N, M + window) positions and allowed (the window's padding and positions outside [0, N) not)."""
+    B, H, N, _ = cluster_positions.shape
+    device = cluster_positions.device
+    t = torch.arange(N, device=device)
     offsets = torch.arange(window, device=device)
     window_positions = t[:, None] + offsets - (window - 1 if causal else window // 2)  # (N, window)
     window_valid = (window_positions >= 0) & (window_positions < N)
@@ -231,7 +288,7 @@ def _selected_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluste
     if key_padding_mask is not None:  # the cluster part never reads padding (its id is num_clusters); the window may
         real = real_tokens(key_padding_mask, B, N, device)[:, None, None, :].expand(B, H, N, N)
         allowed = allowed & real.gather(-1, positions)
-    return positions, allowed, slots
+    return positions, allowed
 
 
 def _cluster_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, causal: bool
@@ -723,7 +780,7 @@ def selected_cluster_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, selected: torch.Tensor, *,
     num_clusters: int, cluster_keys: int, window: int, causal: bool, key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0, kernel: str = "auto", summaries: bool = False, layout: ClusterLayout | None = None,
-    band: ChunkBand | None = None,
+    band: ChunkBand | None = None, members: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over its window and its selected clusters' keys (module docstring).
 
@@ -739,12 +796,31 @@ def selected_cluster_attention(
     softmax (:func:`cluster_summaries`). ``layout``: :func:`cluster_layout` of ``key_ids``, if the caller has it;
     ``band``: with the banded kernel, the layer's :func:`chunk_band` of q / sqrt(D), k and v (with summaries when
     ``summaries``), if the caller has it (the summaries' selection reads the same band).
+    ``members``: (B, H, N, M) the key positions each query reads alone from its clusters (-1: none), in place of
+    each selected cluster's members nearest to the window (:func:`scored_members`: ``members="score"``); not with
+    ``summaries``, whose ranges leave out the nearest members.
     Returns (B, H, N, D); a query without any key gets 0."""
     B, H, N, D = q.shape
     if layout is None:
         layout = cluster_layout(key_ids, num_clusters=num_clusters, window=window, causal=causal)
     scale = D ** -0.5
     kernel = resolve_kernel(kernel, N, q=q, dropout_p=dropout_p)
+    if members is not None:
+        if summaries:
+            raise ValueError("members lists the keys read alone, but the summaries leave out each cluster's members "
+                             "nearest to the window: pass summaries=False with members")
+        if members.shape[:3] != (B, H, N) or members.dtype != torch.long:
+            raise ValueError(f"members must be an int64 tensor (B, H, N, M) with (B, H, N) = {(B, H, N)}; got "
+                             f"{members.dtype} {tuple(members.shape)}")
+        if kernel == "fused":
+            return listed_attention(q, k, v, members, scale, window=window,
+                                    window_offset=window - 1 if causal else window // 2,
+                                    key_padding_mask=key_padding_mask)[0]
+        positions, allowed = _with_window(members.clamp(min=0), members >= 0, window=window, causal=causal,
+                                          key_padding_mask=key_padding_mask)
+        return _attend_positions(q, k, v, key_ids, selected, positions, allowed, layout, kernel=kernel,
+                                 window=window, cluster_keys=cluster_keys, causal=causal,
+                                 key_padding_mask=key_padding_mask, dropout_p=dropout_p, band=band, slots=None)
     if kernel == "fused":  # the selected clusters' keys as runs of sorted slots, the window read in place: one C++ pass
         runs = cluster_runs(layout, selected, cluster_keys=cluster_keys, causal=causal)
         ranges = None
@@ -761,6 +837,21 @@ def selected_cluster_attention(
                                 key_padding_mask=key_padding_mask, summaries=ranges, runs=runs)[0]
     positions, allowed, slots = _selected_positions(layout, selected, cluster_keys=cluster_keys, window=window,
                                                     causal=causal, key_padding_mask=key_padding_mask)
+    return _attend_positions(q, k, v, key_ids, selected, positions, allowed, layout, kernel=kernel, window=window,
+                             cluster_keys=cluster_keys, causal=causal, key_padding_mask=key_padding_mask,
+                             dropout_p=dropout_p, band=band, slots=slots, summaries=summaries)
+
+
+def _attend_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
+                      selected: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, layout: ClusterLayout,
+                      *, kernel: str, window: int, cluster_keys: int, causal: bool,
+                      key_padding_mask: torch.Tensor | None, dropout_p: float, band: ChunkBand | None,
+                      slots: torch.Tensor | None, summaries: bool = False) -> torch.Tensor:
+    """The unfused kernels ("banded", "dense-mask", "gather") over the keys each query reads alone, (B, H, N, M)
+    ``positions`` and ``allowed`` with its window last (:func:`_with_window`), and with ``summaries`` the summaries
+    of the rest (``slots``: the :func:`cluster_slots` of the cluster part, when it is the nearest members)."""
+    B, H, N, D = q.shape
+    scale = D ** -0.5
     M = positions.shape[-1]
     if kernel == "banded":  # the cluster part only: the band holds the window
         alone = M - window
