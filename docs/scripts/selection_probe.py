@@ -3,9 +3,10 @@
 For each cluster-select layer of a trained ``train --task mqar|passkey|histogram --attention cluster-select`` run,
 on the first test sequences: the share of the keys in each head's largest groups, how often the query *selects*
 the group that holds a key it needs, and how often it then reads that key alone (causal: the key is among the
-group's ``cluster_keys`` most recent members outside the query's window; otherwise it is at most inside the group's
-summary). A random choice of ``select`` groups of C gives select / C. Only the needed keys outside the query's
-window are counted (the window reads the others whatever the groups).
+group's ``cluster_keys`` most recent members outside the query's window -- with ``members="score"``, among those
+its scores chose; otherwise it is at most inside the group's summary). A random choice of ``select`` groups of C
+gives select / C. Only the needed keys outside the query's window are counted (the window reads the others whatever
+the groups).
 
 A query that needs several keys (the histogram: every earlier occurrence of its type) adds two lines: how many
 distinct groups hold its needed keys outside the window (it can read at most ``select``), the share of queries
@@ -23,7 +24,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from clusterformer.attention import ClusterSelectAttention, record_groups
+from clusterformer.attention import ClusterSelectAttention, cluster_select, record_groups
+from clusterformer.ops.selected import scored_members
 from clusterformer.train import load_trained
 
 SEQUENCES = 64
@@ -52,8 +54,18 @@ def selection_probe(run: str) -> list[str]:
                 selections[module] = original(*args)
                 return selections[module]
             module._forced = keep
-    with torch.no_grad(), record_groups() as groups:
-        model(ids)
+    scored = []  # members="score": the keys each query reads from its groups, (B, H, N, M), in the layers' order
+
+    def recording(*args, **kwargs):
+        scored.append(scored_members(*args, **kwargs))
+        return scored[-1]
+
+    cluster_select.scored_members = recording
+    try:
+        with torch.no_grad(), record_groups() as groups:
+            model(ids)
+    finally:
+        cluster_select.scored_members = scored_members
     B, Q, S = sources.shape
     b = torch.arange(B).view(B, 1, 1)
     lines = []
@@ -77,7 +89,11 @@ def selection_probe(run: str) -> list[str]:
         heads = torch.arange(H).view(1, 1, 1, H)
         at_last = counts[b.unsqueeze(-1), heads, last.clamp(min=0).view(B, Q, 1, 1), needed_group]
         at_key = counts[b.unsqueeze(-1), heads, sources.unsqueeze(-1), needed_group]
-        alone = selected & (at_last - at_key < o.cluster_keys)
+        if o.members == "score":  # read alone: among the members the query's scores chose
+            members = scored.pop(0).permute(0, 2, 1, 3)[b[..., 0], queries]  # (B, Q, H, M)
+            alone = (members.unsqueeze(2) == sources.view(B, Q, S, 1, 1)).any(-1)
+        else:  # read alone: among the group's cluster_keys most recent members outside the window
+            alone = selected & (at_last - at_key < o.cluster_keys)
         total = outside.sum().clamp(min=1)
         hit, read = (selected & outside).sum() / total, (alone & outside).sum() / total
         lines.append(f"layer {layer}: largest groups per head "
@@ -91,7 +107,7 @@ def selection_probe(run: str) -> list[str]:
         first_selected = (chosen == first_group[:, None, :, None]).any(-1)  # (B, Q, H)
         newer_than_first = counts[b, torch.arange(H).view(1, 1, H), last.clamp(min=0).view(B, Q, 1),
                                   first_group[:, None, :].expand(B, Q, H)] - 1
-        first_read = first_selected & (newer_than_first < o.cluster_keys)
+        first_read = first_selected & (newer_than_first < o.cluster_keys)  # (the nearest members' rule)
         lines.append(f"  position 0's group selected by {float(first_selected[beyond].float().mean()):.2f} of the "
                      f"(query, head) pairs beyond the window, position 0 read by "
                      f"{float(first_read[beyond].float().mean()):.2f}")
