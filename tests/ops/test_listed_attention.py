@@ -469,7 +469,7 @@ def test_the_kernel_gives_the_same_bits_on_one_thread_and_on_two():
 def _members_loop(q, k, ids, selected, keep, window, causal):
     """members="score" from its definition: per query and selected group, the group's members outside the query's
     window (causal: at positions <= t - window; otherwise before t - window / 2 or from t + window - window / 2 on)
-    by q . k descending, equal scores the later position first; ``keep`` of them, -1 after."""
+    by q . k descending, equal scores the later position first; ``keep`` of them in position order, -1 after."""
     B, H, N, _ = q.shape
     out = torch.full((B, H, N, selected.shape[-1] * keep), -1, dtype=torch.long)
     for b in range(B):
@@ -478,7 +478,7 @@ def _members_loop(q, k, ids, selected, keep, window, causal):
                 for s, group in enumerate(selected[b, h, t].tolist()):
                     outside = [j for j in range(N) if ids[b, h, j] == group and (
                         j <= t - window if causal else j < t - window // 2 or j >= t + window - window // 2)]
-                    best = sorted(outside, key=lambda j: (-float(q[b, h, t] @ k[b, h, j]), -j))[:keep]
+                    best = sorted(sorted(outside, key=lambda j: (-float(q[b, h, t] @ k[b, h, j]), -j))[:keep])
                     out[b, h, t, s * keep: s * keep + len(best)] = torch.tensor(best, dtype=torch.long)
     return out
 

@@ -310,8 +310,9 @@ def bound_groups(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
 def top_members(q: torch.Tensor, k: torch.Tensor, runs: SlotRuns, *, per_group: int, keep: int) -> torch.Tensor:
     """Cluster-select's ``members="score"`` in one C++ pass: for q (B, H, N, D) and k (B, H, Nk, D), the candidates
     of each group s are the keys of its ``per_group`` runs (runs s * per_group .. (s + 1) * per_group - 1 of
-    ``runs``, :class:`SlotRuns`); returns (B, H, N, groups * keep) int64, per group its ``keep`` candidates of
-    largest q . k, best first (equal scores: the later position first), -1 where it has fewer. No gradient. Needs
+    ``runs``, :class:`SlotRuns`, whose slots hold a group's members in position order); returns (B, H, N, groups *
+    keep) int64, per group its ``keep`` candidates of largest q . k in slot order (equal scores at the cut: the later
+    slot is kept), -1 after them where it has fewer (a group with at most ``keep`` is copied whole). No gradient. Needs
     the fused kernel (:func:`extension_available`); :func:`clusterformer.ops.selected.scored_members` falls back to
     tensor operations without it."""
     if not extension_available():
@@ -325,10 +326,11 @@ def top_members(q: torch.Tensor, k: torch.Tensor, runs: SlotRuns, *, per_group: 
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")
     if runs.first.shape[-1] % per_group:
         raise ValueError(f"runs hold {runs.first.shape[-1]} runs per query: not a multiple of per_group={per_group}")
-    with torch.no_grad():
-        return _KERNEL.load().top_members(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
-                                          runs.order.contiguous(), runs.first.contiguous(),
-                                          runs.length.contiguous(), per_group, keep)
+    with torch.no_grad():  # the keys in slot order: a run's candidates are consecutive rows
+        order = runs.order.contiguous()
+        sorted_k = k.detach().to(q.dtype).gather(2, order.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1]))
+        return _KERNEL.load().top_members(q.detach().contiguous(), sorted_k.contiguous(), order,
+                                          runs.first.contiguous(), runs.length.contiguous(), per_group, keep)
 
 
 def _range_sums(prefix: torch.Tensor, summaries: RangeSummaries) -> torch.Tensor:

@@ -235,8 +235,9 @@ def scored_members(q: torch.Tensor, k: torch.Tensor, layout: ClusterLayout, sele
                    cluster_keys: int, causal: bool) -> torch.Tensor:
     """``members="score"``: the keys each query reads alone from each selected cluster -- its ``cluster_keys``
     members outside the query's window of largest q . k (causal: at positions <= t - window), in place of the most
-    recent ones. (B, H, N, S * cluster_keys) int64 positions, per cluster best first (equal scores: the later
-    position first), -1 where the cluster has fewer such members. No gradient (an argmax, as the selection is).
+    recent ones. (B, H, N, S * cluster_keys) int64 positions, per cluster in position order, -1 after them where
+    the cluster has fewer such members (equal scores at the cut: the later position is kept). No gradient (an
+    argmax, as the selection is).
 
     The fused C++ pass where it runs (:func:`clusterformer.ops.listed_attention.top_members`: O(N S n D) for
     clusters of n members), else tensor operations over the candidates padded to the largest run, (B, H, N, S, 2 n)
@@ -258,7 +259,9 @@ def scored_members(q: torch.Tensor, k: torch.Tensor, layout: ClusterLayout, sele
         best = candidates.gather(-1, ranked)[..., :cluster_keys]
         if best.shape[-1] < cluster_keys:
             best = F.pad(best, (0, cluster_keys - best.shape[-1]), value=-1)
-        return best.reshape(B, H, N, S * cluster_keys)
+        # in position order, none (-1) last
+        best = torch.where(best < 0, N, best).sort(dim=-1).values
+        return torch.where(best == N, -1, best).reshape(B, H, N, S * cluster_keys)
 
 
 def _selected_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, window: int,

@@ -694,63 +694,81 @@ torch::Tensor bound_select(torch::Tensor q, torch::Tensor k, torch::Tensor ids, 
 }
 
 // members="score": per query and selected group, its `keep` members of largest q . k among the slots of the
-// group's runs (order[first[r] + u] for u < length[r], runs r = s * per_group .. s * per_group + per_group - 1 of
-// group s). Written best first (score descending; equal scores: the later position first), -1 where the group has
-// fewer. One pass per query over its candidates, split over torch's threads by (pair, query); no gradient.
-template <typename T>
-void top_members_kernel(const T* q, const T* k, const int64_t* order, const int64_t* first, const int64_t* length,
-                        int64_t* out, int64_t pairs, int64_t N, int64_t Nk, int64_t D, int64_t runs,
-                        int64_t per_group, int64_t keep) {
+// group's runs (slots first[r] .. first[r] + length[r] - 1, runs r = s * per_group .. (s + 1) * per_group - 1 of
+// group s; key order[slot]). The keys come in slot order (`sorted_k`, (B, H, Nk, D)), so that a run's candidates
+// are consecutive rows. Written in slot order (a group's runs hold its members by position), -1 after them where
+// the group has fewer; equal scores at the cut keep the later position. A group with at most `keep` candidates is
+// copied whole, without a score; a larger one is cut by nth_element. One pass per query, split over torch's threads
+// by (pair, query); no gradient.
+template <typename T, int64_t FixedD>
+void top_members_kernel(const T* q, const T* sorted_k, const int64_t* order, const int64_t* first,
+                        const int64_t* length, int64_t* out, int64_t pairs, int64_t N, int64_t Nk, int64_t head_dim,
+                        int64_t runs, int64_t per_group, int64_t keep) {
+  const int64_t D = FixedD ? FixedD : head_dim;  // a compile-time head size unrolls the dot products
   const int64_t groups = runs / per_group;
   at::parallel_for(0, pairs * N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<T, int64_t>> held;
-    auto better = [](const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
-      return a.first > b.first || (a.first == b.first && a.second > b.second);
-    };
+    std::vector<T> scores;
+    std::vector<int64_t> slots, rank;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t pair = row / N;
       const T* __restrict__ qi = q + row * D;
-      const T* kp = k + pair * Nk * D;
-      const int64_t* slots_of = order + pair * Nk;
+      const T* kp = sorted_k + pair * Nk * D;
+      const int64_t* positions = order + pair * Nk;
       int64_t* dst = out + row * groups * keep;
       for (int64_t s = 0; s < groups; ++s) {
-        held.clear();
+        slots.clear();
         for (int64_t r = s * per_group; r < (s + 1) * per_group; ++r) {
-          const int64_t* slots = slots_of + first[row * runs + r];
-          for (int64_t u = 0; u < length[row * runs + r]; ++u) {
-            const int64_t j = slots[u];
-            const T* __restrict__ kj = kp + j * D;
-            T dot = 0;
-            for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
-            held.emplace_back(dot, j);
-          }
+          const int64_t slot = first[row * runs + r];
+          for (int64_t u = 0; u < length[row * runs + r]; ++u) slots.push_back(slot + u);
         }
-        const int64_t kept = std::min<int64_t>(keep, held.size());
-        std::partial_sort(held.begin(), held.begin() + kept, held.end(), better);
-        for (int64_t m = 0; m < keep; ++m) dst[s * keep + m] = m < kept ? held[m].second : int64_t(-1);
+        const int64_t count = static_cast<int64_t>(slots.size());
+        int64_t* group_out = dst + s * keep;
+        if (count <= keep) {  // every candidate is kept: no score needed
+          for (int64_t m = 0; m < keep; ++m) group_out[m] = m < count ? positions[slots[m]] : int64_t(-1);
+          continue;
+        }
+        scores.resize(count);
+        rank.resize(count);
+        for (int64_t c = 0; c < count; ++c) {
+          const T* __restrict__ kj = kp + slots[c] * D;
+          T dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
+          scores[c] = dot;
+          rank[c] = c;
+        }
+        // the best `keep` first (score descending, equal scores the later slot: the later position), then in slot order
+        std::nth_element(rank.begin(), rank.begin() + keep - 1, rank.end(), [&](int64_t a, int64_t b) {
+          return scores[a] > scores[b] || (scores[a] == scores[b] && a > b);
+        });
+        std::sort(rank.begin(), rank.begin() + keep);
+        for (int64_t m = 0; m < keep; ++m) group_out[m] = positions[slots[rank[m]]];
       }
     }
   });
 }
 
-torch::Tensor top_members(torch::Tensor q, torch::Tensor k, torch::Tensor order, torch::Tensor first,
+torch::Tensor top_members(torch::Tensor q, torch::Tensor sorted_k, torch::Tensor order, torch::Tensor first,
                           torch::Tensor length, int64_t per_group, int64_t keep) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "top_members runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.is_contiguous() && k.is_contiguous() &&
-              q.scalar_type() == k.scalar_type() && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
-              q.size(3) == k.size(3), "q (B, H, N, D) and k (B, H, Nk, D): contiguous, one dtype");
+  TORCH_CHECK(q.device().is_cpu() && sorted_k.device().is_cpu(), "top_members runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && sorted_k.dim() == 4 && q.is_contiguous() && sorted_k.is_contiguous() &&
+              q.scalar_type() == sorted_k.scalar_type() && q.size(0) == sorted_k.size(0) &&
+              q.size(1) == sorted_k.size(1) && q.size(3) == sorted_k.size(3),
+              "q (B, H, N, D) and sorted_k (B, H, Nk, D): contiguous, one dtype");
   TORCH_CHECK(order.is_contiguous() && first.is_contiguous() && length.is_contiguous() &&
               order.scalar_type() == torch::kLong && first.scalar_type() == torch::kLong &&
               length.scalar_type() == torch::kLong, "order, first, length: contiguous int64 tensors");
   TORCH_CHECK(per_group >= 1 && keep >= 1 && first.dim() == 4 && first.size(3) % per_group == 0 &&
               first.sizes() == length.sizes(), "runs: (B, H, N, groups * per_group)");
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = sorted_k.size(2);
   const int64_t runs = first.size(3);
   torch::Tensor out = torch::empty({B, H, N, runs / per_group * keep}, order.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "top_members", [&] {
-    top_members_kernel<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
-                                 first.data_ptr<int64_t>(), length.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
-                                 B * H, N, Nk, D, runs, per_group, keep);
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), sorted_k.data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
+             first.data_ptr<int64_t>(), length.data_ptr<int64_t>(), out.data_ptr<int64_t>(), B * H, N, Nk, D, runs,
+             per_group, keep);
+    };
+    with_head_size(D, [&](auto fixed) { run(top_members_kernel<scalar_t, decltype(fixed)::value>); });
   });
   return out;
 }
