@@ -13,7 +13,7 @@ from causal_configs import STRICT_CAUSAL
 from clusterformer.attention import build
 from clusterformer.models import EncoderConfig
 from clusterformer.models.lm import LanguageModel, sample_next
-from clusterformer.ops.decode import GroupRingCache, attend_allowed, merge_attention
+from clusterformer.ops.decode import GroupRingCache, MemberScoreCache, attend_allowed, merge_attention
 
 STRICT = STRICT_CAUSAL  # small chunks and windows: 60-token sequences cross many chunk and window boundaries
 IDS = [f"{name}-{i}" for i, (name, _) in enumerate(STRICT)]
@@ -159,14 +159,19 @@ def test_cluster_ring_memory_does_not_grow_with_the_context():
     assert full[1] > 10 * full[0]
 
 
-def test_cache_select_reorders_sequences():
+@pytest.mark.parametrize(("name", "options", "kind"), [
+    ("neural-clustering", {"causal_chunk_size": 4, "causal_clusters": 3}, GroupRingCache),
+    ("cluster-select", {"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 2, "summaries": False,
+                        "members": "score"}, MemberScoreCache),  # nested caches: each reordered, lengths shared
+])
+def test_cache_select_reorders_sequences(name, options, kind):
     torch.manual_seed(2)
-    layer = build("neural-clustering", dim=16, heads=2, causal_chunk_size=4, causal_clusters=3).double().eval()
+    layer = build(name, dim=16, heads=2, **options).double().eval()
     x = torch.randn(2, 9, 16, dtype=torch.float64)
     with torch.no_grad():
         _, cache = layer.prefill(x[:, :8])
         swapped = cache.select(torch.tensor([1, 0, 0]))
-        assert isinstance(swapped, GroupRingCache) and swapped.lengths.tolist() == [8, 8, 8]
+        assert isinstance(swapped, kind) and swapped.lengths.tolist() == [8, 8, 8]
         y, _ = layer.step(x[[1, 0, 0], 8], swapped)
         reference = layer(x, causal=True)[:, 8]
     torch.testing.assert_close(y, reference[[1, 0, 0]], rtol=0, atol=1e-12)
