@@ -69,7 +69,7 @@ from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "KERNELS", "ChunkBand", "band_chunk", "bound_logits", "bound_selection",
            "chunk_band", "cluster_layout", "cluster_slots", "cluster_summaries", "fused_usable", "group_extremes",
-           "member_runs", "resolve_kernel", "scored_members", "selected_cluster_attention", "selected_positions",
+           "resolve_kernel", "scored_members", "selected_cluster_attention", "selected_positions",
            "summary_counts", "summary_selection", "top_groups", "upper_bounds"]
 
 
@@ -193,42 +193,32 @@ def cluster_slots(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys
     return layout.start.gather(-1, selected.flatten(2)).view(B, H, N, S, 1) + ranks, valid
 
 
-def cluster_runs(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, causal: bool) -> SlotRuns:
+def cluster_runs(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int | None, causal: bool
+                 ) -> SlotRuns:
     """The slots of :func:`cluster_slots` as runs of consecutive slots of ``layout.order`` (:class:`SlotRuns`), one
     per selected cluster (causal) or two (before the window, then after it): (B, H, N, S or 2 S) tensors in place of
-    (B, H, N, S, cluster_keys) ones, for the fused kernel. The same keys in the same order."""
+    (B, H, N, S, cluster_keys) ones, for the fused kernel. The same keys in the same order. ``cluster_keys=None``:
+    every member outside the window (the candidates of ``members="score"``, :func:`scored_members`), the capacity
+    then the longest run."""
     B, H, N = layout.order.shape
     S = selected.shape[-1]
     below, beyond = layout.selected_counts(selected)  # (B, H, N, S)
     start = layout.start.gather(-1, selected.flatten(2)).view(B, H, N, S)
     if causal:  # the cluster_keys most recent members at positions <= t - window
-        length = below.clamp(max=cluster_keys)
-        return SlotRuns(layout.order, start + below - length, length, cluster_keys)
-    first_half = cluster_keys // 2
+        length = below if cluster_keys is None else below.clamp(max=cluster_keys)
+        capacity = (int(length.max()) if length.numel() else 0) if cluster_keys is None else cluster_keys
+        return SlotRuns(layout.order, start + below - length, length, capacity)
     size = layout.total.gather(-1, selected.flatten(2)).view(B, H, N, S)
-    lower = below.clamp(max=first_half)
-    upper = (size - beyond).clamp(min=0, max=cluster_keys - first_half)
+    lower, upper = below, size - beyond
+    if cluster_keys is not None:
+        first_half = cluster_keys // 2
+        lower, upper = lower.clamp(max=first_half), upper.clamp(min=0, max=cluster_keys - first_half)
     # per selected cluster its run before the window, then its run after it (cluster_slots' order)
     first = torch.stack([start + below - lower, start + beyond], dim=-1).view(B, H, N, 2 * S)
     length = torch.stack([lower, upper], dim=-1).view(B, H, N, 2 * S)
-    return SlotRuns(layout.order, first, length, max(first_half, cluster_keys - first_half))
-
-
-def member_runs(layout: ClusterLayout, selected: torch.Tensor, *, causal: bool) -> tuple[SlotRuns, int]:
-    """Every member of each selected cluster outside the query's window, as runs of the cluster-sorted order: causal,
-    one run per cluster (its members at positions <= t - window); otherwise two (before the window, after it).
-    Returns the runs (:class:`SlotRuns`, capacity the longest run) and the runs per cluster (1 or 2): the
-    candidates of ``members="score"`` (:func:`scored_members`)."""
-    B, H, N = layout.order.shape
-    S = selected.shape[-1]
-    below, beyond = layout.selected_counts(selected)  # (B, H, N, S)
-    start = layout.start.gather(-1, selected.flatten(2)).view(B, H, N, S)
-    if causal:
-        return SlotRuns(layout.order, start, below, int(below.max()) if below.numel() else 0), 1
-    size = layout.total.gather(-1, selected.flatten(2)).view(B, H, N, S)
-    first = torch.stack([start, start + beyond], dim=-1).view(B, H, N, 2 * S)
-    length = torch.stack([below, size - beyond], dim=-1).view(B, H, N, 2 * S)
-    return SlotRuns(layout.order, first, length, int(length.max()) if length.numel() else 0), 2
+    capacity = ((int(length.max()) if length.numel() else 0) if cluster_keys is None
+                else max(cluster_keys // 2, cluster_keys - cluster_keys // 2))
+    return SlotRuns(layout.order, first, length, capacity)
 
 
 def scored_members(q: torch.Tensor, k: torch.Tensor, layout: ClusterLayout, selected: torch.Tensor, *,
@@ -243,8 +233,8 @@ def scored_members(q: torch.Tensor, k: torch.Tensor, layout: ClusterLayout, sele
     clusters of n members), else tensor operations over the candidates padded to the largest run, (B, H, N, S, 2 n)
     scores -- the definition, and the path on CUDA."""
     with torch.no_grad():
-        runs, per_group = member_runs(layout, selected, causal=causal)
-        if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available()):
+        runs, per_group = cluster_runs(layout, selected, cluster_keys=None, causal=causal), 1 if causal else 2
+        if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available():
             return top_members(q, k, runs, per_group=per_group, keep=cluster_keys)
         B, H, N, S = selected.shape
         candidates = runs.as_index().view(B, H, N, S, -1)  # (B, H, N, S, per_group * capacity), -1: none
