@@ -800,21 +800,20 @@ def test_cluster_select_balance_bias_matches_dense_reference(N, options, causal,
 
 
 def test_cluster_select_balance_step_moves_each_bias_towards_the_mean_load():
-    """One step of the load-balancing bias, by hand: loads (3, 1, 0, 2) over the real keys (mean 1.5) move the
-    biases by (-r, +r, +r, -r); a padded key counts in no load; loads at the mean leave the bias alone."""
+    """One step of the load-balancing bias, by hand: loads (3, 1, 0, 2) (mean 1.5) move the biases by (-r, +r, +r,
+    -r); loads at the mean leave the bias alone. (The loads are the assignment's counts over the real keys:
+    tests/ops/test_spherical.py checks that padding counts in none.)"""
     from clusterformer.attention.cluster_select import balance_step
 
     bias = torch.tensor([[0.5, 0.0, -0.25, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    ids = torch.tensor([[[0, 0, 0, 1, 3, 3, 2], [0, 1, 2, 3, 0, 1, 2]]])  # (B=1, H=2, N=7)
-    real = torch.tensor([True] * 6 + [False]).view(1, 1, 7).expand(1, 2, 7)  # the last key (cluster 2) is padding
-    step = balance_step(bias, ids, real, 0.25)
+    loads = torch.tensor([[3.0, 1.0, 0.0, 2.0], [2.0, 2.0, 1.0, 1.0]])
+    step = balance_step(bias, loads, 0.25)
     torch.testing.assert_close(step[0], bias[0] + 0.25 * torch.tensor([-1.0, 1.0, 1.0, -1.0], dtype=torch.float64),
                                rtol=0, atol=1e-15)
     # head 1: loads (2, 2, 1, 1), mean 1.5
     torch.testing.assert_close(step[1], 0.25 * torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64),
                                rtol=0, atol=1e-15)
-    even = torch.tensor([[[0, 1, 2, 3], [3, 2, 1, 0]]])
-    assert torch.equal(balance_step(bias, even, torch.ones(1, 2, 4, dtype=torch.bool), 0.25), bias)
+    assert torch.equal(balance_step(bias, torch.ones(2, 4), 0.25), bias)
 
 
 def test_cluster_select_balance_spreads_crowded_keys():

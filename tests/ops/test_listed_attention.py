@@ -533,3 +533,22 @@ def test_bad_top_members_input_raises_value_error_naming_it(change, match):
             **change}
     with pytest.raises(ValueError, match=match):
         la.top_members(**args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("keep", [1, 2, 3, 5, 7, 9, 12, 15])
+def test_top_members_cut_orders_signs_zeros_infinities_and_ties(keep, dtype):
+    """The pass's cut (the keep-th largest score, found on the scores' bits): with q = 1 and D = 1 the scores are
+    the keys themselves -- negatives, +0 and -0 (equal, so tied), numbers a hair either side of 0, infinities and
+    repeats -- against sorting by (score descending, later position first), kept in position order."""
+    values = [3.0, -1.0, 0.0, -0.0, -2.0, 5.0, 0.0, -1.0, 2.0, -1e-30, 1e-30, -0.0, math.inf, -math.inf, -1.0, 3.0]
+    Nk = len(values)
+    k = torch.tensor(values, dtype=dtype).view(1, 1, Nk, 1)
+    q = torch.ones(1, 1, 1, 1, dtype=dtype)
+    runs = la.SlotRuns(torch.arange(Nk).view(1, 1, Nk), torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                       torch.full((1, 1, 1, 1), Nk, dtype=torch.long), Nk)
+    got = la.top_members(q, k, runs, per_group=1, keep=keep)
+    scores = k.view(-1).tolist()
+    expected = sorted(sorted(range(Nk), key=lambda j: (-scores[j], -j))[:keep])
+    assert got.view(-1).tolist() == expected

@@ -64,7 +64,6 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_float, check_int
-from ..distributed import all_reduce_sum
 from ..masks import AttentionMask, masked_sdpa, real_tokens
 from ..ops.decode import MemberScoreCache, SelectionCache
 from ..ops.selected import (
@@ -80,21 +79,19 @@ from ..ops.selected import (
     summary_selection,
     with_own_group,
 )
+from ..ops.spherical import spherical_assignment
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, SeededOptions
 from .registry import register
 from .routing import follow_tokens
 
 
-def balance_step(bias: torch.Tensor, ids: torch.Tensor, real: torch.Tensor, rate: float) -> torch.Tensor:
+def balance_step(bias: torch.Tensor, loads: torch.Tensor, rate: float) -> torch.Tensor:
     """One step of auxiliary-loss-free load balancing (Wang et al. 2024): the bias (H, C) of each cluster moves by
     ``rate`` towards the mean load -- up for a cluster with fewer keys than the mean, down for one with more, not at
-    all at the mean. ids (B, H, N) key clusters, real (B, H, N) bool; the loads are summed over DDP ranks, so every
-    rank takes the same step. Returns the new bias."""
-    H, C = bias.shape
-    rows = (ids + C * torch.arange(H, device=ids.device).view(1, H, 1))[real]
-    loads = all_reduce_sum(torch.zeros(H * C, dtype=bias.dtype, device=bias.device).index_add_(
-        0, rows, torch.ones(rows.shape, dtype=bias.dtype, device=bias.device)).view(H, C))
+    all at the mean. loads (H, C): each cluster's number of real keys, summed over DDP ranks (the counts of the
+    centroids' update), so every rank takes the same step. Returns the new bias."""
+    loads = loads.to(bias.dtype)
     return bias + rate * torch.sign(loads.mean(-1, keepdim=True) - loads)
 
 
@@ -394,18 +391,23 @@ class ClusterSelectAttention(InnerAttention):
             self.apply_pending_updates()
         o = self.options
         B, H, N, _ = q.shape
+        # the layer's q, k, v are views of its fused projection: made contiguous once here, not by each kernel
+        # (the assignment, the selection, the members' scores and the attention each copied them: ~0.1 s of a
+        # 4,096-token MQAR step)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         real = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N)
         positions = torch.arange(N, device=q.device)
         if o.grouping != "kmeans":  # the ablations: groups fixed by the position
             ids = self._assign(k, positions)
             publish_losses({"commitment": q.new_zeros(())})
         else:
-            unit = F.normalize(k, dim=-1)
-            ids = self._nearest(unit)  # (B, H, N) key clusters
-            follow_tokens(self, unit, ids, real, o.decay)  # the commitment loss and the EMA centroids, as routing's
-            if o.balance and self.updates_state():
-                self.pending["balance_bias"] = balance_step(self.balance_bias, ids, real, o.balance)
-            ids = self._split(ids, positions)  # the groups (the clusters themselves without position_splits)
+            assignment = spherical_assignment(k, self.centroids, bias=self.balance_bias if o.balance else None,
+                                              real=real[:, 0])
+            # the commitment loss and the EMA centroids, as routing's; the loads (summed over ranks) for balance
+            loads = follow_tokens(self, assignment, real, o.decay)
+            if o.balance and loads is not None:
+                self.pending["balance_bias"] = balance_step(self.balance_bias, loads, o.balance)
+            ids = self._split(assignment.ids, positions)  # the groups (the clusters without position_splits)
         ids = self._sunk(ids, positions)
         publish_groups(self, ids)
         if self.dense_training and self.training:  # train --dense-warmup-steps
@@ -429,14 +431,14 @@ class ClusterSelectAttention(InnerAttention):
                                           kernel=kernel, summaries=o.summaries, layout=layout, band=band,
                                           members=members)
 
-    def _nearest(self, unit: torch.Tensor) -> torch.Tensor:
-        """Unit keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid (with ``balance``: the
-        largest cosine plus the cluster's bias)."""
-        cosines = torch.einsum("bh...d,hcd->bh...c", unit.detach(), self.centroids.to(unit.dtype))
-        if self.options.balance:
-            H, C = self.balance_bias.shape
-            cosines = cosines + self.balance_bias.to(unit.dtype).view(H, *[1] * (cosines.dim() - 3), C)
-        return cosines.argmax(-1)
+    def _nearest(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys (B, H, ..., D) -> their clusters (B, H, ...): the nearest unit centroid to the unit key (with
+        ``balance``: the largest cosine plus the cluster's bias), as the training forward finds it."""
+        B, H, *rest, D = k.shape
+        with torch.no_grad():
+            ids = spherical_assignment(k.reshape(B, H, -1, D), self.centroids,
+                                       bias=self.balance_bias if self.options.balance else None).ids
+        return ids.view(B, H, *rest)
 
     def _sunk(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Option ``sink``: the groups (B, H, ...) at ``positions`` with the first ``sink`` positions in the sink
@@ -507,7 +509,7 @@ class ClusterSelectAttention(InnerAttention):
             return self._pages(positions).expand(k.shape[:-1])
         if self.options.grouping == "random":
             return self._split(self._hashed_groups(positions), positions).expand(k.shape[:-1])
-        return self._split(self._nearest(F.normalize(k, dim=-1)), positions)
+        return self._split(self._nearest(k), positions)
 
     def _select(self, q: torch.Tensor, select: int) -> torch.Tensor:
         """Queries (B, H, ..., D) -> the ``select`` clusters of largest q . mu, (B, H, ..., select)."""

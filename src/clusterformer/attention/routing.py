@@ -12,7 +12,9 @@ For x (B, N, dim):
    sort by cluster, chunks of ``chunk_size`` attending to themselves and ``look_back`` previous chunks,
    self only when nothing else; output projection.
 4. Centroids follow the tokens by an exponential moving average of their members (mini-batch spherical
-   k-means, :func:`clusterformer.clustering.ema_centroid_update`) -- never by gradient. The update from one
+   k-means, :func:`clusterformer.clustering.ema_from_sums`) -- never by gradient. The ids, the commitment
+   distances of step 5 and the members' sums come from one pass over the tokens
+   (:func:`clusterformer.ops.spherical.spherical_assignment`, a C++ kernel on the CPU). The update from one
    training forward is applied at the start of the next (so a reversible recompute sees the same centroids),
    or earlier by :func:`clusterformer.attention.apply_pending_updates` (the training loop calls it after each
    optimiser step); a pending update is part of ``state_dict`` (extra state). In a distributed run the
@@ -39,11 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_float, check_int
-from ..clustering.kmeans import ema_centroid_update
+from ..clustering.kmeans import ema_from_sums
 from ..distributed import all_reduce_sum
 from ..masks import real_tokens
 from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
 from ..ops.decode import GroupRingCache
+from ..ops.spherical import SphericalAssignment, spherical_assignment
 from .aux import publish_groups, publish_losses
 from .base import BucketOptions, InnerAttention
 from .registry import register
@@ -71,23 +74,20 @@ class RoutingOptions(BucketOptions):
         check_float("decay", self.decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
 
 
-def follow_tokens(module: InnerAttention, unit: torch.Tensor, ids: torch.Tensor, real: torch.Tensor,
-                  decay: float) -> None:
-    """Steps 4-5 of the module docstring, shared with ``"cluster-select"``: publish the commitment loss (the mean
-    over real tokens and heads of ||u - mu_id||^2) and, in a training forward, keep the EMA update of
-    ``module.centroids`` (H, k, D) pending, summed over DDP ranks. unit (B, H, N, D) unit vectors, ids (B, H, N),
-    real (B, H, N) bool."""
-    B, H, N, D = unit.shape
-    mu = module.centroids.to(unit.dtype)
-    weight = real.to(unit.dtype)
-    gap = (unit - mu[torch.arange(H, device=unit.device)[None, :, None], ids]).pow(2).sum(-1)
-    publish_losses({"commitment": (gap * weight).sum() / weight.sum().clamp(min=1)})
-    if module.updates_state():
-        module.pending["centroids"] = ema_centroid_update(
-            module.centroids, unit.detach().transpose(0, 1).reshape(H, B * N, D),
-            ids.transpose(0, 1).reshape(H, B * N), decay=decay, valid=real.transpose(0, 1).reshape(H, B * N),
-            reduce=all_reduce_sum,
-        )
+def follow_tokens(module: InnerAttention, assignment: SphericalAssignment, real: torch.Tensor, decay: float
+                  ) -> torch.Tensor | None:
+    """Steps 4-5 of the module docstring, shared with ``"cluster-select"``, from the keys' assignment
+    (:func:`clusterformer.ops.spherical.spherical_assignment`): publish the commitment loss (the mean over real
+    tokens and heads of ||u - mu_id||^2) and, in a training forward, keep the EMA update of ``module.centroids``
+    (H, k, D) pending, its sums and counts summed over DDP ranks. real (B, H, N) bool. Returns those counts (H, k)
+    when the update is kept, else None."""
+    weight = real.to(assignment.gap.dtype)
+    publish_losses({"commitment": (assignment.gap * weight).sum() / weight.sum().clamp(min=1)})
+    if not module.updates_state():
+        return None
+    sums, counts = all_reduce_sum(assignment.sums), all_reduce_sum(assignment.counts)
+    module.pending["centroids"] = ema_from_sums(module.centroids, sums, counts, decay=decay)
+    return counts
 
 
 @register("routing", RoutingOptions, "Routing Transformer: EMA k-means on shared QK, sorted chunks; O(N k + N w)")
@@ -106,29 +106,30 @@ class RoutingAttention(InnerAttention):
         if self.updates_state():
             self.apply_pending_updates()
         B, H, N, _ = q.shape  # q is k (shared QK)
-        unit = F.normalize(q, dim=-1)
-        ids = self._route(unit)  # (B, H, N)
+        real = real_tokens(key_padding_mask, B, N, q.device)
+        assignment = spherical_assignment(q, self.centroids, real=real)
+        ids = assignment.ids  # (B, H, N)
         publish_groups(self, ids)
-        follow_tokens(self, unit, ids, real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N),
-                      self.options.decay)
+        follow_tokens(self, assignment, real[:, None, :].expand(B, H, N), self.options.decay)
         return bucketed_attention(
             q, v, ids.unsqueeze(2), min(self.options.chunk_for(causal), max(N, 1)),
             num_buckets=self.options.num_clusters, look_back=self.options.look_back, causal=causal,
             key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
         )
 
-    def _route(self, unit: torch.Tensor) -> torch.Tensor:
-        """Unit vectors (B, H, N, D) -> nearest centroid (B, H, N)."""
-        return torch.einsum("bhnd,hkd->bhnk", unit.detach(), self.centroids.to(unit.dtype)).argmax(-1)
+    def _route(self, qk: torch.Tensor) -> torch.Tensor:
+        """Shared queries/keys (B, H, N, D) -> nearest centroid (B, H, N), as the training forward finds it."""
+        with torch.no_grad():
+            return spherical_assignment(qk, self.centroids).ids
 
     # cached decoding: a ring per cluster and head (clusterformer.ops.bucketed.bucketed_cache)
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    key_padding_mask: torch.Tensor | None) -> GroupRingCache:
-        ids = self._route(F.normalize(q, dim=-1)).unsqueeze(2)
+        ids = self._route(q).unsqueeze(2)
         return bucketed_cache(q, v, ids, self.options.causal_chunk_size, num_buckets=self.options.num_clusters,
                               look_back=self.options.look_back, key_padding_mask=key_padding_mask)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache
              ) -> tuple[torch.Tensor, GroupRingCache]:
-        ids = self._route(F.normalize(q_t, dim=-1).unsqueeze(2))  # (B, H, 1): one round
+        ids = self._route(q_t.unsqueeze(2))  # (B, H, 1): one round
         return bucketed_step(q_t, v_t, ids, cache), cache

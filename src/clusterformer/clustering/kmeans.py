@@ -4,7 +4,8 @@
   centroids recomputed from its memory bank.
 * :func:`greedy_nearest_order` -- Cluster-Former's ``GetCentroids`` ordering: neighbouring ids are similar.
 * :func:`ema_centroid_update` -- one online k-means step with exponential moving averages (Routing
-  Transformer; learned k-means attention), batched over heads and rounds.
+  Transformer; learned k-means attention), batched over heads and rounds; :func:`ema_from_sums` the same step from
+  per-cluster sums already taken (:mod:`clusterformer.ops.spherical`'s fused assignment).
 * :func:`hamming_kmeans` -- K-means on binary hash codes with Hamming distance (clustered attention).
 * :func:`euclidean_kmeans` -- batched Lloyd K-means on real vectors with the same deterministic seeding
   (clustered attention with ``query_clustering="euclidean"``: the queries themselves instead of their hashes).
@@ -27,8 +28,8 @@ import torch.nn.functional as F
 from .._checks import check_int, check_tensor
 
 __all__ = [
-    "cluster_sums", "ema_centroid_update", "euclidean_kmeans", "greedy_nearest_order", "hamming_kmeans",
-    "kmeans_plus_plus", "spherical_kmeans",
+    "cluster_sums", "ema_centroid_update", "ema_from_sums", "euclidean_kmeans", "greedy_nearest_order",
+    "hamming_kmeans", "kmeans_plus_plus", "spherical_kmeans",
 ]
 
 
@@ -128,6 +129,14 @@ def ema_centroid_update(
     sums, counts = cluster_sums(x, assign, k, valid)
     if reduce is not None:
         sums, counts = reduce(sums), reduce(counts)
+    return ema_from_sums(centroids, sums, counts, decay=decay)
+
+
+def ema_from_sums(centroids: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, *, decay: float) -> torch.Tensor:
+    """:func:`ema_centroid_update` from the per-cluster sums (G, k, d) of the unit points and their counts (G, k),
+    already summed over whatever ranks take part: c <- normalise(decay c + (1 - decay) sums / counts); clusters
+    without points keep their centroid."""
+    sums, counts = sums.to(centroids.dtype), counts.to(centroids.dtype)
     means = sums / counts.clamp(min=1).unsqueeze(-1)
     updated = F.normalize(decay * centroids + (1.0 - decay) * means, dim=-1)
     return torch.where(counts.unsqueeze(-1) > 0, updated, centroids)

@@ -326,11 +326,10 @@ def top_members(q: torch.Tensor, k: torch.Tensor, runs: SlotRuns, *, per_group: 
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")
     if runs.first.shape[-1] % per_group:
         raise ValueError(f"runs hold {runs.first.shape[-1]} runs per query: not a multiple of per_group={per_group}")
-    with torch.no_grad():  # the keys in slot order: a run's candidates are consecutive rows
-        order = runs.order.contiguous()
-        sorted_k = k.detach().to(q.dtype).gather(2, order.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1]))
-        return _KERNEL.load().top_members(q.detach().contiguous(), sorted_k.contiguous(), order,
-                                          runs.first.contiguous(), runs.length.contiguous(), per_group, keep)
+    with torch.no_grad():
+        return _KERNEL.load().top_members(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
+                                          runs.order.contiguous(), runs.first.contiguous(), runs.length.contiguous(),
+                                          per_group, keep)
 
 
 def _range_sums(prefix: torch.Tensor, summaries: RangeSummaries) -> torch.Tensor:

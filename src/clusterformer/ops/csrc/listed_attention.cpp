@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <limits>
@@ -693,78 +694,112 @@ torch::Tensor bound_select(torch::Tensor q, torch::Tensor k, torch::Tensor ids, 
   return out;
 }
 
+// A float's bits as an unsigned integer of the same order (larger float, larger integer; -0 and +0 one key, as
+// they compare equal): the sign bit flipped for positives, every bit for negatives. NaNs land above or below every
+// number, deterministically.
+template <typename T> struct OrderedKey;
+template <> struct OrderedKey<float> { using type = uint32_t; };
+template <> struct OrderedKey<double> { using type = uint64_t; };
+
+template <typename T>
+inline typename OrderedKey<T>::type ordered_key(T value) {
+  using Key = typename OrderedKey<T>::type;
+  constexpr int top = int(8 * sizeof(Key)) - 1;
+  Key bits;
+  std::memcpy(&bits, &value, sizeof(Key));
+  bits = (bits << 1) == 0 ? Key(0) : bits;  // -0 -> +0 (a sum from +0 is +0, but -fno-signed-zeros may drop the +0)
+  const Key negative = Key(0) - (bits >> top);  // all ones for a negative number
+  return bits ^ (negative | (Key(1) << top));
+}
+
 // members="score": per query and selected group, its `keep` members of largest q . k among the slots of the
 // group's runs (slots first[r] .. first[r] + length[r] - 1, runs r = s * per_group .. (s + 1) * per_group - 1 of
-// group s; key order[slot]). The keys come in slot order (`sorted_k`, (B, H, Nk, D)), so that a run's candidates
-// are consecutive rows. Written in slot order (a group's runs hold its members by position), -1 after them where
-// the group has fewer; equal scores at the cut keep the later position. A group with at most `keep` candidates is
-// copied whole, without a score; a larger one is cut by nth_element. One pass per query, split over torch's threads
-// by (pair, query); no gradient.
+// group s; key order[slot]), read from k (B, H, Nk, D) at their positions (a run holds its members in position
+// order, so the reads move forward through the pair's keys). Written in slot order, -1 after them where the group
+// has fewer; equal scores at the cut keep the later position. A group with at most `keep` candidates is copied
+// whole, without a score; a larger one is cut at its keep-th largest score (found bit by bit, branch-free). One
+// pass per query, split over torch's threads by (pair, query); no gradient.
 template <typename T, int64_t FixedD>
-void top_members_kernel(const T* q, const T* sorted_k, const int64_t* order, const int64_t* first,
+void top_members_kernel(const T* q, const T* k, const int64_t* order, const int64_t* first,
                         const int64_t* length, int64_t* out, int64_t pairs, int64_t N, int64_t Nk, int64_t head_dim,
                         int64_t runs, int64_t per_group, int64_t keep) {
   const int64_t D = FixedD ? FixedD : head_dim;  // a compile-time head size unrolls the dot products
   const int64_t groups = runs / per_group;
   at::parallel_for(0, pairs * N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<T> scores;
-    std::vector<int64_t> slots, rank;
+    using Key = typename OrderedKey<T>::type;
+    std::vector<Key> keys;
+    std::vector<int64_t> members;  // the group's candidates' positions, in slot order
     for (int64_t row = begin; row < end; ++row) {
       const int64_t pair = row / N;
       const T* __restrict__ qi = q + row * D;
-      const T* kp = sorted_k + pair * Nk * D;
+      const T* kp = k + pair * Nk * D;
       const int64_t* positions = order + pair * Nk;
       int64_t* dst = out + row * groups * keep;
       for (int64_t s = 0; s < groups; ++s) {
-        slots.clear();
+        members.clear();
         for (int64_t r = s * per_group; r < (s + 1) * per_group; ++r) {
-          const int64_t slot = first[row * runs + r];
-          for (int64_t u = 0; u < length[row * runs + r]; ++u) slots.push_back(slot + u);
+          const int64_t* slot = positions + first[row * runs + r];
+          members.insert(members.end(), slot, slot + length[row * runs + r]);
         }
-        const int64_t count = static_cast<int64_t>(slots.size());
+        const int64_t count = static_cast<int64_t>(members.size());
         int64_t* group_out = dst + s * keep;
         if (count <= keep) {  // every candidate is kept: no score needed
-          for (int64_t m = 0; m < keep; ++m) group_out[m] = m < count ? positions[slots[m]] : int64_t(-1);
+          for (int64_t m = 0; m < keep; ++m) group_out[m] = m < count ? members[m] : int64_t(-1);
           continue;
         }
-        scores.resize(count);
-        rank.resize(count);
+        keys.resize(count);
+        Key* __restrict__ key = keys.data();
         for (int64_t c = 0; c < count; ++c) {
-          const T* __restrict__ kj = kp + slots[c] * D;
+          const T* __restrict__ kj = kp + members[c] * D;
           T dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
-          scores[c] = dot;
-          rank[c] = c;
+          key[c] = ordered_key(dot);
         }
-        // the best `keep` first (score descending, equal scores the later slot: the later position), then in slot order
-        std::nth_element(rank.begin(), rank.begin() + keep - 1, rank.end(), [&](int64_t a, int64_t b) {
-          return scores[a] > scores[b] || (scores[a] == scores[b] && a > b);
-        });
-        std::sort(rank.begin(), rank.begin() + keep);
-        for (int64_t m = 0; m < keep; ++m) group_out[m] = positions[slots[rank[m]]];
+        // the cut: the keep-th largest key, built bit by bit from the top (the largest t with at least `keep` keys
+        // >= t), each bit one branch-free counting pass -- a partition's compares mispredict at random; it stops
+        // early once exactly `keep` keys lie at or above the bits so far. Kept: the keys above the cut and, of
+        // those equal to it, the latest slots (the later positions); one pass writes them in slot order.
+        Key cut = 0;
+        for (int bit = int(8 * sizeof(Key)) - 1; bit >= 0; --bit) {
+          const Key candidate = cut | (Key(1) << bit);
+          int64_t at_least = 0;
+          for (int64_t c = 0; c < count; ++c) at_least += key[c] >= candidate;
+          if (at_least >= keep) cut = candidate;
+          if (at_least == keep) break;
+        }
+        int64_t above = 0, equal = 0;
+        for (int64_t c = 0; c < count; ++c) {
+          above += key[c] > cut;
+          equal += key[c] == cut;
+        }
+        const int64_t skip_equal = equal - (keep - above);  // the earliest equal keys that do not fit
+        int64_t m = 0, seen_equal = 0;
+        for (int64_t c = 0; c < count && m < keep; ++c) {
+          if (key[c] > cut || (key[c] == cut && seen_equal++ >= skip_equal)) group_out[m++] = members[c];
+        }
+        for (; m < keep; ++m) group_out[m] = -1;  // unreachable: at least `keep` keys are >= the cut
       }
     }
   });
 }
 
-torch::Tensor top_members(torch::Tensor q, torch::Tensor sorted_k, torch::Tensor order, torch::Tensor first,
+torch::Tensor top_members(torch::Tensor q, torch::Tensor k, torch::Tensor order, torch::Tensor first,
                           torch::Tensor length, int64_t per_group, int64_t keep) {
-  TORCH_CHECK(q.device().is_cpu() && sorted_k.device().is_cpu(), "top_members runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 4 && sorted_k.dim() == 4 && q.is_contiguous() && sorted_k.is_contiguous() &&
-              q.scalar_type() == sorted_k.scalar_type() && q.size(0) == sorted_k.size(0) &&
-              q.size(1) == sorted_k.size(1) && q.size(3) == sorted_k.size(3),
-              "q (B, H, N, D) and sorted_k (B, H, Nk, D): contiguous, one dtype");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "top_members runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.is_contiguous() && k.is_contiguous() &&
+              q.scalar_type() == k.scalar_type() && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
+              q.size(3) == k.size(3), "q (B, H, N, D) and k (B, H, Nk, D): contiguous, one dtype");
   TORCH_CHECK(order.is_contiguous() && first.is_contiguous() && length.is_contiguous() &&
               order.scalar_type() == torch::kLong && first.scalar_type() == torch::kLong &&
               length.scalar_type() == torch::kLong, "order, first, length: contiguous int64 tensors");
   TORCH_CHECK(per_group >= 1 && keep >= 1 && first.dim() == 4 && first.size(3) % per_group == 0 &&
               first.sizes() == length.sizes(), "runs: (B, H, N, groups * per_group)");
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = sorted_k.size(2);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2);
   const int64_t runs = first.size(3);
   torch::Tensor out = torch::empty({B, H, N, runs / per_group * keep}, order.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "top_members", [&] {
     auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), sorted_k.data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
+      kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
              first.data_ptr<int64_t>(), length.data_ptr<int64_t>(), out.data_ptr<int64_t>(), B * H, N, Nk, D, runs,
              per_group, keep);
     };
