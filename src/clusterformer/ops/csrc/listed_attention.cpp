@@ -271,7 +271,10 @@ void backward_pairs(const T* q, const T* k, const T* v, const int64_t* index, co
       T* dvp = dv + pair * Nk * D;
       for (int64_t i = 0; i < N; ++i) {
         const T log_total = lp[i];
-        if (log_total == minus_inf) continue;  // no key: no gradient
+        if (log_total == minus_inf) {  // no key: no gradient (dq is not zero-filled beforehand)
+          std::fill(dqp + i * D, dqp + (i + 1) * D, T(0));
+          continue;
+        }
         const T* oi = op + i * D;
         T delta = 0;  // dout . out
         for (int64_t d = 0; d < D; ++d) {
@@ -488,7 +491,7 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
   const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
   const Runs runs = runs_of(q, k, order, run_first, run_length, capacity);
-  auto dq = torch::zeros_like(q);
+  auto dq = torch::empty_like(q);  // every row written by the kernel
   auto dk = torch::zeros_like(k);
   auto dv = torch::zeros_like(v);
   auto dprefix_k = torch::zeros_like(prefix_k);
@@ -728,7 +731,7 @@ void top_members_kernel(const T* q, const T* k, const int64_t* order, const int6
   at::parallel_for(0, pairs * N, 16, [&](int64_t begin, int64_t end) {
     using Key = typename OrderedKey<T>::type;
     std::vector<Key> keys;
-    std::vector<int64_t> members;  // the group's candidates' positions, in slot order
+    std::vector<int64_t> members, kept;  // the group's candidates' positions in slot order; the kept ones
     for (int64_t row = begin; row < end; ++row) {
       const int64_t pair = row / N;
       const T* __restrict__ qi = q + row * D;
@@ -773,11 +776,17 @@ void top_members_kernel(const T* q, const T* k, const int64_t* order, const int6
           equal += key[c] == cut;
         }
         const int64_t skip_equal = equal - (keep - above);  // the earliest equal keys that do not fit
+        // branch-free: every candidate is written at the next place, which advances only for a kept one
+        kept.resize(count + 1);
         int64_t m = 0, seen_equal = 0;
-        for (int64_t c = 0; c < count && m < keep; ++c) {
-          if (key[c] > cut || (key[c] == cut && seen_equal++ >= skip_equal)) group_out[m++] = members[c];
+        for (int64_t c = 0; c < count; ++c) {
+          const bool tie = key[c] == cut;
+          const bool take = (key[c] > cut) | (tie & (seen_equal >= skip_equal));
+          seen_equal += tie;
+          kept[m] = members[c];
+          m += take;
         }
-        for (; m < keep; ++m) group_out[m] = -1;  // unreachable: at least `keep` keys are >= the cut
+        std::copy(kept.begin(), kept.begin() + keep, group_out);  // m == keep: `keep` keys lie at or above the cut
       }
     }
   });
