@@ -31,11 +31,11 @@ def main() -> None:
     def step(index: int, repeat: int) -> float:
         model, task, config, _ = loaded[index]
         model.train()
-        ids, pad, targets, _ = task.batch(repeat, task.steps_per_epoch(config.batch_size, 1), config.batch_size, 0, 1,
-                                          config.seed)
+        ids, pad, targets, extra = task.batch(repeat, task.steps_per_epoch(config.batch_size, 1), config.batch_size,
+                                              0, 1, config.seed)
         start = time.perf_counter()
         with collect_aux_losses() as aux:
-            logits = model(ids, pad)
+            logits = model(ids, pad) if extra is None else model(ids, pad, extra)  # as train's loop calls it
         loss = task.loss(logits, targets) + sum(aux.values(), torch.zeros(()))
         loss.backward()
         elapsed = time.perf_counter() - start

@@ -110,6 +110,32 @@ def test_loss_counts_selected_tokens_and_the_next_sentence_label():
     torch.testing.assert_close(task.loss((logits, nsp), batch.targets), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("nsp", [False, True])
+def test_the_head_on_the_selected_positions_gives_their_logits_and_the_same_loss(nsp):
+    """Training runs the token head on the batch's selected positions alone (its ``extra`` input): those rows'
+    logits equal the whole head's at the same positions (float64, to rounding), and so does the loss; [CLS], whose
+    target is the NSP label, is not among them."""
+    from clusterformer.models import EncoderConfig, MaskedLanguageModel
+
+    task = _task(nsp=nsp)
+    batch = task.batch(3, 10, 6, 0, 1, 0)
+    assert torch.equal(batch.extra, (batch.targets != IGNORE) & (torch.arange(batch.ids.shape[1]) > 0))
+    assert batch.extra.any()
+    torch.manual_seed(fixed_seed())
+    model = MaskedLanguageModel(EncoderConfig(vocab_size=50, dim=16, depth=2, heads=2, dropout=0.0), nsp=nsp).double()
+    whole, nsp_whole = model(batch.ids)
+    rows, nsp_rows = model(batch.ids, None, batch.extra)
+    assert rows.shape == (int(batch.extra.sum()), 50)
+    torch.testing.assert_close(rows, whole[batch.extra], rtol=0, atol=1e-12)
+    # the loss runs in float32 (logits.float()): the two orders of summation agree to its rounding
+    torch.testing.assert_close(task.loss((rows, nsp_rows), batch.targets), task.loss((whole, nsp_whole), batch.targets),
+                               rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="positions must be a bool tensor"):
+        model(batch.ids, None, batch.extra.long())
+    with pytest.raises(ValueError, match="rows of token logits"):
+        task.loss((rows[1:], nsp_rows), batch.targets)
+
+
 def test_options_are_validated():
     for bad, match in (({"corpus": ["imdb", "wiki"]}, "corpus"), ({"mask_prob": 0.0}, "mask_prob"),
                        ({"nsp": 1}, "nsp"), ({"eval_windows": 0}, "eval_windows"), ({"masks": 1}, "masks")):

@@ -14,14 +14,15 @@ __all__ = ["Batch", "Predict"]
 
 
 class Batch(NamedTuple):
-    """One rank's slice of a training step: token ids (B, L), key padding mask (B, L) or None, targets, and for
-    an encoder-decoder the decoder's teacher-forced input (the model is then called as ``model(ids, pad,
-    decoder_ids)``)."""
+    """One rank's slice of a training step: token ids (B, L), key padding mask (B, L) or None, targets, and the
+    model's third input where it takes one (the model is then called as ``model(ids, pad, extra)``): an
+    encoder-decoder's teacher-forced decoder input, or the masked language model's positions whose token logits
+    the loss reads (its head runs on those rows alone)."""
 
     ids: torch.Tensor
     pad: torch.Tensor | None
     targets: torch.Tensor
-    decoder_ids: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
 
 
 class Predict(Protocol):

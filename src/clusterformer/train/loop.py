@@ -179,9 +179,9 @@ class _WithAuxLosses(torch.nn.Module):
         self.model = model
         self.weights = weights
 
-    def forward(self, ids: torch.Tensor, pad: torch.Tensor | None, decoder_ids: torch.Tensor | None = None):
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor | None, extra: torch.Tensor | None = None):
         with collect_aux_losses() as aux:
-            logits = self.model(ids, pad) if decoder_ids is None else self.model(ids, pad, decoder_ids)
+            logits = self.model(ids, pad) if extra is None else self.model(ids, pad, extra)
         weighted = {k: v for k, v in aux.items() if self.weights.get(k, 0.0)}
         logged = {k: v.detach() for k, v in aux.items()}  # every aux loss, weighted or not, for the logs
         return logits, weighted, logged
@@ -471,16 +471,16 @@ def _step(run: _Run) -> dict:
     """One optimiser step on this rank's slice of the global batch; returns the step's log row."""
     config, device = run.config, run.device
     tick = time.perf_counter()
-    ids, pad, targets, decoder_ids = run.task.batch(run.step, run.per_epoch, config.batch_size, run.rank, run.world,
+    ids, pad, targets, extra = run.task.batch(run.step, run.per_epoch, config.batch_size, run.rank, run.world,
                                                     config.seed)
     ids, targets = ids.to(device), targets.to(device)
     pad = pad.to(device) if pad is not None else None
     dense = run.step < config.dense_warmup_steps and run.dense_ended is None
     if config.dense_warmup_steps:
         _set_dense_training(run.model, dense)
-    decoder_ids = decoder_ids.to(device) if decoder_ids is not None else None
+    extra = extra.to(device) if extra is not None else None
     with _autocast(config, device):
-        logits, weighted_aux, logged_aux = run.trained(ids, pad, decoder_ids)
+        logits, weighted_aux, logged_aux = run.trained(ids, pad, extra)
     task_loss = run.task.loss(logits, targets)
     loss = total_loss(task_loss, weighted_aux, _aux_weights(config), task_weight=config.task_weight)
     run.optimizer.zero_grad(set_to_none=True)

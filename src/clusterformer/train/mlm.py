@@ -22,6 +22,8 @@ so a resumed run continues exactly and every rank draws its own slice of the ste
 Masking (BERT): each token other than [CLS] / [SEP] is selected with probability ``mask_prob`` (0.15); a selected
 token becomes [MASK] with probability 0.8, a random token of the vocabulary with 0.1, and stays itself with 0.1.
 The loss is the cross-entropy at the selected positions (targets elsewhere are ignored), plus the NSP cross-entropy.
+In training the model's token head runs on the selected positions alone (a batch's ``extra`` input: about 15% of
+the rows, :class:`clusterformer.models.MaskedLanguageModel`'s ``positions``).
 Under DDP each rank averages over its own selected tokens, as BERT's implementations do: the gradient equals a single
 process's with the whole batch in expectation, not bit for bit (the ranks select different numbers of tokens).
 
@@ -155,10 +157,11 @@ class MaskedLMTask:
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         ids, labels = self._sequences(batch_size * world, g)
         inputs, targets = mask_tokens(ids, self.specials, self.options.mask_prob, g)
+        predicted = targets != IGNORE  # the model's head runs on these positions alone
         if labels is not None:
-            targets[:, 0] = labels
+            targets[:, 0] = labels  # [CLS] is never masked: its target is the next-sentence label
         part = slice(rank * batch_size, (rank + 1) * batch_size)
-        return Batch(inputs[part], None, targets[part])
+        return Batch(inputs[part], None, targets[part], predicted[part])
 
     def _sequences(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """n sequences (n, max_len) from random starts, and with NSP their labels (n,)."""
@@ -178,13 +181,22 @@ class MaskedLMTask:
         return torch.cat([cls, a, sep, b], 1), follows.long()
 
     def loss(self, output: tuple[torch.Tensor, torch.Tensor | None], targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy at the selected positions, plus the next-sentence cross-entropy with ``nsp``."""
+        """Cross-entropy at the selected positions, plus the next-sentence cross-entropy with ``nsp``. The token
+        logits are (B, L, vocab), or (M, vocab) at the selected positions alone in row-major order (the model
+        called with the batch's positions)."""
         logits, nsp_logits = output
         tokens = targets
         if nsp_logits is not None:
             tokens = targets.clone()
             tokens[:, 0] = IGNORE
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens.reshape(-1), ignore_index=IGNORE)
+        if logits.dim() == 2:  # the head ran on the selected positions alone
+            wanted = tokens[tokens != IGNORE]
+            if logits.shape[0] != wanted.shape[0]:
+                raise ValueError(f"{logits.shape[0]} rows of token logits for {wanted.shape[0]} selected positions")
+            loss = F.cross_entropy(logits.float(), wanted)
+        else:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens.reshape(-1),
+                                   ignore_index=IGNORE)
         if nsp_logits is not None:
             loss = loss + F.cross_entropy(nsp_logits.float(), targets[:, 0])
         return loss

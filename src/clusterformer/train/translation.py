@@ -1,7 +1,7 @@
 """The translation task (``--task multi30k``): De->En on Multi30k, BLEU by sacrebleu on the detokenised test set.
 
-A :class:`clusterformer.train.tasks.Task` like the others: the training loop sees batches whose ``decoder_ids``
-carry the teacher-forced target input (BOS + target), a label-smoothed loss, and an evaluation that translates
+A :class:`clusterformer.train.tasks.Task` like the others: the training loop sees batches whose ``extra``
+input carries the teacher-forced target input (BOS + target), a label-smoothed loss, and an evaluation that translates
 the test sources with the model (greedy and beam search, both with the decoder cache) and scores them with
 ``sacrebleu.corpus_bleu`` against the raw references; the metrics carry sacrebleu's signature.
 """
