@@ -6,7 +6,10 @@ repeat times the same weights -- one run after the other, a few times after a wa
 first run hold on a shared machine where absolute times do not (``compare``'s seconds per epoch come from runs
 that shared the cores with different neighbours).
 
-    OMP_NUM_THREADS=1 python docs/scripts/step_time_ab.py RUN_DIR [RUN_DIR ...] [--repeats 5]
+    OMP_NUM_THREADS=1 python docs/scripts/step_time_ab.py RUN_DIR[@key=value,...] [RUN_DIR ...] [--repeats 5]
+
+``RUN_DIR@key=value,...`` times the run's model with those attention options swapped in (as
+``docs/scripts/option_swap.py`` evaluates it), e.g. ``RUN@members=score``.
 """
 
 from __future__ import annotations
@@ -16,17 +19,29 @@ import time
 
 import torch
 
+from clusterformer._specs import parse_spec
 from clusterformer.attention import collect_aux_losses
+from clusterformer.train.config import TrainConfig
 from clusterformer.train.loop import load_trained
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run directories; the first is the reference")
+    parser.add_argument("runs", nargs="+", help="run directories (RUN@key=value,...: with options swapped in); the "
+                        "first is the reference")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    loaded = [load_trained(run) for run in args.runs]
+    def load(run: str):
+        path, _, options = run.partition("@")
+        swap = parse_spec("swap:" + options)[1] if options else {}
+
+        def swapped(config: TrainConfig) -> None:
+            config.attention_options = {**config.attention_options, **swap}
+
+        return load_trained(path, adjust=swapped)
+
+    loaded = [load(run) for run in args.runs]
 
     def step(index: int, repeat: int) -> float:
         model, task, config, _ = loaded[index]
