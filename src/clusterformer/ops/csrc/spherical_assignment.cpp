@@ -22,7 +22,9 @@
 
 namespace {
 
-// Compile-time head sizes for the common ones, so that the per-dimension loops unroll (0: read at run time).
+// Compile-time head sizes for the common ones, so that the per-dimension loops unroll (0: read at run time). The
+// same dispatch as listed_attention.cpp's, repeated: each extension builds from its one source file, and the build
+// cache tracks sources only (a shared header's edits would not rebuild them).
 template <typename F>
 void with_head_size(int64_t D, F&& run) {
   switch (D) {
