@@ -6,6 +6,7 @@ from .clustered import clustered_attention
 from .layouts import ChunkLayout, cluster_causal_layout, sorted_layout
 from .selected import selected_cluster_attention
 from .sliding import sliding_window_attention, window_count
+from .spherical import spherical_assignment
 from .windows import use_fused_kernel, windowed_attention, windowed_attention_lse
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "sliding_window_attention",
     "sorted_chunk_attention",
     "sorted_layout",
+    "spherical_assignment",
     "use_fused_kernel",
     "window_count",
     "windowed_attention",
