@@ -472,7 +472,7 @@ def _step(run: _Run) -> dict:
     config, device = run.config, run.device
     tick = time.perf_counter()
     ids, pad, targets, extra = run.task.batch(run.step, run.per_epoch, config.batch_size, run.rank, run.world,
-                                                    config.seed)
+                                              config.seed)
     ids, targets = ids.to(device), targets.to(device)
     pad = pad.to(device) if pad is not None else None
     dense = run.step < config.dense_warmup_steps and run.dense_ended is None
