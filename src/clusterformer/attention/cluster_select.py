@@ -390,19 +390,19 @@ class ClusterSelectAttention(InnerAttention):
         if self.updates_state():
             self.apply_pending_updates()
         o = self.options
-        B, H, N, _ = q.shape
+        B, _, N, _ = q.shape
         # the layer's q, k, v are views of its fused projection: made contiguous once here, not by each kernel
         # (the assignment, the selection, the members' scores and the attention each copied them: ~0.1 s of a
         # 4,096-token MQAR step)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        real = real_tokens(key_padding_mask, B, N, q.device)[:, None, :].expand(B, H, N)
+        real = real_tokens(key_padding_mask, B, N, q.device)  # (B, N)
         positions = torch.arange(N, device=q.device)
         if o.grouping != "kmeans":  # the ablations: groups fixed by the position
             ids = self._assign(k, positions)
             publish_losses({"commitment": q.new_zeros(())})
         else:
             assignment = spherical_assignment(k, self.centroids, bias=self.balance_bias if o.balance else None,
-                                              real=real[:, 0])
+                                              real=real)
             # the commitment loss and the EMA centroids, as routing's; the loads (summed over ranks) for balance
             loads = follow_tokens(self, assignment, real, o.decay)
             if o.balance and loads is not None:
@@ -414,7 +414,7 @@ class ClusterSelectAttention(InnerAttention):
             allowed = AttentionMask(key_padding_mask, causal).allowed(N, N, q.device)
             return masked_sdpa(q, k, v, allowed, dropout_p=self.dropout_p)
         G = o.attended_groups
-        key_ids = ids.masked_fill(~real, G)
+        key_ids = ids.masked_fill(~real[:, None, :], G)
         layout = cluster_layout(key_ids, num_clusters=G, window=o.window, causal=causal)
         # one choice for the selection and the attention
         kernel = resolve_kernel(o.kernel, N, q=q, dropout_p=self.dropout_p)

@@ -79,10 +79,11 @@ def follow_tokens(module: InnerAttention, assignment: SphericalAssignment, real:
     """Steps 4-5 of the module docstring, shared with ``"cluster-select"``, from the keys' assignment
     (:func:`clusterformer.ops.spherical.spherical_assignment`): publish the commitment loss (the mean over real
     tokens and heads of ||u - mu_id||^2) and, in a training forward, keep the EMA update of ``module.centroids``
-    (H, k, D) pending, its sums and counts summed over DDP ranks. real (B, H, N) bool. Returns those counts (H, k)
-    when the update is kept, else None."""
-    weight = real.to(assignment.gap.dtype)
-    publish_losses({"commitment": (assignment.gap * weight).sum() / weight.sum().clamp(min=1)})
+    (H, k, D) pending, its sums and counts summed over DDP ranks. real (B, N) bool, the tokens the assignment
+    counted. Returns those counts (H, k) when the update is kept, else None."""
+    weight = real[:, None, :].to(assignment.gap.dtype)  # (B, 1, N): every head's tokens
+    heads = assignment.gap.shape[1]
+    publish_losses({"commitment": (assignment.gap * weight).sum() / (weight.sum() * heads).clamp(min=1)})
     if not module.updates_state():
         return None
     sums, counts = all_reduce_sum(assignment.sums), all_reduce_sum(assignment.counts)
@@ -105,12 +106,12 @@ class RoutingAttention(InnerAttention):
                 key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         if self.updates_state():
             self.apply_pending_updates()
-        B, H, N, _ = q.shape  # q is k (shared QK)
+        B, _, N, _ = q.shape  # q is k (shared QK)
         real = real_tokens(key_padding_mask, B, N, q.device)
         assignment = spherical_assignment(q, self.centroids, real=real)
         ids = assignment.ids  # (B, H, N)
         publish_groups(self, ids)
-        follow_tokens(self, assignment, real[:, None, :].expand(B, H, N), self.options.decay)
+        follow_tokens(self, assignment, real, self.options.decay)
         return bucketed_attention(
             q, v, ids.unsqueeze(2), min(self.options.chunk_for(causal), max(N, 1)),
             num_buckets=self.options.num_clusters, look_back=self.options.look_back, causal=causal,
