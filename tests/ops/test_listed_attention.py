@@ -383,14 +383,15 @@ def _bound_loop(q, k, ids, G, window, causal, block):
 @needs_kernel
 @pytest.mark.parametrize(("window", "block"), [(2, 1), (3, 2), (4, 4), (6, 3), (2, 20)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_bound_groups_match_the_definition_and_choose_ties_by_the_lower_group(window, block, causal):
+@pytest.mark.parametrize("D", [4, 64])  # 64: a head size the kernel unrolls
+def test_bound_groups_match_the_definition_and_choose_ties_by_the_lower_group(window, block, causal, D):
     """The fused bounds against a loop over queries and groups (padding, id G, in no group; blocks that do not
     divide N; a block longer than N), and its choice against top_groups of the bounds: the same groups in the same
     order, ties (groups without members, at -inf) to the lower id."""
     from clusterformer.ops.selected import top_groups
 
     g = torch.Generator().manual_seed(fixed_seed())
-    B, H, N, D, G = 2, 2, 13, 4, 4
+    B, H, N, G = 2, 2, 13, 4
     q, k = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(2))
     ids = torch.randint(0, G + 1, (B, H, N), generator=g)  # G: padding, or the sink
     ids[0, 0] = torch.tensor([0, 1] * 6 + [4])[:N]  # groups 2 and 3 empty here: ties at -inf for every query
