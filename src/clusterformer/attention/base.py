@@ -33,6 +33,7 @@ from torch import nn
 
 from .._checks import check_bool, check_float, check_int, check_padding_mask, check_tensor
 from ..ops.decode import DecodeCache, check_right_padded
+from ..ops.heads import split_heads
 from ..ops.recompute import recipe_of, recompute_saved
 
 _REPLAYING: ContextVar[bool] = ContextVar("clusterformer_replaying", default=False)
@@ -493,14 +494,13 @@ class AttentionLayer(nn.Module):
     # QKVProjection: how the inner attention gets q, k, v from hidden states
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, N, dim) -> q, k, v (B, H, N, head_dim); with shared QK, q and k are the same tensor."""
-        B, N, _ = x.shape
+        # strided views of the fused projection, whose gradients come back in its layout (ops/heads.py): in one
+        # pass, or none when a fused kernel wrote them there; where unbind's backward stacked them and then
+        # transposed the stack (two passes; each indexing's backward, before it, filled a zero tensor of all three)
         if self.shared_qk:
-            qk, v = self.to_qkv(x).view(B, N, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            qk, v = split_heads(self.to_qkv(x), 2, self.heads)
             return qk, qk, v
-        # unbind, not qkv[0], qkv[1], qkv[2]: its backward stacks the three gradients once, where each indexing's
-        # backward fills a zero tensor of all three and the engine adds them (about 8% of full attention's
-        # training step at B 16, N 1,024, dim 128 on a CPU)
-        q, k, v = self.to_qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = split_heads(self.to_qkv(x), 3, self.heads)
         return q, k, v
 
     def project_rows(self, rows: torch.Tensor, which: str) -> torch.Tensor:

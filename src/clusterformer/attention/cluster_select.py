@@ -391,10 +391,9 @@ class ClusterSelectAttention(InnerAttention):
             self.apply_pending_updates()
         o = self.options
         B, _, N, _ = q.shape
-        # the layer's q, k, v are views of its fused projection: made contiguous once here, not by each kernel
-        # (the assignment, the selection, the members' scores and the attention each copied them: ~0.1 s of a
-        # 4,096-token MQAR step)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # the layer's q, k, v are strided views of its fused projection, which the fused kernels (the assignment,
+        # the selection, the members' scores, the attention) read in place and whose gradients they write back in
+        # its layout (ops/heads.py)
         real = real_tokens(key_padding_mask, B, N, q.device)  # (B, N)
         positions = torch.arange(N, device=q.device)
         if o.grouping != "kmeans":  # the ablations: groups fixed by the position

@@ -3,6 +3,7 @@
 from .bucketed import bucketed_attention, merge_rounds
 from .chunked import cluster_causal_attention, sorted_chunk_attention
 from .clustered import clustered_attention
+from .heads import split_heads
 from .layouts import ChunkLayout, cluster_causal_layout, sorted_layout
 from .selected import selected_cluster_attention
 from .sliding import sliding_window_attention, window_count
@@ -21,6 +22,7 @@ __all__ = [
     "sorted_chunk_attention",
     "sorted_layout",
     "spherical_assignment",
+    "split_heads",
     "use_fused_kernel",
     "window_count",
     "windowed_attention",

@@ -38,6 +38,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .extensions import CppExtension
+from .heads import empty_heads, gradient_buffers, unit_rows
 
 __all__ = ["RangeSummaries", "SlotRuns", "bound_groups", "extension_available", "extension_error",
            "listed_attention", "listed_attention_reference", "summary_logits", "top_members"]
@@ -101,8 +102,11 @@ class _ListedAttention(torch.autograd.Function):
                 prefix_v: torch.Tensor, index: torch.Tensor, runs: tuple[torch.Tensor, ...], capacity: int,
                 key_real: torch.Tensor, ranges: tuple[torch.Tensor, ...], window: int, offset: int, scale: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, N, D = q.shape
+        # read in place (views of the fused projection); out in the order the heads are joined in
+        q, k, v = unit_rows(q), unit_rows(k), unit_rows(v)
         out, lse = _KERNEL.load().forward(q, k, v, index, *runs, capacity, key_real, window, offset, prefix_k,
-                                          prefix_v, *ranges, scale)
+                                          prefix_v, *ranges, empty_heads(B, H, N, D, like=q), scale)
         ctx.save_for_backward(q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *runs, *ranges)
         ctx.window, ctx.offset, ctx.scale, ctx.capacity = window, offset, scale, capacity
         return out, lse
@@ -112,11 +116,14 @@ class _ListedAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         q, k, v, prefix_k, prefix_v, index, key_real, out, lse, *rest = ctx.saved_tensors
         runs, ranges = rest[:3], rest[3:]
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dout = torch.zeros_like(out) if dout is None else unit_rows(dout)
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-        dq, dk, dv, dprefix_k, dprefix_v = _KERNEL.load().backward(
+        # dq written whole by the kernel, dk and dv accumulated; in the projection's layout when q, k, v are its
+        # views (ops/heads.py: its split's backward then copies nothing)
+        dq, dk, dv = gradient_buffers(q, k, v, zero=(False, True, True))
+        dprefix_k, dprefix_v = _KERNEL.load().backward(
             q, k, v, index, *runs, ctx.capacity, key_real, ctx.window, ctx.offset, prefix_k, prefix_v, *ranges, out,
-            lse, dout, dlse, ctx.scale)
+            lse, dout, dlse, dq, dk, dv, ctx.scale)
         has = prefix_k.numel() > 0
         return (dq, dk, dv, dprefix_k if has else None, dprefix_v if has else None, None, None, None, None, None,
                 None, None, None)
@@ -198,7 +205,7 @@ def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
     if runs is not None:
         slot_runs = (runs.order.contiguous(), runs.first.contiguous(), runs.length.contiguous())
         capacity = runs.capacity
-    return _ListedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), prefix_k, prefix_v,
+    return _ListedAttention.apply(q, k, v, prefix_k, prefix_v,
                                   index.contiguous(), slot_runs, capacity, key_real, ranges, window,
                                   int(window_offset), scale)
 
@@ -303,7 +310,7 @@ def bound_groups(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
     if key_ids.numel() and (int(key_ids.min()) < 0 or int(key_ids.max()) > num_groups):
         raise ValueError(f"key_ids must lie in [0, num_groups={num_groups}]")
     with torch.no_grad():
-        return _KERNEL.load().bound_select(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
+        return _KERNEL.load().bound_select(unit_rows(q.detach()), unit_rows(k.detach().to(q.dtype)),
                                     key_ids.contiguous(), num_groups, select, window, block, causal)
 
 
@@ -327,7 +334,7 @@ def top_members(q: torch.Tensor, k: torch.Tensor, runs: SlotRuns, *, per_group: 
     if runs.first.shape[-1] % per_group:
         raise ValueError(f"runs hold {runs.first.shape[-1]} runs per query: not a multiple of per_group={per_group}")
     with torch.no_grad():
-        return _KERNEL.load().top_members(q.detach().contiguous(), k.detach().to(q.dtype).contiguous(),
+        return _KERNEL.load().top_members(unit_rows(q.detach()), unit_rows(k.detach().to(q.dtype)),
                                           runs.order.contiguous(), runs.first.contiguous(), runs.length.contiguous(),
                                           per_group, keep)
 

@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from ..clustering.kmeans import cluster_sums
 from .extensions import CppExtension
+from .heads import unit_rows
 
 __all__ = ["SphericalAssignment", "spherical_assignment", "spherical_assignment_reference",
            "spherical_extension_available"]
@@ -80,7 +81,7 @@ def spherical_assignment(k: torch.Tensor, centroids: torch.Tensor, *, bias: torc
     bias = None if bias is None else bias.detach().to(k.dtype).contiguous()
     if k.device.type == "cpu" and k.dtype in (torch.float32, torch.float64) and _KERNEL.available():
         empty = k.new_empty(0)
-        ids, gap, sums, counts = _Assign.apply(k.contiguous(), mu, empty if bias is None else bias,
+        ids, gap, sums, counts = _Assign.apply(unit_rows(k), mu, empty if bias is None else bias,
                                                k.new_empty(0, dtype=torch.bool) if real is None else real.contiguous())
         return SphericalAssignment(ids, gap, sums.sum(0), counts.sum(0))
     return spherical_assignment_reference(k, mu, bias=bias, real=real)

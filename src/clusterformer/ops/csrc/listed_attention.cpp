@@ -1,6 +1,7 @@
 // Softmax attention of each query over its own list of keys, forward and backward in one pass each (CPU).
 //
-// q (B, H, N, D); k, v (B, H, Nk, D); index (B, H, N, M) int64, the key positions query (b, h, i) reads, -1 for
+// q (B, H, N, D); k, v (B, H, Nk, D) -- these, the output and the gradients with unit stride along D and any other
+// strides (views of a fused projection read and written in place: Rows); index (B, H, N, M) int64, the key positions query (b, h, i) reads, -1 for
 // none; besides them, query i reads the `window` keys at positions i - offset .. i - offset + window - 1 that lie in
 // [0, Nk) and are real (key_real (B, Nk) bool; an empty tensor: every key is real), so that a contiguous window
 // needs no index. out[b, h, i] = sum_m p_m v[key_m] with p = softmax_m(q . k[key_m] * scale) over those keys;
@@ -37,6 +38,29 @@
 #include <vector>
 
 namespace {
+
+// A (B, H, L, D) tensor's rows with unit stride along D and any other strides (q, k, v as views of the layer's fused
+// projection; an output or gradient in the (B, L, H, D) order the heads are joined in): row i of (b, h) pair `pair`
+// at at(pair) + i * row.
+template <typename T>
+struct Rows {
+  T* data = nullptr;
+  int64_t batch = 0, head = 0, row = 0, H = 1;
+  inline T* at(int64_t pair) const { return data + (pair / H) * batch + (pair % H) * head; }
+};
+
+template <typename T>
+Rows<T> rows_of(const torch::Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
+}
+
+template <typename T>
+Rows<const T> const_rows_of(const torch::Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
+}
+
+// Whether t is 4-D with unit stride along its last dim (any stride where it has one element).
+bool unit_rows(const torch::Tensor& t) { return t.dim() == 4 && (t.size(3) <= 1 || t.stride(3) == 1); }
 
 // The slot runs of one (b, h) pair (pointers already offset to it); count == 0: none.
 struct Runs {
@@ -129,8 +153,9 @@ inline T exp_nonpositive(T x) {
 }
 
 template <typename T, int64_t FixedD>
-void forward_pairs(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
-                    const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, T* out, T* lse, int64_t pairs, int64_t H,
+void forward_pairs(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v, const int64_t* index,
+                   const Runs& all_runs, const bool* key_real, const Summaries<T>& all, int64_t prefix_rows,
+                   const Rows<T>& out, T* lse, int64_t pairs, int64_t H,
                     int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale,
                    int64_t first, int64_t last) {
   const int64_t D = FixedD ? FixedD : head_dim;  // a compile-time head size unrolls the loops over channels
@@ -140,25 +165,25 @@ void forward_pairs(const T* q, const T* k, const T* v, const int64_t* index, con
   {
     std::vector<T> scores(window + listed + C);
     for (int64_t pair = first; pair < last; ++pair) {
-      const T* qp = q + pair * N * D;
-      const T* kp = k + pair * Nk * D;
-      const T* vp = v + pair * Nk * D;
+      const T* qp = q.at(pair);
+      const T* kp = k.at(pair);
+      const T* vp = v.at(pair);
       const int64_t* ip = index + pair * N * M;
       const Runs runs = all_runs.at(pair, N, Nk);
       const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
       const Summaries<T> sums = all.at(pair, prefix_rows, N, D);
-      T* op = out + pair * N * D;
+      T* op = out.at(pair);
       T* lp = lse + pair * N;
       for (int64_t i = 0; i < N; ++i) {
-        const T* __restrict__ qi = qp + i * D;
-        T* __restrict__ oi = op + i * D;
+        const T* __restrict__ qi = qp + i * q.row;
+        T* __restrict__ oi = op + i * out.row;
         T largest = minus_inf;
         for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
           if (j < 0) {
             scores[m] = minus_inf;
             return;
           }
-          const T* __restrict__ kj = kp + j * D;
+          const T* __restrict__ kj = kp + j * k.row;
           T dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
           scores[m] = dot * scale;
@@ -194,7 +219,7 @@ void forward_pairs(const T* q, const T* k, const T* v, const int64_t* index, con
           if (j < 0) return;
           const T p = scores[m];
           total += p;
-          const T* __restrict__ vj = vp + j * D;
+          const T* __restrict__ vj = vp + j * v.row;
           for (int64_t d = 0; d < D; ++d) oi[d] += p * vj[d];
         });
         for (int64_t c = 0; c < C; ++c) {
@@ -219,8 +244,9 @@ void forward_pairs(const T* q, const T* k, const T* v, const int64_t* index, con
 // forward_kernel: forward_pairs over every pair, split over torch's threads. The body is a function of its own, not
 // the parallel loop's lambda, so that its loops compile as they would inline whatever the loop does with it.
 template <typename T, int64_t FixedD>
-void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
-                    const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, T* out, T* lse, int64_t pairs, int64_t H,
+void forward_kernel(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v, const int64_t* index,
+                    const Runs& all_runs, const bool* key_real, const Summaries<T>& all, int64_t prefix_rows,
+                    const Rows<T>& out, T* lse, int64_t pairs, int64_t H,
                     int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
     forward_pairs<T, FixedD>(q, k, v, index, all_runs, key_real, all, prefix_rows, out, lse, pairs, H, N, Nk, M,
@@ -236,9 +262,11 @@ void forward_kernel(const T* q, const T* k, const T* v, const int64_t* index, co
 constexpr int64_t kTwoPassBackward = 32;
 
 template <typename T, int64_t FixedD>
-void backward_pairs(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
-                     const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, const T* out, const T* lse, const T* dout,
-                     const T* dlse, T* dq, T* dk, T* dv, T* dprefix_k, T* dprefix_v, int64_t pairs, int64_t H,
+void backward_pairs(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v, const int64_t* index,
+                    const Runs& all_runs, const bool* key_real, const Summaries<T>& all, int64_t prefix_rows,
+                    const Rows<const T>& out, const T* lse, const Rows<const T>& dout, const T* dlse,
+                    const Rows<T>& dq, const Rows<T>& dk, const Rows<T>& dv, T* dprefix_k, T* dprefix_v, int64_t pairs,
+                    int64_t H,
                      int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale,
                    int64_t first, int64_t last) {
   const int64_t D = FixedD ? FixedD : head_dim;
@@ -253,33 +281,36 @@ void backward_pairs(const T* q, const T* k, const T* v, const int64_t* index, co
     T* __restrict__ gi = g_buffer.data();
     T* __restrict__ dqi = dq_buffer.data();
     for (int64_t pair = first; pair < last; ++pair) {
-      const T* qp = q + pair * N * D;
-      const T* kp = k + pair * Nk * D;
-      const T* vp = v + pair * Nk * D;
+      const T* qp = q.at(pair);
+      const T* kp = k.at(pair);
+      const T* vp = v.at(pair);
       const int64_t* ip = index + pair * N * M;
       const Runs runs = all_runs.at(pair, N, Nk);
       const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
       const Summaries<T> sums = all.at(pair, prefix_rows, N, D);
       T* dpk = C ? dprefix_k + pair * prefix_rows * D : nullptr;
       T* dpv = C ? dprefix_v + pair * prefix_rows * D : nullptr;
-      const T* op = out + pair * N * D;
+      const T* op = out.at(pair);
       const T* lp = lse + pair * N;
-      const T* gp = dout + pair * N * D;
+      const T* gp = dout.at(pair);
       const T* glp = dlse + pair * N;
-      T* dqp = dq + pair * N * D;
-      T* dkp = dk + pair * Nk * D;
-      T* dvp = dv + pair * Nk * D;
+      T* dqp = dq.at(pair);
+      T* dkp = dk.at(pair);
+      T* dvp = dv.at(pair);
       for (int64_t i = 0; i < N; ++i) {
         const T log_total = lp[i];
+        T* dq_row = dqp + i * dq.row;
         if (log_total == minus_inf) {  // no key: no gradient (dq is not zero-filled beforehand)
-          std::fill(dqp + i * D, dqp + (i + 1) * D, T(0));
+          std::fill(dq_row, dq_row + D, T(0));
           continue;
         }
-        const T* oi = op + i * D;
+        const T* oi = op + i * out.row;
+        const T* q_row = qp + i * q.row;
+        const T* g_row = gp + i * dout.row;
         T delta = 0;  // dout . out
         for (int64_t d = 0; d < D; ++d) {
-          qi[d] = qp[i * D + d] * scale;
-          gi[d] = gp[i * D + d];
+          qi[d] = q_row[d] * scale;
+          gi[d] = g_row[d];
           dqi[d] = 0;
           delta += gi[d] * oi[d];
         }
@@ -289,8 +320,8 @@ void backward_pairs(const T* q, const T* k, const T* v, const int64_t* index, co
         if (D <= kTwoPassBackward) {  // small heads: the weights' exp in one vectorised pass over a buffer
           for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
             if (j < 0) return;
-            const T* __restrict__ kj = kp + j * D;
-            const T* __restrict__ vj = vp + j * D;
+            const T* __restrict__ kj = kp + j * k.row;
+            const T* __restrict__ vj = vp + j * v.row;
             T score = 0, dp = 0;
             for (int64_t d = 0; d < D; ++d) {
               score += qi[d] * kj[d];
@@ -303,15 +334,15 @@ void backward_pairs(const T* q, const T* k, const T* v, const int64_t* index, co
         }
         for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
           if (j < 0) return;
-          const T* __restrict__ kj = kp + j * D;
-          T* __restrict__ dkj = dkp + j * D;
-          T* __restrict__ dvj = dvp + j * D;
+          const T* __restrict__ kj = kp + j * k.row;
+          T* __restrict__ dkj = dkp + j * dk.row;
+          T* __restrict__ dvj = dvp + j * dv.row;
           T p, dp;
           if (D <= kTwoPassBackward) {
             p = wp[m];
             dp = dotp[m];
           } else {  // large heads: one pass over the keys, which the second would read again
-            const T* __restrict__ vj = vp + j * D;
+            const T* __restrict__ vj = vp + j * v.row;
             T score = 0;
             dp = 0;
             for (int64_t d = 0; d < D; ++d) {
@@ -352,7 +383,7 @@ void backward_pairs(const T* q, const T* k, const T* v, const int64_t* index, co
             for (int64_t d = 0; d < D; ++d) gv[d] += sv * gi[d];
           }
         }
-        for (int64_t d = 0; d < D; ++d) dqp[i * D + d] = dqi[d] * scale;
+        for (int64_t d = 0; d < D; ++d) dq_row[d] = dqi[d] * scale;
       }
     }
   }
@@ -361,9 +392,11 @@ void backward_pairs(const T* q, const T* k, const T* v, const int64_t* index, co
 // backward_kernel: backward_pairs over every pair, split over torch's threads. The body is a function of its own, not
 // the parallel loop's lambda, so that its loops compile as they would inline whatever the loop does with it.
 template <typename T, int64_t FixedD>
-void backward_kernel(const T* q, const T* k, const T* v, const int64_t* index, const Runs& all_runs,
-                     const bool* key_real, const Summaries<T>& all, int64_t prefix_rows, const T* out, const T* lse, const T* dout,
-                     const T* dlse, T* dq, T* dk, T* dv, T* dprefix_k, T* dprefix_v, int64_t pairs, int64_t H,
+void backward_kernel(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v, const int64_t* index,
+                     const Runs& all_runs, const bool* key_real, const Summaries<T>& all, int64_t prefix_rows,
+                     const Rows<const T>& out, const T* lse, const Rows<const T>& dout, const T* dlse,
+                     const Rows<T>& dq, const Rows<T>& dk, const Rows<T>& dv, T* dprefix_k, T* dprefix_v,
+                     int64_t pairs, int64_t H,
                      int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
     backward_pairs<T, FixedD>(q, k, v, index, all_runs, key_real, all, prefix_rows, out, lse, dout, dlse, dq, dk, dv,
@@ -376,8 +409,8 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && index.device().is_cpu(),
               "listed attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && index.dim() == 4, "expected 4-D q, k, v and index");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && index.is_contiguous(),
-              "expected contiguous tensors");
+  TORCH_CHECK(unit_rows(q) && unit_rows(k) && unit_rows(v) && index.is_contiguous(),
+              "expected q, k, v with unit stride along D and a contiguous index");
   TORCH_CHECK(index.scalar_type() == torch::kLong, "index must be int64");
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "q (B, H, N, D), k and v (B, H, Nk, D)");
@@ -459,19 +492,20 @@ std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torc
                                           int64_t capacity, torch::Tensor key_real, int64_t window, int64_t offset,
                                           torch::Tensor prefix_k, torch::Tensor prefix_v, torch::Tensor start,
                                           torch::Tensor total, torch::Tensor lower, torch::Tensor upper,
-                                          double scale) {
+                                          torch::Tensor out, double scale) {
   check_inputs(q, k, v, index, key_real);
+  TORCH_CHECK(unit_rows(out) && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out: q's shape and dtype, unit stride along D");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
   const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
   const Runs runs = runs_of(q, k, order, run_first, run_length, capacity);
-  auto out = torch::empty_like(q);
   auto lse = torch::empty({B, H, N}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "listed_forward", [&] {
     const auto sums = summaries_of<scalar_t>(q, prefix_k, prefix_v, start, total, lower, upper);
     auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), index.data_ptr<int64_t>(),
-             runs, real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), B * H, H, N,
-             Nk, M, D, window, offset, static_cast<scalar_t>(scale));
+      kernel(const_rows_of<scalar_t>(q), const_rows_of<scalar_t>(k), const_rows_of<scalar_t>(v),
+             index.data_ptr<int64_t>(), runs, real_or_null(key_real), sums, rows, rows_of<scalar_t>(out),
+             lse.data_ptr<scalar_t>(), B * H, H, N, Nk, M, D, window, offset, static_cast<scalar_t>(scale));
     };
     with_head_size(D, [&](auto fixed) { run(forward_kernel<scalar_t, decltype(fixed)::value>); });
   });
@@ -484,16 +518,19 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
                                            torch::Tensor prefix_k, torch::Tensor prefix_v, torch::Tensor start,
                                            torch::Tensor total, torch::Tensor lower, torch::Tensor upper,
                                            torch::Tensor out, torch::Tensor lse, torch::Tensor dout,
-                                           torch::Tensor dlse, double scale) {
+                                           torch::Tensor dlse, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv,
+                                           double scale) {
   check_inputs(q, k, v, index, key_real);
-  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && dout.is_contiguous() && dlse.is_contiguous(),
-              "expected contiguous tensors");
+  TORCH_CHECK(unit_rows(out) && unit_rows(dout) && out.sizes() == q.sizes() && dout.sizes() == q.sizes() &&
+              lse.is_contiguous() && dlse.is_contiguous(), "out, dout: q's shape, unit stride along D; lse, dlse "
+              "contiguous");
+  // the caller's gradients (in the layout it wants them): dq's every row is written here, dk and dv accumulate
+  // into zeros
+  TORCH_CHECK(unit_rows(dq) && unit_rows(dk) && unit_rows(dv) && dq.sizes() == q.sizes() && dk.sizes() == k.sizes()
+              && dv.sizes() == v.sizes(), "dq, dk, dv: q's, k's, v's shapes, unit stride along D");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
   const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
   const Runs runs = runs_of(q, k, order, run_first, run_length, capacity);
-  auto dq = torch::empty_like(q);  // every row written by the kernel
-  auto dk = torch::zeros_like(k);
-  auto dv = torch::zeros_like(v);
   auto dprefix_k = torch::zeros_like(prefix_k);
   auto dprefix_v = torch::zeros_like(prefix_v);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "listed_backward", [&] {
@@ -501,15 +538,15 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
     scalar_t* dpk = rows ? dprefix_k.data_ptr<scalar_t>() : nullptr;
     scalar_t* dpv = rows ? dprefix_v.data_ptr<scalar_t>() : nullptr;
     auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), index.data_ptr<int64_t>(),
-             runs, real_or_null(key_real), sums, rows, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-             dout.data_ptr<scalar_t>(), dlse.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-             dv.data_ptr<scalar_t>(), dpk, dpv, B * H, H, N, Nk, M, D, window, offset,
+      kernel(const_rows_of<scalar_t>(q), const_rows_of<scalar_t>(k), const_rows_of<scalar_t>(v),
+             index.data_ptr<int64_t>(), runs, real_or_null(key_real), sums, rows, const_rows_of<scalar_t>(out),
+             lse.data_ptr<scalar_t>(), const_rows_of<scalar_t>(dout), dlse.data_ptr<scalar_t>(), rows_of<scalar_t>(dq),
+             rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), dpk, dpv, B * H, H, N, Nk, M, D, window, offset,
              static_cast<scalar_t>(scale));
     };
     with_head_size(D, [&](auto fixed) { run(backward_kernel<scalar_t, decltype(fixed)::value>); });
   });
-  return {dq, dk, dv, dprefix_k, dprefix_v};
+  return {dprefix_k, dprefix_v};
 }
 
 // The summaries' logits alone, (B, H, N, C): q . (sum of keys) * scale / n + log n, -inf where n <= 0 (to rank
@@ -566,7 +603,7 @@ torch::Tensor summary_logits(torch::Tensor q, torch::Tensor prefix_k, torch::Ten
 inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 template <typename T, int64_t FixedD>
-void bound_pairs(const T* q, const T* k, const int64_t* ids, T* bounds_out, int64_t* chosen_out, int64_t pairs,
+void bound_pairs(const Rows<const T>& q, const Rows<const T>& k, const int64_t* ids, T* bounds_out, int64_t* chosen_out, int64_t pairs,
                   int64_t N, int64_t head_dim, int64_t G, int64_t S, int64_t window, int64_t block, bool causal,
                  int64_t first_pair, int64_t last_pair) {
   const int64_t D = FixedD ? FixedD : head_dim;
@@ -578,8 +615,8 @@ void bound_pairs(const T* q, const T* k, const int64_t* ids, T* bounds_out, int6
     std::vector<T> rows(causal ? G : N * G);  // non-causal: the bounds before the window, for the backward sweep
     std::vector<T> best_values(S > 0 ? S : 1);
     for (int64_t pair = first_pair; pair < last_pair; ++pair) {
-      const T* qp = q + pair * N * D;
-      const T* kp = k + pair * N * D;
+      const T* qp = q.at(pair);
+      const T* kp = k.at(pair);
       const int64_t* ip = ids + pair * N;
       auto reset = [&]() {
         std::fill(hi.begin(), hi.end(), -inf);
@@ -593,7 +630,7 @@ void bound_pairs(const T* q, const T* k, const int64_t* ids, T* bounds_out, int6
           if (g < 0 || g >= G) continue;
           T* __restrict__ h = hi.data() + g * D;
           T* __restrict__ l = lo.data() + g * D;
-          const T* __restrict__ kj = kp + j * D;
+          const T* __restrict__ kj = kp + j * k.row;
           for (int64_t d = 0; d < D; ++d) {
             h[d] = std::max(h[d], kj[d]);
             l[d] = std::min(l[d], kj[d]);
@@ -653,7 +690,7 @@ void bound_pairs(const T* q, const T* k, const int64_t* ids, T* bounds_out, int6
         const int64_t target = std::min(std::max(floor_div(t + before_shift, block), int64_t(0)), blocks);
         while (joined < target) merge_block(joined++);
         T* row = causal ? rows.data() : rows.data() + t * G;
-        score(qp + t * D, row);
+        score(qp + t * q.row, row);
         if (causal) emit(t, row);
       }
       if (causal) continue;
@@ -664,7 +701,7 @@ void bound_pairs(const T* q, const T* k, const int64_t* ids, T* bounds_out, int6
         const int64_t target = std::min(std::max(floor_div(t + after_end + block - 1, block), int64_t(0)), blocks);
         while (from > target) merge_block(--from);
         T* row = rows.data() + t * G;
-        score(qp + t * D, other.data());
+        score(qp + t * q.row, other.data());
         for (int64_t g = 0; g < G; ++g) row[g] = std::max(row[g], other[g]);
       }
       for (int64_t t = 0; t < N; ++t) emit(t, rows.data() + t * G);
@@ -675,7 +712,7 @@ void bound_pairs(const T* q, const T* k, const int64_t* ids, T* bounds_out, int6
 // bound_kernel: bound_pairs over every pair, split over torch's threads. The body is a function of its own, not
 // the parallel loop's lambda, so that its loops compile as they would inline whatever the loop does with it.
 template <typename T, int64_t FixedD>
-void bound_kernel(const T* q, const T* k, const int64_t* ids, T* bounds_out, int64_t* chosen_out, int64_t pairs,
+void bound_kernel(const Rows<const T>& q, const Rows<const T>& k, const int64_t* ids, T* bounds_out, int64_t* chosen_out, int64_t pairs,
                   int64_t N, int64_t head_dim, int64_t G, int64_t S, int64_t window, int64_t block, bool causal) {
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
     bound_pairs<T, FixedD>(q, k, ids, bounds_out, chosen_out, pairs, N, head_dim, G, S, window, block, causal, first,
@@ -687,8 +724,8 @@ void bound_kernel(const T* q, const T* k, const int64_t* ids, T* bounds_out, int
 torch::Tensor bound_select(torch::Tensor q, torch::Tensor k, torch::Tensor ids, int64_t groups, int64_t select,
                            int64_t window, int64_t block, bool causal) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && ids.device().is_cpu(), "bound_select runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 4 && q.sizes() == k.sizes() && q.is_contiguous() && k.is_contiguous() &&
-              q.scalar_type() == k.scalar_type(), "q and k: contiguous (B, H, N, D) tensors of one dtype");
+  TORCH_CHECK(unit_rows(q) && unit_rows(k) && q.sizes() == k.sizes() && q.scalar_type() == k.scalar_type(),
+              "q and k: (B, H, N, D) tensors of one dtype, unit stride along D");
   TORCH_CHECK(ids.dim() == 3 && ids.size(0) == q.size(0) && ids.size(1) == q.size(1) && ids.size(2) == q.size(2) &&
               ids.is_contiguous() && ids.scalar_type() == torch::kLong, "ids: a contiguous (B, H, N) int64 tensor");
   TORCH_CHECK(groups >= 1 && select >= 0 && select <= groups && block >= 1 && window >= 0, "bad sizes");
@@ -699,7 +736,7 @@ torch::Tensor bound_select(torch::Tensor q, torch::Tensor k, torch::Tensor ids, 
     scalar_t* bounds = select > 0 ? nullptr : out.data_ptr<scalar_t>();
     int64_t* chosen = select > 0 ? out.data_ptr<int64_t>() : nullptr;
     auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), bounds, chosen, B * H, N, D,
+      kernel(const_rows_of<scalar_t>(q), const_rows_of<scalar_t>(k), ids.data_ptr<int64_t>(), bounds, chosen, B * H, N, D,
              groups, select, window, block, causal);
     };
     with_head_size(D, [&](auto fixed) { run(bound_kernel<scalar_t, decltype(fixed)::value>); });
@@ -733,7 +770,7 @@ inline typename OrderedKey<T>::type ordered_key(T value) {
 // whole, without a score; a larger one is cut at its keep-th largest score (found bit by bit, branch-free). One
 // pass per query, split over torch's threads by (pair, query); no gradient.
 template <typename T, int64_t FixedD>
-void top_members_kernel(const T* q, const T* k, const int64_t* order, const int64_t* first,
+void top_members_kernel(const Rows<const T>& q, const Rows<const T>& k, const int64_t* order, const int64_t* first,
                         const int64_t* length, int64_t* out, int64_t pairs, int64_t N, int64_t Nk, int64_t head_dim,
                         int64_t runs, int64_t per_group, int64_t keep) {
   const int64_t D = FixedD ? FixedD : head_dim;  // a compile-time head size unrolls the dot products
@@ -744,8 +781,8 @@ void top_members_kernel(const T* q, const T* k, const int64_t* order, const int6
     std::vector<int64_t> members, kept;  // the group's candidates' positions in slot order; the kept ones
     for (int64_t row = begin; row < end; ++row) {
       const int64_t pair = row / N;
-      const T* __restrict__ qi = q + row * D;
-      const T* kp = k + pair * Nk * D;
+      const T* __restrict__ qi = q.at(pair) + (row - pair * N) * q.row;
+      const T* kp = k.at(pair);
       const int64_t* positions = order + pair * Nk;
       int64_t* dst = out + row * groups * keep;
       for (int64_t s = 0; s < groups; ++s) {
@@ -763,7 +800,7 @@ void top_members_kernel(const T* q, const T* k, const int64_t* order, const int6
         keys.resize(count);
         Key* __restrict__ key = keys.data();
         for (int64_t c = 0; c < count; ++c) {
-          const T* __restrict__ kj = kp + members[c] * D;
+          const T* __restrict__ kj = kp + members[c] * k.row;
           T dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
           key[c] = ordered_key(dot);
@@ -805,9 +842,9 @@ void top_members_kernel(const T* q, const T* k, const int64_t* order, const int6
 torch::Tensor top_members(torch::Tensor q, torch::Tensor k, torch::Tensor order, torch::Tensor first,
                           torch::Tensor length, int64_t per_group, int64_t keep) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "top_members runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.is_contiguous() && k.is_contiguous() &&
-              q.scalar_type() == k.scalar_type() && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
-              q.size(3) == k.size(3), "q (B, H, N, D) and k (B, H, Nk, D): contiguous, one dtype");
+  TORCH_CHECK(unit_rows(q) && unit_rows(k) && q.scalar_type() == k.scalar_type() && q.size(0) == k.size(0) &&
+              q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              "q (B, H, N, D) and k (B, H, Nk, D): unit stride along D, one dtype");
   TORCH_CHECK(order.is_contiguous() && first.is_contiguous() && length.is_contiguous() &&
               order.scalar_type() == torch::kLong && first.scalar_type() == torch::kLong &&
               length.scalar_type() == torch::kLong, "order, first, length: contiguous int64 tensors");
@@ -818,7 +855,7 @@ torch::Tensor top_members(torch::Tensor q, torch::Tensor k, torch::Tensor order,
   torch::Tensor out = torch::empty({B, H, N, runs / per_group * keep}, order.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "top_members", [&] {
     auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
+      kernel(const_rows_of<scalar_t>(q), const_rows_of<scalar_t>(k), order.data_ptr<int64_t>(),
              first.data_ptr<int64_t>(), length.data_ptr<int64_t>(), out.data_ptr<int64_t>(), B * H, N, Nk, D, runs,
              per_group, keep);
     };
@@ -830,7 +867,7 @@ torch::Tensor top_members(torch::Tensor q, torch::Tensor k, torch::Tensor order,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("summary_logits", &summary_logits, "the summaries' logits alone (no gradient)");
   m.def("forward", &listed_forward, "listed attention: (out, lse)");
-  m.def("backward", &listed_backward, "listed attention's backward: (dq, dk, dv, dprefix_k, dprefix_v)");
+  m.def("backward", &listed_backward, "listed attention's backward into the given dq, dk, dv: (dprefix_k, dprefix_v)");
   m.def("bound_select", &bound_select, "selection='bound': the best groups per query (select > 0) or the bounds");
   m.def("top_members", &top_members, "members='score': each selected group's best-scoring members per query");
 }

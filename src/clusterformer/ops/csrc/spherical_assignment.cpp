@@ -2,7 +2,7 @@
 // distance to it (the commitment loss, differentiable in the key) and the per-cluster sums of the unit keys (the EMA
 // update's statistics).
 //
-// k (B, H, N, D); mu (H, C, D) unit centroids; bias (H, C) or an empty tensor; real (B, N) bool or an empty tensor
+// k (B, H, N, D), unit stride along D (a view of a fused projection is read in place); mu (H, C, D) unit centroids; bias (H, C) or an empty tensor; real (B, N) bool or an empty tensor
 // (every token real). With u = k / max(|k|, 1e-12) (torch.nn.functional.normalize):
 //   id[b, h, n]  = argmax_c (u . mu[h, c] + bias[h, c])      the first of equal maxima, as torch.argmax
 //   gap[b, h, n] = |u - mu[h, id]|^2
@@ -36,8 +36,27 @@ void with_head_size(int64_t D, F&& run) {
   }
 }
 
+// A (B, H, N, D) tensor's rows with unit stride along D and any other strides: row n of (b, h) pair `pair` at
+// at(pair) + n * row. The same as listed_attention.cpp's, repeated for the reason above.
+template <typename T>
+struct Rows {
+  T* data = nullptr;
+  int64_t batch = 0, head = 0, row = 0, H = 1;
+  inline T* at(int64_t pair) const { return data + (pair / H) * batch + (pair % H) * head; }
+};
+
+template <typename T>
+Rows<const T> rows_of(const torch::Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
+}
+
+template <typename T>
+Rows<T> mutable_rows_of(const torch::Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
+}
+
 template <typename T, int64_t FixedD>
-void assign_kernel(const T* k, const T* mu, const T* mu_t, const T* bias, const bool* real, int64_t* ids, T* gap,
+void assign_kernel(const Rows<const T>& k, const T* mu, const T* mu_t, const T* bias, const bool* real, int64_t* ids, T* gap,
                    T* sums, T* counts, int64_t B, int64_t H, int64_t N, int64_t head_dim, int64_t C, T eps) {
   const int64_t D = FixedD ? FixedD : head_dim;
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
@@ -47,7 +66,7 @@ void assign_kernel(const T* k, const T* mu, const T* mu_t, const T* bias, const 
       const T* centroids = mu + h * C * D;
       const T* by_dim = mu_t + h * D * C;  // (D, C): the cosines accumulate over d, vectorised over the clusters
       for (int64_t n = 0; n < N; ++n) {
-        const T* __restrict__ x = k + (pair * N + n) * D;
+        const T* __restrict__ x = k.at(pair) + n * k.row;
         T square = 0;
         for (int64_t d = 0; d < D; ++d) square += x[d] * x[d];
         const T denominator = std::max(std::sqrt(square), eps);
@@ -81,16 +100,16 @@ void assign_kernel(const T* k, const T* mu, const T* mu_t, const T* bias, const 
 }
 
 template <typename T, int64_t FixedD>
-void gap_backward_kernel(const T* k, const T* mu, const int64_t* ids, const T* grad, T* dk, int64_t pairs, int64_t H,
+void gap_backward_kernel(const Rows<const T>& k, const T* mu, const int64_t* ids, const T* grad, const Rows<T>& dk, int64_t pairs, int64_t H,
                          int64_t N, int64_t head_dim, int64_t C, T eps) {
   const int64_t D = FixedD ? FixedD : head_dim;
   at::parallel_for(0, pairs * N, 64, [&](int64_t begin, int64_t end) {
     std::vector<T> unit(D);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t h = (row / N) % H;
-      const T* __restrict__ x = k + row * D;
+      const T* __restrict__ x = k.at(row / N) + (row % N) * k.row;
       const T* __restrict__ m = mu + (h * C + ids[row]) * D;
-      T* __restrict__ out = dk + row * D;
+      T* __restrict__ out = dk.at(row / N) + (row % N) * dk.row;
       T square = 0;
       for (int64_t d = 0; d < D; ++d) square += x[d] * x[d];
       const T norm = std::sqrt(square);
@@ -110,9 +129,9 @@ void gap_backward_kernel(const T* k, const T* mu, const int64_t* ids, const T* g
 
 void check_inputs(const torch::Tensor& k, const torch::Tensor& mu) {
   TORCH_CHECK(k.device().is_cpu() && mu.device().is_cpu(), "spherical assignment runs on CPU tensors");
-  TORCH_CHECK(k.dim() == 4 && mu.dim() == 3 && k.is_contiguous() && mu.is_contiguous() &&
+  TORCH_CHECK(k.dim() == 4 && mu.dim() == 3 && (k.size(3) <= 1 || k.stride(3) == 1) && mu.is_contiguous() &&
               k.scalar_type() == mu.scalar_type() && mu.size(0) == k.size(1) && mu.size(2) == k.size(3),
-              "k (B, H, N, D) and centroids (H, C, D): contiguous, one dtype");
+              "k (B, H, N, D) with unit stride along D and contiguous centroids (H, C, D), one dtype");
 }
 
 std::vector<torch::Tensor> assign(torch::Tensor k, torch::Tensor mu, torch::Tensor bias, torch::Tensor real,
@@ -131,7 +150,7 @@ std::vector<torch::Tensor> assign(torch::Tensor k, torch::Tensor mu, torch::Tens
   torch::Tensor mu_t = mu.transpose(1, 2).contiguous();
   AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "spherical_assign", [&] {
     auto run = [&](auto kernel) {
-      kernel(k.data_ptr<scalar_t>(), mu.data_ptr<scalar_t>(), mu_t.data_ptr<scalar_t>(),
+      kernel(rows_of<scalar_t>(k), mu.data_ptr<scalar_t>(), mu_t.data_ptr<scalar_t>(),
              bias.numel() ? bias.data_ptr<scalar_t>() : nullptr, real.numel() ? real.data_ptr<bool>() : nullptr,
              ids.data_ptr<int64_t>(), gap.data_ptr<scalar_t>(), sums.data_ptr<scalar_t>(),
              counts.data_ptr<scalar_t>(), B, H, N, D, C, static_cast<scalar_t>(eps));
@@ -148,11 +167,13 @@ torch::Tensor gap_backward(torch::Tensor k, torch::Tensor mu, torch::Tensor ids,
               ids.size(1) == H && ids.size(2) == N, "ids (B, H, N) int64");
   TORCH_CHECK(grad.is_contiguous() && grad.scalar_type() == k.scalar_type() && grad.sizes() == ids.sizes(),
               "grad (B, H, N)");
-  torch::Tensor dk = torch::empty_like(k);
+  // laid out as (B, N, H, D), the order of the projection's rows: the engine adds it to the attention's gradient of
+  // k, a view of the projection's gradient, faster than a (B, H, N, D) tensor
+  torch::Tensor dk = torch::empty({B, N, H, D}, k.options()).transpose(1, 2);
   AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "spherical_gap_backward", [&] {
     auto run = [&](auto kernel) {
-      kernel(k.data_ptr<scalar_t>(), mu.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), grad.data_ptr<scalar_t>(),
-             dk.data_ptr<scalar_t>(), B * H, H, N, D, C, static_cast<scalar_t>(eps));
+      kernel(rows_of<scalar_t>(k), mu.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), grad.data_ptr<scalar_t>(),
+             mutable_rows_of<scalar_t>(dk), B * H, H, N, D, C, static_cast<scalar_t>(eps));
     };
     with_head_size(D, [&](auto fixed) { run(gap_backward_kernel<scalar_t, decltype(fixed)::value>); });
   });
