@@ -407,6 +407,12 @@ def test_bound_groups_match_the_definition_and_choose_ties_by_the_lower_group(wi
         assert torch.equal(chosen, top_groups(expected, select))
     float32 = la.bound_groups(q.float(), k.float(), ids, num_groups=G, window=window, causal=causal, block=block)
     torch.testing.assert_close(float32, expected.float(), rtol=1e-5, atol=1e-5)
+    # the scale applied in the kernel: the bits of the bounds of the scaled query, the same groups
+    for select in (0, 2):
+        scaled = la.bound_groups(q, k, ids, num_groups=G, window=window, causal=causal, block=block, select=select,
+                                 scale=0.37)
+        assert torch.equal(scaled, la.bound_groups(q * 0.37, k, ids, num_groups=G, window=window, causal=causal,
+                                                   block=block, select=select))
 
 
 def test_top_groups_puts_equal_logits_in_order_of_their_ids():
@@ -431,6 +437,8 @@ def test_top_groups_puts_equal_logits_in_order_of_their_ids():
     ({"block": 0}, "block must be an int >= 1"),
     ({"select": 4}, "select must be at most num_groups=3"),
     ({"num_groups": True}, "num_groups must be an int"),
+    ({"scale": 0.0}, "scale must be a finite float > 0"),
+    ({"scale": float("nan")}, "scale must be a finite float > 0"),
 ])
 def test_bad_bound_input_raises_value_error_naming_it(change, match):
     args = {"q": torch.randn(1, 2, 5, 4), "k": torch.randn(1, 2, 5, 4),

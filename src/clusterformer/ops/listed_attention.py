@@ -32,6 +32,7 @@ tests and for tensors the kernel does not take (CUDA, half precision).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -284,15 +285,16 @@ def summary_logits(q: torch.Tensor, summaries: RangeSummaries, scale: float | No
 
 
 def bound_groups(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num_groups: int, window: int,
-                 causal: bool, block: int, select: int = 0) -> torch.Tensor:
-    """Cluster-select's ``selection="bound"`` in one C++ pass per (sequence, head): for q (B, H, N, D) as given (the
-    caller scales it), k (B, H, N, D) and ``key_ids`` (B, H, N) in [0, num_groups] (num_groups: in no group), the
-    upper bound sum_d max(q_d hi_d, q_d lo_d) of q . k over each group's members in the whole blocks of ``block``
-    positions outside the query's window (:func:`clusterformer.ops.selected.bound_logits`, which is its definition
-    in tensor operations), built from running extremes as the queries move, not from a state per block. With
-    ``select`` > 0, the ``select`` groups of largest bound per query, (B, H, N, select), best first, ties to the lower
-    group id (:func:`clusterformer.ops.selected.top_groups`' rule); with 0 the bounds (B, H, N, G), -inf where a
-    group has no such member. No gradient. Needs the fused kernel (:func:`extension_available`)."""
+                 causal: bool, block: int, select: int = 0, scale: float = 1.0) -> torch.Tensor:
+    """Cluster-select's ``selection="bound"`` in one C++ pass per (sequence, head): for q (B, H, N, D) times
+    ``scale`` (applied row by row in the kernel: the same bits as scaling q first, without its copy), k (B, H, N, D)
+    and ``key_ids`` (B, H, N) in [0, num_groups] (num_groups: in no group), the upper bound
+    sum_d max(q_d hi_d, q_d lo_d) of q . k over each group's members in the whole blocks of ``block`` positions
+    outside the query's window (:func:`clusterformer.ops.selected.bound_logits`, which is its definition in tensor
+    operations), built from running extremes as the queries move, not from a state per block. With ``select`` > 0,
+    the ``select`` groups of largest bound per query, (B, H, N, select), best first, ties to the lower group id
+    (:func:`clusterformer.ops.selected.top_groups`' rule); with 0 the bounds (B, H, N, G), -inf where a group has no
+    such member. No gradient. Needs the fused kernel (:func:`extension_available`)."""
     if not extension_available():
         raise ValueError(f"bound_groups needs the fused kernel: {extension_error()}")
     if q.dim() != 4 or k.shape != q.shape or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
@@ -305,13 +307,15 @@ def bound_groups(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
                                ("select", select, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}; got {value!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite float > 0; got {scale!r}")
     if select > num_groups:
         raise ValueError(f"select must be at most num_groups={num_groups}; got {select}")
     if key_ids.numel() and (int(key_ids.min()) < 0 or int(key_ids.max()) > num_groups):
         raise ValueError(f"key_ids must lie in [0, num_groups={num_groups}]")
     with torch.no_grad():
         return _KERNEL.load().bound_select(unit_rows(q.detach()), unit_rows(k.detach().to(q.dtype)),
-                                    key_ids.contiguous(), num_groups, select, window, block, causal)
+                                    key_ids.contiguous(), num_groups, select, window, block, causal, float(scale))
 
 
 def top_members(q: torch.Tensor, k: torch.Tensor, runs: SlotRuns, *, per_group: int, keep: int) -> torch.Tensor:

@@ -696,12 +696,13 @@ def bound_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, 
     :func:`top_groups`'s). No gradient (an argmax); groups without members there rank last. ``kernel="fused"``: the
     bounds and the choice in one C++ pass (:func:`clusterformer.ops.listed_attention.bound_groups`; the bounds alone
     with ``by_cluster``), the same groups up to the rounding of near ties."""
-    scaled = q.detach() * q.shape[-1] ** -0.5
-    if kernel == "fused":
-        extremes = {"num_groups": num_groups, "window": window, "causal": causal, "block": block}
+    scale = q.shape[-1] ** -0.5
+    if kernel == "fused":  # q scaled inside the kernel (no scaled copy)
+        extremes = {"num_groups": num_groups, "window": window, "causal": causal, "block": block, "scale": scale}
         if not by_cluster:
-            return bound_groups(scaled, k.detach(), key_ids, select=select, **extremes)
-        return top_groups(bound_groups(scaled, k.detach(), key_ids, **extremes), select, by_cluster)
+            return bound_groups(q.detach(), k.detach(), key_ids, select=select, **extremes)
+        return top_groups(bound_groups(q.detach(), k.detach(), key_ids, **extremes), select, by_cluster)
+    scaled = q.detach() * scale
     with torch.no_grad():
         logits = bound_logits(scaled, k.detach(), key_ids, num_groups=num_groups, window=window, causal=causal,
                               block=block)
