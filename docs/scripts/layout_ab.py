@@ -14,12 +14,12 @@ one process, after a warm-up; medians of the repeats, relative to the first mode
 from __future__ import annotations
 
 import argparse
-import time
+import importlib.util
 import types
+from pathlib import Path
 
 import torch
 
-from clusterformer.attention import collect_aux_losses
 from clusterformer.attention.base import AttentionLayer
 from clusterformer.train.loop import load_trained
 
@@ -43,6 +43,14 @@ def with_previous_layout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _step_time_ab() -> types.ModuleType:
+    """step_time_ab.py beside this script (its timed training step), loaded by path: docs/scripts is no package."""
+    spec = importlib.util.spec_from_file_location("step_time_ab", Path(__file__).with_name("step_time_ab.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="run directories; the first one's current layout is the reference")
@@ -55,27 +63,8 @@ def main() -> None:
             models.append((with_previous_layout(model) if layout == "previous" else model, task, config,
                            f"{run} ({layout})"))
 
-    def step(index: int, repeat: int) -> float:
-        model, task, config, _ = models[index]
-        model.train()
-        ids, pad, targets, extra = task.batch(repeat, task.steps_per_epoch(config.batch_size, 1), config.batch_size,
-                                              0, 1, config.seed)
-        start = time.perf_counter()
-        with collect_aux_losses() as aux:
-            logits = model(ids, pad) if extra is None else model(ids, pad, extra)
-        loss = task.loss(logits, targets) + sum(aux.values(), torch.zeros(()))
-        loss.backward()
-        elapsed = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return elapsed
-
-    for index in range(len(models)):
-        step(index, 0)  # warm-up
-    times: list[list[float]] = [[] for _ in models]
-    for repeat in range(1, args.repeats + 1):
-        for index in range(len(models)):
-            times[index].append(step(index, repeat))
-    medians = [sorted(t)[len(t) // 2] for t in times]
+    medians = _step_time_ab().interleaved_medians([(model, task, config) for model, task, config, _ in models],
+                                                  args.repeats)
     print(f"training step (forward with auxiliary losses, backward), median of {args.repeats}, "
           f"threads={torch.get_num_threads()}:")
     for (_, _, _, label), median in zip(models, medians, strict=True):

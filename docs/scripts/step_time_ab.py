@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
@@ -23,6 +24,32 @@ from clusterformer._specs import parse_spec
 from clusterformer.attention import collect_aux_losses
 from clusterformer.train.config import TrainConfig
 from clusterformer.train.loop import load_trained
+
+
+def timed_step(model: torch.nn.Module, task: Any, config: TrainConfig, repeat: int) -> float:
+    """Seconds of one training step of ``model`` on its task's batch ``repeat`` (no optimiser step)."""
+    model.train()
+    ids, pad, targets, extra = task.batch(repeat, task.steps_per_epoch(config.batch_size, 1), config.batch_size, 0, 1,
+                                          config.seed)
+    start = time.perf_counter()
+    with collect_aux_losses() as aux:
+        logits = model(ids, pad) if extra is None else model(ids, pad, extra)  # as train's loop calls it
+    loss = task.loss(logits, targets) + sum(aux.values(), torch.zeros(()))
+    loss.backward()
+    elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def interleaved_medians(models: list[tuple[torch.nn.Module, Any, TrainConfig]], repeats: int) -> list[float]:
+    """Each (model, task, config)'s median step time over ``repeats``, the models taking turns, after a warm-up."""
+    for model, task, config in models:
+        timed_step(model, task, config, 0)
+    times: list[list[float]] = [[] for _ in models]
+    for repeat in range(1, repeats + 1):
+        for index, (model, task, config) in enumerate(models):
+            times[index].append(timed_step(model, task, config, repeat))
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def main() -> None:
@@ -42,28 +69,7 @@ def main() -> None:
         return load_trained(path, adjust=swapped)
 
     loaded = [load(run) for run in args.runs]
-
-    def step(index: int, repeat: int) -> float:
-        model, task, config, _ = loaded[index]
-        model.train()
-        ids, pad, targets, extra = task.batch(repeat, task.steps_per_epoch(config.batch_size, 1), config.batch_size,
-                                              0, 1, config.seed)
-        start = time.perf_counter()
-        with collect_aux_losses() as aux:
-            logits = model(ids, pad) if extra is None else model(ids, pad, extra)  # as train's loop calls it
-        loss = task.loss(logits, targets) + sum(aux.values(), torch.zeros(()))
-        loss.backward()
-        elapsed = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return elapsed
-
-    for index in range(len(loaded)):
-        step(index, 0)
-    times: list[list[float]] = [[] for _ in loaded]
-    for repeat in range(1, args.repeats + 1):
-        for index in range(len(loaded)):
-            times[index].append(step(index, repeat))
-    medians = [sorted(t)[len(t) // 2] for t in times]
+    medians = interleaved_medians([(model, task, config) for model, task, config, _ in loaded], args.repeats)
     print(f"training step (forward with auxiliary losses, backward), median of {args.repeats}, "
           f"threads={torch.get_num_threads()}:")
     for run, (_, _, config, _), median in zip(args.runs, loaded, medians, strict=True):
