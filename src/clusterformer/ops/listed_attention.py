@@ -187,7 +187,9 @@ def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
     ``key_padding_mask`` (B, Nk), True = padding: the window skips those keys (the lists and runs are taken as
     given). ``summaries``: one more logit per group (:class:`RangeSummaries`). The fused kernel on float32/float64
     CPU tensors when it is built (:func:`extension_available`), else :func:`listed_attention_reference`; the same
-    values and gradients either way."""
+    values and gradients either way. The kernel reads q, k, v with any strides but a unit one along D (views of a
+    fused projection, :mod:`clusterformer.ops.heads`) and lays ``out`` out as (B, N, H, D), so that joining its heads
+    is a view; its gradients of such views come back in the projection's layout."""
     _check(q, k, v, index, window, key_padding_mask, summaries, runs)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     fused = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available())
