@@ -160,8 +160,8 @@ def test_the_kernels_read_and_write_projection_views_as_they_do_copies(D, with_r
 @needs_kernel
 @pytest.mark.parametrize("D", [3, 64])
 def test_the_selection_and_assignment_kernels_read_projection_views_as_copies(D):
-    """bound_groups, top_members and the spherical assignment (ids, distance, sums, the distance's gradient) on
-    views of one projection and on contiguous copies: the same bits."""
+    """bound_groups, summary_logits, top_members and the spherical assignment (ids, distance, sums, the distance's
+    gradient) on views of one projection and on contiguous copies: the same bits."""
     B, N, H, G = 2, 13, 2, 3
     projected = _projection(B, N, 3, H, D, seed_offset=5)
     g = torch.Generator().manual_seed(fixed_seed() + 6)
@@ -170,6 +170,12 @@ def test_the_selection_and_assignment_kernels_read_projection_views_as_copies(D)
     length = torch.randint(0, 6, (B, H, N, 4), generator=g)
     runs = la.SlotRuns(order, (torch.rand(B, H, N, 4, generator=g) * (N - length + 1)).long(), length, 5)
     mu = F.normalize(torch.randn(H, 4, D, generator=g, dtype=torch.float64), dim=-1)
+    prefix = F.pad(torch.randn(B, H, N, D, generator=g, dtype=torch.float64).cumsum(2), (0, 0, 1, 0))
+    total = torch.tensor([5, 4, 4]).expand(B, H, G)  # three groups of the N = 13 sorted rows
+    start = torch.cumsum(total, -1) - total
+    lower = torch.randint(0, 3, (B, H, N, G), generator=g)
+    summaries = la.RangeSummaries(prefix, prefix, start, total, lower, lower + torch.randint(0, 2, lower.shape,
+                                                                                             generator=g))
     weight = torch.randn(B, H, N, generator=g, dtype=torch.float64)
 
     def run(split):
@@ -177,9 +183,10 @@ def test_the_selection_and_assignment_kernels_read_projection_views_as_copies(D)
         bounds = la.bound_groups(q, k, ids, num_groups=G, window=2, causal=True, block=2)
         chosen = la.bound_groups(q, k, ids, num_groups=G, window=2, causal=False, block=3, select=2)
         members = la.top_members(q, k, runs, per_group=2, keep=2)
+        logits = la.summary_logits(q, summaries, 0.6)
         assignment = sp.spherical_assignment(k, mu)
         (grad,) = torch.autograd.grad((assignment.gap * weight).sum(), projected)
-        return bounds, chosen, members, assignment.ids, assignment.gap, assignment.sums, grad
+        return bounds, chosen, members, logits, assignment.ids, assignment.gap, assignment.sums, grad
 
     strided = run(lambda x: split_heads(x, 3, H))
     copied = run(lambda x: tuple(t.contiguous() for t in _by_permute(x, 3, H)))

@@ -281,7 +281,7 @@ def summary_logits(q: torch.Tensor, summaries: RangeSummaries, scale: float | No
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():
         if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available():
-            return _KERNEL.load().summary_logits(q.detach().contiguous(), summaries.prefix_k.detach().contiguous(),
+            return _KERNEL.load().summary_logits(unit_rows(q.detach()), summaries.prefix_k.detach().contiguous(),
                                           *(t.contiguous() for t in summaries[2:]), scale)
         return _summary_scores(q, summaries, scale)[0]
 

@@ -553,20 +553,20 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
 // groups; no gradient).
 torch::Tensor summary_logits(torch::Tensor q, torch::Tensor prefix_k, torch::Tensor start, torch::Tensor total,
                              torch::Tensor lower, torch::Tensor upper, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && q.is_contiguous(), "q: a contiguous (B, H, N, D) CPU tensor");
+  TORCH_CHECK(q.device().is_cpu() && unit_rows(q), "q: a (B, H, N, D) CPU tensor, unit stride along D");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3);
   const int64_t rows = prefix_k.size(2), C = start.size(2);
   auto logits = torch::empty({B, H, N, C}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "summary_logits", [&] {
     const auto all = summaries_of<scalar_t>(q, prefix_k, prefix_k, start, total, lower, upper);
     const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
-    const scalar_t* qd = q.data_ptr<scalar_t>();
+    const Rows<const scalar_t> qd = const_rows_of<scalar_t>(q);
     scalar_t* out = logits.data_ptr<scalar_t>();
     at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
       for (int64_t pair = first; pair < last; ++pair) {
         const Summaries<scalar_t> sums = all.at(pair, rows, N, D);
         for (int64_t i = 0; i < N; ++i) {
-          const scalar_t* qi = qd + (pair * N + i) * D;
+          const scalar_t* qi = qd.at(pair) + i * qd.row;
           scalar_t* oi = out + (pair * N + i) * C;
           for (int64_t c = 0; c < C; ++c) {
             int64_t r[4];
