@@ -38,16 +38,13 @@ class _SplitHeads(torch.autograd.Function):
         return tuple(packed[:, :, p].transpose(1, 2) for p in range(packed.shape[2]))
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> torch.Tensor:
+    def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:  # materialised: a part no loss read gets zeros
         buffer = _common_buffer(grads, ctx.shape)
         if buffer is None:
-            like = next(g for g in grads if g is not None)
-            buffer = like.new_empty(ctx.shape)
+            buffer = grads[0].new_empty(ctx.shape)
         for p, grad in enumerate(grads):
             slot = buffer[:, :, p].transpose(1, 2)
-            if grad is None:
-                slot.zero_()
-            elif not _is_view(grad, slot):
+            if not _is_view(grad, slot):
                 slot.copy_(grad)
         return buffer
 
@@ -58,16 +55,12 @@ def _is_view(tensor: torch.Tensor, of: torch.Tensor) -> bool:
             and tensor.dtype == of.dtype)
 
 
-def _common_buffer(grads: tuple[torch.Tensor | None, ...], shape: torch.Size) -> torch.Tensor | None:
-    """The gradient_buffers buffer (B, N, P, H, D) that the first gradient given is a slot of, or None."""
-    for p, grad in enumerate(grads):
-        if grad is None:
-            continue
-        base = grad._base
-        if base is None or not getattr(base, _OWNED, False) or base.shape != shape:
-            return None
-        return base if _is_view(grad, base[:, :, p].transpose(1, 2)) else None
-    return None
+def _common_buffer(grads: tuple[torch.Tensor, ...], shape: torch.Size) -> torch.Tensor | None:
+    """The gradient_buffers buffer (B, N, P, H, D) whose first slot the first gradient is, or None."""
+    base = grads[0]._base
+    if base is None or not getattr(base, _OWNED, False) or base.shape != shape:
+        return None
+    return base if _is_view(grads[0], base[:, :, 0].transpose(1, 2)) else None
 
 
 def split_heads(projected: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:
@@ -97,21 +90,16 @@ def gradient_buffers(*parts: torch.Tensor, zero: tuple[bool, ...]) -> tuple[torc
     which that split's backward returns as it is; otherwise each is laid out as (B, L, H, D)."""
     if len(zero) != len(parts):
         raise ValueError(f"zero must say for each of the {len(parts)} parts whether to zero it; got {zero!r}")
-    # zeroed in memory order, (B, L, ..., H, D) as allocated, not through the transposed views (~1.6x slower)
-    if _consecutive_slots(parts):
-        B, H, L, D = parts[0].shape
-        buffer = parts[0].new_empty(B, L, len(parts), H, D)
-        setattr(buffer, _OWNED, True)
-        for p, fill in enumerate(zero):
-            if fill:
-                buffer[:, :, p].zero_()
-        return tuple(buffer[:, :, p].transpose(1, 2) for p in range(len(parts)))
-    grads = []
-    for part, fill in zip(parts, zero, strict=True):
-        B, H, L, D = part.shape
-        grad = part.new_zeros(B, L, H, D) if fill else part.new_empty(B, L, H, D)
-        grads.append(grad.transpose(1, 2))
-    return tuple(grads)
+    if not _consecutive_slots(parts):
+        return tuple(empty_heads(*part.shape, like=part).zero_() if fill else empty_heads(*part.shape, like=part)
+                     for part, fill in zip(parts, zero, strict=True))
+    B, H, L, D = parts[0].shape
+    buffer = parts[0].new_empty(B, L, len(parts), H, D)
+    setattr(buffer, _OWNED, True)
+    for p, fill in enumerate(zero):
+        if fill:  # in memory order, not through the slot's transposed view (~1.6x slower)
+            buffer[:, :, p].zero_()
+    return tuple(buffer[:, :, p].transpose(1, 2) for p in range(len(parts)))
 
 
 def _consecutive_slots(parts: tuple[torch.Tensor, ...]) -> bool:

@@ -49,14 +49,10 @@ struct Rows {
   inline T* at(int64_t pair) const { return data + (pair / H) * batch + (pair % H) * head; }
 };
 
+// rows_of<const T> to read, rows_of<T> to write
 template <typename T>
 Rows<T> rows_of(const torch::Tensor& t) {
-  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
-}
-
-template <typename T>
-Rows<const T> const_rows_of(const torch::Tensor& t) {
-  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
+  return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
 }
 
 // Whether t is 4-D with unit stride along its last dim (any stride where it has one element).
@@ -503,7 +499,7 @@ std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torc
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "listed_forward", [&] {
     const auto sums = summaries_of<scalar_t>(q, prefix_k, prefix_v, start, total, lower, upper);
     auto run = [&](auto kernel) {
-      kernel(const_rows_of<scalar_t>(q), const_rows_of<scalar_t>(k), const_rows_of<scalar_t>(v),
+      kernel(rows_of<const scalar_t>(q), rows_of<const scalar_t>(k), rows_of<const scalar_t>(v),
              index.data_ptr<int64_t>(), runs, real_or_null(key_real), sums, rows, rows_of<scalar_t>(out),
              lse.data_ptr<scalar_t>(), B * H, H, N, Nk, M, D, window, offset, static_cast<scalar_t>(scale));
     };
@@ -538,9 +534,9 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
     scalar_t* dpk = rows ? dprefix_k.data_ptr<scalar_t>() : nullptr;
     scalar_t* dpv = rows ? dprefix_v.data_ptr<scalar_t>() : nullptr;
     auto run = [&](auto kernel) {
-      kernel(const_rows_of<scalar_t>(q), const_rows_of<scalar_t>(k), const_rows_of<scalar_t>(v),
-             index.data_ptr<int64_t>(), runs, real_or_null(key_real), sums, rows, const_rows_of<scalar_t>(out),
-             lse.data_ptr<scalar_t>(), const_rows_of<scalar_t>(dout), dlse.data_ptr<scalar_t>(), rows_of<scalar_t>(dq),
+      kernel(rows_of<const scalar_t>(q), rows_of<const scalar_t>(k), rows_of<const scalar_t>(v),
+             index.data_ptr<int64_t>(), runs, real_or_null(key_real), sums, rows, rows_of<const scalar_t>(out),
+             lse.data_ptr<scalar_t>(), rows_of<const scalar_t>(dout), dlse.data_ptr<scalar_t>(), rows_of<scalar_t>(dq),
              rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), dpk, dpv, B * H, H, N, Nk, M, D, window, offset,
              static_cast<scalar_t>(scale));
     };
@@ -560,7 +556,7 @@ torch::Tensor summary_logits(torch::Tensor q, torch::Tensor prefix_k, torch::Ten
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "summary_logits", [&] {
     const auto all = summaries_of<scalar_t>(q, prefix_k, prefix_k, start, total, lower, upper);
     const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
-    const Rows<const scalar_t> qd = const_rows_of<scalar_t>(q);
+    const Rows<const scalar_t> qd = rows_of<const scalar_t>(q);
     scalar_t* out = logits.data_ptr<scalar_t>();
     at::parallel_for(0, B * H, 1, [&](int64_t first, int64_t last) {
       for (int64_t pair = first; pair < last; ++pair) {
@@ -739,7 +735,7 @@ torch::Tensor bound_select(torch::Tensor q, torch::Tensor k, torch::Tensor ids, 
     scalar_t* bounds = select > 0 ? nullptr : out.data_ptr<scalar_t>();
     int64_t* chosen = select > 0 ? out.data_ptr<int64_t>() : nullptr;
     auto run = [&](auto kernel) {
-      kernel(const_rows_of<scalar_t>(q), const_rows_of<scalar_t>(k), ids.data_ptr<int64_t>(), bounds, chosen, B * H, N, D,
+      kernel(rows_of<const scalar_t>(q), rows_of<const scalar_t>(k), ids.data_ptr<int64_t>(), bounds, chosen, B * H, N, D,
              groups, select, window, block, causal, static_cast<scalar_t>(scale));
     };
     with_head_size(D, [&](auto fixed) { run(bound_kernel<scalar_t, decltype(fixed)::value>); });
@@ -858,7 +854,7 @@ torch::Tensor top_members(torch::Tensor q, torch::Tensor k, torch::Tensor order,
   torch::Tensor out = torch::empty({B, H, N, runs / per_group * keep}, order.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "top_members", [&] {
     auto run = [&](auto kernel) {
-      kernel(const_rows_of<scalar_t>(q), const_rows_of<scalar_t>(k), order.data_ptr<int64_t>(),
+      kernel(rows_of<const scalar_t>(q), rows_of<const scalar_t>(k), order.data_ptr<int64_t>(),
              first.data_ptr<int64_t>(), length.data_ptr<int64_t>(), out.data_ptr<int64_t>(), B * H, N, Nk, D, runs,
              per_group, keep);
     };

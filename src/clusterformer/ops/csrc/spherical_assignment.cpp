@@ -45,14 +45,10 @@ struct Rows {
   inline T* at(int64_t pair) const { return data + (pair / H) * batch + (pair % H) * head; }
 };
 
+// rows_of<const T> to read, rows_of<T> to write
 template <typename T>
-Rows<const T> rows_of(const torch::Tensor& t) {
-  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
-}
-
-template <typename T>
-Rows<T> mutable_rows_of(const torch::Tensor& t) {
-  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
+Rows<T> rows_of(const torch::Tensor& t) {
+  return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
 }
 
 template <typename T, int64_t FixedD>
@@ -150,7 +146,7 @@ std::vector<torch::Tensor> assign(torch::Tensor k, torch::Tensor mu, torch::Tens
   torch::Tensor mu_t = mu.transpose(1, 2).contiguous();
   AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "spherical_assign", [&] {
     auto run = [&](auto kernel) {
-      kernel(rows_of<scalar_t>(k), mu.data_ptr<scalar_t>(), mu_t.data_ptr<scalar_t>(),
+      kernel(rows_of<const scalar_t>(k), mu.data_ptr<scalar_t>(), mu_t.data_ptr<scalar_t>(),
              bias.numel() ? bias.data_ptr<scalar_t>() : nullptr, real.numel() ? real.data_ptr<bool>() : nullptr,
              ids.data_ptr<int64_t>(), gap.data_ptr<scalar_t>(), sums.data_ptr<scalar_t>(),
              counts.data_ptr<scalar_t>(), B, H, N, D, C, static_cast<scalar_t>(eps));
@@ -172,8 +168,8 @@ torch::Tensor gap_backward(torch::Tensor k, torch::Tensor mu, torch::Tensor ids,
   torch::Tensor dk = torch::empty({B, N, H, D}, k.options()).transpose(1, 2);
   AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "spherical_gap_backward", [&] {
     auto run = [&](auto kernel) {
-      kernel(rows_of<scalar_t>(k), mu.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), grad.data_ptr<scalar_t>(),
-             mutable_rows_of<scalar_t>(dk), B * H, H, N, D, C, static_cast<scalar_t>(eps));
+      kernel(rows_of<const scalar_t>(k), mu.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), grad.data_ptr<scalar_t>(),
+             rows_of<scalar_t>(dk), B * H, H, N, D, C, static_cast<scalar_t>(eps));
     };
     with_head_size(D, [&](auto fixed) { run(gap_backward_kernel<scalar_t, decltype(fixed)::value>); });
   });
