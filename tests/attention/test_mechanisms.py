@@ -239,6 +239,30 @@ def test_kmeans_matches_dense_reference(N, causal, pad_last):
         torch.testing.assert_close(y[b][real], expected[real], atol=1e-10, rtol=1e-8)
 
 
+@pytest.mark.parametrize(("N", "causal", "pad_last"), [(19, True, 0), (23, True, 5), (11, False, 3)])
+def test_kmeans_with_one_covering_cluster_is_dense_shared_qk_attention(N, causal, pad_last):
+    """One cluster, one round and a chunk holding every key (``look_back=0``) make kmeans dense attention with the
+    Reformer's shared-QK rules: keys are the unit queries, a token reads itself only when it has no other key.
+    The MQAR curriculum trains the shared-QK mechanisms' stage 1 this way (docs/results.md, thirtieth session)."""
+    chunk = 32  # >= N: every real key of a sequence falls in the query's own chunk
+    layer = _layer("kmeans", num_clusters=1, num_rounds=1, chunk_size=chunk, causal_chunk_size=chunk, look_back=0)
+    B = 2
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = _pad_mask(B, N, pad_last)
+    y = layer(x, key_padding_mask=pad if pad_last else None, causal=causal)
+    for b in range(B):
+        qk, v = _shared_heads(layer, x[b])  # (H, N, D)
+        scores = qk @ F.normalize(qk, dim=-1).transpose(-1, -2) / math.sqrt(qk.shape[-1])
+        allowed = ~pad[b][None, :].expand(N, N)
+        if causal:
+            allowed = allowed & torch.ones(N, N, dtype=torch.bool).tril()
+        others = allowed & ~torch.eye(N, dtype=torch.bool)
+        allowed = torch.where(others.any(-1, keepdim=True), others, allowed)  # itself only when nothing else
+        expected = _project_out(layer, scores.masked_fill(~allowed, -math.inf).softmax(-1) @ v)
+        real = ~pad[b]
+        torch.testing.assert_close(y[b][real], expected[real], atol=1e-12, rtol=0)
+
+
 def test_ema_centroid_update_formula():
     c = F.normalize(torch.randn(2, 3, 4, dtype=torch.float64), dim=-1)
     pts = torch.randn(2, 9, 4, dtype=torch.float64)
