@@ -110,6 +110,30 @@ def test_word_and_byte_tokenizers():
         ByteTokenizer().encode(["a"], max_len=0)
 
 
+def test_wordpiece_splits_a_word_outside_the_vocabulary_into_pieces_where_words_give_unk():
+    """The subword vocabulary BERT pretrains with: a word never seen in training is read as pieces of the
+    vocabulary (decoded back to the word), where the word-level vocabulary of the same texts reads [UNK]."""
+    texts = ["the films were playing", "a player plays the film", "playing films, played films"] * 3
+    words = WordTokenizer.train(texts, vocab_size=200, pairs=True, masked=True)
+    pieces = WordTokenizer.train(texts, vocab_size=200, pairs=True, masked=True, subword=True)
+    assert (words.kind, pieces.kind) == ("word", "wordpiece")
+    unseen = ["the players filmed"]  # neither "players" nor "filmed" is a training word
+    word_ids, _ = words.encode(unseen, max_len=16)
+    piece_ids, piece_pad = pieces.encode(unseen, max_len=16)
+    assert (word_ids == 1).sum().item() == 2  # both unknown words are [UNK]
+    real = piece_ids[0][~piece_pad[0]].tolist()
+    assert 1 not in real and len(real) > 3  # no [UNK]: the two words are split into known pieces
+    assert pieces._tok.decode(real) == "the players filmed"
+    specials = pieces.mlm_specials()
+    assert (specials.mask, specials.cls, specials.sep) == (3, 4, 2) == (words.mlm_specials().mask,
+                                                                         words.mlm_specials().cls,
+                                                                         words.mlm_specials().sep)
+    again = WordTokenizer.from_str(pieces.to_str())  # a checkpoint restores the subwords, not words
+    assert again.kind == "wordpiece" and torch.equal(again.encode(unseen, 16)[0], piece_ids)
+    stream = pieces.stream(unseen + unseen, sep=pieces.mlm_specials().sep)
+    assert stream.tolist() == real + [pieces.mlm_specials().sep] + real
+
+
 @needs_data
 @pytest.mark.parametrize(("name", "size", "classes"), [("mr", 10662, 2), ("cr", 3775, 2), ("subj", 10000, 2),
                                                        ("mpqa", 10606, 2)])

@@ -259,3 +259,35 @@ def test_a_crashed_and_resumed_pretraining_equals_an_uninterrupted_one(tmp_path,
             assert torch.equal(value, b[name]), name
     rows = [json.loads(line) for line in (tmp_path / "crashed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6] and rows[-1]["tokens_per_s"] > 0
+
+
+@needs_data
+def test_wordpiece_pretraining_carries_its_subwords_into_fine_tuning(tmp_path):
+    """``--tokenizer wordpiece``: the pretraining's vocabulary is BERT's subwords, saved with the checkpoint and
+    read by the fine-tuned runs of sentence and pair tasks (no [UNK] on their texts, which a word-level vocabulary
+    fitted on the pretraining corpus leaves); a task trained from scratch with it fits its own subwords."""
+    from clusterformer.data import WordTokenizer
+    from clusterformer.train.loop import _set_up
+
+    pre, word_pre = tmp_path / "pre", tmp_path / "word-pre"
+    for out, kind in ((pre, "wordpiece"), (word_pre, "word")):
+        run_training(TrainConfig(task="mlm", out=str(out), attention="full", max_steps=1, tokenizer=kind,
+                                 task_options={"eval_windows": 2}, **MLM_FLAGS))
+    saved = torch.load(pre / "checkpoint.pt", weights_only=False)["tokenizer"]
+    assert WordTokenizer.from_str(saved).kind == "wordpiece"
+    fine = dict(MLM_FLAGS, max_len=40)
+    fine.pop("vocab_size")
+    for task in ("mr", "wikiqa"):
+        tuned = _set_up(TrainConfig(task=task, out=str(tmp_path / task), max_steps=1, init=str(pre), **fine), None)
+        assert tuned.task.tokenizer == saved
+        words = _set_up(TrainConfig(task=task, out=str(tmp_path / f"{task}-words"), max_steps=1,
+                                    tokenizer_from=str(word_pre), **fine), None)
+        unknown = {name: (run.task.train.ids[~run.task.train.pad] == 1).float().mean().item()
+                   for name, run in (("pieces", tuned), ("words", words))}
+        assert unknown["pieces"] < 0.01 < 0.1 < unknown["words"], unknown  # rare words read as pieces, not [UNK]
+    scratch = _set_up(TrainConfig(task="wikiqa", out=str(tmp_path / "own"), max_steps=1, tokenizer="wordpiece",
+                                  **dict(fine, vocab_size=500)), None)
+    own = WordTokenizer.from_str(scratch.task.tokenizer)
+    assert own.kind == "wordpiece" and own.vocab_size <= 500 and scratch.task.tokenizer != saved
+    with pytest.raises(ValueError, match="tokenizer"):
+        TrainConfig(task="mr", out="x", max_steps=1, tokenizer="subwords")

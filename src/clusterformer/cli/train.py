@@ -35,8 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fold", type=int, default=None, help="sentence tasks: run this fold of --folds-fold CV")
     p.add_argument("--folds", type=int, default=10)
     p.add_argument("--cv", action="store_true", help="sentence tasks: run every fold, report mean +- std")
-    p.add_argument("--tokenizer", default="auto", choices=["auto", "word", "bytes"],
-                   help="auto: bytes for imdb (LRA text), word-level otherwise")
+    p.add_argument("--tokenizer", default="auto", choices=["auto", "word", "wordpiece", "bytes"],
+                   help="auto: bytes for imdb (LRA text), word-level otherwise; wordpiece: BERT's subwords, trained "
+                        "on the training texts (--vocab-size pieces; a rare word becomes pieces, not [UNK])")
     p.add_argument("--tokenizer-from", default=None, metavar="PATH",
                    help="take the tokenizer saved in this checkpoint (file or run directory, e.g. a `train --task "
                         "mlm` run) and nothing else: the weights start fresh. The from-scratch control of a "

@@ -1,5 +1,5 @@
-"""Tokenisers: word-level (Hugging Face ``tokenizers``, trained on the training split) and byte-level (the
-Long Range Arena text setting). Both reserve id 0 for padding; :meth:`encode` returns padded ids and the
+"""Tokenisers: word-level or WordPiece subwords (Hugging Face ``tokenizers``, trained on the training split) and
+byte-level (the Long Range Arena text setting). Both reserve id 0 for padding; :meth:`encode` returns padded ids and the
 key-padding mask the attention layers take (True = padding)."""
 
 from __future__ import annotations
@@ -46,31 +46,41 @@ def _pad(rows: list[list[int]], max_len: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class WordTokenizer:
-    """Word-level vocabulary from the training texts: lower-cased, split on whitespace and punctuation,
-    words seen fewer than ``min_frequency`` times (or beyond ``vocab_size``) map to [UNK] (id 1)."""
+    """A vocabulary trained on the training texts: lower-cased, split on whitespace and punctuation. Word-level
+    (the default): words seen fewer than ``min_frequency`` times (or beyond ``vocab_size``) map to [UNK] (id 1).
+    ``subword=True``: BERT's WordPiece -- a word outside the vocabulary is split into pieces that are in it
+    (``##`` marks a continuation), so a text from another corpus keeps its rare words as pieces instead of [UNK]
+    (what a pretrained vocabulary needs on a downstream task's sentences)."""
 
     def __init__(self, tokenizer) -> None:
         self._tok = tokenizer
 
     @classmethod
     def train(cls, texts: list[str], vocab_size: int = 30000, min_frequency: int = 1,
-              pairs: bool = False, masked: bool = False) -> WordTokenizer:
+              pairs: bool = False, masked: bool = False, subword: bool = False) -> WordTokenizer:
         """``pairs=True`` adds a [SEP] token (id 2) and encodes pairs as ``A [SEP] B`` (:meth:`encode_pairs`);
-        ``masked=True`` (with pairs) adds [MASK] and [CLS] (ids 3, 4) for masked-language-model pretraining."""
-        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+        ``masked=True`` (with pairs) adds [MASK] and [CLS] (ids 3, 4) for masked-language-model pretraining;
+        ``subword=True`` trains WordPiece instead of whole words (``vocab_size`` counts the pieces)."""
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
         check_int("vocab_size", vocab_size, minimum=3)
         check_int("min_frequency", min_frequency, minimum=1)
         if not texts:
             raise ValueError("texts must not be empty: the vocabulary is trained on them")
-        tok = Tokenizer(models.WordLevel(unk_token=UNK))
+        tok = Tokenizer(models.WordPiece(unk_token=UNK) if subword else models.WordLevel(unk_token=UNK))
         tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         if masked and not pairs:
             raise ValueError("masked=True needs pairs=True: pretraining separates documents and segments by [SEP]")
         specials = [PAD, UNK, SEP, MASK, CLS] if masked else [PAD, UNK, SEP] if pairs else [PAD, UNK]
-        trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                            special_tokens=specials, show_progress=False)
+        if subword:
+            trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                                special_tokens=specials, show_progress=False,
+                                                continuing_subword_prefix="##")
+            tok.decoder = decoders.WordPiece(prefix="##")
+        else:
+            trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                                special_tokens=specials, show_progress=False)
         tok.train_from_iterator(texts, trainer=trainer)
         if pairs:
             tok.post_processor = processors.TemplateProcessing(
@@ -89,6 +99,11 @@ class WordTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    @property
+    def kind(self) -> str:
+        """``"wordpiece"`` or ``"word"``: what ``--tokenizer`` names this vocabulary."""
+        return "wordpiece" if type(self._tok.model).__name__ == "WordPiece" else "word"
 
     def encode(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> ids (B, N) long (0 = padding), padding mask (B, N) bool; N = min(max_len, longest)."""
@@ -155,6 +170,11 @@ class PretrainedTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    @property
+    def kind(self) -> str:
+        """``"wordpiece"`` or ``"word"``: what ``--tokenizer`` names this vocabulary."""
+        return "wordpiece" if type(self._tok.model).__name__ == "WordPiece" else "word"
 
     def encode(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         check_int("max_len", max_len, minimum=2)

@@ -231,7 +231,7 @@ class DataConfig:
         check_choice("task", self.task, TASKS)
         for name in ("vocab_size", "max_len", "folds"):
             check_int(name, getattr(self, name), minimum=1)
-        check_choice("tokenizer", self.tokenizer, ("auto", "word", "bytes"))
+        check_choice("tokenizer", self.tokenizer, ("auto", "word", "wordpiece", "bytes"))
         if self.tokenizer_from is not None:
             if not _is_checkpoint(self.tokenizer_from):
                 raise ValueError(f"tokenizer_from must be a checkpoint (file or run directory); "

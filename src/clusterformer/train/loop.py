@@ -97,7 +97,7 @@ def _device(name: str, rank: int) -> torch.device:
 
 def _tokenizer_kind(config: TrainConfig, state: str | None = None) -> str:
     """The tokenizer of the run: a pretrained model's, a saved one's kind (a resumed run, or --init PATH), or the
-    flag's."""
+    flag's. A saved vocabulary, word-level or WordPiece, is restored whole from its state ("word" routes it)."""
     if pretrained_model(config.init):
         return f"pretrained:{config.init}"
     if state is not None and not state.startswith("pretrained:"):

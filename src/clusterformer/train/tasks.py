@@ -212,9 +212,9 @@ def _tokenizer(kind: str, texts: list[str], vocab_size: int, state: str | None, 
         return PretrainedTokenizer(pretrained.split(":", 1)[1])
     if state is not None:
         return WordTokenizer.from_str(state)
-    if kind != "word":
-        raise ValueError(f"tokenizer must be 'word', 'bytes' or 'pretrained:NAME', got {kind!r}")
-    return WordTokenizer.train(texts, vocab_size=vocab_size, pairs=pairs)
+    if kind not in ("word", "wordpiece"):
+        raise ValueError(f"tokenizer must be 'word', 'wordpiece', 'bytes' or 'pretrained:NAME', got {kind!r}")
+    return WordTokenizer.train(texts, vocab_size=vocab_size, pairs=pairs, subword=kind == "wordpiece")
 
 
 def _encode(tok, texts, labels, max_len) -> Examples:
@@ -229,7 +229,7 @@ class TaskRequest:
 
     data_dir: str | Path | None
     max_len: int
-    tokenizer: str  # "auto" resolved: "word", "bytes" or "pretrained:NAME"
+    tokenizer: str  # "auto" resolved: "word", "wordpiece", "bytes" or "pretrained:NAME"
     vocab_size: int
     seed: int
     fold: int | None
@@ -369,8 +369,11 @@ def _wikiqa(name: str, r: TaskRequest) -> ClassificationTask:
     positives = {q for _, _, q, y in test if y == 1}
     test = [r for r in test if r[2] in positives]  # the filtered test set: questions with a correct answer
     tr = splits["train"]
+    if r.tokenizer not in ("word", "wordpiece"):
+        raise ValueError(f"wikiqa reads word or wordpiece tokens; tokenizer {r.tokenizer!r} is not available for it")
     tok = WordTokenizer.from_str(state) if state else WordTokenizer.train(
-        [q for q, _, _, _ in tr] + [a for _, a, _, _ in tr], vocab_size=vocab_size, pairs=True)
+        [q for q, _, _, _ in tr] + [a for _, a, _, _ in tr], vocab_size=vocab_size, pairs=True,
+        subword=r.tokenizer == "wordpiece")
 
     def encode(rows):
         ids, pad = tok.encode_pairs([(q, a) for q, a, _, _ in rows], max_len)
