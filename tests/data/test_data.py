@@ -130,8 +130,8 @@ def test_wordpiece_splits_a_word_outside_the_vocabulary_into_pieces_where_words_
                                                                          words.mlm_specials().sep)
     again = WordTokenizer.from_str(pieces.to_str())  # a checkpoint restores the subwords, not words
     assert again.kind == "wordpiece" and torch.equal(again.encode(unseen, 16)[0], piece_ids)
-    stream = pieces.stream(unseen + unseen, sep=pieces.mlm_specials().sep)
-    assert stream.tolist() == real + [pieces.mlm_specials().sep] + real
+    stream = pieces.stream(unseen + unseen, sep=specials.sep)
+    assert stream.tolist() == [*real, specials.sep, *real]
 
 
 @needs_data
