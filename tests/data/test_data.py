@@ -128,6 +128,8 @@ def test_wordpiece_splits_a_word_outside_the_vocabulary_into_pieces_where_words_
     assert (specials.mask, specials.cls, specials.sep) == (3, 4, 2) == (words.mlm_specials().mask,
                                                                          words.mlm_specials().cls,
                                                                          words.mlm_specials().sep)
+    vocab = pieces._tok.get_vocab()  # ids independent of the trainer's hash order: specials, then sorted pieces
+    assert sorted(vocab, key=vocab.get)[5:] == sorted(set(vocab) - {"[PAD]", "[UNK]", "[SEP]", "[MASK]", "[CLS]"})
     again = WordTokenizer.from_str(pieces.to_str())  # a checkpoint restores the subwords, not words
     assert again.kind == "wordpiece" and torch.equal(again.encode(unseen, 16)[0], piece_ids)
     stream = pieces.stream(unseen + unseen, sep=specials.sep)

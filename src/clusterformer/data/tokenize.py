@@ -45,6 +45,37 @@ def _pad(rows: list[list[int]], max_len: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, ids == 0
 
 
+def _reproducible_wordpiece(tok, texts: list[str], trainer, specials: list[str]):
+    """WordPiece with ids that do not depend on the process. The trainer breaks ties between equally frequent
+    merges in hash order (Rust's per-process random hasher): two processes gave the same pieces of the pretraining
+    corpus different ids (234 of 8,000). So the ids are reassigned: the special tokens keep theirs (0..), the
+    pieces follow in sorted order (WordPiece encodes by longest match on the vocabulary's strings, so ids are names
+    only). The same hash order can also swap a piece at the vocabulary's cut: on MR at 8,000 pieces, 2 of 6
+    processes held 2 pieces the others did not. That is left (the trainer exposes no counts to cut by); a run's
+    checkpoint saves its tokenizer, so resuming and evaluating never retrain it. Trained on one thread, which
+    removes the workers' finishing order as a second source."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer
+
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        tok.train_from_iterator(texts, trainer=trainer)
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+    state = json.loads(tok.to_str())
+    pieces = sorted(set(state["model"]["vocab"]) - set(specials))
+    state["model"]["vocab"] = {token: i for i, token in enumerate(specials + pieces)}
+    if [entry["id"] for entry in state["added_tokens"]] != list(range(len(specials))):
+        raise RuntimeError("the special tokens were expected at ids 0..; the tokenizers library changed")
+    return Tokenizer.from_str(json.dumps(state))
+
+
 class WordTokenizer:
     """A vocabulary trained on the training texts: lower-cased, split on whitespace and punctuation. Word-level
     (the default): words seen fewer than ``min_frequency`` times (or beyond ``vocab_size``) map to [UNK] (id 1).
@@ -81,7 +112,10 @@ class WordTokenizer:
         else:
             trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                                 special_tokens=specials, show_progress=False)
-        tok.train_from_iterator(texts, trainer=trainer)
+        if subword:
+            tok = _reproducible_wordpiece(tok, texts, trainer, specials)
+        else:
+            tok.train_from_iterator(texts, trainer=trainer)
         if pairs:
             tok.post_processor = processors.TemplateProcessing(
                 single="$A", pair=f"$A {SEP} $B:1", special_tokens=[(SEP, tok.token_to_id(SEP))])
