@@ -1,6 +1,6 @@
 """Tokenisers: word-level or WordPiece subwords (Hugging Face ``tokenizers``, trained on the training split) and
-byte-level (the Long Range Arena text setting). Both reserve id 0 for padding; :meth:`encode` returns padded ids and the
-key-padding mask the attention layers take (True = padding)."""
+byte-level (the Long Range Arena text setting). Both reserve id 0 for padding; :meth:`encode` returns padded ids
+and the key-padding mask the attention layers take (True = padding)."""
 
 from __future__ import annotations
 
@@ -52,22 +52,12 @@ def _reproducible_wordpiece(tok, texts: list[str], trainer, specials: list[str])
     pieces follow in sorted order (WordPiece encodes by longest match on the vocabulary's strings, so ids are names
     only). The same hash order can also swap a piece at the vocabulary's cut: on MR at 8,000 pieces, 2 of 6
     processes held 2 pieces the others did not. That is left (the trainer exposes no counts to cut by); a run's
-    checkpoint saves its tokenizer, so resuming and evaluating never retrain it. Trained on one thread, which
-    removes the workers' finishing order as a second source."""
+    checkpoint saves its tokenizer, so resuming and evaluating never retrain it."""
     import json
-    import os
 
     from tokenizers import Tokenizer
 
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        tok.train_from_iterator(texts, trainer=trainer)
-    finally:
-        if before is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
+    tok.train_from_iterator(texts, trainer=trainer)
     state = json.loads(tok.to_str())
     pieces = sorted(set(state["model"]["vocab"]) - set(specials))
     state["model"]["vocab"] = {token: i for i, token in enumerate(specials + pieces)}
@@ -109,12 +99,10 @@ class WordTokenizer:
                                                 special_tokens=specials, show_progress=False,
                                                 continuing_subword_prefix="##")
             tok.decoder = decoders.WordPiece(prefix="##")
+            tok = _reproducible_wordpiece(tok, texts, trainer, specials)
         else:
             trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                                 special_tokens=specials, show_progress=False)
-        if subword:
-            tok = _reproducible_wordpiece(tok, texts, trainer, specials)
-        else:
             tok.train_from_iterator(texts, trainer=trainer)
         if pairs:
             tok.post_processor = processors.TemplateProcessing(
@@ -204,11 +192,6 @@ class PretrainedTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
-
-    @property
-    def kind(self) -> str:
-        """``"wordpiece"`` or ``"word"``: what ``--tokenizer`` names this vocabulary."""
-        return "wordpiece" if type(self._tok.model).__name__ == "WordPiece" else "word"
 
     def encode(self, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         check_int("max_len", max_len, minimum=2)
