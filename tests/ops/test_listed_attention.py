@@ -562,3 +562,22 @@ def test_top_members_cut_orders_signs_zeros_infinities_and_ties(keep, dtype):
     scores = k.view(-1).tolist()
     expected = sorted(sorted(range(Nk), key=lambda j: (-scores[j], -j))[:keep])
     assert got.view(-1).tolist() == expected
+
+
+def test_a_build_lock_left_by_an_interrupted_build_is_cleared_and_a_live_one_kept(tmp_path):
+    """torch waits forever on a build directory's ``lock``: an old one (an interrupted build) is removed with a
+    warning before the kernel loads, a recent one (a build running in another process) is left alone."""
+    import os
+    import time
+
+    from clusterformer.ops.extensions import clear_stale_lock
+
+    lock = tmp_path / "lock"
+    assert not clear_stale_lock(tmp_path)  # no lock
+    lock.write_text("")
+    assert not clear_stale_lock(tmp_path, max_age_s=600) and lock.exists()  # a build under way
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="interrupted build"):
+        assert clear_stale_lock(tmp_path, max_age_s=600)
+    assert not lock.exists()

@@ -5,7 +5,8 @@ Each :class:`CppExtension` compiles one source with ``torch.utils.cpp_extension.
 ~/.cache/torch_extensions) with the CPU's vector width (AVX2 with FMA, or AVX-512) and OpenMP. Without a C++
 compiler or ninja, after a failed build, or with ``CLUSTERFORMER_NO_EXTENSIONS=1``, :meth:`CppExtension.load`
 returns None and :attr:`CppExtension.error` says why; every caller then runs its PyTorch composition of the same
-function.
+function. A build lock older than ten minutes, which an interrupted build leaves and torch would wait on forever,
+is removed with a warning (:func:`clear_stale_lock`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class CppExtension:
                 verify_ninja_availability()
                 suffix, flags = build_flags()
                 name = f"clusterformer_{self.stem}_{suffix}"
+                clear_stale_lock(_build_directory(name))
                 if not (_build_directory(name) / f"{name}.so").exists():  # a first build takes a while: say so
                     print(f"clusterformer: compiling {self.what} for this CPU ({suffix}), once; about 30 s",
                           file=sys.stderr, flush=True)
@@ -80,6 +82,31 @@ class CppExtension:
     def available(self) -> bool:
         """Whether the kernel is built (building it now if it was not)."""
         return self.load() is not None
+
+
+STALE_LOCK_S = 600.0  # a build takes about 30 s: a lock this old was left by a build that did not finish
+
+
+def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``directory``'s build lock when it is older than ``max_age_s``, saying so; True when removed.
+
+    ``torch.utils.cpp_extension.load`` waits, silently and without end, for the ``lock`` file of a build that
+    another process holds. A build interrupted (Ctrl-C, a killed job) leaves the file behind, and every later
+    first use of the kernel then hangs at import. A lock older than any build is taken as such a leftover."""
+    import time
+    import warnings
+
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:  # no lock: nothing to clear
+        return False
+    if age < max_age_s:
+        return False
+    warnings.warn(f"removing {lock}: a build lock {age:.0f} s old, left by an interrupted build of this kernel "
+                  "(torch would wait for it forever)", RuntimeWarning, stacklevel=2)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _build_directory(name: str) -> Path:
