@@ -110,6 +110,13 @@ class WordTokenizer:
         return cls(tok)
 
     @classmethod
+    def train_kind(cls, kind: str, texts: list[str], vocab_size: int, **options: bool) -> WordTokenizer:
+        """:meth:`train` by ``--tokenizer`` name: ``"word"``, or ``"wordpiece"`` (``subword=True``)."""
+        if kind not in ("word", "wordpiece"):
+            raise ValueError(f"tokenizer must be 'word' or 'wordpiece' to train a vocabulary here, got {kind!r}")
+        return cls.train(texts, vocab_size=vocab_size, subword=kind == "wordpiece", **options)
+
+    @classmethod
     def from_str(cls, text: str) -> WordTokenizer:
         from tokenizers import Tokenizer
 

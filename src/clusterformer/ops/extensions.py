@@ -66,8 +66,9 @@ class CppExtension:
                 verify_ninja_availability()
                 suffix, flags = build_flags()
                 name = f"clusterformer_{self.stem}_{suffix}"
-                clear_stale_lock(_build_directory(name))
-                if not (_build_directory(name) / f"{name}.so").exists():  # a first build takes a while: say so
+                directory = _build_directory(name)
+                clear_stale_lock(directory)
+                if not (directory / f"{name}.so").exists():  # a first build takes a while: say so
                     print(f"clusterformer: compiling {self.what} for this CPU ({suffix}), once; about 30 s",
                           file=sys.stderr, flush=True)
                 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's builds, serial without it. The

@@ -272,10 +272,7 @@ def prepare_mlm(data_dir: Any, max_len: int, tokenizer: str, vocab_size: int, li
     elif state is not None:
         tok = WordTokenizer.from_str(state)
     else:
-        if tokenizer not in ("word", "wordpiece"):
-            raise ValueError(f"tokenizer must be 'word', 'wordpiece' or 'bytes' for mlm, got {tokenizer!r}")
-        tok = WordTokenizer.train(train, vocab_size=vocab_size, pairs=True, masked=True,
-                                  subword=tokenizer == "wordpiece")
+        tok = WordTokenizer.train_kind(tokenizer, train, vocab_size, pairs=True, masked=True)
     specials = tok.mlm_specials()
     streams = {name: tok.stream(texts, specials.sep) for name, texts in held_out.items()}
     train_stream = tok.stream(train, specials.sep)

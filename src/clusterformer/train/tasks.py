@@ -212,9 +212,7 @@ def _tokenizer(kind: str, texts: list[str], vocab_size: int, state: str | None, 
         return PretrainedTokenizer(pretrained.split(":", 1)[1])
     if state is not None:
         return WordTokenizer.from_str(state)
-    if kind not in ("word", "wordpiece"):
-        raise ValueError(f"tokenizer must be 'word', 'wordpiece', 'bytes' or 'pretrained:NAME', got {kind!r}")
-    return WordTokenizer.train(texts, vocab_size=vocab_size, pairs=pairs, subword=kind == "wordpiece")
+    return WordTokenizer.train_kind(kind, texts, vocab_size, pairs=pairs)
 
 
 def _encode(tok, texts, labels, max_len) -> Examples:
@@ -369,11 +367,8 @@ def _wikiqa(name: str, r: TaskRequest) -> ClassificationTask:
     positives = {q for _, _, q, y in test if y == 1}
     test = [r for r in test if r[2] in positives]  # the filtered test set: questions with a correct answer
     tr = splits["train"]
-    if r.tokenizer not in ("word", "wordpiece"):
-        raise ValueError(f"wikiqa reads word or wordpiece tokens; tokenizer {r.tokenizer!r} is not available for it")
-    tok = WordTokenizer.from_str(state) if state else WordTokenizer.train(
-        [q for q, _, _, _ in tr] + [a for _, a, _, _ in tr], vocab_size=vocab_size, pairs=True,
-        subword=r.tokenizer == "wordpiece")
+    tok = WordTokenizer.from_str(state) if state else WordTokenizer.train_kind(
+        r.tokenizer, [q for q, _, _, _ in tr] + [a for _, a, _, _ in tr], vocab_size, pairs=True)
 
     def encode(rows):
         ids, pad = tok.encode_pairs([(q, a) for q, a, _, _ in rows], max_len)
