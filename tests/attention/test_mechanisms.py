@@ -678,6 +678,31 @@ def test_cache_readers_attend_a_sequence_to_itself_densely_and_refuse_native_dec
         inner.prefill(q, k, v, None)
 
 
+@pytest.mark.parametrize("name", ["cluster-retrieval", "sink-window", "oracle", "quest"])
+def test_lower_layers_read_their_own_budget(name):
+    """lower_layers=2, lower_budget=20 over budget=6: a decoding step of layers 0-1 reads up to 20 keys and of
+    layers 2+ up to 6, each key counted by one-hot values (a key read puts weight on its own coordinate); layer 1
+    at 20 equals the mechanism built with budget=20. A layer's number is required, as for dense_layers."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    n = 48
+    q, k = (torch.randn(1, s, 1 if s == 4 else n, 8, generator=g, dtype=torch.float64) for s in (4, 2))
+    v = torch.eye(n, dtype=torch.float64).expand(1, 2, n, n)
+    extra = {"num_clusters": 4, "window": 3, "sink": 2} if name == "cluster-retrieval" else {}
+    layered = build(name, dim=16, heads=4, budget=6, lower_layers=2, lower_budget=20, **extra).inner.double()
+    with pytest.raises(ValueError, match="layer is required when lower_layers=2"):
+        layered.attend_cache(q, k, v, None, 0.3)
+    read = {layer: (layered.attend_cache(q, k, v, None, 0.3, layer=layer)[0] > 0).sum(-1) for layer in (0, 1, 2, 7)}
+    for layer, keys in read.items():
+        assert int(keys.max()) <= (20 if layer < 2 else 6), (layer, keys)
+    assert int(read[1].min()) > 6 and int(read[2].max()) >= 5  # each budget used, not only bounded
+    plain = build(name, dim=16, heads=4, budget=20, **extra).inner.double()
+    torch.testing.assert_close(layered.attend_cache(q, k, v, None, 0.3, layer=1)[0],
+                               plain.attend_cache(q, k, v, None, 0.3)[0], rtol=0, atol=1e-12)
+    for bad in ({"lower_layers": 2}, {"lower_budget": 0.2}, {"lower_layers": 1, "lower_budget": 1.5}):
+        with pytest.raises(ValueError, match="lower_"):
+            build(name, dim=16, heads=4, **bad)
+
+
 def test_cache_reader_needs_the_layer_for_dense_layers():
     inner = build("cluster-retrieval", dim=8, heads=2, budget=2, dense_layers=1).inner
     q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)

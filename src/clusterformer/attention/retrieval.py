@@ -79,6 +79,13 @@ class CacheBudgetOptions(AttentionOptions):
             their cache densely, as Quest and ClusterKV do: the lowest layers' attention is the least sparse
             (docs/results.md). Keys read then average ``(dense_layers + (L - dense_layers) * budget) / L`` of the
             cache over L layers.
+        lower_layers, lower_budget: the model's first ``lower_layers`` layers (those not dense by
+            ``dense_layers``) read ``lower_budget`` keys per query (a fraction or a count, as ``budget``), the
+            others ``budget``: a budget spread unevenly over the layers, as PyramidKV (Cai et al. 2024) spreads
+            its cache, more where attention is least sparse (SmolLM2's lower layers, docs/results.md). Keys read
+            then average ``(lower_layers * lower_budget + (L - lower_layers) * budget) / L`` of the cache over L
+            layers: to compare at a mean budget b, set ``budget = (L b - lower_layers * lower_budget) /
+            (L - lower_layers)``. Decoding steps only: a sparse prefill reads ``prefill_budget`` in every layer.
         prefill_block: ``0`` (the default): a prefill -- queries over their own keys, nothing cached before them
             -- is dense, as in the papers, which make only the reading of the cache sparse. ``P > 0``: a *sparse
             prefill* (:meth:`CacheReadingAttention.attend_cache`): the prompt is read in blocks of P queries, in
@@ -97,6 +104,8 @@ class CacheBudgetOptions(AttentionOptions):
 
     budget: float | int = 0.1
     dense_layers: int = 0
+    lower_layers: int = 0
+    lower_budget: float | int | None = None
     prefill_block: int = 0
     prefill_budget: float | int | None = None
 
@@ -104,12 +113,25 @@ class CacheBudgetOptions(AttentionOptions):
         super().__post_init__()
         _check_budget("budget", self.budget)
         check_int("dense_layers", self.dense_layers, minimum=0)
+        check_int("lower_layers", self.lower_layers, minimum=0)
+        if (self.lower_layers > 0) != (self.lower_budget is not None):
+            raise ValueError("lower_layers and lower_budget go together: the first lower_layers layers read "
+                             f"lower_budget keys; got lower_layers={self.lower_layers}, "
+                             f"lower_budget={self.lower_budget!r}")
+        if self.lower_budget is not None:
+            _check_budget("lower_budget", self.lower_budget)
         check_int("prefill_block", self.prefill_block, minimum=0)
         if self.prefill_budget is not None:
             _check_budget("prefill_budget", self.prefill_budget)
             if self.prefill_block == 0:
                 raise ValueError("prefill_budget is the budget of the sparse prefill: it needs prefill_block > 0 "
                                  "(without it the prefill is dense)")
+
+    def for_layer(self, layer: int | None) -> CacheBudgetOptions:
+        """These options with the budget of decoding layer ``layer`` (``lower_budget`` below ``lower_layers``)."""
+        if self.lower_budget is None or layer is None or layer >= self.lower_layers:
+            return self
+        return replace(self, budget=self.lower_budget, lower_layers=0, lower_budget=None)
 
     def for_prefill(self) -> CacheBudgetOptions:
         """These options with the sparse prefill's budget (``prefill_budget``, where set) as ``budget``."""
@@ -239,15 +261,16 @@ class CacheReadingAttention(FullAttention):
                 mask over several queries raises ``ValueError``). None: no padding, causal.
             scale: softmax scale.
             index: the key index this cache had after the previous call (cluster-retrieval), or None.
-            layer: the model's layer number (``dense_layers``); required when ``dense_layers > 0``.
+            layer: the model's layer number (``dense_layers``, ``lower_layers``); required when either is > 0.
 
         Returns:
             (out (B, H, Lq, D), the index to keep with the cache for the next call, or None).
         """
         n, Lq = k.shape[2], q.shape[2]
-        if self.options.dense_layers > 0 and layer is None:
-            raise ValueError(f"layer is required when dense_layers={self.options.dense_layers}: an attention "
-                             "module without layer_idx cannot say whether it is one of the dense layers")
+        for name in ("dense_layers", "lower_layers"):
+            if getattr(self.options, name) > 0 and layer is None:
+                raise ValueError(f"layer is required when {name}={getattr(self.options, name)}: an attention "
+                                 "module without layer_idx cannot say which of the model's layers it is")
         mask = AttentionMask(None, causal=True) if mask is None else mask
         if (not mask.causal and Lq > 1) or mask.window is not None:
             raise ValueError("a cache is read causally, without a window: the mask must be key padding + causal")
@@ -259,9 +282,10 @@ class CacheReadingAttention(FullAttention):
             if 0 < self.options.prefill_block < n and not prefill.covers(lengths):
                 return self._prefill_in_blocks(q, k, v, mask.padding, scale, prefill)
             return cache_sdpa(q, k, v, mask, scale=scale), index
-        if self.options.covers(lengths):
+        options = self.options.for_layer(layer)
+        if options.covers(lengths):
             return cache_sdpa(q, k, v, mask, scale=scale), index
-        return self._read(q, k, v, mask.padding, scale, index, self.options)
+        return self._read(q, k, v, mask.padding, scale, index, options)
 
     def _prefill_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None,
                            scale: float, options: CacheBudgetOptions) -> tuple[torch.Tensor, None]:
