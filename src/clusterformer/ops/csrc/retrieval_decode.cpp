@@ -1,4 +1,4 @@
-// Cluster retrieval's decoding step fused into four passes over the cache, read in place (CPU).
+// Cluster retrieval's decoding step fused into one call that reads the cache in place (CPU).
 //
 // One query position per sequence (a decoding step), its H = Hkv x rep query heads grouped by key/value head. Per
 // unit -- the rep heads of a key/value head (per_head false: "group" selection) or one head (per_head true) -- the
@@ -7,9 +7,11 @@
 //      ties to the lower id (a stable sort, as torch.sort(stable=True) orders them);
 //   2. the candidates: the first min(members, retrieved x rerank) slots of the clusters in that order (a cluster's
 //      members in the order they joined);
-//   3. rerank > 1: keep the `retrieved` candidates of highest exact score (q . k, the best over the unit's heads);
+//   3. rerank > 1: keep the `retrieved` candidates of highest exact score (q . k, the best over the unit's heads),
+//      with each head's q . k of them, so that step 4 does not read their keys again;
 //   4. each head's softmax over the sinks it reads, its window (positions window_first .. n - 1 that are real) and
-//      the kept candidates: out = sum p v. The three sets are disjoint (the index holds neither sinks nor window).
+//      the kept candidates: out = sum p v, the unit's heads together (each key and value row read once for all of
+//      them). The three sets are disjoint (the index holds neither sinks nor window).
 //
 // q (B, Hkv, rep, D), scaled; k (B, Hkv, n, D), v (B, Hkv, n, Dv) the cache; centroids_t (B Hkv, D, C) in k's
 // dtype; counts (B Hkv, C) int64; members (B Hkv, C, capacity) int64; sinks (B, S) int64 positions of each
@@ -54,8 +56,11 @@ template <typename T>
 struct UnitKeys {
   std::vector<int64_t> keys;
   std::vector<int64_t> candidates;
-  std::vector<T> scores;
+  std::vector<T> scores;      // per candidate: the best q . k over the unit's heads
+  std::vector<T> logits;      // per candidate and head (candidate-major): q . k
+  std::vector<T> kept_logits; // per kept candidate and head, in the order they follow the sinks and window in keys
   int64_t retrieved = 0;
+  int64_t scored_from = 0;    // keys[scored_from ..] are kept candidates with their logits in kept_logits
   bool rerank = false;  // candidates to score, then keep the best `retrieved`
 };
 
@@ -99,11 +104,14 @@ void gather_unit(UnitKeys<T>& unit, const T* q, int64_t heads, int64_t D, int64_
     const int64_t* list = members + c * capacity;
     candidates.insert(candidates.end(), list, list + take);
   }
+  unit.scored_from = keys.size();
   if (rerank > 1 && static_cast<int64_t>(candidates.size()) > retrieved) {
     unit.rerank = true;
     unit.scores.resize(candidates.size());
-  } else {  // every candidate is kept (at most `retrieved` of them)
+    unit.logits.resize(candidates.size() * heads);
+  } else {  // every candidate is kept (at most `retrieved` of them), its logits computed in step 4
     keys.insert(keys.end(), candidates.begin(), candidates.end());
+    unit.scored_from = keys.size();
   }
 }
 
@@ -116,46 +124,64 @@ void score_candidates(UnitKeys<T>& unit, int64_t first, int64_t last, const T* q
     if (m + static_cast<int64_t>(kAhead) < last) prefetch_row(k + unit.candidates[m + kAhead] * D, D);
     const T* key = k + unit.candidates[m] * D;
     T best = neg_inf;
-    for (int64_t h = 0; h < heads; ++h) best = std::max(best, dot(q + h * D, key, D));
+    T* logit = unit.logits.data() + m * heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      logit[h] = dot(q + h * D, key, D);
+      best = std::max(best, logit[h]);
+    }
     unit.scores[m] = best;
   }
 }
 
-// Step 3: keep the `retrieved` candidates of highest score.
+// Step 3: keep the `retrieved` candidates of highest score, and their logits.
 template <typename T>
-void keep_best(UnitKeys<T>& unit) {
+void keep_best(UnitKeys<T>& unit, int64_t heads) {
   std::vector<int64_t> at(unit.candidates.size());
   std::iota(at.begin(), at.end(), int64_t(0));
   std::nth_element(at.begin(), at.begin() + unit.retrieved, at.end(),
                    [&](int64_t a, int64_t b) { return unit.scores[a] > unit.scores[b]; });
-  for (int64_t m = 0; m < unit.retrieved; ++m) unit.keys.push_back(unit.candidates[at[m]]);
+  unit.kept_logits.resize(unit.retrieved * heads);
+  for (int64_t m = 0; m < unit.retrieved; ++m) {
+    unit.keys.push_back(unit.candidates[at[m]]);
+    std::copy_n(unit.logits.data() + at[m] * heads, heads, unit.kept_logits.data() + m * heads);
+  }
 }
 
-// Step 4 for one query head: its softmax over the unit's keys, out = sum p v. No key: zeros.
+// Step 4 for one unit: each of its heads' softmax over the unit's keys, out = sum p v, every key and value row
+// read once for all the heads (the logits of kept candidates from step 3). No key: zeros.
 template <typename T>
-void attend_head(const std::vector<int64_t>& keys, const T* q, int64_t D, const T* k, const T* v, int64_t Dv,
-                 T* out) {
-  const int64_t K = keys.size();
-  std::fill(out, out + Dv, T(0));
+void attend_unit(const UnitKeys<T>& unit, const T* q, int64_t heads, int64_t D, const T* k, const T* v,
+                 int64_t Dv, T* out) {
+  const auto& keys = unit.keys;
+  const int64_t K = keys.size(), first_scored = unit.rerank ? unit.scored_from : K;
+  std::fill(out, out + heads * Dv, T(0));
   if (K == 0) return;
-  std::vector<T> weights(K);
-  T top = -std::numeric_limits<T>::infinity();
-  for (int64_t m = 0; m < K; ++m) {
-    if (m + static_cast<int64_t>(kAhead) < K) prefetch_row(k + keys[m + kAhead] * D, D);
-    weights[m] = dot(q, k + keys[m] * D, D);
-    top = std::max(top, weights[m]);
+  std::vector<T> weights(K * heads);  // key-major: weights[m * heads + h]
+  for (int64_t m = 0; m < first_scored; ++m) {
+    if (m + static_cast<int64_t>(kAhead) < first_scored) prefetch_row(k + keys[m + kAhead] * D, D);
+    const T* key = k + keys[m] * D;
+    for (int64_t h = 0; h < heads; ++h) weights[m * heads + h] = dot(q + h * D, key, D);
   }
-  T total = 0;
-  for (int64_t m = 0; m < K; ++m) {
-    weights[m] = std::exp(weights[m] - top);
-    total += weights[m];
-  }
+  std::copy(unit.kept_logits.begin(), unit.kept_logits.end(), weights.begin() + first_scored * heads);
+  std::vector<T> top(heads, -std::numeric_limits<T>::infinity()), total(heads, T(0));
+  for (int64_t m = 0; m < K; ++m)
+    for (int64_t h = 0; h < heads; ++h) top[h] = std::max(top[h], weights[m * heads + h]);
+  for (int64_t m = 0; m < K; ++m)
+    for (int64_t h = 0; h < heads; ++h) {
+      weights[m * heads + h] = std::exp(weights[m * heads + h] - top[h]);
+      total[h] += weights[m * heads + h];
+    }
   for (int64_t m = 0; m < K; ++m) {
     if (m + static_cast<int64_t>(kAhead) < K) prefetch_row(v + keys[m + kAhead] * Dv, Dv);
-    const T p = weights[m] / total;
     const T* value = v + keys[m] * Dv;
-    for (int64_t d = 0; d < Dv; ++d) out[d] += p * value[d];
+    for (int64_t h = 0; h < heads; ++h) {
+      const T p = weights[m * heads + h];
+      T* o = out + h * Dv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] += p * value[d];
+    }
   }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < Dv; ++d) out[h * Dv + d] /= total[h];
 }
 
 constexpr int64_t kChunk = 512;  // candidates per piece of work in the scoring, so that few units fill the threads
@@ -194,9 +220,9 @@ torch::Tensor retrieval_decode(const torch::Tensor& q, const torch::Tensor& k, c
     const bool* sink_live_p = sink_live.data_ptr<bool>();
     const int64_t* rows_p = rows.data_ptr<int64_t>();
     const bool* real_p = has_real ? real.data_ptr<bool>() : nullptr;
-    // Work in four passes, each split over torch's threads by its own pieces -- units (sequence, key/value head,
-    // unit), candidate chunks, query heads -- so that a decoding step of one sequence and three key/value heads
-    // still fills more than three threads.
+    // Work in three passes, each split over torch's threads by its own pieces -- units (sequence, key/value head,
+    // unit), candidate chunks, units -- so that the scoring, most of a step's reads, fills more threads than a
+    // decoding step of one sequence has key/value heads.
     const int64_t U = B * Hkv * units;
     std::vector<UnitKeys<scalar_t>> read(U);
     auto unit_q = [&](int64_t u) { return qp + ((u / units) * rep + (u % units) * heads) * D; };
@@ -221,14 +247,12 @@ torch::Tensor retrieval_decode(const torch::Tensor& q, const torch::Tensor& k, c
         score_candidates<scalar_t>(read[u], first, last, unit_q(u), heads, D, kp + (u / units) * n * D);
       }
     });
-    at::parallel_for(0, U, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u)
-        if (read[u].rerank) keep_best<scalar_t>(read[u]);
-    });
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {  // query heads, in (b, kv head, rep) order
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t pair = i / rep, u = pair * units + (units == 1 ? 0 : i % rep);
-        attend_head<scalar_t>(read[u].keys, qp + i * D, D, kp + pair * n * D, vp + pair * n * Dv, Dv, op + i * Dv);
+    at::parallel_for(0, U, 1, [&](int64_t begin, int64_t end) {  // units, their heads in (b, kv head, rep) order
+      for (int64_t u = begin; u < end; ++u) {
+        if (read[u].rerank) keep_best<scalar_t>(read[u], heads);
+        const int64_t pair = u / units, first_head = pair * rep + (u % units) * heads;
+        attend_unit<scalar_t>(read[u], unit_q(u), heads, D, kp + pair * n * D, vp + pair * n * Dv, Dv,
+                              op + first_head * Dv);
       }
     });
   });
