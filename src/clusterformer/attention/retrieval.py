@@ -33,6 +33,7 @@ oracle O(n D), as dense.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -46,6 +47,7 @@ from ..ops.retrieval import (
     build_index,
     extend_index,
     keys_allowed,
+    keys_allowed_count,
     retrieval_attention,
 )
 from ..ops.topk_cache import oracle_attention, quest_attention
@@ -141,8 +143,11 @@ class CacheBudgetOptions(AttentionOptions):
         """(B,) real cached keys -> (B,) keys a query may attend to under the budget (at most the cache)."""
         return keys_allowed(self.budget, lengths)
 
-    def covers(self, lengths: torch.Tensor) -> bool:
-        """Whether the budget covers every cached key of every sequence (then attention is dense)."""
+    def covers(self, lengths: torch.Tensor | int) -> bool:
+        """Whether the budget covers every cached key of every sequence (then attention is dense); ``lengths``
+        (B,) real keys per sequence, or one int for a batch without padding (no tensors: a decoding step's path)."""
+        if isinstance(lengths, int):
+            return keys_allowed_count(self.budget, lengths) >= lengths
         return bool((self.keys_allowed(lengths) >= lengths).all())
 
 
@@ -237,6 +242,12 @@ class ClusterRetrievalOptions(SinkWindowOptions):
                              "estimate_remainder=True")
 
 
+@functools.lru_cache(maxsize=1024)
+def _layer_options(options: CacheBudgetOptions, layer: int | None) -> CacheBudgetOptions:
+    """``options.for_layer(layer)``, made once per (options, layer): a decoding step of every layer asks."""
+    return options.for_layer(layer)
+
+
 PREFILL_REGROWTH = 4  # the sparse prefill re-clusters its index when its keys have grown this many times over
 
 
@@ -274,7 +285,7 @@ class CacheReadingAttention(FullAttention):
         mask = AttentionMask(None, causal=True) if mask is None else mask
         if (not mask.causal and Lq > 1) or mask.window is not None:
             raise ValueError("a cache is read causally, without a window: the mask must be key padding + causal")
-        lengths = mask.lengths(1 if mask.padding is None else k.shape[0], n, k.device)
+        lengths = n if mask.padding is None else mask.lengths(k.shape[0], n, k.device)
         if layer is not None and layer < self.options.dense_layers:
             return cache_sdpa(q, k, v, mask, scale=scale), index
         if Lq == n:  # a prefill: sparse by its own budget (a dense decoding budget may follow a sparse prefill)
@@ -282,7 +293,7 @@ class CacheReadingAttention(FullAttention):
             if 0 < self.options.prefill_block < n and not prefill.covers(lengths):
                 return self._prefill_in_blocks(q, k, v, mask.padding, scale, prefill)
             return cache_sdpa(q, k, v, mask, scale=scale), index
-        options = self.options.for_layer(layer)
+        options = _layer_options(self.options, layer)
         if options.covers(lengths):
             return cache_sdpa(q, k, v, mask, scale=scale), index
         return self._read(q, k, v, mask.padding, scale, index, options)
