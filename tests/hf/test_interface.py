@@ -282,6 +282,31 @@ def test_bert_encoder_through_the_interface_matches_patch():
     torch.testing.assert_close(via_interface, via_patch, rtol=0, atol=1e-10)
 
 
+def test_the_mechanism_follows_the_model_between_train_and_eval():
+    """improved-clustered draws new hash planes at every training forward and reuses its seeded ones in evaluation:
+    through the interface, eval -> train -> eval -> train moves its inner attention with the model each time."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    model = transformers.BertModel(config).double()
+    model.set_attn_implementation(hf.register_attention("improved-clustered", name="test-modes", num_clusters=3,
+                                                        topk=4, seed=7))
+    ids = torch.randint(3, 60, (2, 19), generator=torch.Generator().manual_seed(fixed_seed()))
+
+    def twice():
+        with torch.no_grad():
+            return [model(input_ids=ids).last_hidden_state for _ in range(2)]
+
+    for _ in range(2):
+        model.eval()
+        first, second = twice()
+        torch.testing.assert_close(first, second, rtol=0, atol=0)  # eval: the seeded planes
+        model.train()
+        first, second = twice()
+        assert (first - second).abs().max() > 1e-6  # training: fresh planes per forward
+
+
 def test_full_honours_any_mask_the_model_builds():
     """'full' passes the model's own mask to SDPA, whatever its pattern (here a sliding window of 3 with a padded
     key), with zeros for a query without keys: what no other mechanism can honour."""

@@ -226,7 +226,9 @@ class _Runner:
             inner = build_inner(self.mechanism.name, dim=heads * head_dim, heads=heads,
                                 **dataclasses.asdict(options))
             self._inners[module] = inner
-        return inner.train(module.training)
+        if inner.training != module.training:  # nn.Module.train() walks the children: only on a change
+            inner.train(module.training)
+        return inner
 
     def function(self) -> Callable[..., tuple[torch.Tensor, None]]:
         """The function to register in ``AttentionInterface``."""
