@@ -321,7 +321,6 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
     Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
     Q = rep * Lq
-    qg = q.reshape(B, Hkv, Q, D) * scale  # queries grouped by their key/value head: no copies of the cache
     real = None if key_padding_mask is None else real_tokens(key_padding_mask, B, n, q.device)  # None: no masks
     if real is None:  # every row holds n keys: the budget is one number
         allowed: torch.Tensor | int = keys_allowed_count(options.budget, n)
@@ -332,6 +331,7 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
                                  ranking)
     # Sinks + window (StreamingLLM): the sinks shared by every query of a group, each query's window its own most
     # recent positions, up to the budget with the sinks.
+    qg = q.reshape(B, Hkv, Q, D) * scale  # queries grouped by their key/value head: no copies of the cache
     sink_count, cap = _split_budget(allowed, options.sink, 0)
     sinks, sink_ok = _first_real(real, options.sink, B, n, q.device)
     start = max(0, n - Lq - (cap if isinstance(cap, int) else int(cap.max())) + 1)
