@@ -133,6 +133,11 @@ class CacheBudgetOptions(AttentionOptions):
         """These options with the budget of decoding layer ``layer`` (``lower_budget`` below ``lower_layers``)."""
         if self.lower_budget is None or layer is None or layer >= self.lower_layers:
             return self
+        return self._lower
+
+    @functools.cached_property
+    def _lower(self) -> CacheBudgetOptions:
+        """The lower layers' options, made once (a decoding step of every layer asks)."""
         return replace(self, budget=self.lower_budget, lower_layers=0, lower_budget=None)
 
     def for_prefill(self) -> CacheBudgetOptions:
@@ -242,12 +247,6 @@ class ClusterRetrievalOptions(SinkWindowOptions):
                              "estimate_remainder=True")
 
 
-@functools.lru_cache(maxsize=1024)
-def _layer_options(options: CacheBudgetOptions, layer: int | None) -> CacheBudgetOptions:
-    """``options.for_layer(layer)``, made once per (options, layer): a decoding step of every layer asks."""
-    return options.for_layer(layer)
-
-
 PREFILL_REGROWTH = 4  # the sparse prefill re-clusters its index when its keys have grown this many times over
 
 
@@ -293,7 +292,7 @@ class CacheReadingAttention(FullAttention):
             if 0 < self.options.prefill_block < n and not prefill.covers(lengths):
                 return self._prefill_in_blocks(q, k, v, mask.padding, scale, prefill)
             return cache_sdpa(q, k, v, mask, scale=scale), index
-        options = _layer_options(self.options, layer)
+        options = self.options.for_layer(layer)
         if options.covers(lengths):
             return cache_sdpa(q, k, v, mask, scale=scale), index
         return self._read(q, k, v, mask.padding, scale, index, options)

@@ -60,7 +60,7 @@ struct UnitKeys {
   std::vector<T> logits;      // per candidate and head (candidate-major): q . k
   std::vector<T> kept_logits; // per kept candidate and head, in the order they follow the sinks and window in keys
   int64_t retrieved = 0;
-  int64_t scored_from = 0;    // keys[scored_from ..] are kept candidates with their logits in kept_logits
+  int64_t scored_from = 0;    // keys[scored_from ..] have their logits in kept_logits (none: keys.size())
   bool rerank = false;  // candidates to score, then keep the best `retrieved`
 };
 
@@ -78,6 +78,7 @@ void gather_unit(UnitKeys<T>& unit, const T* q, int64_t heads, int64_t D, int64_
   for (int64_t j = window_first; j < n; ++j)
     if (real == nullptr || real[j]) keys.push_back(j);
   unit.retrieved = retrieved;
+  unit.scored_from = keys.size();
   if (retrieved <= 0) return;
   // 1. the clusters in descending order of their best score over the unit's heads
   std::vector<T> score(C, neg_inf), head_score(C);
@@ -104,7 +105,6 @@ void gather_unit(UnitKeys<T>& unit, const T* q, int64_t heads, int64_t D, int64_
     const int64_t* list = members + c * capacity;
     candidates.insert(candidates.end(), list, list + take);
   }
-  unit.scored_from = keys.size();
   if (rerank > 1 && static_cast<int64_t>(candidates.size()) > retrieved) {
     unit.rerank = true;
     unit.scores.resize(candidates.size());
@@ -153,7 +153,7 @@ template <typename T>
 void attend_unit(const UnitKeys<T>& unit, const T* q, int64_t heads, int64_t D, const T* k, const T* v,
                  int64_t Dv, T* out) {
   const auto& keys = unit.keys;
-  const int64_t K = keys.size(), first_scored = unit.rerank ? unit.scored_from : K;
+  const int64_t K = keys.size(), first_scored = unit.scored_from;
   std::fill(out, out + heads * Dv, T(0));
   if (K == 0) return;
   std::vector<T> weights(K * heads);  // key-major: weights[m * heads + h]
