@@ -245,7 +245,8 @@ def test_cuda_cached_decoding_matches_the_cpu_float64_causal_forward(name, optio
         assert errors.median().item() <= 2e-2, f"median token error {errors.median().item():.2e}"
 
 
-GRAPHED = ["full", "sliding-window", "neural-clustering", "cluster-select", "kmeans", "routing"]
+GRAPHED = ["full", "sliding-window", "neural-clustering", "cluster-select", "kmeans", "routing",
+           "lsh", "clustered", "improved-clustered"]  # the last three with staged draws (test_staged_draws.py)
 
 
 @pytest.mark.parametrize("name", GRAPHED)
@@ -262,7 +263,8 @@ def test_cuda_graph_replay_matches_the_eager_training_step(name, dtype):
 
     torch.manual_seed(SEED)
     dt = getattr(torch, dtype)
-    layer = build(name, dim=DIM, heads=HEADS).to("cuda", dt)
+    seeded = {"seed": SEED} if name in ("lsh", "clustered", "improved-clustered") else {}
+    layer = build(name, dim=DIM, heads=HEADS, **seeded).to("cuda", dt)
     x = torch.randn(B, 1000, DIM, device="cuda", dtype=dt, requires_grad=True)
     check = replay_matches_eager(layer, x)
     tol = 1e-5 if dtype == "float32" else 1e-2

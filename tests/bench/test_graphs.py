@@ -47,12 +47,16 @@ def _fake_capture(faithful: bool, layer, x):
 
 def _layer_and_input(name: str, seed: int = 0):
     torch.manual_seed(seed)
-    layer = build(name, dim=32, heads=4, **({"seed": 3} if name == "clustered" else {}))
+    options = {  # the random draws must matter: fewer clusters than tokens, more buckets than one chunk spans
+        "clustered": {"seed": 3, "num_clusters": 8}, "improved-clustered": {"seed": 3, "num_clusters": 8, "topk": 8},
+        "lsh": {"seed": 3, "chunk_size": 8},
+    }.get(name, {})
+    layer = build(name, dim=32, heads=4, **options)
     x = torch.randn(2, 96, 32, requires_grad=True)
     return layer, x
 
 
-@pytest.mark.parametrize("name", ["neural-clustering", "kmeans", "clustered"])
+@pytest.mark.parametrize("name", ["neural-clustering", "kmeans", "clustered", "improved-clustered", "lsh"])
 def test_a_faithful_replay_matches_the_eager_steps(monkeypatch, name):
     layer, x = _layer_and_input(name)
     monkeypatch.setattr(graphs, "capture", _fake_capture(True, layer, x))
@@ -63,7 +67,8 @@ def test_a_faithful_replay_matches_the_eager_steps(monkeypatch, name):
 
 @pytest.mark.parametrize(("name", "caught"), [
     ("kmeans", "state"),  # EMA centroids: a replay that does not record the update leaves the state behind
-    ("clustered", "output"),  # hash planes drawn on the host in every training forward
+    ("clustered", "output"),  # hash planes drawn in every training forward: a replay must not reuse them
+    ("lsh", "output"),  # rotations likewise
 ])
 def test_a_frozen_replay_is_caught(monkeypatch, name, caught):
     layer, x = _layer_and_input(name)
@@ -82,6 +87,31 @@ def test_the_training_step_applies_pending_updates_and_clears_gradients():
     first = x.grad.clone()
     training_step(layer, x)()
     assert x.grad.abs().sum() < 1.5 * first.abs().sum()  # the second step's gradient alone, not the sum of two
+
+
+@pytest.mark.parametrize("name", ["lsh", "clustered", "neural-clustering"])
+def test_the_benchmarks_graph_timings_stage_the_draws(monkeypatch, name):
+    """bench attention --cuda-graph's own path (``_graph_timings``) with a faithful stand-in graph: the staged eval
+    replay gives the unstaged eval output, the training replays the eager steps, and both are timed."""
+    from clusterformer.bench import attention as bench_attention
+    from clusterformer.bench.attention import _graph_timings
+
+    layer, x = _layer_and_input(name)
+    monkeypatch.setattr(graphs, "capture", _fake_capture(True, layer, x))
+    timed = []
+
+    def host_median(fn, warmup, repeats, sync, cuda):  # CUDA events have no CPU stand-in: count the calls instead
+        for _ in range(warmup + repeats):
+            fn()
+        timed.append(warmup + repeats)
+        return 1.0
+
+    monkeypatch.setattr(bench_attention, "_median_ms", host_median)
+    result = _graph_timings({"causal": False}, layer, x, None, 1, 2, lambda: None)
+    assert result["graph_error"] is None, result
+    assert result["graph_check"] == {"eval_output": 0.0, "output": 0.0, "grads": 0.0, "state": 0.0,
+                                     "eager_output": 0.0, "eager_grads": 0.0, "eager_state": 0.0}
+    assert timed == [3, 3]  # the eval replay and the training replay
 
 
 def test_capture_and_the_graph_option_need_cuda():

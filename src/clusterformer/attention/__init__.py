@@ -32,6 +32,8 @@ from .base import (
     apply_pending_updates,
     is_replaying,
     replaying,
+    restage_draws,
+    stage_draws,
 )
 from .cluster_former import ClusterFormerAttention, ClusterFormerOptions, SlidingWindowAttention, SlidingWindowOptions
 from .cluster_select import ClusterSelectAttention, ClusterSelectOptions
@@ -100,5 +102,7 @@ __all__ = [
     "record_groups",
     "register",
     "replaying",
+    "restage_draws",
+    "stage_draws",
     "total_loss",
 ]

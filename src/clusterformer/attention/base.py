@@ -199,7 +199,17 @@ class SeededModule(nn.Module):
     """A module with its own CPU ``torch.Generator`` seeded by ``seed`` (None: no generator).
 
     The generator's state travels with ``state_dict`` (extra state), so a resumed run draws the same random
-    numbers. :meth:`draw_generator` gives the generator to draw a forward's numbers from."""
+    numbers. :meth:`draw_generator` gives the generator to draw a forward's numbers from, and :meth:`draw` draws a
+    forward's random tensor from it.
+
+    Staged draws (for a step replayed from a CUDA graph, issue #35). A forward that draws on the host and copies
+    to the GPU cannot be captured, and a tensor copied from pinned host memory would be replayed as the capture's
+    numbers for ever. With staging on (:func:`stage_draws`), :meth:`draw` returns a device buffer instead, and
+    :func:`restage_draws`, called on the host before each step (outside the graph), draws the step's numbers
+    from the same generator into it. Called once before every step, the steps see the same numbers in the same
+    order as unstaged ones, and the generator ends in the same state (tests/attention/test_staged_draws.py). The
+    buffers are recorded by the first staged step for its shapes; a step that asks for a draw of another shape
+    raises (a CUDA graph is captured for one static shape, too)."""
 
     def __init__(self, seed: int | None = None) -> None:
         super().__init__()
@@ -207,6 +217,8 @@ class SeededModule(nn.Module):
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
+        # staged draws: None (off), else draw key -> (how to draw it from a generator, the device buffer)
+        self.staged: dict[str, tuple[Callable[[torch.Generator], torch.Tensor], torch.Tensor]] | None = None
 
     def get_extra_state(self) -> dict | None:
         return None if self.generator is None else {"generator": self.generator.get_state()}
@@ -223,6 +235,28 @@ class SeededModule(nn.Module):
         if self.training:
             return self.generator
         return torch.Generator().manual_seed(self.seed)
+
+    def draw(self, key: str, make: Callable[[torch.Generator], torch.Tensor], device: torch.device,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This forward's random tensor: ``make(generator)`` (a CPU tensor drawn from :meth:`draw_generator`) on
+        ``device`` as ``dtype``. With staged draws on, the buffer :func:`restage_draws` filled instead (the first
+        staged step draws it here and records ``make`` under ``key``, which must name the draw and its shape)."""
+        if self.staged is None:
+            return make(self.draw_generator()).to(device=device, dtype=dtype)
+        if key in self.staged:
+            return self.staged[key][1]
+        if self.staged:
+            raise RuntimeError(f"{type(self).__name__}: staged draws were recorded for {sorted(self.staged)}, and "
+                               f"this step draws {key!r} (another shape): a staged step has one static shape; call "
+                               "stage_draws(model) again to record the new one")
+        buffer = make(self.draw_generator()).to(device=device, dtype=dtype)
+        self.staged[key] = (make, buffer)
+        return buffer
+
+    def restage(self) -> None:
+        """Draw the next step's numbers into the staged buffers (see the class docstring)."""
+        for make, buffer in (self.staged or {}).values():
+            buffer.copy_(make(self.draw_generator()))
 
 
 LAYER_SEED_STRIDE = 1_000_003  # a prime: layer seeds of nearby base seeds do not collide in practice
@@ -242,6 +276,25 @@ def apply_pending_updates(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, InnerAttention):
             module.apply_pending_updates()
+
+
+def stage_draws(model: nn.Module, on: bool = True) -> None:
+    """Turn staged draws on (or off) in every seeded module of ``model`` (see :class:`SeededModule`): its
+    forwards then read their random numbers from device buffers, which :func:`restage_draws` fills before each
+    step, so the step does no host work and can be captured in a CUDA graph. Turning them on again forgets the
+    recorded buffers. Call ``restage_draws(model)`` exactly once before every step after the first."""
+    for module in model.modules():
+        if isinstance(module, SeededModule):
+            module.staged = {} if on else None
+
+
+def restage_draws(model: nn.Module) -> None:
+    """Draw the next step's random numbers into every staged buffer of ``model``, on the host, from each module's
+    own generator (advancing in training, re-seeded in evaluation, as an unstaged forward draws). A no-op for a
+    model without staged draws, or before its first staged step."""
+    for module in model.modules():
+        if isinstance(module, SeededModule):
+            module.restage()
 
 
 # ----------------------------------------------------------------------------------------------- projection

@@ -26,6 +26,8 @@ evaluates it only without a causal mask).
 
 Randomness: in training each forward draws new hash planes from the layer's generator (seeded by ``seed``);
 in evaluation the planes are re-drawn from ``seed`` each call, so the same input gives the same output.
+With staged draws (:func:`clusterformer.attention.stage_draws`) the planes come from a device buffer filled
+before the step, so the training step (without a padding mask) can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ class ClusteredAttention(InnerAttention):
             groups = euclidean_kmeans(q.detach().reshape(B * H, N, D), options.num_clusters,
                                       iterations=options.iterations, valid=valid)
         else:
-            planes = torch.randn(H, D, options.bits, generator=self.draw_generator()).to(q.device)
+            planes = self.draw(f"planes {H}x{D}x{options.bits}",
+                               lambda generator: torch.randn(H, D, options.bits, generator=generator), q.device)
             codes = sign_codes(q.detach(), planes).reshape(B * H, N, options.bits)
             groups = hamming_kmeans(codes, options.num_clusters, iterations=options.iterations, valid=valid)
         return groups.view(B, H, N), max(1, min(options.num_clusters, N))

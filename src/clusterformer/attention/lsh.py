@@ -23,6 +23,9 @@ alone gives the same outputs as inside a longer sequence.
 
 Randomness: in training each forward draws new rotations from the layer's generator (seeded by ``seed``);
 in evaluation the rotations are re-drawn from ``seed`` each call, so the same input gives the same output.
+With staged draws (:func:`clusterformer.attention.stage_draws`) the rotations come from a device buffer filled
+before the step, and without a padding mask the bucket count is known on the host, so the training step can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -100,28 +103,40 @@ class LSHAttention(InnerAttention):
             return torch.full_like(length, self.options.num_clusters)
         return self.options.num_clusters
 
-    def rotations(self, half: int) -> torch.Tensor:
-        """The random rotations of this forward, (heads, num_rounds, head_dim, half) float64.
+    def rotations(self, half: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The random rotations of this forward, (heads, num_rounds, head_dim, half) float64 on the CPU.
 
         Column j of every rotation is the same whatever ``half`` is (the draw is a prefix of one stream,
         laid out column by column), so a sequence hashed with its own n_b / 2 columns gets the rotations it
-        would get alone. The stream is seeded by one number drawn from the layer's generator (advancing in
-        training, re-seeded by ``seed`` in evaluation); numpy's normal sampler fills arrays in order,
-        torch's CPU one does not."""
-        stream_seed = int(torch.randint(0, 2**62, (1,), generator=self.draw_generator()))
+        would get alone. The stream is seeded by one number drawn from ``generator`` (default: the layer's,
+        advancing in training, re-seeded by ``seed`` in evaluation); numpy's normal sampler fills arrays in
+        order, torch's CPU one does not."""
+        generator = self.draw_generator() if generator is None else generator
+        stream_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         shape = (half, self.heads, self.options.num_rounds, self.head_dim)
         return torch.from_numpy(np.random.default_rng(stream_seed).standard_normal(shape)).permute(1, 2, 3, 0)
+
+    def _drawn_rotations(self, half: int, like: torch.Tensor) -> torch.Tensor:
+        """:meth:`rotations` on ``like``'s device and dtype, through :meth:`draw` (a staged buffer when staged)."""
+        return self.draw(f"rotations {half}", lambda generator: self.rotations(half, generator), like.device,
+                         like.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         B, _, N, _ = q.shape  # q is k (shared QK): the keys are the normalised queries
-        # the bucket count follows each sequence's real length, not the padded length of the batch
-        lengths = real_lengths(key_padding_mask, B, N, q.device)
-        per_sequence = self.buckets_for(lengths)
-        if causal and self.options.num_clusters == "auto":  # fixed: a prefix hashes the same whatever follows
-            per_sequence = torch.full_like(lengths, self.options.causal_clusters)
-        n_buckets = int(per_sequence.max()) if B else 2
-        rotations = self.rotations(n_buckets // 2).to(device=q.device, dtype=q.dtype)
+        fixed = causal and self.options.num_clusters == "auto"  # fixed: a prefix hashes the same whatever follows
+        if key_padding_mask is None:
+            # every sequence has N real tokens: the bucket count is known on the host, with no read of a device
+            # tensor (so the step can be captured in a CUDA graph); the same count the masked path finds
+            n_buckets, per_sequence = self.options.causal_clusters if fixed else self.buckets_for(N), None
+        else:
+            # the bucket count follows each sequence's real length, not the padded length of the batch
+            lengths = real_lengths(key_padding_mask, B, N, q.device)
+            per_sequence = self.buckets_for(lengths)
+            if fixed:
+                per_sequence = torch.full_like(lengths, self.options.causal_clusters)
+            n_buckets = int(per_sequence.max()) if B else 2
+        rotations = self._drawn_rotations(n_buckets // 2, q)
         buckets = angular_lsh_buckets(q.detach(), rotations, num_buckets=per_sequence)  # (B, H, rounds, N)
         publish_groups(self, buckets)
         return bucketed_attention(
@@ -134,7 +149,7 @@ class LSHAttention(InnerAttention):
     def _causal_buckets(self, qk: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(B, H, N, D) -> bucket ids (B, H, R, N) under causal=True, and the bucket count (fixed)."""
         n = self.options.causal_clusters if self.options.num_clusters == "auto" else self.options.num_clusters
-        rotations = self.rotations(n // 2).to(device=qk.device, dtype=qk.dtype)
+        rotations = self._drawn_rotations(n // 2, qk)
         return angular_lsh_buckets(qk.detach(), rotations), n
 
     def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -18,6 +18,8 @@ applies pending state updates), with ``graph_check``: the largest relative diffe
 two eager steps from one state (output, gradients, state), beside the eager step's own spread (a second eager
 run against the first), or ``graph_error`` when the step cannot be captured
 (a host round trip, e.g. a shape read from a tensor). The eager numbers come first, so a failed capture keeps them.
+Mechanisms that draw random numbers in every forward (lsh, clustered, improved-clustered) run staged there: each
+replay's time includes drawing its numbers on the host and copying them into the layer's buffers.
 ``peak_mem_mb``: peak memory of one forward + backward pass above what was allocated before it
 (parameters and input included in the baseline): the resident-set high-water mark on CPU (noisy: tens of MB
 between identical runs), ``torch.cuda.max_memory_allocated`` on CUDA. ``peak_tensor_mb``: the most bytes
@@ -320,7 +322,8 @@ def _graph_timings(job: dict, layer, x, pad, warmup: int, repeats: int, sync) ->
     ``graph_error`` instead where the capture or the check fails."""
     import torch
 
-    from .graphs import capture, error_line, relative_difference, replay_matches_eager, training_step
+    from ..attention import stage_draws
+    from .graphs import capture, error_line, prepare, relative_difference, replay_matches_eager, training_step
 
     result: dict = {"fwd_graph_ms": None, "fwd_bwd_graph_ms": None, "graph_check": None, "graph_error": None}
     try:
@@ -329,17 +332,29 @@ def _graph_timings(job: dict, layer, x, pad, warmup: int, repeats: int, sync) ->
             with torch.no_grad():
                 return layer(x, key_padding_mask=pad, causal=job["causal"])
 
-        eager = fwd().clone()
+        eager = fwd().clone()  # unstaged: the reference the staged replay must reproduce
+        stage_draws(layer)  # lsh's rotations, clustered's planes: drawn into device buffers before each replay
         graph, static = capture(fwd)
+        prepare(layer, training=False)
         graph.replay()
         sync()
         forward_check = relative_difference(static, eager)
-        result["fwd_graph_ms"] = _median_ms(graph.replay, warmup, repeats, sync, True)
+
+        def replay_eval() -> None:  # the host's draw for the step is part of the step's time
+            prepare(layer, training=False)
+            graph.replay()
+
+        result["fwd_graph_ms"] = _median_ms(replay_eval, warmup, repeats, sync, True)
         del graph, static
         check = replay_matches_eager(layer, x, pad, job["causal"])
         result["graph_check"] = {"eval_output": forward_check, **check}
         graph, _ = capture(training_step(layer, x, pad, job["causal"]))
-        result["fwd_bwd_graph_ms"] = _median_ms(graph.replay, warmup, repeats, sync, True)
+
+        def replay_training() -> None:
+            prepare(layer, training=True)
+            graph.replay()
+
+        result["fwd_bwd_graph_ms"] = _median_ms(replay_training, warmup, repeats, sync, True)
     except Exception as error:  # recorded, not raised: the eager numbers above stand
         result["graph_error"] = error_line(error)
     return result

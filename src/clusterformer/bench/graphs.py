@@ -4,6 +4,10 @@
 A captured graph replays the recorded kernels on the same memory without running Python, so it is only right
 when the step has no host round trip (no ``.item()``, no shape read from a tensor, no copy from host memory) and
 draws no random numbers on the host: a number drawn on the host at capture would be replayed as a constant.
+The mechanisms that draw in every training forward (lsh's rotations, clustered attention's hash planes) therefore
+run with staged draws (:func:`clusterformer.attention.stage_draws`): the check and the benchmark stage the layer,
+and :func:`prepare` draws each step's numbers into the layer's device buffers on the host before each eager step
+and each replay, from the layer's own generator, as an unstaged forward would.
 :func:`replay_matches_eager` finds both kinds of fault: it runs two eager steps and two replays from the same
 state and compares the outputs, the gradients and the state they leave. Capture itself raises on a host round
 trip. A mechanism that keeps state updates pending (EMA centroids, :attr:`InnerAttention.pending`) has them
@@ -18,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["capture", "check_graph_device", "error_line", "relative_difference", "replay_matches_eager",
+__all__ = ["capture", "check_graph_device", "error_line", "prepare", "relative_difference", "replay_matches_eager",
            "training_step"]
 
 
@@ -40,6 +44,17 @@ def training_step(layer: Any, x: Any, key_padding_mask: Any = None, causal: bool
         return out
 
     return step
+
+
+def prepare(layer: Any, training: bool) -> None:
+    """Before a step or a replay, on the host: the layer in training (or evaluation) mode, and its staged random
+    numbers drawn for that step (:func:`clusterformer.attention.restage_draws`; nothing for a layer that draws
+    none). The mode is set first, because evaluation draws from the seed alone and training advances the
+    generator."""
+    from ..attention import restage_draws
+
+    layer.train(training)
+    restage_draws(layer)
 
 
 def capture(step: Callable[[], Any], warmup: int = 3) -> tuple[Any, Any]:
@@ -91,11 +106,15 @@ def replay_matches_eager(layer: Any, x: Any, key_padding_mask: Any = None, causa
     the first (``eager_output``, ``eager_grads``, ``eager_state``): the eager step's own spread. Exact kernels give
     0 for both; atomics (``index_add_`` in a backward, the scatter-adds of an EMA update) give rounding-level
     differences, which a discrete choice downstream (a centroid's nearest keys) can turn into larger ones. A replay
-    is as right as the eager step when its difference is within that spread."""
+    is as right as the eager step when its difference is within that spread. Leaves the layer's draws staged
+    (:func:`prepare` before each further step or replay)."""
     import copy
 
     import torch
 
+    from ..attention import stage_draws
+
+    stage_draws(layer)  # left on: the layer's random numbers come from its buffers, which prepare() fills
     step = training_step(layer, x, key_padding_mask, causal)
     graph, static_out = capture(step)
     params = [p for p in layer.parameters() if p.requires_grad]
@@ -105,6 +124,7 @@ def replay_matches_eager(layer: Any, x: Any, key_padding_mask: Any = None, causa
     def eager_steps() -> tuple[list, dict]:
         runs = []
         for _ in range(steps):
+            prepare(layer, training=True)
             out = step()
             grads = [None if g is None else g.detach().clone() for g in (x.grad, *(p.grad for p in params))]
             runs.append((out.detach().clone(), grads))
@@ -117,6 +137,7 @@ def replay_matches_eager(layer: Any, x: Any, key_padding_mask: Any = None, causa
     worst = {"output": 0.0, "grads": 0.0, "state": 0.0}
     spread = {"output": 0.0, "grads": 0.0, "state": 0.0}
     for (out, grads), (out_again, grads_again) in zip(eager, again, strict=True):
+        prepare(layer, training=True)
         graph.replay()
         if static_out.is_cuda:
             torch.cuda.synchronize()
