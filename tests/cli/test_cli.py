@@ -23,6 +23,11 @@ def test_bench_cli_writes_records_and_plot(tmp_path, capsys):
     for record in records:
         assert keys <= set(record)
         assert record["fwd_ms"] > 0 and record["fwd_bwd_ms"] > 0 and record["peak_mem_mb"] >= 0
+        assert record["kept_tensor_mb"] < record["peak_tensor_mb"], record
+    for record in records:
+        if record["name"] == "full":  # after the forward: q, k, v and the output, 4-5 inputs' worth
+            unit_mb = record["length"] * 256 * 4 / 2**20  # B 1, N, dim 256, float32 (the gradients, after, are more)
+            assert 3.5 < record["kept_tensor_mb"] / unit_mb < 6, record
     assert {r["name"] for r in records} == {"full", "neural-clustering"}
     assert [r["fwd_bwd_aux_ms"] is None for r in records if r["name"] == "full"] == [True, True]
     assert plot.stat().st_size > 1000

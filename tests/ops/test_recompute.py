@@ -16,7 +16,7 @@ import clusterformer.attention.base as attention_base
 import clusterformer.attention.neural_clustering as neural_clustering_module
 from clusterformer.attention import build
 from clusterformer.bench.memory import TensorMemoryTracker
-from clusterformer.ops.recompute import recompute_saved
+from clusterformer.ops.recompute import recompute_saved, recompute_saved_all
 
 SEED = 20261126
 
@@ -162,3 +162,30 @@ def test_cluster_select_keeps_neither_band_copy(monkeypatch):
     without, grad_without, _ = _alive_after_forward("cluster-select", 600, kernel="banded")
     assert without - with_recompute >= 3 * x_bytes, (without, with_recompute, x_bytes)
     assert torch.equal(grad, grad_without)
+
+
+def test_one_block_rebuilds_several_sources_and_keeps_those_without_a_recipe():
+    """recompute_saved_all: saved-tensor hooks do not nest, so one block covers several sources. Both gathered
+    tensors are rebuilt (each once), the one paired with None is kept as usual, and the gradients are the same."""
+    x, w, rows = _inputs()
+    calls = []
+
+    def loss_of(x, w, recipes: bool):
+        a, b, c = x.index_select(0, rows), x.index_select(0, rows.flip(0)), x.index_select(0, rows[:9])
+        pairs = [(a, lambda: (calls.append("a"), x.index_select(0, rows))[1]),
+                 (b, lambda: (calls.append("b"), x.index_select(0, rows.flip(0)))[1]),
+                 (c, None)]
+        with recompute_saved_all(pairs) if recipes else nullcontext():
+            y = (a @ w.T).sum() * (b @ w.T).sum() + (c @ w.T).pow(2).sum()
+        return y, weakref.ref(a), weakref.ref(b), weakref.ref(c)
+
+    y, a, b, c = loss_of(x, w, True)
+    gc.collect()
+    assert a() is None and b() is None  # not kept by the graph
+    assert c() is not None  # paired with None: kept
+    got = torch.autograd.grad(y, (x, w))
+    assert sorted(calls) == ["a", "b"]
+    x2, w2, _ = _inputs()
+    want = torch.autograd.grad(loss_of(x2, w2, False)[0], (x2, w2))
+    for g, h in zip(got, want, strict=True):
+        assert torch.equal(g, h)

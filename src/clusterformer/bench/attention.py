@@ -25,7 +25,10 @@ replay's time includes drawing its numbers on the host and copying them into the
 between identical runs), ``torch.cuda.max_memory_allocated`` on CUDA. ``peak_tensor_mb``: the most bytes
 of tensors created by that pass alive at once, counted exactly by
 :class:`clusterformer.bench.memory.TensorMemoryTracker` in a separate untimed pass (any device;
-deterministic, the number to compare mechanisms by on CPU).
+deterministic, the number to compare mechanisms by on CPU). ``kept_tensor_mb``: in the same pass, the bytes of
+those tensors still alive after the training forward, before the backward: what autograd keeps for the backward,
+plus the output (issue #35 §2: the target is what flash keeps, q, k, v, the output and its log-sum-exp, plus O(N)
+integers).
 
 On CUDA, times are CUDA-event intervals (one ``cudaEventSynchronize`` per timed run, no host timers), and
 ``full`` runs SDPA forced to the FlashAttention backend in float16/bfloat16 (``sdpa_backend`` in the record;
@@ -241,11 +244,13 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         with torch.no_grad():
             layer(x, key_padding_mask=pad, causal=job["causal"])
 
-    def fwd_bwd(with_aux: bool) -> Callable[[], None]:
+    def fwd_bwd(with_aux: bool, after_forward: Callable[[], None] | None = None) -> Callable[[], None]:
         def run() -> None:
             layer.train()
             with collect_aux_losses() as aux:
                 loss = layer(x, key_padding_mask=pad, causal=job["causal"]).sum()
+            if after_forward is not None:
+                after_forward()
             if with_aux:
                 for value in aux.values():
                     loss = loss + value
@@ -278,10 +283,10 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
     # torch.compile: the tracker's dispatch mode would be traced into, or break, the compiled graph.
     from .memory import TensorMemoryTracker
 
-    tracker = None
+    tracker, kept = None, []
     if not job.get("compile"):
         with TensorMemoryTracker() as tracker:
-            fwd_bwd(False)()
+            fwd_bwd(False, lambda: kept.append(tracker.current_bytes))()
         sync()
 
     has_aux = bool(layer.inner.aux_losses)
@@ -302,6 +307,7 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         "fwd_bwd_aux_ms": _median_ms(fwd_bwd(True), warmup, repeats, sync, cuda) if has_aux else None,
         "peak_mem_mb": peak,
         "peak_tensor_mb": None if tracker is None else tracker.peak_bytes / 2**20,
+        "kept_tensor_mb": kept[0] / 2**20 if kept else None,
         "compile": job.get("compile"),
         "first_step_s": first_step_s,
         "sdpa_backend": sdpa_backend,

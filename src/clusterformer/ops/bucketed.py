@@ -25,6 +25,7 @@ token at O(rounds (look_back + 1) chunk_size D) per head, whatever the context l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,20 +33,25 @@ import torch.nn.functional as F
 from ..masks import self_only_when_alone
 from .decode import GroupRingCache, attend_allowed
 from .layouts import cluster_causal_layout, sorted_layout
+from .recompute import attach_recipe, recipe_of, recompute_saved_all
 from .windows import windowed_attention_lse
 
 __all__ = ["bucketed_attention", "bucketed_cache", "bucketed_step", "merge_rounds"]
 
 
-def merge_rounds(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def merge_rounds(out: torch.Tensor, lse: torch.Tensor,
+                 out_recipe: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
     """out (..., R, N, D), lse (..., R, N) -> (..., N, D) weighted by softmax over rounds of lse.
-    A query with no key in any round (all lse = -inf) gets zeros."""
+    A query with no key in any round (all lse = -inf) gets zeros. ``out_recipe``: rebuilds ``out``'s memory (any
+    view of it), so the product's backward recomputes it instead of keeping it."""
     top = lse.amax(dim=-2, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weights = torch.exp(lse - top)  # exp(-inf) = 0 for rounds without keys
     total = weights.sum(dim=-2, keepdim=True)
     weights = weights / torch.where(total > 0, total, torch.ones_like(total))
-    return (weights.unsqueeze(-1) * out).sum(dim=-3)
+    with recompute_saved_all([(out, out_recipe)]):  # the product alone: it does not save its own output
+        weighted = weights.unsqueeze(-1) * out
+    return weighted.sum(dim=-3)
 
 
 def bucketed_attention(
@@ -100,16 +106,35 @@ def bucketed_attention(
     def rows_of(t: torch.Tensor) -> torch.Tensor:  # (B, H, N, D) -> (rows, 1, D)
         return t.reshape(B * H * N, 1, D).index_select(0, source)
 
+    def gathered(t: torch.Tensor, recipe: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        # The rows hold every token once per round (R copies of t). The attention's backward gathers them again
+        # instead of keeping them from the forward (issue #35 §2); by default from t, which then stays alive.
+        return attach_recipe(rows_of(t), recipe or (lambda: rows_of(t)))
+
     scale = 1.0 / math.sqrt(D)
-    q_rows = rows_of(qk * scale)  # the softmax scale folded into q once per token, not once per round
-    k_rows = rows_of(F.normalize(qk, dim=-1))  # normalise once per token, not once per round
+    # the softmax scale folded into q once per token, not once per round; rebuilt as (gathered qk) * scale, the
+    # same products (an elementwise product does not depend on the layout), from qk, which the norm keeps anyway
+    q_rows = gathered(qk * scale, lambda: rows_of(qk).mul_(scale))  # in place: the gather is a fresh tensor
+    # normalise once per token, not once per round: F.normalize's own steps, written out so that the rows can be
+    # rebuilt as (gathered qk) / (gathered norm) -- the same quotients -- keeping a norm per token, not the keys
+    norm = qk.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    k_rows = gathered(qk / norm, lambda: rows_of(qk).div_(norm.reshape(B * H * N, 1, 1).index_select(0, source)))
     W, w = layout.num_windows, layout.chunk_size
-    q_win = layout.query_rows(q_rows).view(W, w, 1, D).transpose(1, 2)
+
+    def query_windows(rows: torch.Tensor) -> torch.Tensor:
+        return layout.query_rows(rows).view(W, w, 1, D).transpose(1, 2)
+
+    recipe = recipe_of(q_rows)
+    q_win = query_windows(q_rows)
+    if recipe is not None:  # a view of q_rows: rebuilt from the same recipe
+        attach_recipe(q_win, lambda: query_windows(recipe()))
     out, lse = windowed_attention_lse(
-        q_win, k_rows, rows_of(v), layout, causal=causal, key_padding_mask=pad, exclude_self=True,
+        q_win, k_rows, gathered(v), layout, causal=causal, key_padding_mask=pad, exclude_self=True,
         dropout_p=dropout_p, scale=scale, kernel=kernel,
     )
-    return merge_rounds(out.view(B, H, R, N, D), lse.view(B, H, R, N))
+    # On the fused kernel ``out`` is a reorder of the kernel's saved output (it carries the recipe): the merge's
+    # product rebuilds it rather than keep a second copy of every round's output.
+    return merge_rounds(out.view(B, H, R, N, D), lse.view(B, H, R, N), recipe_of(out))
 
 
 def bucketed_cache(

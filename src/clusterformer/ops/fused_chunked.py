@@ -29,6 +29,7 @@ gradients of Q, K and V), no O(hops) factor.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -267,9 +268,19 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _rebuildable(given: torch.Tensor, used: torch.Tensor, recipe: Callable[[], torch.Tensor] | None
+                 ) -> tuple[Callable[[], torch.Tensor], tuple, tuple, int] | None:
+    """How the backward rebuilds ``used`` (the kernel's view of the input ``given``) from ``recipe``, or None
+    (no recipe, or ``used`` is a copy). Only the geometry: keeping ``given`` would keep its memory."""
+    if recipe is None or used.untyped_storage().data_ptr() != given.untyped_storage().data_ptr():
+        return None
+    return recipe, tuple(used.shape), used.stride(), used.storage_offset()
+
+
 class _FusedChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_ok, pos, grp, w, hops, scale, exclude_self):
+    def forward(ctx, q, k, v, key_ok, pos, grp, w, hops, scale, exclude_self, recipes):
+        given = (q, k, v)
         q, k, v = _as_rows(q), _as_rows(k), _as_rows(v)
         rows_q, H, D = q.shape
         num_windows = rows_q // w
@@ -288,13 +299,18 @@ class _FusedChunkAttention(torch.autograd.Function):
             out.stride(0), out.stride(1),
             H, w, hops, scale, D, **flags, **cfg,
         )
-        ctx.save_for_backward(q, k, v, out, lse, self_only, key_ok, pos_t, grp_t)
+        # An input with a recipe is not kept: the backward rebuilds it (the same values, so the same gradients)
+        ctx.rebuild = [_rebuildable(g, u, r) for g, u, r in zip(given, (q, k, v), recipes, strict=True)]
+        kept = [None if rebuild is not None else t for t, rebuild in zip((q, k, v), ctx.rebuild, strict=True)]
+        ctx.save_for_backward(*kept, out, lse, self_only, key_ok, pos_t, grp_t)
         ctx.meta = (w, hops, scale, flags)
         return out, lse
 
     @staticmethod
     def backward(ctx, g_out, g_lse):
         q, k, v, out, lse, self_only, key_ok, pos_t, grp_t = ctx.saved_tensors
+        q, k, v = (t if rebuild is None else rebuild[0]().as_strided(*rebuild[1:])
+                   for t, rebuild in zip((q, k, v), ctx.rebuild, strict=True))
         w, hops, scale, flags = ctx.meta
         rows_q, H, D = q.shape
         num_windows = rows_q // w
@@ -324,7 +340,7 @@ class _FusedChunkAttention(torch.autograd.Function):
             q, k, v, g_out, dk, dv, lse, delta, self_only, key_ok, pos_t, grp_t, *common,
             dk.stride(0), dk.stride(1), H, w, hops, num_windows, num_rows, scale, D, **flags, **cfg,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def fused_chunk_attention(
@@ -339,6 +355,7 @@ def fused_chunk_attention(
     groups: torch.Tensor | None = None,
     exclude_self: bool = False,
     scale: float,
+    recipes: tuple[Callable[[], torch.Tensor] | None, ...] = (None, None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every chunk of query rows to its window of ``hops`` chunks of key rows.
 
@@ -352,6 +369,9 @@ def fused_chunk_attention(
         groups: optional (R,) int -- keys must share the query's group (strict-causal layout).
         exclude_self: a query sees its own key only when it has no other allowed key.
         scale: multiplies q.k (pass 1.0 when the scale is already folded into q).
+        recipes: for q_rows, k_rows, v_rows, None or a function that recomputes the tensor (any view of memory laid
+            out as the argument's is): the backward calls it instead of keeping the argument from the forward
+            (issue #35 §2: rows gathered per hashing round are cheap to gather again). The gradients are the same.
 
     Returns:
         out (W * w, H, D) in the query rows' order and lse (W * w, H) in float32 (float64 for float64
@@ -362,5 +382,8 @@ def fused_chunk_attention(
     key_ok = key_ok.to(torch.int8).contiguous()
     positions = None if positions is None else positions.to(torch.int32).contiguous()
     groups = None if groups is None else groups.to(torch.int32).contiguous()
+    if len(recipes) != 3:
+        raise ValueError(f"recipes must hold one entry (None or a function) for each of q_rows, k_rows, v_rows; "
+                         f"got {len(recipes)}")
     return _FusedChunkAttention.apply(q_rows, k_rows, v_rows, key_ok, positions, groups, chunk_size, hops,
-                                      float(scale), bool(exclude_self))
+                                      float(scale), bool(exclude_self), tuple(recipes))

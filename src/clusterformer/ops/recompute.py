@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["attach_recipe", "recipe_of", "recompute_saved"]
+__all__ = ["attach_recipe", "recipe_of", "recompute_saved", "recompute_saved_all"]
 
 _RECIPE = "_clusterformer_recipe"
 
@@ -79,6 +79,19 @@ def _outer_hooks_active() -> bool:
 
 
 @contextmanager
+def recompute_saved_all(pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor] | None]]) -> Iterator[None]:
+    """:func:`recompute_saved` for several sources at once (one pair of hooks: blocks of saved-tensor hooks do not
+    nest, an inner one replaces the outer). Pairs whose recipe is None are kept as usual; with none left, nothing
+    is installed."""
+    pairs = [(source, recipe) for source, recipe in pairs if recipe is not None]
+    if not pairs:
+        yield
+        return
+    with _recompute_block(pairs):
+        yield
+
+
+@contextmanager
 def recompute_saved(source: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Iterator[None]:
     """Inside this block, autograd keeps no tensor that shares ``source``'s memory: it keeps a recipe and calls
     ``recompute()`` (which must return a tensor equal to ``source``, laid out the same) in the backward.
@@ -95,23 +108,34 @@ def recompute_saved(source: torch.Tensor, recompute: Callable[[], torch.Tensor])
     Under saved-tensor hooks installed by the caller (``torch.utils.checkpoint``'s, say) or under ``torch.compile``
     the block does nothing: those hooks, or the compiler, decide what is kept.
     """
-    if source.numel() == 0 or torch.compiler.is_compiling() or _outer_hooks_active():
-        # An empty tensor has no memory to save (and its address may be any other's). Under torch.compile the
-        # compiler's partitioner decides what to keep and what to recompute (and the hooks would break its graph).
-        # Under hooks of the caller's (torch.utils.checkpoint, offloading to the CPU) the innermost hooks would
-        # replace the caller's for every tensor saved in this block, so the block leaves the saving to them.
+    with _recompute_block([(source, recompute)]):
+        yield
+
+
+@contextmanager
+def _recompute_block(pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> Iterator[None]:
+    if torch.compiler.is_compiling() or _outer_hooks_active():
+        # Under torch.compile the compiler's partitioner decides what to keep and what to recompute (and the hooks
+        # would break its graph). Under hooks of the caller's (torch.utils.checkpoint, offloading to the CPU) the
+        # innermost hooks would replace the caller's for every tensor saved in this block, so the block leaves the
+        # saving to them.
         yield
         return
-    # Only the address and the device: autograd keeps the hooks with every saved tensor, so a hook that referred
-    # to ``source`` itself would keep it alive as long as the graph, the very thing this block is meant to avoid.
-    # The address cannot be reused inside the block, where the caller still holds ``source``.
-    storage, device = source.untyped_storage().data_ptr(), source.device
-    shared = _Shared(recompute, device.type)
+    # Only the addresses and the devices: autograd keeps the hooks with every saved tensor, so a hook that referred
+    # to a source itself would keep it alive as long as the graph, the very thing this block is meant to avoid.
+    # The addresses cannot be reused inside the block, where the caller still holds the sources. An empty tensor
+    # has no memory to save (and its address may be any other's).
+    shared = {(source.device, source.untyped_storage().data_ptr()): _Shared(recompute, source.device.type)
+              for source, recompute in pairs if source.numel()}
+    if not shared:
+        yield
+        return
 
     def pack(saved: torch.Tensor) -> torch.Tensor | _Recipe:
-        if saved.device == device and saved.untyped_storage().data_ptr() == storage:
-            shared.saved += 1
-            return _Recipe(shared, saved)
+        one = shared.get((saved.device, saved.untyped_storage().data_ptr()))
+        if one is not None:
+            one.saved += 1
+            return _Recipe(one, saved)
         return saved
 
     def unpack(packed: torch.Tensor | _Recipe) -> torch.Tensor:

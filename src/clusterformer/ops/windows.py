@@ -27,7 +27,7 @@ from ..masks import (
     self_only_when_alone,
 )
 from .layouts import ChunkLayout
-from .recompute import attach_recipe
+from .recompute import attach_recipe, recipe_of, recompute_saved_all
 
 __all__ = ["KERNELS", "use_fused_kernel", "windowed_attention", "windowed_attention_lse"]
 
@@ -150,11 +150,17 @@ def _fused_windowed(
         dtype = torch.get_autocast_dtype(q.device.type)
     else:
         dtype = torch.promote_types(torch.promote_types(q.dtype, k_rows.dtype), v_rows.dtype)
+    # Inputs that carry a recipe (rows gathered per hashing round, :func:`attach_recipe`) are rebuilt by the
+    # kernel's backward instead of kept; the casts are part of the recipe (no-ops when the dtype already matches).
+    recipes = tuple(None if (recipe := recipe_of(t)) is None else (lambda recipe=recipe: recipe().to(dtype))
+                    for t in (q, k_rows, v_rows))
+    if recipes[0] is not None:
+        recipes = ((lambda rebuild=recipes[0]: rebuild().transpose(1, 2).reshape(W * w, H, D)), *recipes[1:])
     q, k_rows, v_rows = q.to(dtype), k_rows.to(dtype), v_rows.to(dtype)
     key_ok, positions = _row_meta(layout, causal, key_padding_mask)
     out, lse = fused_chunk_attention(
         q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
-        positions=positions, groups=layout.row_group, exclude_self=exclude_self, scale=scale,
+        positions=positions, groups=layout.row_group, exclude_self=exclude_self, scale=scale, recipes=recipes,
     )
     reordered = out.index_select(0, layout.out_rows)
     if with_recipe:  # the kernel's backward keeps ``out``: a consumer of the reordered copy can rebuild it from there
@@ -233,6 +239,10 @@ def windowed_attention_lse(
     (:func:`clusterformer.masks.local_blocks`; the two halves of neural-clustering's ``local_window``). The fused
     kernel has no such predicate: ``local`` runs the explicit-score path (``kernel="fused"`` is refused).
 
+    Memory: ``q``, ``k_rows`` and ``v_rows`` that carry a recipe (:func:`clusterformer.ops.recompute.attach_recipe`)
+    are rebuilt in the backward instead of kept (both kernels). On the fused kernel the returned ``out`` carries a
+    recipe too: it is a reorder of the kernel's own saved output.
+
     Returns:
         out (blocks * N, H, D) and lse (blocks * N, H); lse is -inf for a query with no allowed key
         (its output is zero).
@@ -244,11 +254,15 @@ def windowed_attention_lse(
         kernel = "sdpa"
     if use_fused_kernel(q, dropout_p, kernel):
         out, lse = _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, exclude_self,
-                                   1.0 / math.sqrt(D) if scale is None else 1.0)
+                                   1.0 / math.sqrt(D) if scale is None else 1.0, with_recipe=True)
         return out, lse.to(q.dtype)
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
-    scores = q @ k.transpose(-1, -2)  # (W, H, w, hops w)
+    # q, k_rows, v_rows with a recipe (attach_recipe) are not kept by the products that read them: their views
+    # (the key windows are views of the rows) are rebuilt in the backward. The blocks hold only the products,
+    # which do not save their own outputs (see recompute_saved).
+    with recompute_saved_all([(q, recipe_of(q)), (k_rows, recipe_of(k_rows))]):
+        scores = q @ k.transpose(-1, -2)  # (W, H, w, hops w)
     if scale is None:
         scores = scores * (1.0 / math.sqrt(D))
     if exclude_self and not _needs_mask(layout, causal, key_padding_mask, local) and layout.hops * w > 1:
@@ -262,7 +276,8 @@ def windowed_attention_lse(
     weights, lse = _SoftmaxLSE.apply(scores, attn_mask)
     if dropout_p:
         weights = F.dropout(weights, p=dropout_p)
-    out = weights @ v
+    with recompute_saved_all([(v_rows, recipe_of(v_rows))]):
+        out = weights @ v
     if no_key is not None:
         out = out.masked_fill(no_key, 0.0)
         lse = lse.masked_fill(no_key, float("-inf"))
