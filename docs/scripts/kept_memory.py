@@ -4,35 +4,29 @@ input's bytes (issue #35 §2; docs/benchmarks.md, "Without a GPU").
     python docs/scripts/kept_memory.py 16384 full,lsh,kmeans,routing
 
 B = 1, dim 256 (4 heads of 64), float32, each mechanism's defaults (seed 1 where it needs one), on the CPU. Counted
-exactly by clusterformer.bench.memory.TensorMemoryTracker, so the figures repeat from run to run. To compare with an
+exactly by clusterformer.bench.memory.training_pass_memory, so the figures repeat from run to run. To compare with an
 older commit, run the same file with that commit's src first on PYTHONPATH.
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import torch
 
 from clusterformer.attention import build
-from clusterformer.bench.memory import TensorMemoryTracker
+from clusterformer.bench.memory import training_pass_memory
 
 
 def main(length: int, names: list[str]) -> None:
     for name in names:
         torch.manual_seed(0)
         seeded = {"seed": 1} if name in ("lsh", "clustered", "improved-clustered") else {}
-        layer = build(name, dim=256, heads=4, **seeded).train()
         x = torch.randn(1, length, 256, requires_grad=True)
-        with TensorMemoryTracker() as tracker:
-            out = layer(x)
-            gc.collect()
-            kept = tracker.current_bytes
-            out.pow(2).sum().backward()
+        kept, peak = training_pass_memory(build(name, dim=256, heads=4, **seeded), x)
         unit = x.numel() * x.element_size()
         print(f"{name:20s} N={length}: kept after forward {kept / unit:6.2f}x the input, "
-              f"tensor peak {tracker.peak_bytes / unit:6.2f}x")
+              f"tensor peak {peak / unit:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import clusterformer.attention.base as attention_base
 import clusterformer.attention.neural_clustering as neural_clustering_module
 from clusterformer.attention import build
-from clusterformer.bench.memory import TensorMemoryTracker
+from clusterformer.bench.memory import training_pass_memory
 from clusterformer.ops.recompute import recompute_saved, recompute_saved_all
 
 SEED = 20261126
@@ -124,13 +124,9 @@ def _alive_after_forward(name: str, length: int = 484, **options):
     leaves neural clustering no empty slot, so its CPU path needs no window mask (which SDPA keeps, and which the
     fused GPU kernel does not build)."""
     torch.manual_seed(SEED)
-    layer = build(name, dim=64, heads=4, **options).train()
+    layer = build(name, dim=64, heads=4, **options)
     x = torch.randn(2, length, 64, requires_grad=True)
-    with TensorMemoryTracker() as tracker:
-        out = layer(x)
-        gc.collect()
-        alive = tracker.current_bytes
-    out.pow(2).sum().backward()
+    alive, _ = training_pass_memory(layer, x)
     return alive, x.grad, x.numel() * x.element_size()
 
 

@@ -11,13 +11,14 @@ not counted. Tracking slows every op; use it for a separate, untimed pass.
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["TensorMemoryTracker"]
+__all__ = ["TensorMemoryTracker", "training_pass_memory"]
 
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -70,3 +71,16 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     else:
         return []
     return [part.untyped_storage() for part in parts]
+
+
+def training_pass_memory(layer: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """One training pass of ``layer`` on ``x`` (forward, backward of ``out.pow(2).sum()``), tracked: (bytes of the
+    tensors it created still alive after the forward -- what autograd keeps for the backward, plus the output --,
+    the most alive at once over forward and backward). The gradients are left in ``x.grad`` and the parameters'."""
+    layer.train()
+    with TensorMemoryTracker() as tracker:
+        out = layer(x)
+        gc.collect()  # a freed graph's tensors count as gone only once their storages are collected
+        kept = tracker.current_bytes
+        out.pow(2).sum().backward()
+    return kept, tracker.peak_bytes
