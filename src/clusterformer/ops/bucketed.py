@@ -112,22 +112,19 @@ def bucketed_attention(
         return attach_recipe(rows_of(t), recipe or (lambda: rows_of(t)))
 
     scale = 1.0 / math.sqrt(D)
-    # the softmax scale folded into q once per token, not once per round; rebuilt as (gathered qk) * scale, the
-    # same products (an elementwise product does not depend on the layout), from qk, which the norm keeps anyway
-    q_rows = gathered(qk * scale, lambda: rows_of(qk).mul_(scale))  # in place: the gather is a fresh tensor
-    # normalise once per token, not once per round: F.normalize's own steps, written out so that the rows can be
-    # rebuilt as (gathered qk) / (gathered norm) -- the same quotients -- keeping a norm per token, not the keys
-    norm = qk.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    k_rows = gathered(qk / norm, lambda: rows_of(qk).div_(norm.reshape(B * H * N, 1, 1).index_select(0, source)))
     W, w = layout.num_windows, layout.chunk_size
 
     def query_windows(rows: torch.Tensor) -> torch.Tensor:
         return layout.query_rows(rows).view(W, w, 1, D).transpose(1, 2)
 
-    recipe = recipe_of(q_rows)
-    q_win = query_windows(q_rows)
-    if recipe is not None:  # a view of q_rows: rebuilt from the same recipe
-        attach_recipe(q_win, lambda: query_windows(recipe()))
+    # the softmax scale folded into q once per token, not once per round; rebuilt as (gathered qk) * scale, the
+    # same products (an elementwise product does not depend on the layout), from qk, which the norm keeps anyway
+    q_win = attach_recipe(query_windows(rows_of(qk * scale)),
+                          lambda: query_windows(rows_of(qk).mul_(scale)))  # in place: the gather is a fresh tensor
+    # normalise once per token, not once per round: F.normalize's own steps, written out so that the rows can be
+    # rebuilt as (gathered qk) / (gathered norm) -- the same quotients -- keeping a norm per token, not the keys
+    norm = qk.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    k_rows = gathered(qk / norm, lambda: rows_of(qk).div_(norm.reshape(B * H * N, 1, 1).index_select(0, source)))
     out, lse = windowed_attention_lse(
         q_win, k_rows, gathered(v), layout, causal=causal, key_padding_mask=pad, exclude_self=True,
         dropout_p=dropout_p, scale=scale, kernel=kernel,

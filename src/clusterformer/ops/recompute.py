@@ -79,19 +79,6 @@ def _outer_hooks_active() -> bool:
 
 
 @contextmanager
-def recompute_saved_all(pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor] | None]]) -> Iterator[None]:
-    """:func:`recompute_saved` for several sources at once (one pair of hooks: blocks of saved-tensor hooks do not
-    nest, an inner one replaces the outer). Pairs whose recipe is None are kept as usual; with none left, nothing
-    is installed."""
-    pairs = [(source, recipe) for source, recipe in pairs if recipe is not None]
-    if not pairs:
-        yield
-        return
-    with _recompute_block(pairs):
-        yield
-
-
-@contextmanager
 def recompute_saved(source: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> Iterator[None]:
     """Inside this block, autograd keeps no tensor that shares ``source``'s memory: it keeps a recipe and calls
     ``recompute()`` (which must return a tensor equal to ``source``, laid out the same) in the backward.
@@ -108,12 +95,15 @@ def recompute_saved(source: torch.Tensor, recompute: Callable[[], torch.Tensor])
     Under saved-tensor hooks installed by the caller (``torch.utils.checkpoint``'s, say) or under ``torch.compile``
     the block does nothing: those hooks, or the compiler, decide what is kept.
     """
-    with _recompute_block([(source, recompute)]):
+    with recompute_saved_all([(source, recompute)]):
         yield
 
 
 @contextmanager
-def _recompute_block(pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> Iterator[None]:
+def recompute_saved_all(pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor] | None]]) -> Iterator[None]:
+    """:func:`recompute_saved` for several sources at once (one pair of hooks: blocks of saved-tensor hooks do not
+    nest, an inner one replaces the outer). Pairs whose recipe is None are kept as usual; with none left, nothing
+    is installed."""
     if torch.compiler.is_compiling() or _outer_hooks_active():
         # Under torch.compile the compiler's partitioner decides what to keep and what to recompute (and the hooks
         # would break its graph). Under hooks of the caller's (torch.utils.checkpoint, offloading to the CPU) the
@@ -126,7 +116,7 @@ def _recompute_block(pairs: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]
     # The addresses cannot be reused inside the block, where the caller still holds the sources. An empty tensor
     # has no memory to save (and its address may be any other's).
     shared = {(source.device, source.untyped_storage().data_ptr()): _Shared(recompute, source.device.type)
-              for source, recompute in pairs if source.numel()}
+              for source, recompute in pairs if recompute is not None and source.numel()}
     if not shared:
         yield
         return

@@ -12,6 +12,7 @@ log-sum-exp (:func:`windowed_attention_lse`, for merging hash rounds); both disp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -152,10 +153,15 @@ def _fused_windowed(
         dtype = torch.promote_types(torch.promote_types(q.dtype, k_rows.dtype), v_rows.dtype)
     # Inputs that carry a recipe (rows gathered per hashing round, :func:`attach_recipe`) are rebuilt by the
     # kernel's backward instead of kept; the casts are part of the recipe (no-ops when the dtype already matches).
-    recipes = tuple(None if (recipe := recipe_of(t)) is None else (lambda recipe=recipe: recipe().to(dtype))
-                    for t in (q, k_rows, v_rows))
-    if recipes[0] is not None:
-        recipes = ((lambda rebuild=recipes[0]: rebuild().transpose(1, 2).reshape(W * w, H, D)), *recipes[1:])
+    def cast(t: torch.Tensor, as_query_rows: bool = False) -> Callable[[], torch.Tensor] | None:
+        recipe = recipe_of(t)
+        if recipe is None:
+            return None
+        if as_query_rows:  # q reaches the kernel as rows
+            return lambda: recipe().to(dtype).transpose(1, 2).reshape(W * w, H, D)
+        return lambda: recipe().to(dtype)
+
+    recipes = (cast(q, as_query_rows=True), cast(k_rows), cast(v_rows))
     q, k_rows, v_rows = q.to(dtype), k_rows.to(dtype), v_rows.to(dtype)
     key_ok, positions = _row_meta(layout, causal, key_padding_mask)
     out, lse = fused_chunk_attention(
