@@ -229,7 +229,7 @@ def test_bench_attention_compiles_the_layer_when_asked(tmp_path, capsys):
 def test_a_compiled_layer_steps_as_the_plain_one(name):
     """torch.compile (bench attention --compile) traced by Dynamo without a compiler ('eager', so CI runs it): the
     same outputs and gradients, bit for bit, as the uncompiled layer in float64, through the recomputation's hooks
-    and recipes. The compiling modes are timed on a GPU (docs/scripts/gpu_issue35.sh, stage compile)."""
+    and recipes. The compiling modes are timed on a GPU (docs/scripts/gpu_checks.sh, stage compile)."""
     results = []
     for compiled in (False, True):
         torch.manual_seed(11)

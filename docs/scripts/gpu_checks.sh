@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# Issue #35's device checks in one call (docs/benchmarks.md, "CUDA graphs"): run from the repository root on a
+# The GPU checks in one call (docs/speed-and-memory.md, GPU section): run from the repository root on a
 # machine with one CUDA GPU, the image's python3 holding torch and triton, the package from src/.
-#   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_issue35.sh [STAGE ...]
+#   OUT=/some/dir DATA=.gpu-data bash docs/scripts/gpu_checks.sh [STAGE ...]
 # Stages (default: all, in this order): bench32k tests bench128k decode imdb; also compile (COMPILE_MODES) and news
 # (20NEWS-1500, the CPU grid's configuration: NEWS, NEWS_SEEDS, NEWS_LIMIT), decoderef (bench decode --references at
-# two shapes) and mlm (issue #34's masked-LM grids at 512 and 2,048 tokens: MLM512, MLM2048, MLM_STEPS, MLM_LIMIT; DATA
-# also needs tinyshakespeare/ and wikitext-2/), not in the default. The second call of
-# 2026-11-26 ran `NAMES32K=neural-clustering,kmeans,routing,cluster-select IMDB="sliding-window full" IMDB_LIMIT=200
-# ... bench32k tests imdb`; its decode stage ran before `--cuda-graph` existed (eager only, full and
-# neural-clustering). DATA holds imdb/ and 20news/ (copies of ../shared/data's) for the training-time runs. Each stage
+# two shapes) and mlm (the masked-LM grids at 512 and 2,048 tokens: MLM512, MLM2048, MLM_STEPS, MLM_LIMIT; DATA
+# also needs tinyshakespeare/ and wikitext-2/), not in the default.
+# DATA holds imdb/ and 20news/ (copies of ../shared/data's) for the training-time runs. Each stage
 # has its own time limit, so one slow stage cannot starve the rest; everything lands in /tmp/gpu and is packed into
 # $OUT/gpu.tgz after every stage (what finished comes back even if the call is cut off).
 set -u
@@ -94,7 +92,7 @@ decoderef)
         --batch 4 --heads 32 --names "${DECODE_NAMES:-full,neural-clustering,sliding-window}" \
         --contexts 16384,65536 --json $W/decode-ref-b4h32.json 2>&1 | tee $W/decode-ref-b4h32.log ;;
 mlm)
-    stage "masked-LM pretraining (issue #34): $MLM512 at 512 tokens and $MLM2048 at 2,048, all at once"
+    stage "masked-LM pretraining: $MLM512 at 512 tokens and $MLM2048 at 2,048, all at once"
     # Same model and tokens per step at both lengths (16,384: 32 x 512, 8 x 2,048); every run of both grids shares
     # the GPU and the 16 cores at once, so their s / step are not clean timings.
     for spec in "512 32 $MLM512" "2048 8 $MLM2048"; do

@@ -1,11 +1,13 @@
-"""Issue #33 section 2 (the typed mask, AttentionMask) and section 3 (the training configuration in parts), before
-against after: CPU time (time.process_time, one thread) of the code paths the mask reaches, so that other processes sharing the machine change the timings less than wall time would. Run with
-PYTHONPATH pointing at one checkout's src/; prints one JSON record per measurement.
+"""CPU time of the library's hot paths (every mechanism's layer, causal and not, and the decoding steps), for a
+before/after comparison of a change: run it alternately on two checkouts, each a fresh process, so that other
+processes sharing the machine change the timings less than wall time would (time.process_time, one thread).
+Prints one JSON record per measurement; ``cpu_time_ab_summary.py`` turns the records into a table.
 
-    PYTHONPATH=<checkout>/src OMP_NUM_THREADS=1 python cpu_time_ab.py LABEL
-    ONLY="sliding-window@1024,cluster-select@1024" ...   # only these non-causal layers (a re-check)
+    PYTHONPATH=<checkout>/src OMP_NUM_THREADS=1 python docs/scripts/cpu_time_ab.py LABEL >> records.jsonl
+    ONLY="sliding-window@1024,cluster-select@1024" ...   # only these non-causal layers
     ONLY=decode ...                                       # only the decode steps
 """
+# ruff: noqa: B023 -- each closure is timed inside the iteration that defines it
 
 import json
 import os

@@ -1,5 +1,9 @@
-"""Median CPU ms per measurement and label over the interleaved rounds of records.jsonl, the ratio after / before,
-and whether the two sides' ranges over the rounds overlap (within noise) -- printed as a Markdown table."""
+"""Median CPU ms per measurement and label over the interleaved rounds of a records.jsonl written by
+``cpu_time_ab.py`` (labels ``before`` and ``after``), the ratio after / before, and whether the two sides' ranges over
+the rounds overlap (within noise) -- printed as a Markdown table.
+
+    python docs/scripts/cpu_time_ab_summary.py results/speed/guarantees-cost/typed-mask/records.jsonl
+"""
 
 import collections
 import json
@@ -7,12 +11,13 @@ import statistics
 import sys
 from pathlib import Path
 
-records = [json.loads(line) for line in (Path(__file__).parent / "records.jsonl").read_text().splitlines()]
+records = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines()]
 times = collections.defaultdict(lambda: collections.defaultdict(list))
 for r in records:
     times[r["what"]][r["label"]].append(r["cpu_ms"])
 rounds = len({r["round"] for r in records})
-print(f"| measurement ({rounds} interleaved rounds; CPU ms, median (min-max)) | before | after | after / before | ranges overlap |")
+print(f"| measurement ({rounds} interleaved rounds; CPU ms, median (min-max)) | before | after | after / before "
+      "| ranges overlap |")
 print("|---|---|---|---|---|")
 for what, sides in times.items():
     b, a = sides["before"], sides["after"]
