@@ -44,3 +44,73 @@ def plot_attention_benchmark(records: list[dict], path: str | Path, title: str |
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _pareto_front(points: list[tuple[float, float]], higher: bool) -> list[tuple[float, float]]:
+    """The points no other point beats on both time (lower) and score (``higher`` or lower is better), by time."""
+    front, best = [], None
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1] if higher else p[1])):
+        if best is None or (y > best if higher else y < best):
+            front.append((x, y))
+            best = y
+    return front
+
+
+def plot_pareto(grids: list[tuple[str, dict]], path: str | Path, title: str | None = None) -> Path:
+    """Score against training-step time relative to full attention's in the same grid (every entry of a grid runs
+    the same steps per epoch, so the ratio of times per epoch is the ratio of step times), one panel per task over
+    every grid that ran it: one colour per mechanism, one marker per grid, the seeds' scores as small dots and their
+    mean ± std, and the Pareto front (no other entry both faster and better) as a dashed line. ``grids``: (name,
+    comparison summary) pairs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise RuntimeError("plotting needs matplotlib: pip install 'clusterformer[plot]'") from exc
+
+    panels: dict[str, list[tuple[str, str, dict, dict]]] = {}  # task -> (grid, entry, row, block)
+    for grid, summary in grids:
+        for task, block in summary["tasks"].items():
+            for label, row in block["mechanisms"].items():
+                if row.get("time_vs_full") is not None:
+                    panels.setdefault(task, []).append((grid, label, row, block))
+    if not panels:
+        raise ValueError("pareto: no entry with a time relative to full attention (grids without full?)")
+    entries = {label: info for _, summary in grids for label, info in (summary.get("entries") or {}).items()}
+    mechanisms = sorted({entries.get(label, {}).get("attention", label) for rows in panels.values()
+                         for _, label, _, _ in rows})
+    colors = {m: f"C{i % 10}" for i, m in enumerate(mechanisms)}
+    markers = {grid: "osD^v<>pPhX*"[i % 12] for i, (grid, _) in enumerate(grids)}
+    cols = min(3, len(panels))
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 4.0 * nrows), squeeze=False)
+    for ax, (task, rows) in zip(axes.flat, panels.items(), strict=False):
+        higher = rows[0][3].get("better", "higher") == "higher"
+        for grid, label, row, _ in rows:
+            x, color = row["time_vs_full"], colors[entries.get(label, {}).get("attention", label)]
+            scores = list((row.get("scores") or {}).values())
+            ax.scatter([x] * len(scores), scores, s=8, color=color, alpha=0.4, linewidths=0)
+            ax.errorbar([x], [row["mean"]], yerr=[row["std"]], fmt=markers[grid], color=color, ms=6, capsize=2)
+        front = _pareto_front([(row["time_vs_full"], row["mean"]) for _, _, row, _ in rows], higher)
+        ax.plot(*zip(*front, strict=True), "--", color="gray", lw=1, zorder=0)
+        ax.set_xscale("log")
+        ax.set_title(task, fontsize=10)
+        ax.set_xlabel("training-step time / full attention's", fontsize=8)
+        ax.set_ylabel(f"{rows[0][3]['metric']} ({'higher' if higher else 'lower'} is better)", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles = [plt.Line2D([], [], marker="o", linestyle="", color=colors[m], label=m) for m in mechanisms]
+    handles += [plt.Line2D([], [], marker=markers[g], linestyle="", color="black", label=g) for g, _ in grids]
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    return path
