@@ -1,5 +1,5 @@
-"""The recall tasks' generators (MQAR, passkey, histogram): answers re-derived by independent readers, per-sequence
-seeds, gap distributions, bad options; and ``train --task mqar|passkey|histogram`` through the CLI."""
+"""The recall tasks' generators (MQAR, passkey, histogram, multivalue, maxvalue): answers re-derived by independent
+readers, per-sequence seeds, gap distributions, bad options; and ``train --task ...`` through the CLI."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from clusterformer.cli import main
 from clusterformer.data.recall import (
     HistogramSpec,
     MQARSpec,
+    MultiValueSpec,
     PasskeySpec,
     generate_recall,
     read_histogram,
     read_mqar,
+    read_multivalue,
     read_passkey,
 )
 
@@ -111,6 +113,55 @@ def test_histogram_occurrences_are_spread():
     assert spread[big].float().mean() > spec.context / 2
 
 
+@pytest.mark.parametrize("spec", [MultiValueSpec(length=301, aggregate="majority", max_count=5, num_queries=9,
+                                                 values=4, vocab_size=200),
+                                  MultiValueSpec(length=300, aggregate="max", max_count=5, num_queries=9, values=6,
+                                                 vocab_size=200),
+                                  MultiValueSpec(length=120, aggregate="majority", max_count=4, num_queries=5,
+                                                 values=3, vocab_size=24),  # 14 keys for 56 pairs: counts raised
+                                  MultiValueSpec(length=1024, aggregate="max")])
+def test_multivalue_answers_match_an_independent_reader(spec):
+    """Each query's label is the majority (or the largest) of the values its key's pairs carry, read back from the
+    tokens alone; its sources are exactly those values' positions; each key has 1..C pairs; every answer occurs."""
+    batch = generate_recall(spec, seed=4, split="test", start=0, count=24)
+    assert batch.sources.shape == batch.source_mask.shape == (24, spec.num_queries, spec.max_count)
+    separator = spec.length - spec.num_queries - 1
+    answers = []
+    for b in range(24):
+        tokens = batch.ids[b].tolist()
+        labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
+        assert read_multivalue(tokens, spec) == labelled and len(labelled) == spec.num_queries
+        assert tokens[0] == MultiValueSpec.BOS and tokens[separator] == MultiValueSpec.SEPARATOR
+        assert tokens.count(MultiValueSpec.SEPARATOR) == 1 and tokens.count(MultiValueSpec.BOS) == 1
+        keys = [t for t in tokens[1:separator:2] if t != MultiValueSpec.FILLER]
+        assert min(keys) >= spec.first_key and max(keys) < spec.vocab_size
+        counts = {k: keys.count(k) for k in set(keys)}
+        assert min(counts.values()) >= 1 and max(counts.values()) <= spec.max_count
+        values = tokens[2:separator:2]
+        assert all(spec.FIRST_VALUE <= v < spec.first_key for v in values)
+        assert len(set(tokens[separator + 1:])) == spec.num_queries
+        for m, q in enumerate(batch.queries[b].tolist()):
+            real = batch.sources[b, m][batch.source_mask[b, m]].tolist()
+            assert sorted(real) == [p for p in range(2, separator, 2) if tokens[p - 1] == tokens[q]]
+        answers += labelled.values()
+    assert set(answers) == set(range(spec.values))  # every value is an answer
+
+
+def test_multivalue_needs_every_pair():
+    """The answer is not readable from one pair: for keys with 3 or more pairs, a single pair's value (the first
+    in the context) disagrees with the answer often, and the pairs are spread over the context."""
+    for aggregate in ("majority", "max"):
+        spec = MultiValueSpec(length=1024, aggregate=aggregate)
+        batch = generate_recall(spec, seed=0, split="test", start=0, count=16)
+        many = batch.source_mask.sum(-1) >= 3
+        first_value = batch.ids.gather(1, batch.sources[..., 0]) - spec.FIRST_VALUE
+        answer = batch.targets.gather(1, batch.queries)
+        assert (first_value != answer)[many].float().mean() > 0.2
+        real = batch.sources.masked_fill(~batch.source_mask, 10**6)
+        spread = batch.sources.masked_fill(~batch.source_mask, -1).amax(-1) - real.amin(-1)
+        assert spread[many].float().mean() > spec.length / 3
+
+
 def test_each_sequence_has_its_own_seed():
     spec = MQARSpec(length=64, num_pairs=4, vocab_size=64)
     whole = generate_recall(spec, seed=0, split="test", start=0, count=10)
@@ -147,6 +198,10 @@ def test_gap_distributions():
     (HistogramSpec, {"labels": "all"}, "labels"),
     (HistogramSpec, {"vocab_size": 100, "max_count": 8}, "vocab_size"),  # 98 types x 8 < 990 context tokens
     (HistogramSpec, {"prefix": True}, "prefix"),
+    (MultiValueSpec, {"aggregate": "mean"}, "aggregate"),
+    (MultiValueSpec, {"values": 1}, "values"),
+    (MultiValueSpec, {"length": 100, "num_queries": 8, "max_count": 8}, "length"),
+    (MultiValueSpec, {"vocab_size": 60}, "vocab_size"),  # 48 keys x 8 pairs < 495 pairs
 ])
 def test_bad_specs_name_the_option(kind, options, match):
     with pytest.raises(ValueError, match=match):
@@ -166,6 +221,23 @@ def test_train_histogram_through_the_cli(tmp_path, form):
     for layer in m["key_recall"].values():  # the share of the needed keys seen; all of them: a smaller share
         assert 0 <= layer["key_coverage_all"] <= layer["key_coverage"] <= layer["key_coverage_best_head"] <= 1
         assert layer["key_coverage"] <= layer["key_recall"]  # seeing some of them is at least seeing all
+    assert main(["eval", "--checkpoint", str(out)]) == 0
+
+
+@pytest.mark.parametrize(("task", "form"), [("multivalue", "causal"), ("maxvalue", "bidirectional")])
+def test_train_multivalue_through_the_cli(tmp_path, task, form):
+    out = tmp_path / "run"
+    options = {"form": form, "num_queries": 3, "max_count": 4, "values": 5, "vocab_size": 64, "test_sequences": 8,
+               "recall_sequences": 4}
+    assert main(["train", "--task", task, "--attention", "cluster-select", "--max-len", "64", "--task-options",
+                 json.dumps(options), "--limit", "32", "--max-steps", "2", "--batch-size", "8", "--dim", "32",
+                 "--out", str(out), "--no-progress"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    m = metrics["metrics"]
+    assert m["test_queries"] == 8 * 3 and 0 <= m["accuracy"] <= 1
+    assert metrics["task"] == task
+    for layer in m["key_recall"].values():
+        assert 0 <= layer["key_coverage_all"] <= layer["key_coverage"] <= 1
     assert main(["eval", "--checkpoint", str(out)]) == 0
 
 

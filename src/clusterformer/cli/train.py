@@ -14,11 +14,11 @@ from ._args import json_object, log, mechanism_spec, spec_options
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train on a task (see docs/results.md); works under torchrun too")
     p.add_argument("--task", required=True, help="mr, cr, subj, mpqa, 20news, imdb, wikiqa, listops, shakespeare-char, "
-                   "multi30k (De->En translation), text-classification, mqar, passkey, histogram (recall tasks), "
-                   "mlm (masked-language-model pretraining)")
+                   "multi30k (De->En translation), text-classification, mqar, passkey (recall), histogram, "
+                   "multivalue, maxvalue (aggregation), mlm (masked-language-model pretraining)")
     p.add_argument("--task-options", default=None,
-                   help="mqar, passkey, histogram: options as JSON -- form (causal|bidirectional), num_pairs, "
-                        "vocab_size, gap (uniform|power), power_a, digits, max_count, num_queries, min_gap, "
+                   help="recall and aggregation tasks: options as JSON -- form (causal|bidirectional), num_pairs, "
+                        "vocab_size, gap (uniform|power), power_a, digits, max_count, num_queries, values, min_gap, "
                         "test_sequences, far, recall_sequences "
                         "(clusterformer.train.recall.RecallOptions); the length is --max-len. mlm: corpus (a list "
                         "among imdb, 20news, shakespeare), mask_prob, nsp, eval_windows (clusterformer.train.mlm)")

@@ -40,6 +40,27 @@ distance can answer it. Both are token-level tasks: a label at each query positi
   of Q: full attention learned that form at N = 128 where the end queries alone stayed at chance at N = 256
   (docs/results.md, eighteenth session).
 
+* **Multi-value recall**, two aggregation tasks over key-value pairs (MQAR's pairs, with each key repeated): a
+  context of pairs ``k v`` in which a key appears with ``1..max_count`` values, its pairs scattered uniformly over
+  the context, then a separator and ``num_queries`` distinct keys of the context. Values are ``values`` ordered
+  tokens ``0..V-1``. The label at a query depends on *every* value of its key:
+
+  - ``multivalue``: the key's **majority value**. One value holds a strict majority of the key's pairs (``c // 2 +
+    1`` of its ``c``), the others are drawn from the rest; the majority value is uniform over the V values, so
+    chance is 1 / V, and a reader that sees only some of the key's pairs is right less often.
+  - ``maxvalue``: the **largest value** among the key's pairs (a selection by the values' order inside a group
+    chosen by content). The largest is uniform over the V values; the key's other values are uniform below or
+    equal to it, so the query must find the one pair that holds it among the key's pairs.
+
+  ::
+
+      position  0    1   2   3   4  ...  N-Q-1  N-Q  ...
+      token     BOS  k7  v2  k3  v0 ...  SEP    k7   ...       label at N-Q: f(values of k7's pairs)
+
+  As in the histogram, a query's needed keys are spread over the sequence and share one content (its key), so
+  contiguous pages need many pages to hold them and random groups mix them with other keys, while a group of the
+  key's own pairs holds them all. ``sources`` are the positions of the key's value tokens.
+
 Forms. The same sequences serve a **causal** model (the paper's language-model form: the label sits at the query
 token, and nothing after it is needed) and a **bidirectional** encoder that predicts the label at each query
 position. Accuracy counts query positions only.
@@ -50,7 +71,9 @@ so any sequence of a test set can be regenerated alone, and the training stream 
 Vocabulary (token 0 is padding and never appears): histogram: BOS ``1`` (the first token, the anchor against which
 a count is read), separator ``2``, types ``[3, vocab_size)``. MQAR keys ``[1, 1 + K)``,
 values ``[1 + K, 1 + 2K)``, noise ``[1 + 2K, vocab_size)`` with ``K = (vocab_size - 1 - noise) // 2`` and ``noise =
-vocab_size // 4``. Passkey: digits ``1..10``, marker ``11``, question ``12``, slots ``13..12+m``, noise the rest.
+vocab_size // 4``. Multi-value: BOS ``1``, separator ``2``, a filler ``3`` (one, when the context is odd),
+values ``[4, 4 + V)``, keys ``[4 + V, vocab_size)``. Passkey: digits ``1..10``, marker ``11``, question ``12``,
+slots ``13..12+m``, noise the rest.
 
 Each generated batch also gives, for every query, the position of the token that holds its answer (``sources``:
 MQAR's value, the passkey's digit; the histogram's every occurrence, ``source_mask`` marking the real ones), which
@@ -66,12 +89,14 @@ import torch
 
 from .._checks import check_choice, check_float, check_int
 
-__all__ = ["GAPS", "HISTOGRAM_LABELS", "RECALL_TASKS", "SPLITS", "HistogramSpec", "MQARSpec", "PasskeySpec",
-           "RecallBatch", "generate_recall", "read_histogram", "read_mqar", "read_passkey"]
+__all__ = ["AGGREGATES", "GAPS", "HISTOGRAM_LABELS", "RECALL_TASKS", "SPLITS", "HistogramSpec", "MQARSpec",
+           "MultiValueSpec", "PasskeySpec", "RecallBatch", "generate_recall", "read_histogram", "read_mqar",
+           "read_multivalue", "read_passkey"]
 
 GAPS = ("uniform", "power")
 SPLITS = {"train": 0, "test": 1}
-RECALL_TASKS = ("mqar", "passkey", "histogram")
+RECALL_TASKS = ("mqar", "passkey", "histogram", "multivalue", "maxvalue")
+AGGREGATES = {"multivalue": "majority", "maxvalue": "max"}  # a multi-value task's name -> how it aggregates
 HISTOGRAM_LABELS = ("queries", "every")
 IGNORE = -100
 
@@ -215,6 +240,57 @@ class HistogramSpec:
         return self.vocab_size - self.FIRST_TYPE
 
 
+@dataclass(frozen=True)
+class MultiValueSpec:
+    """The shape of a multi-value sequence (tasks ``multivalue`` and ``maxvalue``).
+
+    Attributes:
+        length: tokens per sequence N: BOS, a context of pairs (and a filler when it is odd), the separator, the
+            queries.
+        aggregate: "majority" (the key's majority value; task ``multivalue``) or "max" (its largest; ``maxvalue``).
+        max_count: C, the most pairs a key has; each key of the context has 1..C (uniformly, unless the keys are
+            too few to fill the context).
+        num_queries: queries Q, distinct keys of the context.
+        values: V, the value tokens; the answer is one of them (chance 1 / V).
+        vocab_size: tokens including padding, BOS, separator and filler; keys are ``[4 + V, vocab_size)``, at least
+            (pairs) / C of them, so that the context can be filled.
+    """
+
+    length: int = 1024
+    aggregate: str = "majority"
+    max_count: int = 8
+    num_queries: int = 32
+    values: int = 8
+    vocab_size: int = 1024
+
+    BOS = 1
+    SEPARATOR = 2
+    FILLER = 3
+    FIRST_VALUE = 4
+
+    def __post_init__(self) -> None:
+        check_choice("aggregate", self.aggregate, tuple(AGGREGATES.values()))
+        check_int("max_count", self.max_count, minimum=1)
+        check_int("num_queries", self.num_queries, minimum=1)
+        check_int("values", self.values, minimum=2)
+        check_int("length", self.length, minimum=2 * self.num_queries * self.max_count + self.num_queries + 2)
+        check_int("vocab_size", self.vocab_size,
+                  minimum=self.first_key + max(self.num_queries, -(-self.pairs // self.max_count)))
+
+    @property
+    def first_key(self) -> int:
+        return self.FIRST_VALUE + self.values
+
+    @property
+    def pairs(self) -> int:
+        """Key-value pairs in the context."""
+        return (self.length - self.num_queries - 2) // 2
+
+    @property
+    def keys(self) -> int:
+        return self.vocab_size - self.first_key
+
+
 @dataclass
 class RecallBatch:
     """Sequences of a recall task.
@@ -269,23 +345,58 @@ def _passkey_one(spec: PasskeySpec, rng: np.random.Generator) -> tuple[np.ndarra
     return tokens, queries, digits, depth + 1 + np.arange(m)
 
 
+def _fill_counts(rng: np.random.Generator, kinds: int, most: int, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts in 1..``most`` for kinds drawn in a random order until they sum to ``total`` (the last one cut to what
+    is left, still >= 1); a shortfall when every kind is used is spread over the kinds' room below ``most``.
+    Returns (the kinds used, in their drawn order; their counts)."""
+    order = rng.permutation(kinds)
+    counts = rng.integers(1, most + 1, size=kinds)
+    ends = np.cumsum(counts)
+    used = min(int(np.searchsorted(ends, total)) + 1, kinds)  # kinds needed to reach the total
+    counts = counts[:used].copy()
+    counts[-1] -= max(0, int(ends[used - 1]) - total)
+    if counts.sum() < total:  # every kind used: raise counts, one unit of room at a time, without passing `most`
+        room = np.repeat(np.arange(used), most - counts)
+        counts += np.bincount(rng.choice(room, size=total - int(counts.sum()), replace=False), minlength=used)
+    return order[:used], counts
+
+
+def _multivalue_one(spec: MultiValueSpec, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    P, Q, C, V = spec.pairs, spec.num_queries, spec.max_count, spec.values
+    keys, counts = _fill_counts(rng, spec.keys, C, P)
+    answer = rng.integers(0, V, size=len(keys))  # each key's answer, uniform over the values
+    owner = np.repeat(np.arange(len(keys)), counts)  # the key of each pair, grouped by key
+    rank = np.arange(P) - np.repeat(np.cumsum(counts) - counts, counts)  # the pair's index within its key
+    if spec.aggregate == "majority":  # the first c // 2 + 1 pairs of a key hold its answer, the rest another value
+        other = (answer[owner] + rng.integers(1, V, size=P)) % V
+        value = np.where(rank <= counts[owner] // 2, answer[owner], other)
+    else:  # the first pair holds the largest, the rest are uniform in 0..largest
+        value = np.where(rank == 0, answer[owner], np.floor(rng.random(P) * (answer[owner] + 1)).astype(np.int64))
+    shuffle = rng.permutation(P)  # scatters each key's pairs uniformly over the context
+    owner, value = owner[shuffle], value[shuffle]
+    context = np.empty(2 * P, dtype=np.int64)
+    context[0::2], context[1::2] = spec.first_key + keys[owner], MultiValueSpec.FIRST_VALUE + value
+    filler = [MultiValueSpec.FILLER] * (spec.length - Q - 2 - 2 * P)
+    asked = rng.choice(len(keys), size=Q, replace=False)
+    tokens = np.concatenate([[MultiValueSpec.BOS], context, filler, [MultiValueSpec.SEPARATOR],
+                             spec.first_key + keys[asked]]).astype(np.int64)
+    queries = spec.length - Q + np.arange(Q)
+    # sources: the positions of each asked key's value tokens (1 + 2 j + 1 for pair j), padded with the first
+    by_owner = np.argsort(owner, kind="stable")  # pairs grouped by key, in context order
+    start = np.cumsum(np.bincount(owner, minlength=len(keys))) - counts
+    valid = np.arange(C)[None, :] < counts[asked][:, None]
+    pair = by_owner[start[asked][:, None] + np.where(valid, np.arange(C)[None, :], 0)]
+    return tokens, queries, answer[asked], 2 + 2 * pair, valid
+
+
 def _histogram_one(spec: HistogramSpec, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     L, Q, C = spec.context, spec.num_queries, spec.max_count
-    # Every type draws a count in 1..C; types in a random order take the context until it is full (the last one
-    # cut to what is left, still >= 1). A vocabulary too small to fill it this way gets the shortfall spread
-    # over the types' room below C. Shuffling the multiset scatters each type's occurrences uniformly.
-    order = rng.permutation(spec.types)
-    counts = rng.integers(1, C + 1, size=spec.types)
-    ends = np.cumsum(counts)
-    used = min(int(np.searchsorted(ends, L)) + 1, spec.types)  # types needed to reach L tokens
-    counts = counts[:used].copy()
-    counts[-1] -= max(0, int(ends[used - 1]) - L)
-    if counts.sum() < L:  # every type used: raise counts, one unit of room at a time, without passing C
-        room = np.repeat(np.arange(used), C - counts)
-        counts += np.bincount(rng.choice(room, size=L - int(counts.sum()), replace=False), minlength=used)
-    context = rng.permutation(np.repeat(HistogramSpec.FIRST_TYPE + order[:used], counts))
-    asked = rng.choice(used, size=Q, replace=False)
-    query_types = HistogramSpec.FIRST_TYPE + order[asked]
+    # Every type draws a count in 1..C until the context is full; shuffling the multiset scatters each type's
+    # occurrences uniformly.
+    types, counts = _fill_counts(rng, spec.types, C, L)
+    context = rng.permutation(np.repeat(HistogramSpec.FIRST_TYPE + types, counts))
+    asked = rng.choice(len(types), size=Q, replace=False)
+    query_types = HistogramSpec.FIRST_TYPE + types[asked]
     tokens = np.concatenate([[HistogramSpec.BOS], context, [HistogramSpec.SEPARATOR], query_types])
     # Each type's positions, in order, from one stable sort: a query's needed keys are the first `answers` of its
     # type's run (O(N log N), where comparing every position with every other would be O(N^2) per sequence).
@@ -306,14 +417,14 @@ def _histogram_one(spec: HistogramSpec, rng: np.random.Generator) -> tuple[np.nd
     return tokens, queries, answers, sources, valid
 
 
-def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec, seed: int, split: str, start: int,
-                    count: int) -> RecallBatch:
+def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec | MultiValueSpec, seed: int, split: str,
+                    start: int, count: int) -> RecallBatch:
     """Sequences ``start .. start + count - 1`` of ``split`` ("train" or "test"), each from its own seed."""
     check_choice("split", split, tuple(SPLITS))
     check_int("start", start, minimum=0)
     check_int("count", count, minimum=0)
-    if isinstance(spec, HistogramSpec):
-        return _histogram_batch(spec, seed, split, start, count)
+    if isinstance(spec, HistogramSpec | MultiValueSpec):
+        return _spread_batch(spec, seed, split, start, count)
     one = _mqar_one if isinstance(spec, MQARSpec) else _passkey_one
     # One generator per sequence: data generation, a loop over the examples of a batch, not a hot path.
     rows = [one(spec, _rng(seed, split, start + i)) for i in range(count)]
@@ -330,9 +441,14 @@ def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec, seed: int, spl
     return RecallBatch(ids, targets, queries, sources)
 
 
-def _histogram_batch(spec: HistogramSpec, seed: int, split: str, start: int, count: int) -> RecallBatch:
-    Q, C = spec.num_queries if spec.labels == "queries" else spec.length - 2, spec.needed
-    rows = [_histogram_one(spec, _rng(seed, split, start + i)) for i in range(count)]  # data, not a hot path
+def _spread_batch(spec: HistogramSpec | MultiValueSpec, seed: int, split: str, start: int, count: int
+                  ) -> RecallBatch:
+    """The tasks whose query needs several tokens (``sources`` (n, Q, S) with ``source_mask``)."""
+    if isinstance(spec, MultiValueSpec):
+        Q, C, one = spec.num_queries, spec.max_count, _multivalue_one
+    else:
+        Q, C, one = spec.num_queries if spec.labels == "queries" else spec.length - 2, spec.needed, _histogram_one
+    rows = [one(spec, _rng(seed, split, start + i)) for i in range(count)]  # data, not a hot path
     if not rows:
         return RecallBatch(torch.zeros(0, spec.length, dtype=torch.long), torch.zeros(0, spec.length, dtype=torch.long),
                            torch.zeros(0, Q, dtype=torch.long), torch.zeros(0, Q, C, dtype=torch.long),
@@ -353,6 +469,25 @@ def read_histogram(tokens: list[int], labels: str = "queries", prefix: bool = Fa
         return {separator + 1 + i: context.count(token) for i, token in enumerate(tokens[separator + 1:])}
     return {position: (tokens[:position + 1] if prefix else tokens).count(token)
             for position, token in enumerate(tokens) if token not in (HistogramSpec.BOS, HistogramSpec.SEPARATOR)}
+
+
+def read_multivalue(tokens: list[int], spec: MultiValueSpec) -> dict[int, int]:
+    """An independent reader: {query position: answer}. A query is a token after the separator; its answer is the
+    majority (``aggregate="majority"``) or the largest (``"max"``) of the values (token - 4) that follow its
+    occurrences as a key in the context."""
+    separator = tokens.index(MultiValueSpec.SEPARATOR)
+    found: dict[int, list[int]] = {}
+    for position in range(1, separator - 1, 2):  # pairs sit at 1, 3, 5, ...: the key, then its value
+        if tokens[position] != MultiValueSpec.FILLER:
+            found.setdefault(tokens[position], []).append(tokens[position + 1] - MultiValueSpec.FIRST_VALUE)
+    answers = {}
+    for position in range(separator + 1, len(tokens)):
+        values = found[tokens[position]]
+        if spec.aggregate == "max":
+            answers[position] = max(values)
+        else:
+            answers[position] = next(v for v in set(values) if 2 * values.count(v) > len(values))
+    return answers
 
 
 def read_mqar(tokens: list[int], spec: MQARSpec) -> dict[int, int]:

@@ -1,5 +1,6 @@
-"""The recall tasks of ``clusterformer train``: ``--task mqar``, ``--task passkey``, ``--task histogram``
-(:mod:`clusterformer.data.recall`).
+"""The recall and aggregation tasks of ``clusterformer train``: ``--task mqar``, ``--task passkey``, and the tasks whose
+query needs many scattered tokens of one content, ``--task histogram``, ``--task multivalue`` (a key's majority
+value) and ``--task maxvalue`` (its largest value) (:mod:`clusterformer.data.recall`).
 
 A token-level task: the model (:class:`clusterformer.models.TokenClassifier`, causal or bidirectional by ``form``)
 gives logits over the vocabulary at every position; the loss and the accuracy count query positions only.
@@ -36,7 +37,17 @@ from torch import nn
 
 from .._checks import check_choice, check_int, check_options
 from ..attention.diagnostics import key_recall
-from ..data.recall import IGNORE, RECALL_TASKS, HistogramSpec, MQARSpec, PasskeySpec, RecallBatch, generate_recall
+from ..data.recall import (
+    AGGREGATES,
+    IGNORE,
+    RECALL_TASKS,
+    HistogramSpec,
+    MQARSpec,
+    MultiValueSpec,
+    PasskeySpec,
+    RecallBatch,
+    generate_recall,
+)
 from ..models import EncoderConfig, TokenClassifier
 from .batch import Batch, Predict
 
@@ -49,8 +60,7 @@ FORMS = ("causal", "bidirectional")
 
 @dataclass(frozen=True)
 class RecallOptions:
-    """The options of ``--task mqar``, ``--task passkey`` and ``--task histogram`` (``train --task-options`` or
-    the flags that fill it).
+    """The options of the recall tasks (``train --task-options`` or the flags that fill it).
 
     Attributes:
         form: "causal" (the language-model form: a causal model) or "bidirectional" (an encoder).
@@ -60,7 +70,9 @@ class RecallOptions:
         digits: the passkey's digits.
         max_count, num_queries, labels: the histogram's largest count, its queries and which positions are
             labelled (:class:`clusterformer.data.recall.HistogramSpec`; with labels="every" the causal form counts
-            up to each position, the bidirectional form the whole sequence).
+            up to each position, the bidirectional form the whole sequence); ``max_count`` and ``num_queries`` are
+            also the multi-value tasks' most pairs per key and queries.
+        values: the multi-value tasks' value tokens V (:class:`clusterformer.data.recall.MultiValueSpec`).
         min_gap: tokens between a needed token and the first query (MQAR: between the last pair and the query
             region; passkey: between the needle and the question).
         test_sequences: sequences of the test split evaluated.
@@ -77,6 +89,7 @@ class RecallOptions:
     max_count: int = 8
     num_queries: int = 32
     labels: str = "queries"
+    values: int = 8
     min_gap: int = 0
     test_sequences: int = 1000
     far: int = 256
@@ -88,7 +101,10 @@ class RecallOptions:
         check_int("far", self.far, minimum=0)
         check_int("recall_sequences", self.recall_sequences, minimum=0)
 
-    def spec(self, task: str, length: int) -> MQARSpec | PasskeySpec | HistogramSpec:
+    def spec(self, task: str, length: int) -> MQARSpec | PasskeySpec | HistogramSpec | MultiValueSpec:
+        if task in AGGREGATES:
+            return MultiValueSpec(length=length, aggregate=AGGREGATES[task], max_count=self.max_count,
+                                  num_queries=self.num_queries, values=self.values, vocab_size=self.vocab_size or 1024)
         if task == "histogram":
             return HistogramSpec(length=length, max_count=self.max_count, num_queries=self.num_queries,
                                  vocab_size=self.vocab_size or 1024, labels=self.labels,
@@ -106,10 +122,10 @@ def recall_options(options: dict[str, Any]) -> RecallOptions:
 
 @dataclass
 class RecallTask:
-    """A :class:`clusterformer.train.tasks.Task` for MQAR, the passkey and the histogram."""
+    """A :class:`clusterformer.train.tasks.Task` for the recall and aggregation tasks."""
 
     name: str
-    spec: MQARSpec | PasskeySpec | HistogramSpec
+    spec: MQARSpec | PasskeySpec | HistogramSpec | MultiValueSpec
     options: RecallOptions
     train_sequences: int
     test: RecallBatch = field(repr=False)
@@ -130,9 +146,12 @@ class RecallTask:
     @property
     def num_classes(self) -> int:
         """The passkey and MQAR answer with a token; the histogram with a count 0..max_count (max_count + 1 with
-        labels="every", where a queried type's own occurrence counts too)."""
+        labels="every", where a queried type's own occurrence counts too); the multi-value tasks with one of their
+        V values."""
         if isinstance(self.spec, HistogramSpec):
             return self.spec.needed + 1
+        if isinstance(self.spec, MultiValueSpec):
+            return self.spec.values
         return self.spec.vocab_size
 
     def build_model(self, encoder: EncoderConfig) -> nn.Module:
@@ -234,7 +253,7 @@ def _mean(t: torch.Tensor) -> float | None:
 
 
 def prepare_recall(name: str, max_len: int, limit: int | None, options: dict[str, Any]) -> RecallTask:
-    """The recall task ``name`` ("mqar", "passkey" or "histogram") at sequence length ``max_len``; ``limit``
+    """The recall task ``name`` (one of :data:`RECALL_TASKS`) at sequence length ``max_len``; ``limit``
     training sequences per epoch (default :data:`TRAIN_SEQUENCES`)."""
     check_choice("task", name, RECALL_TASKS)
     opts = recall_options(options)

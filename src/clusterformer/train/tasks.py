@@ -14,7 +14,7 @@ more implementation).
 | listops | generated (``data.listops``, LRA rules), lengths max_len/4..max_len | fixed seeded train / test | accuracy |
 | shakespeare-char | one text file | first 90% / last 10% | bits per character |
 | multi30k | De->En sentence pairs (:mod:`clusterformer.train.translation`) | train / test_2016_flickr | BLEU |
-| mqar, passkey, histogram | generated (:mod:`clusterformer.train.recall`) | seeded stream / test | query accuracy |
+| mqar, passkey, histogram, multivalue, maxvalue | generated (:mod:`.recall`) | seeded stream / test | query accuracy |
 | mlm | training splits of IMDB, 20NEWS, tinyshakespeare | IMDB test, WikiText-2 test (held out) | masked perplexity |
 """
 
