@@ -53,6 +53,7 @@ __all__ = ["Block", "DocsReportError", "DocsResult", "check_docs", "default_docs
 
 OPEN = re.compile(r"^\s*<!--\s*report:\s*(?P<spec>.*?)\s*-->\s*$")
 CLOSE = re.compile(r"^\s*<!--\s*/report\s*-->\s*$")
+FENCE = re.compile(r"^\s{0,3}(?P<fence>`{3,}|~{3,})")
 NONE = "—"
 
 
@@ -76,9 +77,16 @@ class Block:
 
 
 def find_blocks(path: Path, lines: list[str]) -> list[Block]:
-    """Every block of ``lines`` (the file ``path``), in order; an unclosed or nested marker raises naming its line."""
-    blocks, opened = [], None
+    """Every block of ``lines`` (the file ``path``), in order; an unclosed or nested marker raises naming its line.
+    Markers inside fenced code (``` or ~~~) are text, not blocks (so the syntax can be shown)."""
+    blocks, opened, fence = [], None, None
     for i, line in enumerate(lines):
+        marker = FENCE.match(line)
+        if marker and opened is None and (fence is None or marker["fence"].startswith(fence)):
+            fence = None if fence else marker["fence"]
+            continue
+        if fence:
+            continue
         if OPEN.match(line):
             if opened is not None:
                 raise DocsReportError(f"{path}:{i + 1}: a report marker inside the block opened at line "

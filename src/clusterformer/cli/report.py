@@ -75,9 +75,9 @@ def _docs(args: argparse.Namespace) -> int:
     for error in result.errors:
         log(f"error: {error}")
     if args.check:
-        verdict = (f"{len(result.diffs)} of {result.blocks} generated block(s) differ from their records"
-                   if result.diffs else f"{result.blocks} generated block(s) match their records")
-        log(verdict + (f"; {len(result.errors)} error(s)" if result.errors else ""))
+        log(f"{result.blocks - len(result.diffs) - len(result.errors)} of {result.blocks} generated block(s) match "
+            f"their records, {len(result.diffs)} differ" + (f", {len(result.errors)} cannot be rendered"
+                                                           if result.errors else ""))
         if result.diffs:
             log("run `clusterformer report --docs` to rewrite them")
     else:
