@@ -240,3 +240,21 @@ def test_the_repository_docs_match_their_records(capsys):
     code = main(["report", "--docs", "--check", "--root", str(REPO)])
     out, err = capsys.readouterr()
     assert code == 0, out + err
+
+
+def test_bench_rows_layout_is_bench_report_table_with_rows_and_columns_picked(tmp_path):
+    from clusterformer.bench.report import attention_table
+
+    (tmp_path / "b.json").write_text(json.dumps(BENCH))
+    doc = tmp_path / "doc.md"
+    assert render("bench b.json --layout rows", tmp_path, doc) == attention_table(BENCH)
+    picked = render("bench b.json --layout rows --names lsh,full --lengths 1024 --columns mechanism,N,'fwd+bwd speed'",
+                    tmp_path, doc)
+    assert picked.splitlines() == ["| mechanism | N | fwd+bwd speed-up vs full |", "|---|---|---|",
+                                   "| full | 1024 | 1.0x |", "| lsh | 1024 | 1.3x |"]  # the table's own row order
+    for spec, message in (("bench b.json --layout rows --pass forward", "--pass goes with --layout ratios"),
+                          ("bench b.json --columns N", "--columns goes with --layout rows"),
+                          ("bench b.json --layout cols", "--layout must be ratios or rows"),
+                          ("bench b.json --layout rows --lengths 2048", "no row left")):
+        with pytest.raises(ValueError, match=message):
+            render(spec, tmp_path, doc)

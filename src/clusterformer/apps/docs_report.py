@@ -20,6 +20,8 @@ to the next ``--option``. Paths are relative to the repository root (the directo
 ``bench FILE [--lengths 4096,16384] [--names n1,n2] [--pass forward|forward+backward]``
     a layer benchmark (``clusterformer bench attention --json``) as each mechanism's time relative to full
     attention's at each length (full's row: its time in ms); default: every length and name, forward+backward.
+    ``--layout rows [--columns ...]``: instead, ``clusterformer bench report``'s table (a row per mechanism and
+    length: times, memory, speed-ups over full), rows picked by ``--names`` / ``--lengths``, columns as for compare.
 ``records FILE --columns a,b.c [--where key=value ...] [--headers "A,B C"] [--format a=.3f,b.c=.1%]``
     a generic table, one row per record of a JSON list, of a JSON object's values (its keys as field ``_key``) or of
     JSON lines; nested fields with dots; ``--where`` keeps the records whose field prints as that value (strings as
@@ -299,6 +301,14 @@ def _pick_columns(header: list[str], wanted: list[str], what: str) -> list[int]:
     return picked
 
 
+def _select_columns(table: list[str], columns: list[str], what: str) -> list[str]:
+    """The markdown ``table`` (header, rule, rows) with only ``columns`` (see :func:`_pick_columns`), in that order."""
+    picked = _pick_columns(_split_row(table[0]), columns, what)
+    lines = ["| " + " | ".join(cells[i] for i in picked) + " |" for cells in (_split_row(line) for line in table)]
+    lines[1] = "|" + "---|" * len(picked)
+    return lines
+
+
 def render_compare(summary: dict, tasks: list[str] | None = None, entries: list[str] | None = None,
                    columns: list[str] | None = None) -> str:
     """The per-task table(s) of a comparison summary, rendered by ``apps.compare.summary_markdown`` (so they are
@@ -324,13 +334,7 @@ def render_compare(summary: dict, tasks: list[str] | None = None, entries: list[
         if not tables:
             raise ValueError(f"compare: the summary of {task} has no table")
         table = tables[-1]  # the task's own (the overview comes first)
-        if columns:
-            header = _split_row(table[0])
-            picked = _pick_columns(header, columns, "compare")
-            table = ["| " + " | ".join(cells[i] for i in picked) + " |"
-                     for cells in (_split_row(line) for line in table)]
-            table[1] = "|" + "---|" * len(picked)
-        text = "\n".join(table)
+        text = "\n".join(_select_columns(table, columns, "compare") if columns else table)
         out.append(text if len(tasks) == 1 else f"**{task}** ({block['metric']}, {block['better']} is better)\n\n"
                    + text)
     return "\n\n".join(out)
@@ -396,6 +400,25 @@ def render_bench(records: list[dict], lengths: list[int] | None = None, names: l
     return _table([f"{what} time / {baseline}'s"] + [f"N = {n:,}" for n in lengths], rows)
 
 
+def render_bench_rows(records: list[dict], lengths: list[int] | None = None, names: list[str] | None = None,
+                      columns: list[str] | None = None) -> str:
+    """``clusterformer bench report``'s table (``bench.report.attention_table``: one row per mechanism and length,
+    times, memory, speed-ups over full in the same run), with rows and columns picked."""
+    from ..bench.report import attention_table
+
+    table = _markdown_tables(attention_table(records))[0]
+    all_names = {r.get("name") for r in records}
+    for name in names or []:
+        if name not in all_names:
+            raise ValueError(f"bench: no records of {name!r}")
+    rows = [line for line in table[2:] if (not names or _split_row(line)[0] in names)
+            and (not lengths or _split_row(line)[1] in {str(n) for n in lengths})]
+    if not rows:
+        raise ValueError("bench: no row left at these --names and --lengths")
+    table = table[:2] + rows
+    return "\n".join(_select_columns(table, columns, "bench") if columns else table)
+
+
 def _image_line(out: Path, doc: Path, alt: str) -> str:
     return f"![{alt}]({Path(os.path.relpath(out, doc.parent)).as_posix()})"
 
@@ -426,12 +449,22 @@ def render(spec: str, root: Path, doc: Path, figures: bool = True) -> str:
             raise ValueError("grids takes one or more comparison directories")
         return render_grids([load_summary(_resolve(root, p)) for p in positional], opts.get("tasks"))
     if kind == "bench":
-        opts = _options(kind, raw, {"lengths": "list", "names": "list", "pass": "one"})
+        opts = _options(kind, raw, {"lengths": "list", "names": "list", "pass": "one", "layout": "one",
+                                    "columns": "list"})
         if len(positional) != 1:
             raise ValueError(f"bench takes one benchmark JSON file, got {len(positional)}")
         lengths = _ints(opts["lengths"], "bench: --lengths") if "lengths" in opts else None
-        return render_bench(load_records(_resolve(root, positional[0])), lengths, opts.get("names"),
-                            opts.get("pass", "forward+backward"))
+        records = load_records(_resolve(root, positional[0]))
+        layout = opts.get("layout", "ratios")
+        if layout == "rows":
+            if "pass" in opts:
+                raise ValueError("bench: --pass goes with --layout ratios (rows show both passes)")
+            return render_bench_rows(records, lengths, opts.get("names"), opts.get("columns"))
+        if layout != "ratios":
+            raise ValueError(f"bench: --layout must be ratios or rows, got {layout!r}")
+        if "columns" in opts:
+            raise ValueError("bench: --columns goes with --layout rows")
+        return render_bench(records, lengths, opts.get("names"), opts.get("pass", "forward+backward"))
     if kind == "records":
         opts = _options(kind, raw, {"columns": "list", "where": "many", "headers": "list", "format": "list"})
         if len(positional) != 1:
