@@ -296,3 +296,30 @@ def test_compare_refuses_to_add_runs_to_an_entry_trained_under_earlier_defaults(
     (old / "metrics.json").write_text(json.dumps(record))
     assert main(argv) == 0
     assert (out / "text-classification" / "cluster-select" / "seed1" / "metrics.json").is_file()
+
+
+def test_a_grid_file_runs_the_grid_and_flags_override_it(tmp_path):
+    """``--grid FILE`` holds the whole grid (tasks, entries with variants, seeds, the train flags, out); a flag on the
+    command line overrides the file (here --seeds); a bad file is a ValueError naming the key."""
+    from clusterformer.cli.compare import read_grid
+
+    _write_task(tmp_path)
+    out = tmp_path / "cmp"
+    grid = {"description": "a tiny grid", "tasks": ["text-classification"], "attention": ["full", "short"],
+            "variants": {"short": {"attention": "sliding-window", "options": {"window": 4, "stride": 2}}},
+            "seeds": [0, 1, 2], "out": str(out), "train_args": _train_flags(tmp_path, steps=2)[1:]}
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(grid))
+    assert main(["compare", "--grid", str(path), "--seeds", "3"]) == 0
+    rows = json.loads((out / "summary.json").read_text())["tasks"]["text-classification"]["mechanisms"]
+    assert set(rows) == {"full", "short"} and all(row["n"] == 1 for row in rows.values())
+    assert (out / "text-classification" / "short" / "seed3" / "metrics.json").exists()
+    assert not (out / "text-classification" / "short" / "seed0").exists()
+    for bad, key in [({"task": ["mr"]}, "unknown key"), ({"variants": []}, "variants"),
+                     ({"train_args": "--dim 8"}, "train_args")]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=key):
+            read_grid(path)
+    path.write_text(json.dumps({"attention": ["full"]}))
+    with pytest.raises(SystemExit):  # no tasks anywhere: the CLI's clear error
+        main(["compare", "--grid", str(path), "--out", str(out)])
