@@ -258,3 +258,12 @@ def test_bench_rows_layout_is_bench_report_table_with_rows_and_columns_picked(tm
                           ("bench b.json --layout rows --lengths 2048", "no row left")):
         with pytest.raises(ValueError, match=message):
             render(spec, tmp_path, doc)
+
+
+def test_pareto_front_keeps_the_entries_no_other_beats_on_both_time_and_score():
+    from clusterformer.bench.plot import _pareto_front
+
+    points = [(1.0, 0.5), (0.5, 0.4), (2.0, 0.6), (1.5, 0.45), (0.5, 0.3), (3.0, 0.6)]
+    assert _pareto_front(points, higher=True) == [(0.5, 0.4), (1.0, 0.5), (2.0, 0.6)]
+    assert _pareto_front(points, higher=False) == [(0.5, 0.3)]  # lower is better: the fastest is also the best
+    assert _pareto_front([(1.0, 2.0), (2.0, 1.0), (0.5, 3.0)], higher=False) == [(0.5, 3.0), (1.0, 2.0), (2.0, 1.0)]

@@ -67,6 +67,7 @@ def plot_pareto(grids: list[tuple[str, dict]], path: str | Path, title: str | No
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise RuntimeError("plotting needs matplotlib: pip install 'clusterformer[plot]'") from exc
 
@@ -79,8 +80,11 @@ def plot_pareto(grids: list[tuple[str, dict]], path: str | Path, title: str | No
     if not panels:
         raise ValueError("pareto: no entry with a time relative to full attention (grids without full?)")
     entries = {label: info for _, summary in grids for label, info in (summary.get("entries") or {}).items()}
-    mechanisms = sorted({entries.get(label, {}).get("attention", label) for rows in panels.values()
-                         for _, label, _, _ in rows})
+
+    def mechanism(label: str) -> str:  # the entry's mechanism: its record, else the label's NAME of NAME:options
+        return entries.get(label, {}).get("attention", label.split(":")[0])
+
+    mechanisms = sorted({mechanism(label) for rows in panels.values() for _, label, _, _ in rows})
     colors = {m: f"C{i % 10}" for i, m in enumerate(mechanisms)}
     markers = {grid: "osD^v<>pPhX*"[i % 12] for i, (grid, _) in enumerate(grids)}
     cols = min(3, len(panels))
@@ -89,13 +93,21 @@ def plot_pareto(grids: list[tuple[str, dict]], path: str | Path, title: str | No
     for ax, (task, rows) in zip(axes.flat, panels.items(), strict=False):
         higher = rows[0][3].get("better", "higher") == "higher"
         for grid, label, row, _ in rows:
-            x, color = row["time_vs_full"], colors[entries.get(label, {}).get("attention", label)]
+            x, color = row["time_vs_full"], colors[mechanism(label)]
             scores = list((row.get("scores") or {}).values())
             ax.scatter([x] * len(scores), scores, s=8, color=color, alpha=0.4, linewidths=0)
             ax.errorbar([x], [row["mean"]], yerr=[row["std"]], fmt=markers[grid], color=color, ms=6, capsize=2)
         front = _pareto_front([(row["time_vs_full"], row["mean"]) for _, _, row, _ in rows], higher)
         ax.plot(*zip(*front, strict=True), "--", color="gray", lw=1, zorder=0)
+        several = len({grid for grid, _, _, _ in rows}) > 1
+        for grid, label, row, _ in rows:  # the front's entries by name (several grids: with the grid's)
+            if (row["time_vs_full"], row["mean"]) in front:
+                ax.annotate(f"{label} ({grid})" if several else label, (row["time_vs_full"], row["mean"]),
+                            fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_title(task, fontsize=10)
         ax.set_xlabel("training-step time / full attention's", fontsize=8)
         ax.set_ylabel(f"{rows[0][3]['metric']} ({'higher' if higher else 'lower'} is better)", fontsize=8)
