@@ -267,3 +267,15 @@ def test_pareto_front_keeps_the_entries_no_other_beats_on_both_time_and_score():
     assert _pareto_front(points, higher=True) == [(0.5, 0.4), (1.0, 0.5), (2.0, 0.6)]
     assert _pareto_front(points, higher=False) == [(0.5, 0.3)]  # lower is better: the fastest is also the best
     assert _pareto_front([(1.0, 2.0), (2.0, 1.0), (0.5, 3.0)], higher=False) == [(0.5, 3.0), (1.0, 2.0), (2.0, 1.0)]
+
+
+def test_records_reads_the_list_or_object_at_a_path_and_formats_with_commas(tmp_path):
+    record = {"config": {"n": 3}, "summary": {"passkey": {"4096": {"dense": {"mean": 0.8333, "n": 1234},
+                                                                    "oracle": {"mean": 0.7667, "n": 1234}}}}}
+    (tmp_path / "r.json").write_text(json.dumps(record))
+    text = render("records r.json --path summary.passkey.4096 --columns _key,mean,n --headers 'method,accuracy,n' "
+                  "--format mean=.1%,n=,d", tmp_path, tmp_path / "doc.md")
+    assert text.splitlines() == ["| method | accuracy | n |", "|---|---|---|", "| dense | 83.3% | 1,234 |",
+                                 "| oracle | 76.7% | 1,234 |"]
+    with pytest.raises(ValueError, match=r"no field 'summary\.recall'"):
+        render("records r.json --path summary.recall --columns n", tmp_path, tmp_path / "doc.md")

@@ -22,13 +22,15 @@ to the next ``--option``. Paths are relative to the repository root (the directo
     attention's at each length (full's row: its time in ms); default: every length and name, forward+backward.
     ``--layout rows [--columns ...]``: instead, ``clusterformer bench report``'s table (a row per mechanism and
     length: times, memory, speed-ups over full), rows picked by ``--names`` / ``--lengths``, columns as for compare.
-``records FILE --columns a,b.c [--where key=value ...] [--headers "A,B C"] [--format a=.3f,b.c=.1%]``
+``records FILE --columns a,b.c [--where key=value ...] [--headers "A,B C"] [--format a=.3f,b.c=.1%] [--path f.g]``
     a generic table, one row per record of a JSON list, of a JSON object's values (its keys as field ``_key``) or of
-    JSON lines; nested fields with dots; ``--where`` keeps the records whose field prints as that value (strings as
-    they are, other values as JSON: ``causal=true``); a field missing from a record prints "—".
+    JSON lines (``--path``: of the list or object at that field of the file); nested fields with dots; ``--where``
+    keeps the records whose field prints as that value (strings as they are, other values as JSON:
+    ``causal=true``); a field missing from a record prints "—"; a float without ``--format``: 4 significant digits.
 ``figure pareto --grids DIR ... --out docs/img/NAME.png [--alt TEXT]``
-    score against seconds per epoch, a panel per task, every entry of every grid with its seeds' spread, the Pareto
-    front drawn; the block is the image's markdown line.
+    score against training-step time relative to full attention's in the same grid, a panel per task, every entry
+    of every grid (a colour per mechanism, a marker per grid) with its seeds' scores and mean ± std, the Pareto
+    front drawn and its entries named; the block is the image's markdown line.
 ``figure speed FILE --out docs/img/NAME.png [--alt TEXT]``
     the layer benchmark's time and memory against N (``bench.plot``).
 
@@ -172,9 +174,10 @@ def load_summary(path: str | Path) -> tuple[str, dict]:
     return (path if path.is_dir() else path.parent).name, summary
 
 
-def load_records(path: str | Path) -> list[dict]:
+def load_records(path: str | Path, within: str | None = None) -> list[dict]:
     """The records of a JSON list, of a JSON object's values (each with its key as ``_key``; an object holding a
-    ``records`` list: that list) or of JSON lines; ValueError naming the file otherwise."""
+    ``records`` list: that list) or of JSON lines; ``within``: of the list or object at that dotted field of the
+    file's JSON (``summary.accuracy.passkey``); ValueError naming the file otherwise."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no such record file: {str(path)!r}")
@@ -186,6 +189,10 @@ def load_records(path: str | Path) -> list[dict]:
             data = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is neither JSON nor JSON lines: {exc}") from None
+    if within:
+        data = _field(data, within) if isinstance(data, dict) else _MISSING
+        if data is _MISSING:
+            raise ValueError(f"{path}: no field {within!r} (--path)")
     if isinstance(data, dict):
         if isinstance(data.get("records"), list):
             data = data["records"]
@@ -466,19 +473,20 @@ def render(spec: str, root: Path, doc: Path, figures: bool = True) -> str:
             raise ValueError("bench: --columns goes with --layout rows")
         return render_bench(records, lengths, opts.get("names"), opts.get("pass", "forward+backward"))
     if kind == "records":
-        opts = _options(kind, raw, {"columns": "list", "where": "many", "headers": "list", "format": "list"})
+        opts = _options(kind, raw, {"columns": "list", "where": "many", "headers": "list", "format": "many",
+                                    "path": "one"})
         if len(positional) != 1:
             raise ValueError(f"records takes one record file, got {len(positional)}")
         if "columns" not in opts:
             raise ValueError("records needs --columns")
-        formats = {}
-        for item in opts.get("format", []):
+        formats = {}  # field=spec pairs, split at the commas before a "field=" (a spec may hold a comma: ",.1f")
+        for item in (i for word in opts.get("format", []) for i in re.split(r",(?=[\w.]+=)", word) if i):
             name, sep, fmt = item.partition("=")
             if not sep:
                 raise ValueError(f"records: --format {item!r} is not field=spec")
             formats[name] = fmt
-        return render_records(load_records(_resolve(root, positional[0])), opts["columns"], opts.get("where"),
-                              opts.get("headers"), formats)
+        return render_records(load_records(_resolve(root, positional[0]), opts.get("path")), opts["columns"],
+                              opts.get("where"), opts.get("headers"), formats)
     if kind == "figure":
         return _figure(positional, raw, root, doc, figures)
     raise ValueError(f"unknown report kind {kind!r}; expected one of {', '.join(KINDS)}")
