@@ -38,6 +38,7 @@ Rendering is deterministic (record order or sorted, fixed number formats), so ``
 writes nothing: it prints a unified diff of each block that differs and exits 1; for a figure it checks that its
 records and its image exist (images are not compared byte for byte). A marker whose records are missing or
 malformed, an unknown KIND or option, or a marker without its closing comment is an error naming the file and line.
+A marker inside fenced code (``` or ~~~) is text, not a block, so a page can show the syntax.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Block", "DocsReportError", "DocsResult", "check_docs", "default_docs", "find_blocks", "load_records",
-           "load_summary", "render", "update_docs", "write_docs"]
+           "load_summary", "render", "render_bench", "render_bench_rows", "render_compare", "render_grids",
+           "render_records", "update_docs", "write_docs"]
 
 OPEN = re.compile(r"^\s*<!--\s*report:\s*(?P<spec>.*?)\s*-->\s*$")
 CLOSE = re.compile(r"^\s*<!--\s*/report\s*-->\s*$")
