@@ -60,8 +60,9 @@ def plot_pareto(grids: list[tuple[str, dict]], path: str | Path, title: str | No
     """Score against training-step time relative to full attention's in the same grid (every entry of a grid runs
     the same steps per epoch, so the ratio of times per epoch is the ratio of step times), one panel per task over
     every grid that ran it: one colour per mechanism, one marker per grid, the seeds' scores as small dots and their
-    mean ± std, and the Pareto front (no other entry both faster and better) as a dashed line. ``grids``: (name,
-    comparison summary) pairs."""
+    mean ± std, and the Pareto front (no other entry both faster and better) as a dashed line, its entries named.
+    Entries without a time relative to full's (a grid without full) are left out. ``grids``: (name, comparison
+    summary) pairs."""
     try:
         import matplotlib
 
@@ -100,10 +101,14 @@ def plot_pareto(grids: list[tuple[str, dict]], path: str | Path, title: str | No
         front = _pareto_front([(row["time_vs_full"], row["mean"]) for _, _, row, _ in rows], higher)
         ax.plot(*zip(*front, strict=True), "--", color="gray", lw=1, zorder=0)
         several = len({grid for grid, _, _, _ in rows}) > 1
-        for grid, label, row, _ in rows:  # the front's entries by name (several grids: with the grid's)
+        names: dict[tuple[float, float], list[str]] = {}  # the front's entries by name (several grids: the grid's)
+        for grid, label, row, _ in rows:
             if (row["time_vs_full"], row["mean"]) in front:
-                ax.annotate(f"{label} ({grid})" if several else label, (row["time_vs_full"], row["mean"]),
-                            fontsize=6, xytext=(3, 3), textcoords="offset points")
+                short = label if len(label) <= 32 else label[:31] + "…"
+                names.setdefault((row["time_vs_full"], row["mean"]), []).append(
+                    f"{short} ({grid})" if several else short)
+        for point, labels in names.items():
+            ax.annotate("\n".join(labels), point, fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
