@@ -480,3 +480,158 @@ def test_sparse_prefill_reads_at_most_the_budget(mechanism, options, budget, pre
         if prefill_budget is not None and bool((keys_allowed(budget, block_end) < allowed).any()):
             assert bool((read[b, :, pad:][..., P:] > keys_allowed(budget, block_end)[P:]).any())
         assert bool((read[b, :, pad:][..., P:] < ranks[P:] + 1).any())  # past the first block, fewer than causal
+
+
+def test_a_runner_made_after_a_freed_one_never_reads_its_index(monkeypatch):
+    """Registering a name again frees its old runner, and CPython may give a runner made later the freed one's
+    address, hence its ``id()`` (seen after 22 registrations). The index a cache keeps belongs to the runner and
+    the module themselves, not to their ids: a new runner reading the cache builds its own index for its own
+    options -- what a fresh cache holding the same keys gives. The reuse is forced here: every ``id()`` the
+    interface could take is 0, as if each new runner sat where the freed one sat."""
+    from clusterformer.hf import interface
+
+    monkeypatch.setattr(interface, "id", lambda obj: 0, raising=False)
+    model = _llama(layers=1)
+    ids = _prompts([45], fixed_seed())["input_ids"]
+
+    def feed(cache, start, stop, name):
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            return torch.cat([model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits
+                              for t in range(start, stop)])
+
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :30], past_key_values=cache)
+    name = hf.register_attention("cluster-retrieval", name="test-reused", budget=12, clusters=2, sink=1, window=2)
+    feed(cache, 30, 36, name)
+    freed = weakref.ref(transformers.AttentionInterface()[name])
+    name = hf.register_attention("cluster-retrieval", name="test-reused", budget=12, clusters=7, sink=3, window=2)
+    gc.collect()
+    assert freed() is None  # the first runner's function is gone, and the runner with it
+    fresh = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :36], past_key_values=fresh)  # a dense prefill: the same keys
+    torch.testing.assert_close(feed(cache, 36, 40, name), feed(fresh, 36, 40, name), rtol=0, atol=0)
+
+
+def test_an_index_built_under_other_options_is_rebuilt():
+    """The index records the options it was clustered under: handed to a reader with other options (another number
+    of clusters, other sinks), it is not extended or read but rebuilt -- the reader's output is what it gives with
+    no index at all; and under its own options it is kept."""
+    from clusterformer.attention.registry import build_inner
+    from clusterformer.masks import AttentionMask
+    from clusterformer.ops.retrieval import build_index, extend_index
+
+    g = torch.Generator().manual_seed(fixed_seed())
+    q, k, v = (torch.randn(1, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((4, 1), (2, 90), (2, 90)))
+    mask = AttentionMask(None, causal=True)
+    old, new = (build_inner("cluster-retrieval", dim=32, heads=4, budget=20, num_clusters=c, sink=s, window=4)
+                for c, s in ((2, 1), (7, 3)))
+    _, index = old.attend_cache(q, k, v, mask, 0.3)
+    assert index.options == old.options and index.follows(k, old.options) and not index.follows(k, new.options)
+    got, rebuilt = new.attend_cache(q, k, v, mask, 0.3, index)
+    want, _ = new.attend_cache(q, k, v, mask, 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert rebuilt is not index and rebuilt.options == new.options and rebuilt.counts.shape[1] == 7
+    assert old.attend_cache(q, k, v, mask, 0.3, index)[1] is index  # its own reader keeps it
+    assert extend_index(index, k, v, None, 86, new.options).counts.shape[1] == 7
+    assert build_index(k, v, None, 80, new.options).options is new.options
+
+
+def _leftovers(module):
+    """Whatever of clusterformer's an attention module carries: hooks of any kind, attributes."""
+    hooks = {name: dict(getattr(module, name)) for name in ("_forward_hooks", "_forward_pre_hooks",
+                                                            "_forward_hooks_with_kwargs",
+                                                            "_forward_pre_hooks_with_kwargs",
+                                                            "_forward_hooks_always_called", "_backward_hooks",
+                                                            "_backward_pre_hooks")}
+    attributes = [key for key in vars(module) if "clusterformer" in key]
+    return {name: hooks for name, hooks in hooks.items() if hooks}, attributes
+
+
+def test_the_interface_leaves_nothing_on_the_model_or_its_masks():
+    """Cached generation under every cache-reading mechanism, then back to sdpa: no attention module carries a hook
+    or an attribute of clusterformer's (the call's cache is read from its forward, not passed by a hook), nor does
+    the mask a call reads; a patched then unpatched encoder is left as it was."""
+    model = _llama()
+    modules = [layer.self_attn for layer in model.model.layers]
+    before = [_leftovers(module) for module in modules]
+    batch = _prompts([30, 21], fixed_seed())
+    for mechanism in ("cluster-retrieval", "sink-window", "oracle", "quest", "improved-clustered"):
+        options = {"causal": "dense"} if mechanism == "improved-clustered" else {"budget": 8}
+        _generate(_with(model, hf.register_attention(mechanism, name=f"test-leave-{mechanism}", **options)), batch,
+                  steps=3)
+    assert [_leftovers(module) for module in modules] == before == [({}, [])] * len(modules)
+    _with(model, "sdpa")
+    assert [_leftovers(module) for module in modules] == before
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    function = transformers.AttentionInterface()["clusterformer-cluster-retrieval"]
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    function(modules[0], q, k, v, mask)
+    assert vars(mask) == {}
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64)
+    bert = transformers.BertModel(config).eval()
+    state = dict(vars(bert))
+    hf.patch(bert, "clustered", clusters=2)
+    with torch.no_grad():
+        bert(input_ids=torch.randint(3, 60, (2, 9)), attention_mask=torch.ones(2, 9, dtype=torch.long))
+    hf.unpatch(bert)
+    assert dict(vars(bert)) == state
+    assert all(_leftovers(m) == ({}, []) for m in bert.modules())
+
+
+def test_threads_sharing_one_model_each_read_their_own_cache():
+    """Two threads share one model, each generating from its own prompt with its own cache, their attention calls
+    interleaved (both inside the same attention module before either computes): each gets what it gets alone. A
+    call's cache is its own (the calling thread's forward holds it), never the last one some thread set."""
+    import threading
+
+    model = _llama(layers=1)
+    name = hf.register_attention("cluster-retrieval", name="test-threads", budget=12, clusters=3, sink=1, window=2)
+    _with(model, name)
+    prompts = [_prompts([40], fixed_seed())["input_ids"], _prompts([33], fixed_seed())["input_ids"]]
+
+    def run(ids, results, index):
+        cache = transformers.DynamicCache(config=model.config)
+        logits = []
+        with torch.no_grad():
+            for step in range(12):
+                out = model(input_ids=ids, past_key_values=cache).logits[:, -1]
+                logits.append(out)
+                ids = out.argmax(-1, keepdim=True)
+        results[index] = torch.stack(logits)
+
+    alone: dict[int, torch.Tensor] = {}
+    for i, ids in enumerate(prompts):
+        run(ids, alone, i)
+    meeting = threading.Barrier(2, timeout=60)
+
+    def meet(module, args):  # both threads enter the attention module before either goes on
+        meeting.wait()
+
+    handle = model.model.layers[0].self_attn.register_forward_pre_hook(meet)
+    together: dict[int, torch.Tensor] = {}
+    errors = []
+
+    def thread_run(i):
+        try:
+            run(prompts[i], together, i)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            meeting.abort()
+
+    threads = [threading.Thread(target=thread_run, args=(i,)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        handle.remove()
+    assert not errors, errors
+    for i in range(2):
+        torch.testing.assert_close(together[i], alone[i], rtol=0, atol=1e-12)

@@ -414,7 +414,7 @@ class ClusterRetrievalAttention(CacheReadingAttention):
         holds the last ``window`` positions and at least the ``queries`` new ones."""
         n = k.shape[2]
         end = max(0, n - max(self.options.window, queries))
-        if index is None or not index.follows(k) or index.end > end:
+        if index is None or not index.follows(k, self.options) or index.end > end:
             return build_index(k, v, key_padding_mask, end, self.options)
         if end - index.end >= JOIN_BATCH:  # keys leave the window in batches; until then the window is wider
             return extend_index(index, k, v, key_padding_mask, end, self.options)

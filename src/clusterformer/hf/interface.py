@@ -29,12 +29,16 @@ centroid ownership -- are refused). By mode:
   cached keys (``generate()``'s steps, or a prompt fed in chunks) reads the cache sparsely; with the option
   ``prefill_block`` the prefill too is read sparsely, block by block (the sparse prefill; under its own budget
   with ``prefill_budget``). Cluster retrieval's key index belongs to the cache it indexes: it is kept in a table
-  keyed (weakly) by the ``transformers`` cache object and by the registered name and attention module, so it dies
-  with the cache, and two models, prompts or option sets never see each other's index. To know a call's cache,
-  the first call on an attention module adds a forward pre-hook to it that passes the ``cache``
-  (``past_key_values``) argument of each call to this module's function for that call only; a call whose cache
-  is unknown (the module's very first call, when it is not a prefill) builds an index for that call alone.
-  Without a cache (``generate(use_cache=False)``) every call is a prefill, hence dense (or, with
+  keyed weakly by the objects themselves -- the ``transformers`` cache, the registered name's runner, the
+  attention module -- so it dies with any of them, and two models, prompts or option sets never see each other's
+  index (an index also records the options it was built under, and a reader with other options rebuilds it).
+  ``transformers`` does not pass the cache to the attention function: a call finds it where the attention
+  module's ``forward`` holds it, its ``cache`` (``past_key_values``) argument, in that forward's frame on the
+  call stack (:func:`_call_cache`). Nothing is added to the model, its modules or its masks: no hook, no
+  attribute. A call's cache is the calling thread's own, so threads that share one model, each with its own
+  cache, never cross (one cache must not be read by two threads at once, as for ``transformers`` itself).
+  A call whose cache is unknown (the function called outside a module's forward) builds an index for that call
+  alone. Without a cache (``generate(use_cache=False)``) every call is a prefill, hence dense (or, with
   ``prefill_block``, a sparse prefill).
 
 Decoders: grouped-query attention (fewer key/value heads than query heads, ``module.num_key_value_groups``) is
@@ -44,13 +48,19 @@ for these names is its SDPA mask (registered in ``AttentionMaskInterface`` besid
 back once into the library's typed mask, :class:`~clusterformer.masks.AttentionMask` (key padding, True =
 padding, + causal: :func:`read_mask`), which the mechanisms take from there on; a mask that is neither
 (sliding window, packed sequences, a custom pattern) raises ``ValueError`` for every mechanism but ``full``.
+
+Importing this module (as importing :mod:`clusterformer.hf` does) registers every mechanism under its default
+name when ``transformers`` is installed (:func:`register_defaults`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import threading
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -62,7 +72,7 @@ from ..attention.registry import Mechanism, build_inner, get, make_options, mech
 from ..masks import AttentionMask, cache_sdpa, masked_sdpa
 
 __all__ = ["MODEL_OPTIONS", "PREFIX", "cache_state", "interface_mechanisms", "pretrained_options",
-           "read_mask", "register_attention", "registered"]
+           "read_mask", "register_attention", "register_defaults", "registered"]
 
 PREFIX = "clusterformer-"
 MODEL_OPTIONS = ("bias", "dropout", "own_centroids")  # set by the pretrained model, not by the caller
@@ -93,7 +103,9 @@ def pretrained_options(mechanism: str, options: dict[str, Any]) -> AttentionOpti
     return make_options(mechanism, options)
 
 
-_MEMO = "_clusterformer_structure"  # read_mask's answer, kept on the mask it describes (with its version)
+# The last mask read in each thread, (a weak reference to it, its version and shape, its AttentionMask): the layers
+# of one forward share one mask, so it is read once per forward, not once per layer. Nothing is kept on the mask.
+_LAST_MASK = threading.local()
 
 
 def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batch: int,
@@ -104,14 +116,15 @@ def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batc
     4-D mask (B, 1, Lq, n), boolean (True = may attend) or additive float, must be key padding alone or key
     padding and lower-right causal (:meth:`AttentionMask.from_allowed`, where the model's keep mask becomes the
     library's padding, the one flip on this path); anything else raises ``ValueError``. The layers of one
-    forward share one mask: the answer is kept on the mask tensor itself (with the tensor's version, so an
-    in-place change is read again), so it is checked once per forward, not once per layer, and dies with the
-    mask."""
+    forward share one mask tensor: the answer for the last mask read in this thread is remembered (beside a weak
+    reference to the tensor and its version, so that another tensor, or this one changed in place, is read
+    again), so a forward reads its mask once, not once per layer."""
     if attention_mask is None:
         return AttentionMask(None, bool(is_causal) and q_len > 1)
-    memo = getattr(attention_mask, _MEMO, None)
-    if memo is not None and memo[0] == (attention_mask._version, q_len, kv_len, batch):
-        return memo[1]
+    key = (attention_mask._version, q_len, kv_len, batch)
+    last = getattr(_LAST_MASK, "entry", None)
+    if last is not None and last[0]() is attention_mask and last[1] == key:
+        return last[2]
     if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or tuple(attention_mask.shape[2:]) != (
             q_len, kv_len):
         raise ValueError(f"attention_mask must be (B, 1, Lq, n) = ({batch}, 1, {q_len}, {kv_len}); got "
@@ -124,7 +137,7 @@ def read_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, batc
         mask = AttentionMask.from_allowed(allowed[:, 0])
     except ValueError as error:
         raise ValueError(f"attention_mask: {error}: only the 'full' mechanism can honour it") from None
-    setattr(attention_mask, _MEMO, ((attention_mask._version, q_len, kv_len, batch), mask))
+    _LAST_MASK.entry = (weakref.ref(attention_mask), key, mask)
     return mask
 
 
@@ -155,7 +168,7 @@ def register_attention(mechanism: str = "cluster-retrieval", *, name: str | None
         raise ValueError(f"option 'causal' belongs to the mechanisms that cannot honour a causal mask "
                          f"({', '.join(n for n in interface_mechanisms() if get(n).inner.interface_mode == 'sequence')}"
                          f"); {mechanism!r} is causal by construction")
-    runner = _Runner(mech, pretrained_options(mechanism, settings), causal_calls)
+    runner = _Runner(name, mech, pretrained_options(mechanism, settings), causal_calls)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -170,38 +183,36 @@ def registered() -> dict[str, tuple[str, dict[str, Any]]]:
     return dict(_REGISTERED)
 
 
-# The cache of the attention call in progress, per attention module: set by a forward pre-hook for the duration
-# of the module's call (the argument transformers passes as ``cache``, or ``past_key_values`` before 5.40).
-_CALL_CACHE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-_WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-# What a cache-reading mechanism keeps with a cache (cluster retrieval's key index), per cache object, then per
-# (registered function, attention module): it dies with the cache.
-_CACHE_STATE: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], Any]] = weakref.WeakKeyDictionary()
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+# What a cache-reading mechanism keeps with a cache (cluster retrieval's key index): per cache object, then per
+# runner (a registered name's options), then per attention module, each keyed weakly by the object itself (never by
+# its id(), which a new object may reuse): the index dies with the cache, the runner or the module.
+_CACHE_STATE: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[_Runner, weakref.WeakKeyDictionary[
+    nn.Module, Any]]] = weakref.WeakKeyDictionary()
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")  # its name in transformers >= 5.24, and before
+_FORWARD_DEPTH = 4  # frames above the attention function where its module's forward may be
 
 
-def cache_state(cache: Any) -> dict[tuple[int, int], Any]:
+def cache_state(cache: Any) -> dict[tuple[str, nn.Module], Any]:
     """What clusterformer keeps with ``cache`` (a ``transformers`` cache object): cluster retrieval's key index
-    per (registered function, attention module); empty for a cache it has not read. For inspection."""
-    return dict(_CACHE_STATE.get(cache, {}))
+    per (registered name, attention module); empty for a cache it has not read. For inspection."""
+    return {(runner.name, module): state for runner, modules in list(_CACHE_STATE.get(cache, {}).items())
+            for module, state in list(modules.items())}
 
 
-def _remember_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    cache = next((kwargs[key] for key in _CACHE_ARGUMENTS if kwargs.get(key) is not None), None)
-    if cache is not None:
-        _CALL_CACHE[module] = cache
-
-
-def _forget_cache(module: nn.Module, args: tuple, output: Any) -> None:
-    _CALL_CACHE.pop(module, None)
-
-
-def _watch(module: nn.Module) -> None:
-    """Let the calls of ``module`` tell this interface their cache (from the next call on)."""
-    if module not in _WATCHED:
-        module.register_forward_pre_hook(_remember_cache, with_kwargs=True)
-        module.register_forward_hook(_forget_cache, always_call=True)
-        _WATCHED.add(module)
+def _call_cache(module: nn.Module, caller: FrameType | None) -> Any:
+    """The cache the current call of ``module`` reads, or None (no cache, or no forward of ``module`` calling):
+    the ``cache`` (``past_key_values``) argument of ``module.forward``, found in its frame -- the frame whose
+    ``self`` is ``module`` -- among the few above ``caller`` (the frame that called the attention function).
+    ``transformers``' attention modules call the function from their forward, holding the cache there."""
+    frame = caller
+    for _ in range(_FORWARD_DEPTH):
+        if frame is None:
+            return None
+        if frame.f_code.co_varnames[:1] == ("self",) and frame.f_locals.get("self") is module:
+            arguments = frame.f_locals
+            return next((arguments[name] for name in _CACHE_ARGUMENTS if arguments.get(name) is not None), None)
+        frame = frame.f_back
+    return None
 
 
 class _Runner:
@@ -209,8 +220,8 @@ class _Runner:
     causal calls. The inner attentions it builds for a model's attention modules are kept in a table keyed
     weakly by those modules (never stored on them)."""
 
-    def __init__(self, mechanism: Mechanism, options: AttentionOptions, causal_calls: str) -> None:
-        self.mechanism, self.options, self.causal_calls = mechanism, options, causal_calls
+    def __init__(self, name: str, mechanism: Mechanism, options: AttentionOptions, causal_calls: str) -> None:
+        self.name, self.mechanism, self.options, self.causal_calls = name, mechanism, options, causal_calls
         self.mode = mechanism.inner.interface_mode
         self._inners: weakref.WeakKeyDictionary[nn.Module, InnerAttention] = weakref.WeakKeyDictionary()
 
@@ -249,10 +260,12 @@ class _Runner:
                 out = self.dense(query, key, value, attention_mask, causal, scale, dropout)
             elif dropout > 0:
                 raise ValueError(f"{name!r} has no attention dropout; put the model in eval mode (model.eval())")
+            elif self.mode == "sequence":
+                mask = read_mask(attention_mask, query.shape[2], key.shape[2], query.shape[0], causal)
+                out = self.sequence(module, query, key, value, mask, scale)
             else:
                 mask = read_mask(attention_mask, query.shape[2], key.shape[2], query.shape[0], causal)
-                run = self.sequence if self.mode == "sequence" else self.cache
-                out = run(module, query, key, value, mask, scale)
+                out = self.cache(module, query, key, value, mask, scale, _call_cache(module, sys._getframe(1)))
             return out.transpose(1, 2).contiguous(), None
 
         clusterformer_attention.__qualname__ = clusterformer_attention.__name__ = f"clusterformer_{name}"
@@ -282,35 +295,44 @@ class _Runner:
                              f"{k.shape[2]} keys")
         rep = H // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        out = self.inner(module, H, D)(q * (scale * D ** 0.5), k, v, key_padding_mask=mask.padding)
-        if mask.padding is not None:  # the inner scales by D^-1/2; outputs at padded positions are zeros
+        out = self.inner(module, H, D)(q * (scale * D ** 0.5), k, v, mask)  # the inner scales by D^-1/2
+        if mask.padding is not None:  # outputs at padded positions are zeros
             out = out.masked_fill(mask.padding[:, None, :, None], 0.0)
         return out
 
     def cache(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: AttentionMask, scale: float) -> torch.Tensor:
-        """The mechanism's reading of a decoder's cache, with the state it keeps beside that cache."""
+              mask: AttentionMask, scale: float, cache: Any) -> torch.Tensor:
+        """The mechanism's reading of a decoder's cache (``cache``, the call's own, or None when unknown), with the
+        state it keeps beside that cache."""
         Lq, n = q.shape[2], k.shape[2]
         if not mask.causal and Lq > 1:
             raise ValueError(f"{self.mechanism.name!r} attends causally over a decoder's cache; this call is "
                              "bidirectional (an encoder): use 'full', 'clustered' or 'improved-clustered'")
-        _watch(module)
-        cache = _CALL_CACHE.get(module)
-        table = None if cache is None else _CACHE_STATE.setdefault(cache, {})
-        key = (id(self), id(module))
+        table = None
+        if cache is not None:
+            table = _CACHE_STATE.setdefault(cache, weakref.WeakKeyDictionary()).setdefault(
+                self, weakref.WeakKeyDictionary())
         layer = getattr(module, "layer_idx", None)
-        previous = None if table is None or Lq == n else table.get(key)  # a prefill starts the cache afresh
+        previous = None if table is None or Lq == n else table.get(module)  # a prefill starts the cache afresh
         out, state = self.inner(module, q.shape[1], q.shape[3]).attend_cache(
             q, k, v, mask, scale, previous, None if layer is None else int(layer))
         if table is not None and state is not None:
-            table[key] = state
+            table[module] = state
         elif table is not None and Lq == n:  # a dense prefill leaves no index: none from an earlier prompt either
-            table.pop(key, None)
+            table.pop(module, None)
         return out
 
 
 def register_defaults() -> None:
     """Register every mechanism under ``clusterformer-<mechanism>`` with its default options (done on import of
-    :mod:`clusterformer.hf` when ``transformers`` is installed)."""
+    this module, hence of :mod:`clusterformer.hf`, when ``transformers`` is installed)."""
     for mechanism in interface_mechanisms():
         register_attention(mechanism)
+
+
+try:  # transformers is an optional dependency: without it, the interface is unavailable
+    import transformers  # noqa: F401
+except ImportError:  # pragma: no cover - the hf extra is installed in CI
+    pass
+else:
+    register_defaults()

@@ -123,7 +123,8 @@ class KeyClusterIndex:
     keys of rank >= sink at positions < end, and the window is everything from ``end`` on; joined: keys that
     joined since the last clustering; fewest: the fewest keys any row holds (slots beyond it may be empty);
     length: the cache length at the last call; probe (G, P, D): the keys at :data:`PROBES` positions spread over
-    0 .. end - 1 then (to recognise the same cache later), probe_at (P,) those positions."""
+    0 .. end - 1 then (to recognise the same cache later), probe_at (P,) those positions; options: the settings it
+    was clustered under (:meth:`follows` refuses it to a reader with other settings)."""
 
     centroids: torch.Tensor
     centroids_t: torch.Tensor
@@ -138,11 +139,16 @@ class KeyClusterIndex:
     fewest: int
     length: int
     probe: torch.Tensor | None
+    options: RetrievalSettings
     probe_at: torch.Tensor | None = None
     _live: tuple[int, torch.Tensor] | None = None
 
-    def follows(self, k: torch.Tensor) -> bool:
-        """Whether cache keys k (B, Hkv, n, D) continue the cache this index was built on."""
+    def follows(self, k: torch.Tensor, options: RetrievalSettings | None = None) -> bool:
+        """Whether cache keys k (B, Hkv, n, D) continue the cache this index was built on, and (given
+        ``options``, the settings the caller reads the cache with) whether it was built under those settings: an
+        index clustered under others (another number of clusters, other sinks) is not this reader's."""
+        if options is not None and options is not self.options and options != self.options:
+            return False
         B, Hkv, n, D = k.shape
         if B * Hkv != self.counts.shape[0] or n < self.length or self.centroids.shape[-1] != D:
             return False
@@ -219,7 +225,7 @@ def build_index(k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor
         centroids=centroids, centroids_t=centroids.transpose(1, 2).to(k.dtype).contiguous(), key_sums=key_sums,
         value_sums=value_sums, counts=counts, members=members.view(G, C + 1, capacity)[:, :C].contiguous(),
         sinks=sinks.contiguous(), sink_ok=sink_ok,  # contiguous once here: every fused decoding step reads them
-        end=end, joined=0, fewest=int(counts.sum(1).min()) if G else 0, length=n, probe=None,
+        end=end, joined=0, fewest=int(counts.sum(1).min()) if G else 0, length=n, probe=None, options=options,
     )
     _set_probe(index, k)
     return index
@@ -247,7 +253,10 @@ def _set_probe(index: KeyClusterIndex, k: torch.Tensor) -> None:
 def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                  end: int, options: RetrievalSettings) -> KeyClusterIndex:
     """Let the keys at positions [index.end, end) join their nearest centroids (re-cluster everything once
-    ``refresh`` keys have joined since the last clustering). Returns the (updated in place or new) index."""
+    ``refresh`` keys have joined since the last clustering, or when ``index`` was built under other ``options``).
+    Returns the (updated in place or new) index."""
+    if not (options is index.options or options == index.options):
+        return build_index(k, v, key_padding_mask, end, options)
     start = index.end
     if end <= start:
         _set_probe(index, k)
