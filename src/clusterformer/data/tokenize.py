@@ -188,7 +188,7 @@ class PretrainedTokenizer:
     def __init__(self, name: str) -> None:
         from tokenizers import Tokenizer
 
-        from ..hf import pretrained_path
+        from .pretrained import pretrained_path
 
         self.name = name
         self._tok = Tokenizer.from_file(str(pretrained_path(name) / "tokenizer.json"))

@@ -26,6 +26,7 @@ from typing import Any
 
 from .._checks import check_choice, check_float, check_int
 from ..attention.registry import causal_semantics, get, make_options, names
+from ..data.pretrained import PRETRAINED_ENCODERS
 from .checkpoint import CHECKPOINT
 from .tasks import TASK_SPECS, TASKS
 
@@ -39,13 +40,9 @@ INIT_TASKS = tuple(name for name, spec in TASK_SPECS.items() if spec.text)  # --
 
 
 def pretrained_model(init: str | None) -> bool:
-    """Whether ``init`` names a pretrained model of :mod:`clusterformer.hf` (``PRETRAINED_ENCODERS``); otherwise it
-    is the path of an MLM checkpoint, or None. hf is imported only when there is an ``init``."""
-    if init is None:
-        return False
-    from ..hf import PRETRAINED_ENCODERS
-
-    return init in PRETRAINED_ENCODERS
+    """Whether ``init`` names a pretrained model (:data:`~clusterformer.data.pretrained.PRETRAINED_ENCODERS`);
+    otherwise it is the path of an MLM checkpoint, or None."""
+    return init is not None and init in PRETRAINED_ENCODERS
 
 
 def check_trainable(argument: str, name: str) -> None:
@@ -307,8 +304,6 @@ def _check_init(config: TrainConfig) -> None:
             raise ValueError(f"max_len must be <= 512 (the pretrained model's positions), got {config.max_len}")
         return
     if not _is_checkpoint(config.init):
-        from ..hf import PRETRAINED_ENCODERS
-
         raise ValueError(f"init must be one of {', '.join(PRETRAINED_ENCODERS)} or the checkpoint (file or run "
                          f"directory) of a `train --task mlm` run or of a run of this task; {config.init!r} is "
                          "neither")
