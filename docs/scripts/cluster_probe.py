@@ -20,7 +20,7 @@ import math
 import torch
 
 from clusterformer.attention import InnerAttention, record_groups
-from clusterformer.train.loop import load_pretrained, load_trained, read_checkpoint
+from clusterformer.train.loop import init_from_checkpoint, load_trained, read_checkpoint
 
 
 def groups_of(model: torch.nn.Module, ids: torch.Tensor, pad: torch.Tensor, batch: int) -> list[torch.Tensor]:
@@ -96,7 +96,7 @@ def main() -> None:
         start = None
         if args.start and config.init is not None:
             first = copy.deepcopy(model)  # the same model, its weights replaced by the --init checkpoint's
-            load_pretrained(first, read_checkpoint(config.init), config)
+            init_from_checkpoint(first, read_checkpoint(config.init), config)
             start = groups_of(first.eval(), ids, pad, args.batch)
         for layer, groups in enumerate(end):
             line = "  layer {}: end   largest {largest:.3f}  used {used:.1f} of {of}  entropy {entropy:.3f}".format(

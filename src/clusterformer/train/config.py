@@ -328,7 +328,7 @@ def _check_causal(config: TrainConfig) -> None:
 
 def _check_layer_mix(config: TrainConfig) -> None:
     """``layer_attention`` builds a new encoder of mixed layers: nothing else may build the layers (a checkpoint of
-    this task may initialise it: :func:`clusterformer.train.loop.load_pretrained` refuses the others)."""
+    this task may initialise it: :func:`clusterformer.train.loop.init_from_checkpoint` refuses the others)."""
     if (config.layer_attention or config.cluster_layers is not None) and pretrained_model(config.init):
         raise ValueError(f"--init {config.init} is a pretrained model of its own architecture: layer_attention and "
                          "cluster_layers cannot rebuild its layers")

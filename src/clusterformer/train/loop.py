@@ -369,7 +369,7 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     model = build_model(config, task).to(device)
     init_report = None
     if pretrained is not None:
-        init_report = load_pretrained(model, pretrained, config)
+        init_report = init_from_checkpoint(model, pretrained, config)
     if config.dense_warmup_steps and not _dense_layers(model):
         raise ValueError("dense_warmup_steps trains neural-clustering or cluster-select layers densely at first; this "
                          f"model has none (attention={config.attention!r})")
@@ -602,7 +602,7 @@ def _mechanism_state(module: torch.nn.Module) -> set[str]:
             for name in inner.state_dict()}
 
 
-def load_pretrained(model: torch.nn.Module, state: dict, config: TrainConfig) -> dict:
+def init_from_checkpoint(model: torch.nn.Module, state: dict, config: TrainConfig) -> dict:
     """Load what ``--init PATH`` gives this run from the checkpoint ``state`` (:func:`_pretrained_checkpoint`).
 
     * An **MLM checkpoint**: its encoder goes into ``model.encoder``. The mechanism, its options and the encoder's
