@@ -1,6 +1,10 @@
-"""Budgets and the key-recall probe: the keys each query can see (``keys_per_query``), counted against the
-attention weights of every mechanism; ``for_budget`` meeting a budget; the probe against explicit weights and a
-hand-built case; ``compare --keys-per-query``."""
+"""Budgets and the key-recall probe. Every mechanism states two numbers (``keys_read``: the logits a query computes,
+summaries, centroids, page bounds and scored candidates included; ``keys_mixed``: the keys whose values reach its
+output, a summary mixing all its members), each the maximum over the queries, and each is held here to a probe:
+keys mixed to the weight that flows to each key's value (``attention_rows``: the gradient through values equal to
+the input; ``cache_rows``: one-hot values), keys read to the logits a ``LogitSpy`` sees computed and used.
+``for_budget`` meeting a budget; the probe against explicit weights and a hand-built case; ``compare
+--keys-per-query``."""
 
 from __future__ import annotations
 
@@ -11,67 +15,163 @@ import pytest
 import torch
 
 from clusterformer.attention import build, names
-from clusterformer.attention.diagnostics import attention_rows, attention_to_sources, key_recall
-from clusterformer.attention.registry import causal_semantics, make_options
+from clusterformer.attention.diagnostics import (
+    LogitSpy,
+    attention_rows,
+    attention_to_sources,
+    cache_rows,
+    key_recall,
+    logits_read,
+)
+from clusterformer.attention.registry import causal_semantics, get, make_options
 from clusterformer.cli import main
 from clusterformer.models import EncoderConfig, TokenClassifier
 from seeds import fixed_seed
 
-CASES = [(name, causal) for name in names() for causal in (False, True)
-         if not causal or causal_semantics(name, {}) != "refused"]
-# a query somewhere sees exactly its budget (strict causal neural-clustering: only once a cluster has filled its
-# blocks, which random clusters of ~6 tokens at N = 90 do not)
-TIGHT = {("full", False), ("full", True), ("sliding-window", False), ("neural-clustering", False)}
-# a summary is one key of the budget but spreads its weight over all its members, so counting non-zero weights
-# would count them all: cluster-select is counted here without them (test_cluster_select_summaries_options checks
-# that each summary is one key of keys_per_query)
-COUNTABLE = {"cluster-select": {"summaries": False}}
+CACHE_READERS = {name for name in names() if get(name).interface_mode == "cache"}
+CASES = [(name, causal, extra) for name in sorted(set(names()) - CACHE_READERS) for causal in (False, True)
+         if not causal or causal_semantics(name, {}) != "refused"
+         for extra in ([{"num_clusters": 4}, {"num_clusters": 4, "summaries": False}] if name == "cluster-select"
+                       else [{}])]
+# a query somewhere mixes exactly its budget (strict causal neural-clustering: only once a cluster has filled its
+# blocks, which random clusters of ~6 tokens at N = 90 do not); cluster-select with its summaries mixes every key
+TIGHT = {("full", False), ("full", True), ("sliding-window", False), ("sliding-window", True),
+         ("neural-clustering", False), ("cluster-select", False), ("cluster-select", True)}
+# every logit these compute enters one softmax with its own key's value: the logits the spy counts over all queries
+# equal the keys the probe finds mixed, so each query reads exactly the keys it mixes
+READ_AS_MIXED = {"full", "sliding-window", "cluster-former"}
 
 
-def _seen(layer, x, causal: bool) -> torch.Tensor:
-    """(B, H, N): how many keys each query attends to with a non-zero weight, counted by the probe."""
+def _mixed(layer, x, causal: bool) -> torch.Tensor:
+    """(B, N, H): how many keys' values reach each query with a non-zero weight, counted by the probe."""
     B, N, _ = x.shape
     weights = attention_rows(layer, x, torch.arange(N).expand(B, N), causal=causal)  # (B, N, H, N)
     return (weights > 0).sum(-1)
 
 
-@pytest.mark.parametrize(("name", "causal"), CASES)
-def test_queries_see_at_most_their_budget(name, causal):
-    """Count every query's keys with non-zero weight at N = 90 with the options ``for_budget(20)`` gives (when the
-    mechanism has one): never above ``keys_per_query``, which is <= 20; and exactly it somewhere where the
-    windows are fixed."""
+@pytest.mark.parametrize(("name", "causal", "extra"), CASES)
+def test_queries_mix_and_read_at_most_their_budget(name, causal, extra):
+    """At N = 90 with the options ``for_budget(20)`` gives (when the mechanism has one): the keys whose values reach
+    a query (the probe: weight through the values, a summary's spread over its members) never exceed
+    ``keys_mixed``, and reach it where TIGHT says; ``keys_read`` (the budget ``for_budget`` meets) is <= 20 and at
+    least ``keys_mixed`` where no summary or centroid mixes more than it reads."""
     torch.manual_seed(fixed_seed())
     N = 90
-    fixed = COUNTABLE.get(name, {})
-    defaults = make_options(name, fixed)
+    defaults = make_options(name, extra)
     try:
-        options = {**fixed, **defaults.for_budget(20, N, causal)}
+        options = {**extra, **defaults.for_budget(20, N, causal)}
     except ValueError as error:
-        assert "no option that sets" in str(error) and defaults.keys_per_query(N, causal) == N
-        options = {}
-    budget = make_options(name, options).keys_per_query(N, causal)
-    assert budget <= 20 or not options
+        assert "no option that sets" in str(error) and defaults.keys_read(N, causal) == N
+        options = dict(extra)
+    made = make_options(name, options)
+    read, mixed = made.keys_read(N, causal), made.keys_mixed(N, causal)
+    assert made.keys_per_query(N, causal) == read
+    assert read <= 20 or options == extra
     layer = build(name, dim=16, heads=2, **options).eval()
-    seen = _seen(layer, torch.randn(2, N, 16), causal)
-    assert int(seen.max()) <= budget
+    seen = _mixed(layer, torch.randn(2, N, 16), causal)
+    assert int(seen.max()) <= mixed
     if (name, causal) in TIGHT:
-        assert int(seen.max()) == budget
-    if options:
-        assert budget >= 20 // 2, "the budget's options use most of the budget"
+        assert int(seen.max()) == mixed
+    if options != extra:
+        assert read >= 20 // 2, "the budget's options use most of the budget"
 
 
-@pytest.mark.parametrize(("name", "options", "length", "expected"), [
-    ("full", {}, 1024, 1024),
-    ("sliding-window", {"window": 128, "stride": 64}, 1024, 192),  # the two windows holding a query: 1.5 windows
-    ("neural-clustering", {}, 1024, 64),  # k = 32, chunks of 32, the own and one look-back chunk
-    ("neural-clustering", {}, 100, 20),
-    ("lsh", {}, 1024, 512),  # 4 rounds x 2 chunks of 64
-    ("routing", {}, 1024, 128),
-    ("kmeans", {}, 1024, 128),
-    ("clustered", {}, 1024, 1024),  # centroid queries read every key
+@pytest.mark.parametrize(("name", "causal"), [(name, causal) for name in sorted(READ_AS_MIXED)
+                                              for causal in (False, True)])
+def test_keys_read_are_the_keys_mixed_where_every_logit_is_attended(name, causal):
+    """The spy's logits over every query and head equal the keys the value probe finds mixed: as each mixed key's
+    logit is read, each query reads exactly the keys it mixes, and ``keys_read`` = ``keys_mixed``, reached."""
+    torch.manual_seed(fixed_seed())
+    N, options = 64, {"window": 12, "stride": 6} if name != "full" else {}
+    layer = build(name, dim=8, heads=2, **options).eval()
+    x = torch.randn(1, N, 8)
+    seen = _mixed(layer, x, causal)
+    assert logits_read(layer, x, causal) == int(seen.sum())
+    made = make_options(name, options)
+    assert made.keys_read(N, causal) == made.keys_mixed(N, causal)
+    if name != "cluster-former" or not causal:  # its causal windows are not strict: the bound need not be met
+        assert int(seen.max()) == made.keys_read(N, causal)
+
+
+@pytest.mark.parametrize("name", ["lsh", "routing", "kmeans"])
+def test_logits_of_the_bucket_mechanisms_stay_within_keys_read(name):
+    """The bucket mechanisms read a few logits they do not mix (a shared-QK query's own key, pushed out unless it
+    is alone): over N queries the spy's count lies between the keys mixed and N x ``keys_read``. (The clustered
+    mechanisms' centroid queries compute the logits every query of their cluster shares: not per query.)"""
+    torch.manual_seed(fixed_seed())
+    N = 64
+    options = make_options(name, {}).for_budget(20, N)
+    layer = build(name, dim=8, heads=1, **options).eval()
+    x = torch.randn(1, N, 8)
+    total = logits_read(layer, x)
+    assert int(_mixed(layer, x, False).sum()) <= total <= N * make_options(name, options).keys_read(N)
+
+
+CACHE_CASES = [
+    ("sink-window", {"budget": 40}), ("sink-window", {"budget": 0.2, "sink": 0}),
+    ("oracle", {"budget": 40}), ("oracle", {"budget": 0.05}),
+    ("quest", {"budget": 40, "page_size": 8}), ("quest", {"budget": 0.1}), ("quest", {"budget": 37, "page_size": 5}),
+    ("cluster-retrieval", {"budget": 100, "num_clusters": 8, "window": 16}),
+    ("cluster-retrieval", {"budget": 100, "num_clusters": 8, "window": 16, "rerank": 1}),
+    ("cluster-retrieval", {"budget": 60, "num_clusters": 8, "window": 16, "rerank": 2, "selection": "head"}),
+    ("cluster-retrieval", {"budget": 100, "num_clusters": 8, "window": 16, "estimate_remainder": True}),
+    ("cluster-retrieval", {"budget": 0.5, "num_clusters": 8, "window": 16}),  # 4 x 134 candidates > the index
+]
+
+
+@pytest.mark.parametrize(("name", "options"), CACHE_CASES)
+def test_cache_readers_read_and_mix_exactly_their_budget(name, options):
+    """A decoding step's query over a cache of 300 keys: the keys whose one-hot values reach its output are
+    exactly ``keys_mixed``, and the logits the spy sees it use (keys, centroids, page bounds, re-ranked
+    candidates) exactly ``keys_read`` -- cluster retrieval's default ``rerank=4`` scores 4x its retrieved keys,
+    the oracle every key."""
+    torch.manual_seed(fixed_seed())
+    n, D = 300, 8
+    layer = build(name, dim=D, heads=1, **options, **({"kernel": "torch"} if name == "cluster-retrieval" else {}))
+    q, k = torch.randn(1, 1, 1, D), torch.randn(1, 1, n, D)
+    spy = LogitSpy()
+    weights = cache_rows(layer.eval(), q, k, scale=1.0, spy=spy)  # scale 1: a key ranked and attended, one value
+    made = make_options(name, options)
+    assert int((weights > 0).sum()) == made.keys_mixed(n)
+    assert len(spy.logits) == made.keys_read(n)
+    assert abs(float(weights.sum()) - 1) < 1e-12
+
+
+@pytest.mark.parametrize(("name", "options", "length", "read", "mixed"), [
+    ("full", {}, 1024, 1024, 1024),
+    ("sliding-window", {"window": 128, "stride": 64}, 1024, 192, 192),  # the two windows holding a query
+    ("sliding-window", {"window": 42, "stride": 21}, 1024, 63, 63),
+    ("neural-clustering", {}, 1024, 64, 64),  # k = 32, chunks of 32, the own and one look-back chunk
+    ("neural-clustering", {}, 100, 20, 20),
+    ("lsh", {}, 1024, 512, 512),  # 4 rounds x 2 chunks of 64
+    ("routing", {}, 1024, 128, 128),
+    ("kmeans", {}, 1024, 128, 128),
+    ("clustered", {}, 1024, 1024, 1024),  # centroid queries read every key
+    # window, sink, 2 x 32 members, 16 summaries and 16 bounds read; the summaries mix every key
+    ("cluster-select", {}, 1024, 64 + 1 + 64 + 16 + 16, 1024),
+    ("cluster-select", {"summaries": False, "selection": "scores"}, 1024, 129, 129),  # the centroids are no keys
+    ("cluster-select", {"summaries": False, "members": "score"}, 1024, 1024 + 16, 129),  # every member scored
+    ("oracle", {}, 4096, 4096, 410),
+    ("sink-window", {}, 4096, 410, 410),
+    ("quest", {}, 4096, 400 + 255, 400),  # own page, 24 pages; 255 bounds ranked
+    ("cluster-retrieval", {}, 4096, 4 + 64 + 4 * 342 + 256, 410),
 ])
-def test_default_budgets(name, options, length, expected):
-    assert make_options(name, options).keys_per_query(length) == expected
+def test_default_budgets(name, options, length, read, mixed):
+    made = make_options(name, options)
+    assert (made.keys_read(length), made.keys_mixed(length)) == (read, mixed)
+    assert made.keys_per_query(length) == read
+
+
+def test_causal_windows_read_one_window():
+    """Causal sliding windows of 42 every 21: a query sees its keys of the first window holding it, at most 42
+    (not the 63 of the two windows), reached at N = 90; ``for_budget`` gives the window of the budget."""
+    torch.manual_seed(fixed_seed())
+    options = make_options("sliding-window", {"window": 42, "stride": 21})
+    assert (options.keys_read(90, True), options.keys_read(90)) == (42, 63)
+    seen = _mixed(build("sliding-window", dim=8, heads=1, window=42, stride=21).eval(), torch.randn(1, 90, 8), True)
+    assert int(seen.max()) == 42
+    assert options.for_budget(42, 90, causal=True) == {"window": 42, "stride": 21}
+    assert options.for_budget(63, 90) == {"window": 42, "stride": 21}
 
 
 def test_for_budget_errors():

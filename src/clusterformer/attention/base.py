@@ -1,7 +1,8 @@
 """The two halves of every attention layer, as in fast-transformers' ``AttentionLayer`` / inner attention:
 
-* :class:`InnerAttention` -- the *mechanism*: given per-head queries, keys and values (B, H, N, D), a key
-  padding mask and ``causal``, which keys each query sees and how they are mixed. One file per mechanism
+* :class:`InnerAttention` -- the *mechanism*: given per-head queries, keys and values (B, H, N, D) and the
+  call's :class:`~clusterformer.masks.AttentionMask` (key padding and causal order, built once at the layer's
+  entry and handed on to the ops as it is), which keys each query sees and how they are mixed. One file per mechanism
   subclasses it and registers it by name with its options dataclass (:mod:`clusterformer.attention.registry`).
   It owns the mechanism's parameters and state (centroids, memory banks, its seeded generator).
 * :class:`AttentionLayer` -- the *layer*: input checks, padding, the Q/K/V projections (one fused linear, or
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_float, check_int, check_padding_mask, check_tensor
+from ..masks import NO_MASK, AttentionMask
 from ..ops.decode import DecodeCache, check_right_padded
 from ..ops.heads import split_heads
 from ..ops.recompute import recipe_of, recompute_saved
@@ -105,14 +107,28 @@ class AttentionOptions:
         the whole sequence) or ``"refused"`` (``causal=True`` raises)."""
         return "strict"
 
-    # budgets: how many keys a query can see (docs/ARCHITECTURE.md, "Budgets")
-    def keys_per_query(self, length: int, causal: bool = False) -> int:
-        """The budget: the most keys one query can attend to in a sequence of ``length`` tokens (under a causal
-        mask, a query late enough in the sequence to have that many earlier keys). Every key counts once,
-        whatever number of rounds or windows bring it. The default is every key (full attention; also the
-        mechanisms whose centroid queries read every key)."""
+    # budgets: the keys a query reads and the keys it mixes (docs/ARCHITECTURE.md, "Budgets")
+    def keys_read(self, length: int, causal: bool = False) -> int:
+        """Keys read: the most key-side vectors whose logit one query computes in a sequence of ``length`` tokens
+        (under a causal mask, the query that reaches the most): its keys, and every vector made from this
+        sequence's keys that it scores -- a summary, a centroid or a page bound counts as one key read; a
+        candidate scored and then dropped (re-ranking, members scored by score) counts too. Each counts once,
+        whatever number of rounds or windows bring it. Trained or drawn vectors (learned and EMA centroids, hash
+        rotations) are parameters, not keys. The default is every key (full attention; also the mechanisms
+        whose centroid queries read every key)."""
         check_int("length", length, minimum=1)
         return length
+
+    def keys_mixed(self, length: int, causal: bool = False) -> int:
+        """Keys mixed: the most keys whose values reach one query's output (a summary mixes all its members'
+        values), as the maximum over the queries of :meth:`keys_read`. The default: the keys read (every logit
+        computed enters the softmax with its own key's value)."""
+        return self.keys_read(length, causal)
+
+    def keys_per_query(self, length: int, causal: bool = False) -> int:
+        """The budget a comparison matches: :meth:`keys_read` (what a query pays for; :meth:`keys_mixed` says
+        what reaches it)."""
+        return self.keys_read(length, causal)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
         """The options that change to give each query at most ``keys`` keys at ``length`` (as large as fits): a
@@ -174,8 +190,9 @@ class BucketOptions(SeededOptions):
     def _rounds(self) -> int:
         return 1 if self.budget_rounds is None else getattr(self, self.budget_rounds)
 
-    def keys_per_query(self, length: int, causal: bool = False) -> int:
-        """At most ``rounds * (look_back + 1) * chunk`` keys (the chunk under ``causal``: ``causal_chunk_size``)."""
+    def keys_read(self, length: int, causal: bool = False) -> int:
+        """At most ``rounds * (look_back + 1) * chunk`` keys (the chunk under ``causal``: ``causal_chunk_size``),
+        each mixed as read."""
         check_int("length", length, minimum=1)
         return min(length, self._rounds() * (self.look_back + 1) * self.chunk_for(causal))
 
@@ -317,9 +334,19 @@ class QKVProjection(Protocol):
         ...
 
 
+def check_prompt_mask(mask: AttentionMask) -> None:
+    """A prompt's mask for cached decoding: an :class:`AttentionMask`, causal, without a window, right-padded."""
+    if not isinstance(mask, AttentionMask) or not mask.causal or mask.window is not None:
+        raise ValueError("mask must be a causal AttentionMask without a window for a prefill (a prompt is read "
+                         "causally)")
+    check_right_padded(mask)
+
+
 # ------------------------------------------------------------------------------------------ inner attention
 class InnerAttention(SeededModule):
-    """A registered mechanism: ``inner(q, k, v, key_padding_mask=None, causal=False) -> (B, H, N, D)``.
+    """A registered mechanism: ``inner(q, k, v, mask=NO_MASK) -> (B, H, N, D)``, ``mask`` the call's
+    :class:`~clusterformer.masks.AttentionMask` (key padding, causal order), which the mechanism hands on to its
+    ops as it is and never rebuilds.
 
     Subclasses set :attr:`shared_qk` (the layer must give the same tensor as q and k) and implement
     :meth:`forward`; those that group by hidden states override :meth:`attend_hidden` as well.
@@ -330,10 +357,11 @@ class InnerAttention(SeededModule):
     :meth:`step_hidden` when it groups by hidden states. :class:`AttentionLayer` exposes them as
     ``layer.prefill(x, key_padding_mask)`` and ``layer.step(x_t, cache)``.
 
-    Contract for ``forward``: q, k, v (B, H, N, D) with padded rows of no consequence; key_padding_mask
-    (B, N) bool, True = padding, or None; outputs at real positions follow the mechanism's equations, outputs
-    at padded positions are unspecified (the layer zeroes them). It publishes auxiliary losses and its
-    grouping through :mod:`clusterformer.attention.aux`, never by storing them.
+    Contract for ``forward``: q, k, v (B, H, N, D) with padded rows of no consequence; ``mask`` an
+    :class:`~clusterformer.masks.AttentionMask` whose padding is (B, N) bool, True = padding, or None, and whose
+    ``causal`` asks for the mechanism's causal semantics; outputs at real positions follow the mechanism's
+    equations, outputs at padded positions are unspecified (the layer zeroes them). It publishes auxiliary
+    losses and its grouping through :mod:`clusterformer.attention.aux`, never by storing them.
 
     State. A mechanism whose forward updates buffers (EMA centroids, memory banks) does so in training only and
     never inside :func:`replaying` (:meth:`updates_state`); an update computed in one forward is kept pending in
@@ -356,6 +384,19 @@ class InnerAttention(SeededModule):
     # cached decoding step, one query per head, is dense), "cache" (attend_cache: the mechanism reads a decoder's
     # key/value cache), or None: it needs hidden states or a shared QK, which a pretrained model does not give.
     interface_mode: ClassVar[str | None] = None
+    # What the mechanism is: "sequence" (a model's layer: a sequence attends to itself, and it trains) or "cache" (it
+    # changes only how a pretrained decoder reads its key/value cache, through clusterformer.hf: its forward, a
+    # sequence's attention to itself, is full attention, so training it would train full attention; train refuses it)
+    kind: ClassVar[str] = "sequence"
+    keeps_index: ClassVar[bool] = False  # a cache reader keeping a key index beside the cache (re-clustered by refresh)
+    # A mechanism that groups tokens by their hidden states says so here ("<name> clusters the hidden states ..."): it
+    # implements attend_hidden, and forward on q, k, v alone refuses with this reason
+    hidden_states: ClassVar[str | None] = None
+    # learned centroids that can flow from layer to layer (the encoder's centroid_flow, later layers built with
+    # own_centroids=False) and train at their own rate (clustering_parameters(), train's centroid_lr_scale)
+    learned_centroids: ClassVar[bool] = False
+    # the mechanism of the other layers of the paper's stack this one belongs in (train's cluster_layers), or None
+    stack_layers: ClassVar[str | None] = None
 
     def __init__(self, dim: int, heads: int, options: AttentionOptions) -> None:
         super().__init__(getattr(options, "seed", None))
@@ -370,12 +411,15 @@ class InnerAttention(SeededModule):
         """The attention dropout of this call: the option in training, 0 in evaluation."""
         return self.options.dropout if self.training else 0.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = NO_MASK
+                ) -> torch.Tensor:
+        if self.hidden_states is not None:
+            raise ValueError(f"{self.hidden_states}: call it through attend_hidden (an AttentionLayer, or "
+                             "clusterformer.hf.patch), not on q, k, v alone")
         raise NotImplementedError
 
     def attend_hidden(
-        self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None, causal: bool,
+        self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask = NO_MASK,
         flow: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The hook for mechanisms that need the hidden states: x (B, N, dim) with padded rows zero ->
@@ -386,19 +430,18 @@ class InnerAttention(SeededModule):
         if flow is not None:
             raise ValueError(f"{type(self).__name__} takes no flow from a previous layer")
         q, k, v = projection.qkv(x)
-        return self(q, k, v, key_padding_mask, causal).transpose(1, 2), None
+        return self(q, k, v, mask).transpose(1, 2), None
 
     # ------------------------------------------------------------------ cached decoding (strict causal only)
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
                 ) -> tuple[torch.Tensor, DecodeCache]:
-        """The causal forward over a right-padded prompt batch, and the cache that continues it:
-        (out (B, H, N, D), cache). The default runs :meth:`forward` with ``causal=True``, then :meth:`cache_from`."""
+        """The causal forward over a right-padded prompt batch under its causal ``mask``, and the cache that
+        continues it: (out (B, H, N, D), cache). The default runs :meth:`forward`, then :meth:`cache_from`."""
         self.check_decoding()
-        check_right_padded(key_padding_mask)
-        return self(q, k, v, key_padding_mask, True), self.cache_from(q, k, v, key_padding_mask)
+        check_prompt_mask(mask)
+        return self(q, k, v, mask), self.cache_from(q, k, v, mask)
 
-    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_padding_mask: torch.Tensor | None) -> DecodeCache:
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> DecodeCache:
         """The cache after a prompt's q, k, v (B, H, N, D): what a strictly causal mechanism implements."""
         raise ValueError(self._no_decoding())
 
@@ -409,12 +452,12 @@ class InnerAttention(SeededModule):
         position. Implemented by the strictly causal mechanisms."""
         raise ValueError(self._no_decoding())
 
-    def prefill_hidden(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None
+    def prefill_hidden(self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask
                        ) -> tuple[torch.Tensor, DecodeCache]:
         """:meth:`prefill` from hidden states (the :meth:`attend_hidden` counterpart): x (B, N, dim) ->
         (heads output (B, N, H, D), cache)."""
         q, k, v = projection.qkv(x)
-        out, cache = self.prefill(q, k, v, key_padding_mask)
+        out, cache = self.prefill(q, k, v, mask)
         return out.transpose(1, 2), cache
 
     def step_hidden(self, x_t: torch.Tensor, projection: QKVProjection, cache: DecodeCache
@@ -508,7 +551,8 @@ class AttentionLayer(nn.Module):
         return this layer's flow. Returns y (B, N, dim), or (y, flow or None) with ``return_flow``."""
         key_padding_mask = self._check_input(x, key_padding_mask)
         check_bool("causal", causal)
-        attend = lambda x: self.inner.attend_hidden(x, self, key_padding_mask, causal, flow)  # noqa: E731
+        mask = AttentionMask(key_padding_mask, causal)  # the call's one mask, handed as it is to the ops
+        attend = lambda x: self.inner.attend_hidden(x, self, mask, flow)  # noqa: E731
         y, flow = attend_padded(x, key_padding_mask, attend, self.to_out)
         return (y, flow) if return_flow else y
 
@@ -520,9 +564,9 @@ class AttentionLayer(nn.Module):
         causal=True)``. Needs a strictly causal mechanism and eval mode."""
         key_padding_mask = self._check_input(x, key_padding_mask)
         self.inner.check_decoding()
-        check_right_padded(key_padding_mask)
-        return attend_padded(x, key_padding_mask, lambda x: self.inner.prefill_hidden(x, self, key_padding_mask),
-                             self.to_out)
+        mask = AttentionMask(key_padding_mask, causal=True)  # the prompt's one mask, handed as it is to the ops
+        check_right_padded(mask)
+        return attend_padded(x, key_padding_mask, lambda x: self.inner.prefill_hidden(x, self, mask), self.to_out)
 
     def step(self, x_t: torch.Tensor, cache: DecodeCache) -> tuple[torch.Tensor, DecodeCache]:
         """One new token per sequence: x_t (B, dim), the hidden state at position ``cache.lengths[b]`` ->

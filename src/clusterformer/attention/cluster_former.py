@@ -53,25 +53,36 @@ import torch.nn.functional as F
 from .._checks import check_int, check_tensor
 from ..clustering.kmeans import greedy_nearest_order, spherical_kmeans
 from ..distributed import all_gather_rows
-from ..masks import real_tokens
+from ..masks import NO_MASK, AttentionMask
 from ..ops.decode import WindowCache
-from ..ops.sliding import sliding_window_attention
+from ..ops.sliding import sliding_window_attention, window_count
 from .aux import publish_groups
 from .base import AttentionOptions, InnerAttention, QKVProjection, SeededOptions
 from .registry import register
 
 
-def window_union(window: int, stride: int, length: int) -> int:
-    """Keys a row can see under windows of ``window`` every ``stride`` rows: the union of the windows that hold
-    it, ``window + stride * (ceil(window / stride) - 1)`` (192 for 128 / 64), at most ``length``."""
+def window_union(window: int, stride: int, length: int, causal: bool = False) -> int:
+    """The most keys a row sees under windows of ``window`` every ``stride`` rows over ``length`` rows
+    (:func:`clusterformer.ops.sliding_window_attention`'s windows, ``window`` clamped to ``length``), the maximum
+    over the rows of the union of the windows that hold it: ``window + stride * (ceil(window / stride) - 1)`` (192
+    for 128 / 64) where a row lies in that many whole windows, fewer near the ends. ``causal``: the union's keys up
+    to the row itself -- from the first window holding it, so at most ``window`` (42 for 42 / 21, not 63)."""
     check_int("length", length, minimum=1)
-    return min(length, window + stride * (-(-window // stride) - 1))
+    w = min(window, length)
+    rows = torch.arange(length)
+    first = (rows - w + 1).clamp(min=0).add(stride - 1).div(stride, rounding_mode="floor")  # first window holding r
+    if causal:
+        return int((rows - first * stride + 1).max())
+    last = torch.minimum(rows.div(stride, rounding_mode="floor"),
+                         torch.tensor(int(window_count(length, w, stride)) - 1))  # the last window holding r
+    return int(((last * stride + w).clamp(max=length) - first * stride).max())
 
 
-def window_for_budget(keys: int) -> dict[str, int]:
-    """The window (even) and stride (half of it) whose union of windows, 1.5 windows, is at most ``keys``."""
+def window_for_budget(keys: int, causal: bool = False) -> dict[str, int]:
+    """The window (even) and stride (half of it) whose union of windows, 1.5 windows, is at most ``keys``; under
+    ``causal`` (sliding-window's strict mask: a query reads at most one window) the window of ``keys`` (even)."""
     check_int("keys", keys, minimum=3)
-    window = 2 * keys // 3 // 2 * 2
+    window = keys // 2 * 2 if causal else 2 * keys // 3 // 2 * 2
     return {"window": window, "stride": window // 2}
 
 
@@ -98,12 +109,13 @@ class SlidingWindowOptions(AttentionOptions):
         super().__post_init__()
         _check_window(self.window, self.stride)
 
-    def keys_per_query(self, length: int, causal: bool = False) -> int:
-        """The union of the windows that hold a query (:func:`window_union`)."""
-        return window_union(self.window, self.stride, length)
+    def keys_read(self, length: int, causal: bool = False) -> int:
+        """The union of the windows that hold a query (:func:`window_union`), under ``causal`` its keys up to the
+        query; each mixed as read."""
+        return window_union(self.window, self.stride, length, causal)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
-        return window_for_budget(keys)
+        return window_for_budget(keys, causal)
 
 
 @dataclass(frozen=True)
@@ -136,8 +148,10 @@ class ClusterFormerOptions(SeededOptions):
     def causal_semantics(self) -> str:
         return "paper"  # masking inside sorted windows whose membership depends on all tokens
 
-    def keys_per_query(self, length: int, causal: bool = False) -> int:
-        """The union of the sorted windows that hold a query (:func:`window_union`)."""
+    def keys_read(self, length: int, causal: bool = False) -> int:
+        """The union of the sorted windows that hold a query (:func:`window_union`), each mixed as read. Under
+        ``causal`` the same: the windows mask later *original* positions, and a query later than every other key of
+        its windows sees them all."""
         return window_union(self.window, self.stride, length)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
@@ -148,19 +162,16 @@ class ClusterFormerOptions(SeededOptions):
 class SlidingWindowAttention(InnerAttention):
     decodes = True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = NO_MASK
+                ) -> torch.Tensor:
         if q.shape[2] == 0:
             return q * 0
-        return sliding_window_attention(
-            q, k, v, self.options.window, self.options.stride, causal=causal, key_padding_mask=key_padding_mask,
-            dropout_p=self.dropout_p,
-        )
+        return sliding_window_attention(q, k, v, self.options.window, self.options.stride, mask=mask,
+                                        dropout_p=self.dropout_p)
 
     # cached decoding: the last `window` keys and values (clusterformer.ops.decode.WindowCache)
-    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_padding_mask: torch.Tensor | None) -> WindowCache:
-        return WindowCache.from_prompt(k, v, key_padding_mask, self.options.window, self.options.stride)
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> WindowCache:
+        return WindowCache.from_prompt(k, v, mask, self.options.window, self.options.stride)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: WindowCache
              ) -> tuple[torch.Tensor, WindowCache]:
@@ -171,6 +182,9 @@ class SlidingWindowAttention(InnerAttention):
 class ClusterFormerAttention(InnerAttention):
     """Assigns tokens by their hidden states, so it implements :meth:`attend_hidden`; :meth:`forward` on given
     q, k, v is not available (it would need the hidden states)."""
+
+    hidden_states = "cluster-former assigns tokens by their hidden states"
+    stack_layers = "sliding-window"  # the paper's stack: sliding-window layers, a few Cluster-Former ones
 
     def __init__(self, dim: int, heads: int, options: ClusterFormerOptions) -> None:
         super().__init__(dim, heads, options)
@@ -209,20 +223,15 @@ class ClusterFormerAttention(InnerAttention):
         self.centroids.copy_(greedy_nearest_order(found).to(self.centroids.dtype))
         self.centroids_ready.fill_(True)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        raise ValueError("cluster-former assigns tokens by their hidden states: call it through attend_hidden "
-                         "(an AttentionLayer, or clusterformer.hf.patch), not on q, k, v alone")
-
     def attend_hidden(
-        self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None, causal: bool,
+        self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask = NO_MASK,
         flow: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
         if flow is not None:
             raise ValueError("cluster-former takes no flow from a previous layer")
         B, N, _ = x.shape
         if self.updates_state():  # every rank's real tokens, in rank order (a no-op without a process group)
-            states = x.detach()[real_tokens(key_padding_mask, B, N, x.device)]
+            states = x.detach()[mask.real(B, N, x.device)]
             self.remember(all_gather_rows(states))
             self.steps += 1
             due = not bool(self.centroids_ready) or int(self.steps) % self.options.update_every == 0
@@ -238,15 +247,15 @@ class ClusterFormerAttention(InnerAttention):
             return (q * 0).transpose(1, 2), None
         sims = F.normalize(x.detach(), dim=-1) @ F.normalize(centroids.to(x), dim=-1).T
         ids = sims.argmax(-1)  # (B, N): maximum cosine similarity
-        if key_padding_mask is not None:
-            ids = ids.masked_fill(key_padding_mask, self.options.num_clusters)  # padding sorts last
+        if mask.padding is not None:
+            ids = ids.masked_fill(mask.padding, self.options.num_clusters)  # padding sorts last
         publish_groups(self, ids)
         order = torch.sort(ids, dim=-1, stable=True).indices  # (B, N) sorted slot -> token
         gather = order[:, None, :, None].expand(B, self.heads, N, self.head_dim)
-        pad = None if key_padding_mask is None else key_padding_mask.gather(1, order)
+        # the windows run over the sorted rows; the mask, of the original order, is read at each row's token
         out_sorted = sliding_window_attention(
             q.gather(2, gather), k.gather(2, gather), v.gather(2, gather), self.options.window,
-            self.options.stride, causal=causal, positions=order, key_padding_mask=pad, dropout_p=self.dropout_p,
+            self.options.stride, positions=order, mask=mask, dropout_p=self.dropout_p,
         )
         out = torch.empty_like(out_sorted).scatter_(2, gather, out_sorted)  # back to token order
         return out.transpose(1, 2), None

@@ -20,15 +20,21 @@ that float32 would round to zero counts as seen.
 from __future__ import annotations
 
 import copy
-from typing import NamedTuple
+import math
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._checks import check_tensor
+from ..masks import AttentionMask
 from .base import AttentionLayer
 
-__all__ = ["SourceWeights", "attention_rows", "attention_to_sources", "key_recall"]
+__all__ = ["LogitSpy", "SourceWeights", "attention_rows", "attention_to_sources", "cache_rows", "key_recall",
+           "logits_read"]
 
 
 class _ValueProbe:
@@ -74,6 +80,7 @@ def attention_rows(
     Q = queries.shape[1]
     weights = torch.zeros(B, Q, H, N, dtype=torch.float64)
     rows = torch.arange(B).unsqueeze(1)
+    mask = AttentionMask(key_padding_mask, causal)  # the call's one mask, as the layer builds it
     for start in range(0, Q, D):  # passes of head_dim queries: ceil(Q / head_dim), not a loop over tokens
         m = torch.arange(start, min(Q, start + D))
         xd = x.detach().double().clone().requires_grad_(True)
@@ -81,7 +88,7 @@ def attention_rows(
         pick = channel.view(1, -1, 1, 1).expand(B, -1, H, 1)  # query m reads channel m - start
         with torch.enable_grad():  # also inside an evaluation's no_grad
             out, _ = probe_layer.inner.attend_hidden(
-                xd, probe, key_padding_mask, causal, None if flow is None else flow.detach().double())  # (B, N, H, D)
+                xd, probe, mask, None if flow is None else flow.detach().double())  # (B, N, H, D)
             score = out[rows, queries[:, m]].gather(3, pick).sum()  # sum over b, h, m of out[b, q_m, h, c_m]
             (grad,) = torch.autograd.grad(score, xd)
         # grad[b, j, h, c_m] = weight of query m on key j in head h
@@ -203,3 +210,146 @@ def key_recall(
         finally:
             layer.train(was)
     return result
+
+
+# ------------------------------------------------------------------------------------------------ keys read
+_RANKS = {torch.topk, torch.Tensor.topk, torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort,
+          torch.argmax, torch.Tensor.argmax}
+_SOFTMAX = {torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax, torch.log_softmax,
+            torch.Tensor.log_softmax, torch.nn.functional.log_softmax, torch.logsumexp, torch.Tensor.logsumexp}
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_PRODUCTS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
+             torch.Tensor.bmm, torch.mm, torch.Tensor.mm, torch.einsum, torch.baddbmm, torch.Tensor.baddbmm}
+_MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+
+
+class LogitSpy(TorchFunctionMode):
+    """Counts the logits one query's computation uses: a spy on the score computation, for a call with a single
+    query row (one sequence, one head, one query position: a decoding step or a cached call).
+
+    The query ``q`` is marked "q" and the keys ``k`` (the cache, and the prompt's keys before it) "k"; every
+    floating tensor an op makes inherits the marks of its inputs (integer and bool outputs -- indices, masks --
+    carry none), and a product (matmul, einsum, bmm; an elementwise product of a query-only and a key-only
+    operand, as Quest's bound) of an operand marked "q" with one marked "k" is marked "logit" (so a shared-QK
+    query hashed by drawn rotations or scored against learned centroids makes no logit). A *logit* is an entry
+    of a tensor marked "logit" at the point where it is used: ranked
+    (``topk``, ``sort``, ``argsort``, ``argmax``: selection, re-ranking, members scored by score, Quest's page
+    bounds, cluster retrieval's centroids) or normalised (``softmax``, ``log_softmax``, ``logsumexp``, and the
+    logits SDPA computes inside from its q, k and mask). Entries that are -inf there (masked, or empty slots) are
+    not used. The same logit used twice (a key ranked and then attended; a summary ranked and attended) has the
+    same value: ``logits`` keeps the distinct finite non-zero values (to 12 significant digits, which separates
+    the logits of distinct random float64 keys; an exact zero is a zero row -- a padded query or key slot -- which
+    random inputs never give), so ``len(spy.logits)`` is the query's keys read. A logit whose
+    computation adds a bias before it is used (a summary's + log n) is one value all the same. Kernels that run
+    outside PyTorch's Python API (the fused C++ and Triton kernels) are not seen: probe a layer built with a
+    PyTorch kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marks = WeakTensorKeyDictionary()
+        self.logits: set[float] = set()
+
+    def mark(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """Mark ``tensor`` (a query: "q"; keys: "k") and return it."""
+        self.marks[tensor] = self.marks.get(tensor, frozenset()) | {what}
+        return tensor
+
+    def _marks_of(self, values: Any) -> frozenset:
+        found: frozenset = frozenset()
+        for leaf in tree_flatten(values)[0]:
+            if isinstance(leaf, torch.Tensor):
+                found = found | self.marks.get(leaf, frozenset())
+        return found
+
+    def _record(self, scores: torch.Tensor) -> None:
+        finite = scores.detach()[torch.isfinite(scores.detach())].double()
+        for value in finite[finite != 0].tolist():  # a probe: a few thousand logits
+            self.logits.add(float(f"{value:.12g}"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            q, k = args[0], args[1]
+            if {"q"} <= self.marks.get(q, frozenset()) and {"k"} <= self.marks.get(k, frozenset()):
+                scale = kwargs.get("scale") or 1 / math.sqrt(q.shape[-1])
+                logits = (q @ k.transpose(-1, -2)) * scale
+                mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+                if mask is not None:
+                    logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else \
+                        logits.masked_fill(mask == -math.inf, -math.inf)
+                if kwargs.get("is_causal"):
+                    logits = logits.masked_fill(torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+                self._record(logits)
+        elif func in _RANKS or func in _SOFTMAX:
+            if isinstance(args[0], torch.Tensor) and "logit" in self.marks.get(args[0], frozenset()):
+                self._record(args[0])
+        out = func(*args, **kwargs)
+        found = self._marks_of((args, kwargs))
+        if func in _PRODUCTS or func in _MULS:
+            operands = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            each = [self.marks.get(a, frozenset()) for a in operands]
+            if func in _MULS:
+                each = [m for m in each if len(m & {"q", "k"}) == 1]  # a query-only and a key-only operand
+            if len(each) >= 2 and any("q" in m for m in each) and any(
+                    "k" in m for i, m in enumerate(each) if any("q" in o for j, o in enumerate(each) if j != i)):
+                found = found | {"logit"}
+        if found:
+            if func is torch.Tensor.__setitem__:
+                self.marks[args[0]] = self.marks.get(args[0], frozenset()) | found
+            for leaf in tree_flatten(out)[0]:
+                if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+                    self.marks[leaf] = self.marks.get(leaf, frozenset()) | found
+        return out
+
+
+def cache_rows(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
+               spy: LogitSpy | None = None) -> torch.Tensor:
+    """A cache reader's weights in one cached call (:meth:`CacheReadingAttention.attend_cache
+    <clusterformer.attention.retrieval.CacheReadingAttention.attend_cache>`): the queries q (B, H, Lq, D) of the
+    last Lq positions of a cache of keys k (B, H, n, D), read causally without padding, with *one-hot values*
+    (v = the identity, one channel per key), so that output row (b, h, i) is the weight each key's value received
+    -- a centroid term or a summary passes its weight on to every member's value. Returns (B, H, Lq, n), float64.
+    ``spy``: a :class:`LogitSpy` to count the logits the call uses (q and k marked before it)."""
+    B, H, n, _ = k.shape
+    q, k = q.double(), k.double()
+    v = torch.eye(n, dtype=torch.float64).expand(B, H, n, n)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    probe = copy.deepcopy(layer.inner).double()
+    with torch.no_grad():
+        if spy is None:
+            out, _ = probe.attend_cache(q, k, v, None, scale)
+        else:
+            with spy:
+                spy.mark(q, "q")
+                spy.mark(k, "k")
+                out, _ = probe.attend_cache(q, k, v, None, scale)
+    return out
+
+
+class _MarkingProjection:
+    """A :class:`~clusterformer.attention.base.QKVProjection`: the layer's own q, k, v, q and k marked for a
+    :class:`LogitSpy` (a shared-QK layer's one tensor gets both marks)."""
+
+    def __init__(self, layer: AttentionLayer, spy: LogitSpy) -> None:
+        self.layer, self.spy = layer, spy
+        self.heads, self.head_dim, self.shared_qk = layer.heads, layer.head_dim, layer.shared_qk
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.layer.qkv(x)
+        return self.spy.mark(q, "q"), self.spy.mark(k, "k"), v
+
+    def project_rows(self, rows: torch.Tensor, which: str) -> torch.Tensor:
+        return self.layer.project_rows(rows, which)
+
+
+def logits_read(layer: AttentionLayer, x: torch.Tensor, causal: bool = False) -> int:
+    """The distinct logits a forward of ``layer`` over x (B, N, dim) uses, counted by a :class:`LogitSpy`: the
+    keys read summed over every query and head (with random float64 inputs distinct (query, key) pairs have
+    distinct logits; the same pair in two rounds or windows is one). The layer is copied and run in float64, in
+    the mode it is in; build it with a PyTorch kernel (the spy does not see inside a fused one)."""
+    check_tensor("x", x, ndim=3, floating=True)
+    probe = copy.deepcopy(layer).double()
+    spy = LogitSpy()
+    with torch.no_grad(), spy:
+        probe.inner.attend_hidden(x.detach().double(), _MarkingProjection(probe, spy), AttentionMask(None, causal))
+    return len(spy.logits)

@@ -85,13 +85,13 @@ from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
-from ..masks import AttentionMask, masked_sdpa, real_lengths, real_tokens, self_only_when_alone
+from ..masks import NO_MASK, AttentionMask, masked_sdpa, self_only_when_alone
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
 from ..ops.layouts import ChunkLayout, cluster_causal_layout, sorted_layout
 from ..ops.recompute import attach_recipe, recipe_of, recompute_saved
 from ..ops.windows import windowed_attention, windowed_attention_lse
 from .aux import publish_groups, publish_losses
-from .base import InnerAttention, QKVProjection, SeededOptions
+from .base import InnerAttention, QKVProjection, SeededOptions, check_prompt_mask
 from .registry import register
 
 
@@ -124,11 +124,11 @@ def _hash_groups(positions: torch.Tensor, num_clusters: torch.Tensor, draw: int)
     return (hashed * num_clusters.unsqueeze(1)) >> 32
 
 
-def _local_has_other(B: int, N: int, block: int, causal: bool, key_padding_mask: torch.Tensor | None,
-                     device: torch.device) -> torch.Tensor:
+def _local_has_other(B: int, N: int, block: int, mask: AttentionMask, device: torch.device) -> torch.Tensor:
     """(B * N,) bool: whether query t's local blocks (positions [(t // block - 1) block, (t // block + 1) block),
-    up to t under ``causal``) hold a real token other than t, counted with a prefix sum of the real tokens."""
-    real = real_tokens(key_padding_mask, B, N, device).long()
+    up to t under a causal ``mask``) hold a real token other than t, counted with a prefix sum of the real tokens."""
+    causal = mask.causal
+    real = mask.real(B, N, device).long()
     before = F.pad(real.cumsum(1), (1, 0))  # before[:, j] = real tokens at positions < j
     t = torch.arange(N, device=device)
     start = (torch.div(t, block, rounding_mode="floor") - 1).clamp(min=0) * block
@@ -252,9 +252,9 @@ class NeuralClusteringOptions(SeededOptions):
     def causal_semantics(self) -> str:
         return self.causal_mode
 
-    def keys_per_query(self, length: int, causal: bool = False) -> int:
+    def keys_read(self, length: int, causal: bool = False) -> int:
         """(look_back + 1) chunks of its cluster: chunks of ceil(N / k) (each chunk once, however few there are),
-        or of ``causal_chunk_size`` under a strict causal mask."""
+        or of ``causal_chunk_size`` under a strict causal mask; plus ``local_window``. Each mixed as read."""
         check_int("length", length, minimum=1)
         if causal and self.causal_mode == "strict":
             return min(length, (self.look_back + 1) * self.causal_chunk_size + self.local_window)
@@ -290,6 +290,8 @@ class NeuralClusteringAttention(InnerAttention):
     aux_losses = ("clustering", "centroid_sorting")
     decodes = True
     dense_warmup = True  # dense_training: every key in training forwards, the clustering and its losses as usual
+    hidden_states = "neural-clustering clusters the hidden states (x W^C)"
+    learned_centroids = True  # centroid_flow hands C_hat on; clustering_parameters() train at centroid_lr_scale
 
     def __init__(self, dim: int, heads: int, options: NeuralClusteringOptions) -> None:
         super().__init__(dim, heads, options)
@@ -316,46 +318,40 @@ class NeuralClusteringAttention(InnerAttention):
             if self.centroids is not None:
                 self.centroids.normal_(0.0, self.dim ** -0.5)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        raise ValueError("neural-clustering clusters the hidden states (x W^C): call it through attend_hidden "
-                         "(an AttentionLayer, or clusterformer.hf.patch), not on q, k, v alone")
-
     def attend_hidden(
-        self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None, causal: bool,
+        self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask = NO_MASK,
         flow: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, N, dim) -> (heads output (B, N, H, D), C_hat). ``flow``: optional (B, k, dim) or (k, dim)
         centroids replacing the layer's own (the paper's flow between layers); C_hat is what flows on."""
-        count = self._count(x, key_padding_mask, causal)
-        ids, updated = self._assign(x, projection, key_padding_mask, flow, count)
+        count = self._count(x, mask)
+        ids, updated = self._assign(x, projection, mask, flow, count)
         publish_groups(self, ids)
-        out = self._attend(x, projection, key_padding_mask, causal, ids, count,
-                           dense=self.dense_training and self.training)
+        out = self._attend(x, projection, mask, ids, count, dense=self.dense_training and self.training)
         return out, updated
 
-    def _count(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool) -> ClusterCount:
+    def _count(self, x: torch.Tensor, mask: AttentionMask) -> ClusterCount:
         """Strict mode fixes k and the block size, so the outputs for a prefix do not change as tokens follow.
         Otherwise k and the chunk size follow each sequence's real length L_b (k_b = sqrt(L_b), w_b = ceil(L_b /
         k_b)), so padding and the other sequences of the batch cannot change them."""
         B, N, _ = x.shape
-        if causal and self.options.causal_mode == "strict":
+        if mask.causal and self.options.causal_mode == "strict":
             return ClusterCount(self.options.strict_causal_clusters(), True)
-        if key_padding_mask is None:
+        if mask.padding is None:
             return ClusterCount(self.options.clusters_for(N), False)
-        lengths = real_lengths(key_padding_mask, B, N, x.device)
+        lengths = mask.lengths(B, N, x.device)
         per_sequence = self.options.clusters_for_lengths(lengths)
         return ClusterCount(int(per_sequence.max()) if B else 1, False, lengths, per_sequence)
 
-    def _attend(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None,
-                causal: bool, ids: torch.Tensor, count: ClusterCount, *, dense: bool = False) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask, ids: torch.Tensor,
+                count: ClusterCount, *, dense: bool = False) -> torch.Tensor:
         """Chunked attention given the cluster ids (B, N): heads output (B, N, H, D). ``dense``: every key instead
         (``train --dense-warmup-steps``)."""
         B, N, _ = x.shape
         if B == 0 or N == 0:
             return projection.qkv(x)[0].transpose(1, 2)  # empty, with a graph
         if dense:
-            return self._dense_attention(x, projection, key_padding_mask, causal)
+            return self._dense_attention(x, projection, mask)
         look_back = self.options.look_back
         if count.strict:
             layout = cluster_causal_layout(ids, self.options.causal_chunk_size, count.clusters + 1, look_back)
@@ -363,28 +359,27 @@ class NeuralClusteringAttention(InnerAttention):
             layout = sorted_layout(ids, math.ceil(N / count.clusters), look_back)
         else:  # ceil(L_b / k_b); sorted_layout clamps it to >= 1
             chunk = (count.lengths + count.per_sequence - 1) // count.per_sequence
-            layout = sorted_layout(ids, chunk, look_back, key_padding_mask=key_padding_mask)
+            layout = sorted_layout(ids, chunk, look_back, mask=mask)
         if self.options.local_window:
-            out = self._with_local_window(x, projection, layout, causal, count.strict, key_padding_mask)
+            out = self._with_local_window(x, projection, layout, count.strict, mask)
         else:
-            out = self._chunk_attention(x, projection, layout, causal, key_padding_mask)
+            out = self._chunk_attention(x, projection, layout, mask)
         heads = out.view(B, N, self.heads, self.head_dim)
         recipe = recipe_of(out)  # the output is a reorder the output projection can redo in its backward
         return heads if recipe is None else attach_recipe(heads, lambda: recipe().view(B, N, self.heads, self.head_dim))
 
-    def _dense_attention(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None,
-                         causal: bool) -> torch.Tensor:
-        """Every real key (every earlier one under ``causal``; with shared QK unit keys and the token's own key only
-        when it has no other), one SDPA call with a boolean mask: (B, N, H, D). A query without keys gets 0."""
+    def _dense_attention(self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask) -> torch.Tensor:
+        """Every real key (every earlier one under a causal ``mask``; with shared QK unit keys and the token's own
+        key only when it has no other), one SDPA call with a boolean mask: (B, N, H, D). A query without keys gets 0."""
         B, N, _ = x.shape
         q, k, v = projection.qkv(x)  # (B, H, N, D)
-        allowed = AttentionMask(key_padding_mask, causal).allowed(N, N, q.device)
+        allowed = mask.allowed(N, N, q.device)
         if self.shared_qk:
             allowed = self_only_when_alone(allowed.expand(B, 1, N, N), torch.eye(N, dtype=torch.bool, device=x.device))
         return masked_sdpa(q, self._keys(k), v, allowed, dropout_p=self.dropout_p).transpose(1, 2)
 
-    def _with_local_window(self, x: torch.Tensor, projection: QKVProjection, layout: ChunkLayout, causal: bool,
-                           strict: bool, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    def _with_local_window(self, x: torch.Tensor, projection: QKVProjection, layout: ChunkLayout, strict: bool,
+                           mask: AttentionMask) -> torch.Tensor:
         """The cluster chunks joined with the local blocks (``local_window``), each key once, in one softmax:
         the cluster part leaves out the keys of the query's local blocks, the local part has only them, and the
         two are merged by their log-sum-exps. (B * N, H, head_dim)."""
@@ -394,29 +389,29 @@ class NeuralClusteringAttention(InnerAttention):
         # blocks of positions; without a strict mask padding is included (and masked as keys), so that padding
         # inside a sequence does not shift them
         local = cluster_causal_layout(position, block, 1, 1) if strict else sorted_layout(position, block, 1)
-        out_c, lse_c = self._chunk_attention(x, projection, layout, causal, key_padding_mask, local=(block, False))
-        out_l, lse_l = self._chunk_attention(x, projection, local, causal, key_padding_mask, local=(block, True))
+        out_c, lse_c = self._chunk_attention(x, projection, layout, mask, local=(block, False))
+        out_l, lse_l = self._chunk_attention(x, projection, local, mask, local=(block, True))
         if self.shared_qk:
             # The shared-QK rule over the union: the token's own key is in its local part (which keeps it only
             # where it has no other local key); drop it there too when the cluster part has keys.
-            alone = ~_local_has_other(B, N, block, causal, key_padding_mask, x.device)
+            alone = ~_local_has_other(B, N, block, mask, x.device)
             lse_l = lse_l.masked_fill(alone.unsqueeze(1) & torch.isfinite(lse_c), float("-inf"))
         return merge_attention(out_c, lse_c, out_l, lse_l)
 
-    def _assign(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None,
+    def _assign(self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask,
                 flow: torch.Tensor | None, count: ClusterCount) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cluster ids (B, N) (padding: count.clusters) and C_hat (or None); publishes the clustering losses."""
         B, N, _ = x.shape
         n_clusters, per_sequence, strict = count.clusters, count.per_sequence, count.strict
         positions = torch.arange(N, device=x.device).unsqueeze(0)
         if self.options.grouping != "learned":  # the ablations: one group (original order), or random groups
-            return self._fixed_groups(self.options.grouping, positions, count, B, key_padding_mask), None
+            return self._fixed_groups(self.options.grouping, positions, count, B, mask), None
         points = self._cluster_input(x, projection)
         if self.shared_qk:  # the losses move the centroids, not the attention's keys (see the module docstring)
             points = points.detach()
         clustering = neural_clustering(
             points, self._centroids(flow, n_clusters, B, strict),
-            key_padding_mask=key_padding_mask,
+            mask=mask,
             similarity=self.options.similarity, scale=self.options.similarity_scale,
             assign=self.options.causal_assign if strict else "subordinate", num_clusters=per_sequence,
         )
@@ -425,33 +420,34 @@ class NeuralClusteringAttention(InnerAttention):
                 torch.rand((), generator=self.draw_generator()) < self.options.explore):
             # exploration: this forward attends within random groups of the same size (the clustering and its
             # losses as usual), so queries meet keys the learned clusters keep apart and the task trains q . k there
-            return self._fixed_groups("random", positions, count, B, key_padding_mask), clustering.updated_centroids
+            return self._fixed_groups("random", positions, count, B, mask), clustering.updated_centroids
         return clustering.assignments, clustering.updated_centroids
 
     # cached decoding (strict causal mode): per cluster, a ring of its last (look_back + 1) * causal_chunk_size
     # keys and values (clusterformer.ops.decode.GroupRingCache); a step costs O((look_back + 1) w) per head,
     # whatever the context length, and so does the cache's memory.
-    def prefill_hidden(self, x: torch.Tensor, projection: QKVProjection, key_padding_mask: torch.Tensor | None
+    def prefill_hidden(self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask
                        ) -> tuple[torch.Tensor, GroupRingCache]:
         self.check_decoding()
+        check_prompt_mask(mask)
         B, N, _ = x.shape
         count = ClusterCount(self.options.strict_causal_clusters(), True)
         n_clusters = count.clusters
-        ids, _ = self._assign(x, projection, key_padding_mask, None, count)
+        ids, _ = self._assign(x, projection, mask, None, count)
         publish_groups(self, ids)
-        out = self._attend(x, projection, key_padding_mask, True, ids, count)
+        out = self._attend(x, projection, mask, ids, count)
         rows = x.reshape(B * N, self.dim)
         k = self._keys(projection.project_rows(rows, "k")).view(B, 1, N, self.heads, self.head_dim)
         v = projection.project_rows(rows, "v").view(B, 1, N, self.heads, self.head_dim)
-        cache = GroupRingCache.from_prompt(ids.unsqueeze(1), k, v, key_padding_mask, n_clusters,
+        cache = GroupRingCache.from_prompt(ids.unsqueeze(1), k, v, mask, n_clusters,
                                            self.options.causal_chunk_size, self.options.look_back)
         local = assign_lse = None
         if self.options.local_window:
-            local = LocalBlockCache.from_prompt(k[:, 0], v[:, 0], ids, key_padding_mask, self.options.local_window // 2)
+            local = LocalBlockCache.from_prompt(k[:, 0], v[:, 0], ids, mask, self.options.local_window // 2)
         if self._prefix_assign:  # each centroid's log-sum-exp over the prompt's real tokens, (B, k)
             scores = self._assignment_scores(x, projection)
-            if key_padding_mask is not None:
-                scores = scores.masked_fill(key_padding_mask.unsqueeze(-1), float("-inf"))
+            if mask.padding is not None:
+                scores = scores.masked_fill(mask.padding.unsqueeze(-1), float("-inf"))
             assign_lse = torch.logsumexp(scores, dim=1)
         if local is None and assign_lse is None:
             return out, cache
@@ -529,7 +525,7 @@ class NeuralClusteringAttention(InnerAttention):
         return projection.project_rows(x.reshape(-1, self.dim), "k").view(*x.shape[:-1], self.dim)
 
     def _fixed_groups(self, grouping: str, positions: torch.Tensor, count: ClusterCount, batch: int,
-                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      mask: AttentionMask = NO_MASK) -> torch.Tensor:
         """The ids of an ablation grouping (or exploration's random groups) for the tokens at ``positions``
         (1 or B, N), for the forward and the decoding step alike: k_b from ``count``, padding marked as the
         clustering marks it (id ``count.clusters``). (batch, N) long."""
@@ -538,7 +534,7 @@ class NeuralClusteringAttention(InnerAttention):
         else:
             k = count.per_sequence.to(positions.device)
         ids = self._ablation_groups(positions, k, grouping)
-        return ids if key_padding_mask is None else ids.masked_fill(key_padding_mask, count.clusters)
+        return ids if mask.padding is None else ids.masked_fill(mask.padding, count.clusters)
 
     def _ablation_groups(self, positions: torch.Tensor, num_clusters: torch.Tensor, grouping: str) -> torch.Tensor:
         """The ids of the ablation ``grouping`` for tokens at ``positions`` (1 or B, N) long, with k_b =
@@ -570,9 +566,8 @@ class NeuralClusteringAttention(InnerAttention):
             )
         return flow
 
-    def _chunk_attention(self, x: torch.Tensor, projection: QKVProjection, layout: ChunkLayout, causal: bool,
-                         key_padding_mask: torch.Tensor | None, local: tuple[int, bool] | None = None
-                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _chunk_attention(self, x: torch.Tensor, projection: QKVProjection, layout: ChunkLayout, mask: AttentionMask,
+                         local: tuple[int, bool] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x (B, N, dim) -> (B * N, H, head_dim), or with ``local`` (block, keep) also each query's log-sum-exp
         (B * N, H) over the keys allowed by :func:`clusterformer.masks.local_blocks` (``keep``) or by its
         negation. Sorting x once and projecting in sorted order moves one (N, dim) tensor instead of three
@@ -590,11 +585,10 @@ class NeuralClusteringAttention(InnerAttention):
         k = self._keys(k.view(-1, H, D))
         v = v.view(-1, H, D)
         if local is not None or self.shared_qk:  # explicit scores: the local predicate, the shared-QK self rule
-            out, lse = windowed_attention_lse(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
-                                              dropout_p=self.dropout_p, local=local, exclude_self=self.shared_qk)
+            out, lse = windowed_attention_lse(q, k, v, layout, mask=mask, dropout_p=self.dropout_p, local=local,
+                                              exclude_self=self.shared_qk)
             return (out, lse) if local is not None else out
-        return windowed_attention(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
-                                  dropout_p=self.dropout_p, with_recipe=True)
+        return windowed_attention(q, k, v, layout, mask=mask, dropout_p=self.dropout_p, with_recipe=True)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._checks import check_bool, check_choice, check_int
-from ..masks import AttentionMask, cache_sdpa, real_lengths
+from ..masks import CAUSAL_MASK, AttentionMask, cache_sdpa
 from ..ops.retrieval import (
     JOIN_BATCH,
     KeyClusterIndex,
@@ -155,6 +155,33 @@ class CacheBudgetOptions(AttentionOptions):
             return keys_allowed_count(self.budget, lengths) >= lengths
         return bool((self.keys_allowed(lengths) >= lengths).all())
 
+    # budgets: the query of a cached decoding step over ``length`` cached keys (its own the last), the maximum
+    # over the model's layers; a prefill is full attention (unless prefill_block), and is not counted here
+    def keys_read(self, length: int, causal: bool = False) -> int:
+        """The keys read by the query of a cached decoding step over ``length`` keys (the cache is read causally,
+        whatever ``causal``), the most over the layers (``dense_layers``: every key; ``lower_budget``): every
+        logit it computes, the keys of its budget and those it scores to choose them (see :meth:`read_and_mixed`).
+        The sparse prefill's blocks (``prefill_block``) are not counted."""
+        return max(self._layers(length))[0]
+
+    def keys_mixed(self, length: int, causal: bool = False) -> int:
+        """The keys whose values reach that query's output, the most over the layers (as :meth:`keys_read`)."""
+        return max(mixed for _, mixed in self._layers(length))
+
+    def _layers(self, length: int) -> list[tuple[int, int]]:
+        check_int("length", length, minimum=1)
+        budgets = [self.budget] + ([self.lower_budget] if self.lower_budget is not None else [])
+        found = [(length, length)] if self.dense_layers else []
+        for budget in budgets:
+            allowed = keys_allowed_count(budget, length)
+            found.append((length, length) if allowed >= length else self.read_and_mixed(allowed, length))
+        return found
+
+    def read_and_mixed(self, allowed: int, length: int) -> tuple[int, int]:
+        """(keys read, keys mixed) of a decoding step's query under a budget of ``allowed`` < ``length`` keys.
+        The oracle scores every key and attends to the ``allowed`` best."""
+        return length, allowed
+
 
 @dataclass(frozen=True)
 class SinkWindowOptions(CacheBudgetOptions):
@@ -171,6 +198,10 @@ class SinkWindowOptions(CacheBudgetOptions):
         super().__post_init__()
         check_int("sink", self.sink, minimum=0)
 
+    def read_and_mixed(self, allowed: int, length: int) -> tuple[int, int]:
+        """The sinks and the most recent keys, ``allowed`` in all, each mixed as read."""
+        return allowed, allowed
+
 
 @dataclass(frozen=True)
 class QuestOptions(CacheBudgetOptions):
@@ -185,6 +216,16 @@ class QuestOptions(CacheBudgetOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("page_size", self.page_size, minimum=1)
+
+    def read_and_mixed(self, allowed: int, length: int) -> tuple[int, int]:
+        """Its own page up to itself (at most ``allowed`` keys), the whole earlier pages that the rest of the budget
+        holds, each mixed as read; read besides: the bound of every earlier page, one logit each, which ranks them
+        (:func:`clusterformer.ops.topk_cache.quest_attention`)."""
+        P, r = self.page_size, length - 1
+        own_page = r // P
+        own = r - max(own_page * P, r - allowed + 1) + 1
+        mixed = own + min(max(0, (allowed - own) // P), own_page) * P
+        return mixed + own_page, mixed
 
 
 @dataclass(frozen=True)
@@ -246,6 +287,25 @@ class ClusterRetrievalOptions(SinkWindowOptions):
             raise ValueError("kernel='fused' has no remainder estimate: use kernel='auto' or 'torch' with "
                              "estimate_remainder=True")
 
+    def read_and_mixed(self, allowed: int, length: int) -> tuple[int, int]:
+        """:func:`clusterformer.ops.retrieval.retrieval_attention`'s accounting at the step whose window is
+        narrowest (``window`` positions: the keys leave it for the index in batches, so later steps of a batch read
+        a wider window and retrieve fewer): mixed, the sinks, the window and R retrieved keys, ``allowed`` in all
+        (with ``estimate_remainder``, every indexed key through its cluster's centroid term); read besides, the
+        ``num_clusters`` centroids scored to rank the clusters and the ``rerank`` x R candidates scored to choose
+        the R (at most the index's keys)."""
+        window = min(length, max(self.window, 1))
+        indexed = max(0, length - window - self.sink)  # the real keys of rank >= sink before the window
+        sinks = max(0, min(self.sink, allowed - 1))
+        cap = max(1, allowed - sinks)
+        reserved = 0
+        if self.estimate_remainder and cap - window < indexed and allowed - sinks - 1 >= self.num_clusters:
+            reserved, cap = self.num_clusters, max(1, allowed - sinks - self.num_clusters)
+        retrieved = max(0, cap - window)
+        kept = min(retrieved, indexed)
+        read = sinks + min(cap, window) + min(self.rerank * retrieved, indexed) + self.num_clusters
+        return read, sinks + min(cap, window) + (indexed if reserved else kept)
+
 
 PREFILL_REGROWTH = 4  # the sparse prefill re-clusters its index when its keys have grown this many times over
 
@@ -257,6 +317,7 @@ class CacheReadingAttention(FullAttention):
 
     decodes = False
     interface_mode = "cache"
+    kind = "cache"  # a FullAttention by its forward, but no model's layer: it reads a decoder's cache
 
     def attend_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
                      scale: float, index: KeyClusterIndex | None = None,
@@ -281,7 +342,7 @@ class CacheReadingAttention(FullAttention):
             if getattr(self.options, name) > 0 and layer is None:
                 raise ValueError(f"layer is required when {name}={getattr(self.options, name)}: an attention "
                                  "module without layer_idx cannot say which of the model's layers it is")
-        mask = AttentionMask(None, causal=True) if mask is None else mask
+        mask = CAUSAL_MASK if mask is None else mask
         if (not mask.causal and Lq > 1) or mask.window is not None:
             raise ValueError("a cache is read causally, without a window: the mask must be key padding + causal")
         lengths = n if mask.padding is None else mask.lengths(k.shape[0], n, k.device)
@@ -295,7 +356,7 @@ class CacheReadingAttention(FullAttention):
         options = self.options.for_layer(layer)
         if options.covers(lengths):
             return cache_sdpa(q, k, v, mask, scale=scale), index
-        return self._read(q, k, v, mask.padding, scale, index, options)
+        return self._read(q, k, v, mask, scale, index, options)
 
     def _prefill_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None,
                            scale: float, options: CacheBudgetOptions) -> tuple[torch.Tensor, None]:
@@ -319,20 +380,20 @@ class CacheReadingAttention(FullAttention):
             order = torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices
             q, k, v = (x.gather(2, order[:, None, :, None].expand(*x.shape[:2], n, x.shape[-1])) for x in (q, k, v))
             padding, original = padding.gather(1, order), padding
+        # each block is a call of its own on the keys up to its end, in the sorted order: one mask per block
         blocks = [cache_sdpa(q[:, :, :P], k[:, :, :P], v[:, :, :P],
                              AttentionMask(None if padding is None else padding[:, :P], causal=True), scale=scale)]
         index = None
         for start in range(P, n, P):
             end = min(n, start + P)
-            block_padding = None if padding is None else padding[:, :end]
+            block_mask = AttentionMask(None if padding is None else padding[:, :end], causal=True)
             keys, values = k[:, :, :end], v[:, :, :end]
-            if options.covers(real_lengths(block_padding, B, end, q.device)):
-                blocks.append(cache_sdpa(q[:, :, start:end], keys, values, AttentionMask(block_padding, causal=True),
-                                         scale=scale))
+            if options.covers(block_mask.lengths(B, end, q.device)):
+                blocks.append(cache_sdpa(q[:, :, start:end], keys, values, block_mask, scale=scale))
                 continue
             if index is not None and index.joined >= (PREFILL_REGROWTH - 1) * (index.end - index.joined):
                 index = None  # its keys have grown PREFILL_REGROWTH-fold since it was clustered: cluster afresh
-            out, index = self._read(q[:, :, start:end], keys, values, block_padding, scale, index, options,
+            out, index = self._read(q[:, :, start:end], keys, values, block_mask, scale, index, options,
                                     before=q[:, :, start - P:start])
             blocks.append(out)
         out = torch.cat(blocks, 2)
@@ -342,11 +403,11 @@ class CacheReadingAttention(FullAttention):
         out = out.gather(2, back[:, None, :, None].expand(*out.shape[:2], n, out.shape[-1]))
         return out.masked_fill(original[:, None, :, None], 0.0), None
 
-    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
               before: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
-        """The sparse reading of the cache by ``options`` (the mechanism's own, or with the prefill's budget):
-        (out, the index to keep, or None). ``before``: the call is a block of the sparse prefill, and these are the
+        """The sparse reading of the cache by ``options`` (the mechanism's own, or with the prefill's budget) under
+        the call's ``mask`` (key padding, causal): (out, the index to keep, or None). ``before``: the call is a block of the sparse prefill, and these are the
         queries of the block before it (which may choose its keys)."""
         raise NotImplementedError
 
@@ -358,10 +419,10 @@ class SinkWindowAttention(CacheReadingAttention):
     """StreamingLLM's cache reading: the first ``sink`` real tokens and the most recent ones, ``budget`` in all
     (:func:`clusterformer.ops.retrieval.retrieval_attention` without an index)."""
 
-    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
               before: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        return retrieval_attention(q, k, v, key_padding_mask, None, options, scale), None
+        return retrieval_attention(q, k, v, mask.padding, None, options, scale), None
 
 
 @register("oracle", CacheBudgetOptions,
@@ -372,10 +433,10 @@ class OracleAttention(CacheReadingAttention):
     """The oracle's cache reading (:func:`clusterformer.ops.topk_cache.oracle_attention`): a yardstick for the
     methods that must choose their keys without computing every score."""
 
-    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
               before: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        return oracle_attention(q, k, v, key_padding_mask, options.budget, scale), None
+        return oracle_attention(q, k, v, mask, options.budget, scale), None
 
 
 @register("quest", QuestOptions,
@@ -385,10 +446,10 @@ class OracleAttention(CacheReadingAttention):
 class QuestAttention(CacheReadingAttention):
     """Quest's cache reading (:func:`clusterformer.ops.topk_cache.quest_attention`)."""
 
-    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
               before: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        return quest_attention(q, k, v, key_padding_mask, options.budget, options.page_size, scale), None
+        return quest_attention(q, k, v, mask, options.budget, options.page_size, scale), None
 
 
 @register("cluster-retrieval", ClusterRetrievalOptions,
@@ -398,14 +459,16 @@ class QuestAttention(CacheReadingAttention):
 class ClusterRetrievalAttention(CacheReadingAttention):
     """ClusterKV-style cache reading; see the module docstring and :meth:`CacheReadingAttention.attend_cache`."""
 
-    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    keeps_index = True
+
+    def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
               before: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyClusterIndex]:
-        index = self._index(k, v, key_padding_mask, index, q.shape[2])
+        index = self._index(k, v, mask.padding, index, q.shape[2])
         if before is None:
-            return retrieval_attention(q, k, v, key_padding_mask, index, options, scale), index
+            return retrieval_attention(q, k, v, mask.padding, index, options, scale), index
         # a prefill block gathers its retrieved keys once, chosen by the queries of the block before (causal)
-        return retrieval_attention(q, k, v, key_padding_mask, index, options, scale, "block", before), index
+        return retrieval_attention(q, k, v, mask.padding, index, options, scale, "block", before), index
 
     def _index(self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                index: KeyClusterIndex | None, queries: int) -> KeyClusterIndex:
