@@ -309,9 +309,10 @@ class ClusterSelectOptions(SeededOptions):
         return min(length, self.window + self.sink + self.select * self.cluster_keys)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
-        """Keys read: the summaries' and the bounds' num_groups logits each and the ``sink`` first; of the rest, half
-        (rounded down to even) to the window and the others shared by the ``select`` clusters. A budget whose clusters get fewer than 2 ``sink``
-        keys each (the sink must fit half of them) goes without the sink: ``{"sink": 0, ...}``."""
+        """Keys read: the summaries' and the bounds' num_groups logits each and the ``sink`` first; of the rest,
+        half (rounded down to even) to the window and the others shared by the ``select`` clusters. A budget whose
+        clusters get fewer than 2 ``sink`` keys each (the sink must fit half of them) goes without the sink:
+        ``{"sink": 0, ...}``."""
         check_int("keys", keys, minimum=1)
         split = self._split_budget(keys, self.sink)
         if split["cluster_keys"] < 2 * self.sink:

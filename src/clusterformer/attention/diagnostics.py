@@ -280,9 +280,9 @@ class LogitSpy(TorchFunctionMode):
                 if kwargs.get("is_causal"):
                     logits = logits.masked_fill(torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
                 self._record(logits)
-        elif func in _RANKS or func in _SOFTMAX:
-            if isinstance(args[0], torch.Tensor) and "logit" in self.marks.get(args[0], frozenset()):
-                self._record(args[0])
+        elif (func in _RANKS or func in _SOFTMAX) and isinstance(args[0], torch.Tensor) and \
+                "logit" in self.marks.get(args[0], frozenset()):
+            self._record(args[0])
         out = func(*args, **kwargs)
         found = self._marks_of((args, kwargs))
         if func in _PRODUCTS or func in _MULS:
