@@ -11,18 +11,23 @@ import statistics
 import sys
 from pathlib import Path
 
-records = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines()]
-times = collections.defaultdict(lambda: collections.defaultdict(list))
-for r in records:
-    times[r["what"]][r["label"]].append(r["cpu_ms"])
-rounds = len({r["round"] for r in records})
-print(f"| measurement ({rounds} interleaved rounds; CPU ms, median (min-max)) | before | after | after / before "
-      "| ranges overlap |")
-print("|---|---|---|---|---|")
-for what, sides in times.items():
-    b, a = sides["before"], sides["after"]
-    overlap = min(a) <= max(b) and min(b) <= max(a)
-    print(f"| {what} | {statistics.median(b):.2f} ({min(b):.1f}-{max(b):.1f}) | {statistics.median(a):.2f} "
-          f"({min(a):.1f}-{max(a):.1f}) | {statistics.median(a) / statistics.median(b):.3f} | "
-          f"{'yes' if overlap else 'no'} |")
-sys.exit(0)
+
+def main(path: str) -> None:
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    times = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in records:
+        times[r["what"]][r["label"]].append(r["cpu_ms"])
+    rounds = len({r["round"] for r in records})
+    print(f"| measurement ({rounds} interleaved rounds; CPU ms, median (min-max)) | before | after | after / before "
+          "| ranges overlap |")
+    print("|---|---|---|---|---|")
+    for what, sides in times.items():
+        b, a = sides["before"], sides["after"]
+        overlap = min(a) <= max(b) and min(b) <= max(a)
+        print(f"| {what} | {statistics.median(b):.2f} ({min(b):.1f}-{max(b):.1f}) | {statistics.median(a):.2f} "
+              f"({min(a):.1f}-{max(a):.1f}) | {statistics.median(a) / statistics.median(b):.3f} | "
+              f"{'yes' if overlap else 'no'} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
