@@ -90,6 +90,7 @@ class ClusterLayout:
         self.total = _histogram(key_ids, num_clusters + 1)[..., :num_clusters]
         self.start = self.total.cumsum(-1) - self.total  # first slot of each cluster
         self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) the positions that end each query's part before its window and the end of its window: a cluster's
@@ -138,6 +139,68 @@ class ClusterLayout:
         if self.causal:
             return members_before(low), self.total.gather(-1, selected.flatten(2)).view(B, H, N, S)
         return members_before(low), members_before(high)
+
+    @property
+    def prefix_start(self) -> torch.Tensor:
+        """(B, H, C) the row of :meth:`cluster_prefix` that holds each cluster's empty sum: row prefix_start[c] + r
+        holds the sum of cluster c's first r members (r = 0 .. total[c])."""
+        return self._prefix_plan()[2]
+
+    def cluster_prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """Per cluster, the prefix sums of its members' rows of x (B, H, N, D) in position order, each restarted at
+        the cluster's start: (B, H, R, D), cluster c at rows :attr:`prefix_start` [c] + 0 .. total[c] (row + r: its
+        first r members; the first row exactly 0).
+
+        A sum of a cluster's first r members depends on those r members alone, bit for bit: no other cluster's
+        rows enter it (a difference of prefix sums over the whole sorted order would carry the rounding error of
+        every earlier cluster -- later positions included -- into it, and break strict causality in float32). Each
+        cluster's rows are cut into blocks of :data:`PREFIX_BLOCK` from its start; a block's sums are one cumsum
+        within it, and a block adds the sum of its cluster's earlier blocks, found by a segmented scan over the
+        blocks (ceil(log2 blocks) element-wise passes, Hillis and Steele 1986; no loop over clusters)."""
+        source, block_rank, _ = self._prefix_plan()
+        B, H, N, D = x.shape
+        blocks = block_rank.shape[-1]
+        rows = F.pad(x, (0, 0, 0, 1)).gather(2, source.unsqueeze(-1).expand(B, H, -1, D))  # row N: zero
+        local = rows.view(B, H, blocks, PREFIX_BLOCK, D).cumsum(3)
+        totals = local[:, :, :, -1]  # (B, H, blocks, D)
+        shift = 1
+        while shift < blocks:  # after it, block b holds its cluster's blocks b - 2 shift + 1 .. b
+            reach = (block_rank >= shift).unsqueeze(-1)
+            totals = torch.where(reach, totals + F.pad(totals, (0, 0, shift, 0))[:, :, :blocks], totals)
+            shift *= 2
+        earlier = torch.where((block_rank >= 1).unsqueeze(-1), F.pad(totals, (0, 0, 1, 0))[:, :, :blocks], 0.0)
+        return (local + earlier.unsqueeze(3)).view(B, H, blocks * PREFIX_BLOCK, D)
+
+    def _prefix_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`cluster_prefix`'s rows: (B, H, R) the position whose row each holds (N: none, zero), (B, H,
+        R / PREFIX_BLOCK) each block's rank in its cluster, and :attr:`prefix_start`. Cluster c takes
+        ceil((total[c] + 1) / PREFIX_BLOCK) blocks, its members from the second row of the first on; R covers
+        every cluster of any (B, H) pair: ceil(N / PREFIX_BLOCK) + C blocks."""
+        if self._plan is None:
+            B, H, N = self.order.shape
+            C, L = self.num_clusters, PREFIX_BLOCK
+            blocks = -(-N // L) + C
+            taken = torch.div(self.total + L, L, rounding_mode="floor")  # ceil((total + 1) / L)
+            block_end = taken.cumsum(-1)  # (B, H, C)
+            first_row = (block_end - taken) * L
+            # sorted slot s, of cluster c and rank s - start[c], goes to row first_row[c] + 1 + rank; padding
+            # (cluster C, sorted last) to the dropped row R
+            slot_ids = self.key_ids.gather(-1, self.order)  # (B, H, N), ascending
+            slot = torch.arange(N, device=self.order.device)
+            inside = slot_ids < C
+            cluster = slot_ids.clamp(max=C - 1)
+            row = torch.where(inside, (first_row - self.start).gather(-1, cluster) + 1 + slot, blocks * L)
+            source = torch.full((B, H, blocks * L + 1), N, dtype=torch.long, device=self.order.device)
+            source = source.scatter_(-1, row, self.order)[..., :-1]
+            block = torch.arange(blocks, device=self.order.device).expand(B, H, blocks).contiguous()
+            owner = torch.searchsorted(block_end, block, right=True)  # the cluster of each block (C: none)
+            block_start = F.pad(block_end - taken, (0, 1), value=0)
+            block_start[..., -1] = block_end[..., -1]
+            self._plan = (source, block - block_start.gather(-1, owner), first_row)
+        return self._plan
+
+
+PREFIX_BLOCK = 16  # rows per block of :meth:`ClusterLayout.cluster_prefix`
 
 
 def _histogram(ids: torch.Tensor, bins: int) -> torch.Tensor:
@@ -310,14 +373,13 @@ def cluster_summaries(
     total = layout.total.unsqueeze(2).expand(B, H, N, C)
     lower_end, upper_start = _summary_ranges(layout, selected, cluster_keys=cluster_keys, causal=causal)
     count = lower_end + total - upper_start
-    start = layout.start.unsqueeze(2).expand(B, H, N, C)
-    rows = torch.stack([start + lower_end, start, start + total, start + upper_start])  # (4, B, H, N, C)
-    index = rows.permute(1, 2, 0, 3, 4).reshape(B, H, 4 * N * C, 1).expand(B, H, 4 * N * C, D)
+    start = layout.prefix_start.unsqueeze(2).expand(B, H, N, C)
+    rows = torch.stack([start + lower_end, start + total, start + upper_start])  # (3, B, H, N, C)
+    index = rows.permute(1, 2, 0, 3, 4).reshape(B, H, 3 * N * C, 1).expand(B, H, 3 * N * C, D)
 
-    def range_sums(x: torch.Tensor) -> torch.Tensor:  # prefix sums in sorted order, differenced: (B, H, N, C, D)
-        prefix = F.pad(x.gather(2, layout.order.unsqueeze(-1).expand(B, H, N, D)).cumsum(2), (0, 0, 1, 0))
-        upto_lower, first, last, from_upper = prefix.gather(2, index).view(B, H, 4, N, C, D).unbind(2)
-        return (upto_lower - first) + (last - from_upper)
+    def range_sums(x: torch.Tensor) -> torch.Tensor:  # each cluster's own prefix sums: (B, H, N, C, D)
+        upto_lower, last, from_upper = layout.cluster_prefix(x).gather(2, index).view(B, H, 3, N, C, D).unbind(2)
+        return upto_lower + (last - from_upper)
 
     n = count.to(k.dtype)
     return range_sums(k) / n.clamp(min=1).unsqueeze(-1), range_sums(v) / n.clamp(min=1).unsqueeze(-1), _log_count(n)
@@ -540,10 +602,9 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
                                   window=window, causal=causal, summaries=True)
             logits = band.summary_dots / n.clamp(min=1) + _log_count(n)
         elif kernel == "fused":  # the fused kernel's summaries of every member outside the window, logits alone
-            B, H, N, D = k.shape
-            prefix = F.pad(k.gather(2, layout.order.unsqueeze(-1).expand(B, H, N, D)).cumsum(2), (0, 0, 1, 0))
-            logits = summary_logits(q, RangeSummaries(prefix, prefix, layout.start, layout.total, layout.below,
-                                                      layout.beyond), scale=1.0)
+            prefix = layout.cluster_prefix(k)
+            logits = summary_logits(q, RangeSummaries(prefix, prefix, layout.prefix_start, layout.total,
+                                                      layout.below, layout.beyond), scale=1.0)
         else:
             keys, _, log_n = cluster_summaries(k, k, layout, None, cluster_keys=0, causal=causal)
             logits = torch.einsum("bhnd,bhncd->bhnc", q, keys) + log_n
@@ -820,12 +881,8 @@ def selected_cluster_attention(
         ranges = None
         if summaries:  # each cluster's rows in sorted order outside the window, less those read alone
             lower_end, upper_start = _summary_ranges(layout, selected, cluster_keys=cluster_keys, causal=causal)
-            order = layout.order.unsqueeze(-1).expand(B, H, N, D)
-
-            def prefix(x: torch.Tensor) -> torch.Tensor:  # (B, H, N + 1, D) in sorted (cluster, position) order
-                return F.pad(x.gather(2, order).cumsum(2), (0, 0, 1, 0))
-
-            ranges = RangeSummaries(prefix(k), prefix(v), layout.start, layout.total, lower_end, upper_start)
+            ranges = RangeSummaries(layout.cluster_prefix(k), layout.cluster_prefix(v), layout.prefix_start,
+                                    layout.total, lower_end, upper_start)
         return listed_attention(q, k, v, q.new_empty(B, H, N, 0, dtype=torch.long), scale, window=window,
                                 window_offset=window - 1 if causal else window // 2,
                                 key_padding_mask=key_padding_mask, summaries=ranges, runs=runs)[0]

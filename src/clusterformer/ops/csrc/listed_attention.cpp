@@ -111,13 +111,16 @@ struct Summaries {
             groups};
   }
 
-  // The four prefix rows of query i's summary of group c, and its count n (rows: +a - b + c - d).
+  // The four prefix rows of query i's summary of group c, and its count n (rows: +a - b + c - d). An empty upper
+  // range reads row s three times, not rows s + t and s + up: the sum (a - b) + (c - d), which the compiler may
+  // reassociate (-fassociative-math), then never holds the group's total -- under a causal mask a sum over later
+  // keys, whose rounding must not reach the output.
   inline int64_t rows(int64_t i, int64_t c, int64_t* r) const {
     const int64_t s = start[c], t = total[c], lo = lower[i * groups + c], up = upper[i * groups + c];
     r[0] = s + lo;
     r[1] = s;
-    r[2] = s + t;
-    r[3] = s + up;
+    r[2] = up < t ? s + t : s;
+    r[3] = up < t ? s + up : s;
     return lo + t - up;
   }
 };
