@@ -43,20 +43,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "mlm` run) and nothing else: the weights start fresh. The from-scratch control of a "
                         "pretraining claim, with the same vocabulary as the run fine-tuned with --init PATH")
     p.add_argument("--vocab-size", type=int, default=20000)
-    p.add_argument("--max-len", type=int, default=256, help="tokens per example (LM: context length)")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ff-dim", type=int, default=None)
+    # the architecture flags (train.loop.INIT_ARCHITECTURE) have no parser default: a flag not given is absent, so
+    # that --init PATH can take its value from the checkpoint; without it, TrainConfig's default applies
+    p.add_argument("--max-len", type=int, default=argparse.SUPPRESS,
+                   help="tokens per example (LM: context length; default 256, or --init PATH's)")
+    p.add_argument("--dim", type=int, default=argparse.SUPPRESS, help="model width (default 128, or --init PATH's)")
+    p.add_argument("--depth", type=int, default=argparse.SUPPRESS, help="layers (default 2, or --init PATH's)")
+    p.add_argument("--heads", type=int, default=argparse.SUPPRESS, help="heads (default 4, or --init PATH's)")
+    p.add_argument("--ff-dim", type=int, default=argparse.SUPPRESS,
+                   help="feed-forward width (default 4 x --dim, or --init PATH's)")
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--reversible", action="store_true", help="reversible residual blocks")
-    p.add_argument("--tied", action="store_true",
+    p.add_argument("--reversible", action="store_true", default=argparse.SUPPRESS,
+                   help="reversible residual blocks (or as --init PATH's)")
+    p.add_argument("--tied", action="store_true", default=argparse.SUPPRESS,
                    help="with --reversible: the tied connection between the two streams of the k-means/reversible "
                         "paper (section 3.3)")
-    p.add_argument("--tied-lipschitz", type=lambda t: None if t.lower() == "none" else float(t), default=0.5,
+    p.add_argument("--tied-lipschitz", type=lambda t: None if t.lower() == "none" else float(t),
+                   default=argparse.SUPPRESS,
                    help="with --tied: the tied connection's contraction constant in x1, in (0, 1), which keeps the "
                         "reversible block invertible as H trains; 'none': the paper's unconstrained H, whose "
-                        "inversion can fail (default 0.5)")
+                        "inversion can fail (default 0.5, or --init PATH's)")
     p.add_argument("--allow-non-strict-causal", action="store_true",
                    help="shakespeare-char: accept a mechanism whose causal mode is not strict (cluster-former, "
                    "neural-clustering causal_mode=paper); its bits per character are then optimistic")
@@ -64,10 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="start from trained weights: 'minilm' (its own width, depth and tokenizer; --dim/--depth/"
                         "--heads are ignored; --attention patched in; needs the [minilm] extra); PATH, the "
                         "checkpoint (file or run directory) of a `train --task mlm` run: its encoder and tokenizer "
-                        "(--attention, its options, --dim, --depth, --heads, --ff-dim and --reversible must match "
-                        "the pretraining run's); or PATH, a run of this same task: its whole model continues, at "
-                        "another --max-len (a length curriculum) or with another --attention (the new mechanism's "
-                        "own tensors start fresh); sizes must match. The default --lr is then a fine-tuning rate, 5e-5")
+                        "(--attention and its options must match the pretraining run's); or PATH, a run of this same "
+                        "task: its whole model continues, at another --max-len (a length curriculum) or with another "
+                        "--attention (the new mechanism's own tensors start fresh). With PATH, the architecture "
+                        "(--dim, --depth, --heads, --ff-dim, --reversible, --tied, --tied-lipschitz, --max-len) is "
+                        "the checkpoint's: a flag given overrides --max-len, and one that differs from the "
+                        "checkpoint's weights is refused (unless --init-partial). The default --lr is then a "
+                        "fine-tuning rate, 5e-5")
     p.add_argument("--init-partial", action="store_true",
                    help="with --init PATH: transfer the tensors whose names and shapes match and report the "
                         "rest (metrics.json 'init') instead of refusing a mismatch")
@@ -128,6 +137,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..train import TrainConfig, run_training
+    from ..train.checkpoint import CHECKPOINT
+    from ..train.config import pretrained_model
+    from ..train.loop import INIT_ARCHITECTURE, init_architecture
 
     options = json_object("--attention-options", args.attention_options, '{"num_clusters": 16}')
     decoder_options = json_object("--decoder-attention-options", args.decoder_attention_options,
@@ -140,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
     values = {k: v for k, v in vars(args).items()
               if k not in ("func", "command", "attention_options", "decoder_attention_options", "task_options", "cv",
                            "layer_attention")}
+    init = args.init
+    checkpoint = init is not None and (Path(init).is_file() or (Path(init) / CHECKPOINT).is_file())
+    if checkpoint and not pretrained_model(init):  # --init PATH: the architecture the flags leave out is its
+        given = {name: values[name] for name in INIT_ARCHITECTURE if name in values}
+        values.update(init_architecture(init, given, args.init_partial))
     config = TrainConfig(**values, attention_options=options, decoder_attention_options=decoder_options,
                          task_options=task_options, layer_attention=layer_attention)
     if not args.cv:

@@ -67,7 +67,8 @@ from .checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
 from .config import INIT_TASKS, TrainConfig, pretrained_model
 from .tasks import Task, prepare_task
 
-__all__ = ["evaluate_checkpoint", "load_run", "parameter_groups", "run_training"]
+__all__ = ["INIT_ARCHITECTURE", "evaluate_checkpoint", "init_architecture", "init_from_checkpoint", "load_run",
+           "parameter_groups", "run_training"]
 
 DENSE_WARMUP_WINDOW = 20  # steps whose mean task loss ends a dense warm-up with dense_warmup_loss
 
@@ -558,6 +559,8 @@ def _finish(run: _Run) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(config),
             "keys_per_query": keys_per_query(model, config.max_len, getattr(run.task, "causal", run.task.kind == "lm")),
+            "keys_mixed": keys_per_query(model, config.max_len, getattr(run.task, "causal", run.task.kind == "lm"),
+                                         "keys_mixed"),  # keys_per_query is the keys read
             "defaults_versions": defaults_versions(), "resolved_options": resolved_options(config),
         }
         if run.init_report is not None:
@@ -592,6 +595,29 @@ def _pretrained_checkpoint(path: str, task: str) -> dict:
 # what must agree between the pretrained run and the fine-tuned one for the encoder to mean the same thing
 _ARCHITECTURE_FIELDS = ("dim", "depth", "heads", "ff_dim", "reversible", "tied", "tied_lipschitz")
 _ENCODER_FIELDS = ("attention", "attention_options", *_ARCHITECTURE_FIELDS)
+INIT_ARCHITECTURE = (*_ARCHITECTURE_FIELDS, "max_len")  # what --init PATH takes from its checkpoint
+
+
+def init_architecture(path: str | Path, given: dict[str, Any], partial: bool = False) -> dict[str, Any]:
+    """The architecture of a run that starts from the checkpoint ``path`` (``--init PATH``), each of
+    :data:`INIT_ARCHITECTURE` (sizes, reversible/tied blocks, ``max_len``): the checkpoint's, or the value in
+    ``given`` (what the caller set explicitly) instead. A given value that differs from the checkpoint's on a field
+    the weights depend on (all but ``max_len``, which a length curriculum changes) raises ``ValueError`` naming
+    both values -- unless ``partial`` (``--init-partial``: transfer what matches)."""
+    saved = read_checkpoint(path).get("config", {})
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    architecture = {}
+    for name in INIT_ARCHITECTURE:
+        value = saved.get(name, defaults[name])  # older checkpoints: the defaults of then
+        if name in given:
+            if name != "max_len" and not partial and _comparable(given[name]) != _comparable(value):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {given[name]!r} conflicts with the checkpoint of --init {path}, trained "
+                                 f"with {name}={value!r}: leave {flag} out to take the checkpoint's, or pass "
+                                 "--init-partial to transfer only the tensors that match")
+            value = given[name]
+        architecture[name] = value
+    return architecture
 
 
 def _mechanism_state(module: torch.nn.Module) -> set[str]:
@@ -674,10 +700,11 @@ def init_from_checkpoint(model: torch.nn.Module, state: dict, config: TrainConfi
             "pretrained_attention": state["config"].get("attention")}
 
 
-def keys_per_query(model: torch.nn.Module, length: int, causal: bool) -> int | None:
-    """The most keys a query of ``model`` can see in a sequence of ``length`` tokens: the largest budget
-    (:meth:`clusterformer.attention.AttentionOptions.keys_per_query`) over its attention layers, None without one."""
-    budgets = [m.options.keys_per_query(length, causal) for m in model.modules() if isinstance(m, AttentionLayer)]
+def keys_per_query(model: torch.nn.Module, length: int, causal: bool, which: str = "keys_read") -> int | None:
+    """The most keys a query of ``model`` reads in a sequence of ``length`` tokens (``which="keys_mixed"``: whose
+    values reach it): the largest (:meth:`clusterformer.attention.AttentionOptions.keys_read`, ``keys_mixed``) over
+    its attention layers, None without one."""
+    budgets = [getattr(m.options, which)(length, causal) for m in model.modules() if isinstance(m, AttentionLayer)]
     return max(budgets) if budgets else None
 
 
