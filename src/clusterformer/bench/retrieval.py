@@ -7,8 +7,7 @@ and values in the shapes of SmolLM2-135M (9 query heads, 3 key/value heads, head
 per step with ``torch.cat`` as ``DynamicCache`` does (not timed: every method pays it). Per (context, method):
 
 * ``build_ms``: the first step, which builds the key index (K-means of every key/value head; once per prompt).
-  An untimed call before it stands for the prefill, at which the interface learns the module's cache (without
-  it, the first step's index would serve that step alone and the second step would build it again).
+  An untimed call before it stands for the prefill (on a cache of its own: it leaves no index).
 * ``ms_per_token``: median over ``steps`` later steps (keys joining the index in batches included).
 * ``amortized_ms``: mean over those steps + ``build_ms / refresh`` (the index is re-clustered every ``refresh``
   keys): the cost per token of retrieval *and* clustering over a long generation.
@@ -127,9 +126,8 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
             times = []
             with torch.no_grad():
                 if functions[method] is not None:
-                    # untimed: the interface learns a module's cache from its calls (a forward pre-hook added at
-                    # the first one, which generate() makes with the prefill); its index is then built at the
-                    # first timed step and kept for the next ones
+                    # untimed: the prefill's call (the interface reads each call's cache from the module's
+                    # forward); the index is built at the first timed step and kept with `cache` for the next ones
                     module(torch.randn(B, H, 1, D, generator=g), k, v, cache=_Cache())
                 for _ in range(config.steps + 1):
                     k = torch.cat([k, torch.randn(B, Hkv, 1, D, generator=g)], 2)
