@@ -208,7 +208,7 @@ def test_summary_markdown_without_full_shows_no_time_ratio():
                "tasks": {"20news": {"metric": "accuracy", "better": "higher",
                                     "mechanisms": {"neural-clustering": row, "nc-centroid-flow": dict(row)}}}}
     table = [line for line in summary_markdown(summary).splitlines()
-             if line.startswith("| nc-centroid-flow | — | 0.4400 ± 0.0200 (4)")]  # — : no keys/query recorded
+             if line.startswith("| nc-centroid-flow | — | — | 0.4400 ± 0.0200 (4)")]  # — : no keys read, mixed
     assert len(table) == 1 and table[0].endswith("| 158.4 | — | 2254 |")
     assert "nan" not in summary_markdown(summary)
 
@@ -223,7 +223,7 @@ def test_summary_markdown_shows_gpu_peak_only_for_gpu_grids():
                                      "mechanisms": {"full": gpu, "lsh": cpu}}}}
     text = summary_markdown(summary)
     assert "| time vs full | peak RSS MB | peak GPU MB |" in text
-    assert "| full | — | 0.5000 ± 0.0000 (2) |" in text and "| 900 | 1234 |" in text and "| 900 | nan |" in text
+    assert "| full | — | — | 0.5000 ± 0.0000 (2) |" in text and "| 900 | 1234 |" in text and "| 900 | nan |" in text
     summary["tasks"]["listops"]["mechanisms"] = {"full": cpu}
     assert "peak GPU MB" not in summary_markdown(summary)
 

@@ -307,6 +307,10 @@ def test_compare_sets_one_budget_for_every_entry(tmp_path, capsys):
     keys = {label: row["keys_per_query"] for label, row in summary["tasks"]["text-classification"]["mechanisms"]
             .items()}
     assert keys == {"full": 16, "neural-clustering": 8, "sliding-window": 6, "lsh": 8}
+    rows = summary["tasks"]["text-classification"]["mechanisms"]
+    assert {label: (row["keys_read"], row["keys_mixed"]) for label, row in rows.items()} == {
+        label: (n, n) for label, n in keys.items()}  # none of these mixes more keys than it reads
+    assert "| keys read | keys mixed |" in (out / "summary.md").read_text()
     assert "full: no option sets it" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["compare", "--tasks", "mr", "--attention", "lsh", "--keys-per-query", "4", "--out", str(out)])

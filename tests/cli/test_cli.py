@@ -129,15 +129,18 @@ def test_demo_trains_cluster_select_with_its_defaults(tmp_path, monkeypatch):
     runs = summary["training"]
     assert [r["attention"] for r in runs] == ["full", "neural-clustering", "cluster-select"]
     assert {r["name"] for r in summary["benchmark"]} == {"full", "neural-clustering", "cluster-select"}
-    assert runs[2]["keys_per_query"] == 64 + 2 * 32 + 16 + 1  # window, 2 clusters x 32 keys, 16 summaries, sink
+    # keys read: window, 2 clusters x 32 keys, sink, 16 summaries, 16 group bounds ranked
+    assert runs[2]["keys_per_query"] == 64 + 2 * 32 + 1 + 16 + 16
     reached = runs[2]["accuracy"] >= runs[0]["accuracy"] - 0.02
     verdict = [line for line in "\n".join(lines).splitlines() if line.startswith("cluster-select reads")]
     assert len(verdict) == 1 and ("at full's accuracy" in verdict[0]) == reached
     assert ("below full's here" in verdict[0]) == (not reached)
-    with pytest.raises(ValueError, match="the demo can add"):
-        DemoConfig(also=("lsh",))
+    for refused in ("quest", "full", "no-such-mechanism"):  # a cache reader, one of the base, an unknown name
+        with pytest.raises(ValueError, match="the demo can add"):
+            DemoConfig(also=(refused,))
+    assert "lsh" in demo.addable() and "sink-window" not in demo.addable()
     with pytest.raises(SystemExit, match="--with"):
-        main(["demo", "--out", str(tmp_path / "x"), "--with", "lsh"])
+        main(["demo", "--out", str(tmp_path / "x"), "--with", "quest"])
     seen = []
     monkeypatch.setattr(demo, "run_demo", lambda out, config, log: seen.append(config))
     main(["demo", "--out", str(tmp_path / "y"), "--with", ""])

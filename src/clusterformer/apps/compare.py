@@ -19,11 +19,14 @@ checkpoint but no metrics is resumed (``--resume``); so an interrupted compariso
 the caller set it; one job keeps torch's own choice): small models train faster as two one-thread runs than as
 one two-thread run.
 
-Budgets. ``keys_per_query`` (``--keys-per-query B``) gives every entry the same budget: the options each mechanism's
-``for_budget`` returns for B keys per query at the runs' ``--max-len`` (and, for the causal tasks -- shakespeare-char
-and the recall tasks' causal form -- its strict causal chunk) are merged over the entry's own. Entries whose budget no
-option sets (full, clustered, improved-clustered: every query reads every key) run as they are, and the log says so.
-Every run records the keys each query can see (``keys_per_query`` in its ``metrics.json``), and the summary shows it.
+Budgets. ``keys_per_query`` (``--keys-per-query B``) gives every entry the same budget of *keys read*: the options
+each mechanism's ``for_budget`` returns for B keys read per query at the runs' ``--max-len`` (and, for the causal tasks
+-- shakespeare-char and the recall tasks' causal form -- its strict causal chunk) are merged over the entry's own.
+Entries whose budget no option sets (full, clustered, improved-clustered: every query reads every key) run as they
+are, and the log says so. Every run records the keys a query reads (``keys_per_query`` in its ``metrics.json``: the
+logits it computes, summaries, bounds and scored candidates included) and the keys it mixes (``keys_mixed``: whose
+values reach it, a summary mixing all its members); the summary shows both (``keys_read``, ``keys_mixed``; for runs
+recorded before ``keys_mixed`` existed, both worked out from the entry's options at the runs' length).
 
 Per-seed flags. ``{seed}`` in a train flag (the grid's or a variant's) becomes each run's seed: ``--init
 stage1/mqar/full/seed{seed}`` continues every seed from its own checkpoint of an earlier grid (a length
@@ -53,12 +56,17 @@ from typing import Any
 
 from .._io import write_json
 from .._specs import parse_spec
+from ..attention.registry import STACK
 
 __all__ = ["CompareConfig", "Entry", "run_comparison", "sign_flip_p_value", "summarise"]
 
 SENTENCE_TASKS = ("mr", "cr", "subj", "mpqa")
-STACK = "cluster-former-stack"  # the Cluster-Former paper's stack: sliding-window layers, the last a Cluster-Former
+# the Cluster-Former paper's stack (a label beside the registered names: attention.registry.STACK): sliding-window
+# layers, the last a Cluster-Former layer
 BUILT_IN_VARIANTS = {STACK: {"attention": "cluster-former", "train_args": ["--cluster-layers", "-1"]}}
+# the entries every other is paired with in the summary (its columns "Δ vs full" and "Δ vs neural-clustering"); the
+# first, full attention, also gives each entry's time_vs_full
+REFERENCES = ("full", "neural-clustering")
 # the score of each task and which way is better (default: accuracy, higher)
 SCORE = {"wikiqa": ("map", "higher"), "shakespeare-char": ("bpc", "lower"), "multi30k": ("bleu", "higher"),
          "mlm": ("perplexity", "lower")}
@@ -368,7 +376,7 @@ def summarise(config: CompareConfig) -> dict:
             rows[name] = {"metric": metric, "mean": mean, "std": std, "n": len(scores), "scores": scores,
                           "seconds_per_epoch": seconds, "peak_rss_mb": max(r.get("peak_rss_mb", math.nan)
                                                                              for r in runs.values()),
-                          "keys_per_query": max((r.get("keys_per_query") for r in runs.values()), key=_or_zero)}
+                          **_keys(config, task, entry, runs)}
             recall = [r["metrics"]["key_recall"] for r in runs.values() if "key_recall" in r["metrics"]]
             if recall:  # the recall tasks: key recall per layer, mean over units
                 rows[name]["key_recall"] = {layer: sum(u[layer]["key_recall"] for u in recall) / len(recall)
@@ -380,15 +388,16 @@ def summarise(config: CompareConfig) -> dict:
             if device_peaks:  # GPU runs: the accelerator's peak, the memory that limits them
                 rows[name]["peak_device_mb"] = max(device_peaks)
         for name, row in rows.items():
-            for reference in ("full", "neural-clustering"):
+            for reference in REFERENCES:
                 if reference == name or reference not in rows:
                     continue
                 paired = sorted(set(row["scores"]) & set(rows[reference]["scores"]))
                 diffs = [row["scores"][u] - rows[reference]["scores"][u] for u in paired]
                 row[f"vs_{reference}"] = {"mean_difference": sum(diffs) / len(diffs) if diffs else math.nan,
                                           "pairs": len(diffs), "p_value": sign_flip_p_value(diffs)}
-            if "full" in rows:
-                row["time_vs_full"] = row["seconds_per_epoch"] / rows["full"]["seconds_per_epoch"]
+            full = REFERENCES[0]
+            if full in rows:
+                row["time_vs_full"] = row["seconds_per_epoch"] / rows[full]["seconds_per_epoch"]
         tasks[task] = {"metric": metric, "better": better, "mechanisms": rows}
     return {"tasks": tasks, "runs_finished": finished, "wall_seconds": wall, "machines": sorted(machines),
             "units": "folds" if config.folds else "seeds", "seeds": config.seeds,
@@ -402,6 +411,25 @@ def _or_zero(value: float | None) -> float:
     return 0 if value is None else value
 
 
+def _keys(config: CompareConfig, task: str, entry: Entry, runs: dict[str, dict]) -> dict[str, int | None]:
+    """An entry's budgets on ``task``: ``keys_read`` (also as ``keys_per_query``) and ``keys_mixed``, the largest of
+    its runs' records; runs recorded before ``keys_mixed`` existed recorded an earlier count as ``keys_per_query``,
+    so then both come from the entry's options at the runs' length (None where they cannot be worked out)."""
+    if all("keys_mixed" in r for r in runs.values()):
+        read = max((r.get("keys_per_query") for r in runs.values()), key=_or_zero)
+        mixed = max((r.get("keys_mixed") for r in runs.values()), key=_or_zero)
+    else:
+        from ..attention.registry import make_options
+
+        try:
+            length, causal = run_shape(task, [*config.train_args, *entry.train_args])
+            options = make_options(entry.mechanism, config.options_for(task, entry))
+            read, mixed = options.keys_read(length, causal), options.keys_mixed(length, causal)
+        except ValueError:
+            read = mixed = None
+    return {"keys_per_query": read, "keys_read": read, "keys_mixed": mixed}
+
+
 def summary_markdown(summary: dict) -> str:
     lines = [f"Units: {summary['units']}; paired test: {summary['test']}.",
              f"Runs finished: {summary['runs_finished']}, {summary['wall_seconds'] / 3600:.2f} h of wall time in all, "
@@ -410,12 +438,13 @@ def summary_markdown(summary: dict) -> str:
         gpu = any("peak_device_mb" in row for row in block["mechanisms"].values())
         recall = any("key_recall" in row for row in block["mechanisms"].values())
         lines += [f"## {task} ({block['metric']}, {block['better']} is better)", "",
-                  "| mechanism | keys/query | score (mean ± std, n) | Δ vs full (p) | Δ vs neural-clustering (p) | "
-                  "s/epoch | time vs full | peak RSS MB |" + (" peak GPU MB |" if gpu else "")
-                  + (" key recall (argmax) per layer |" if recall else ""),
-                  "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + ("---|" if recall else "")]
+                  "| mechanism | keys read | keys mixed | score (mean ± std, n) | Δ vs full (p) | "
+                  "Δ vs neural-clustering (p) | s/epoch | time vs full | peak RSS MB |"
+                  + (" peak GPU MB |" if gpu else "") + (" key recall (argmax) per layer |" if recall else ""),
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + ("---|" if recall else "")]
         for name, row in block["mechanisms"].items():
-            lines.append(f"| {name} | {row.get('keys_per_query') or '—'} | {row['mean']:.4f} ± {row['std']:.4f} "
+            lines.append(f"| {name} | {row.get('keys_read', row.get('keys_per_query')) or '—'} | "
+                         f"{row.get('keys_mixed') or '—'} | {row['mean']:.4f} ± {row['std']:.4f} "
                          f"({row['n']}) | "
                          f"{_difference(row.get('vs_full'))} | {_difference(row.get('vs_neural-clustering'))} | "
                          f"{row['seconds_per_epoch']:.1f} | "
