@@ -34,6 +34,7 @@ from clusterformer import hf
 from clusterformer.apps.longctx import _chat_ids
 from clusterformer.attention.retrieval import ClusterRetrievalOptions
 from clusterformer.data.ruler import INSTRUCTION, haystack_sentences, make_sample
+from clusterformer.masks import AttentionMask
 from clusterformer.ops.retrieval import KeyClusterIndex, build_index, keys_allowed_count
 from clusterformer.ops.topk_cache import quest_attention
 
@@ -58,7 +59,7 @@ def quest_read(q: torch.Tensor, k: torch.Tensor, budget: float) -> torch.Tensor:
     nonzero exactly where it reads (float64: no weight underflows)."""
     kv_groups, n = k.shape[1], k.shape[2]
     one_hot = torch.eye(n, dtype=torch.float64).expand(1, kv_groups, n, n)
-    weights = quest_attention(q.double(), k.double(), one_hot, None, budget, QUEST_PAGE, 1.0)
+    weights = quest_attention(q.double(), k.double(), one_hot, AttentionMask(causal=True), budget, QUEST_PAGE, 1.0)
     return weights > 0
 
 

@@ -1,8 +1,9 @@
 """The library's one mask: its value, the typed mask built on it, composable predicates, and one rule for a
 query with no key. It sits below ``ops``, ``clustering``, ``attention`` and ``hf``, which all take it from here.
 
-The mask value. Outside and inside the package, padding is one tensor: ``key_padding_mask`` (B, N) bool,
-True = padding (``None``: no padding). Its views have names: :func:`real_tokens` (True = a token),
+The mask value. At the public entry points padding is one tensor, PyTorch's ``key_padding_mask`` (B, N) bool,
+True = padding (``None``: no padding); inside the package it is the ``padding`` of the typed mask below. Its views
+have names: :func:`real_tokens` (True = a token),
 :func:`real_lengths` (tokens per sequence). Attention masks are *allowed* tensors, True = the query may
 attend to the key, broadcastable to (..., queries, keys).
 
@@ -13,10 +14,13 @@ per-row tables (a token's flat index b * N + n for dense attention, a buffer row
 
     allowed = and_masks(key_is_real(real), causal_order(positions), same_group(groups))(q_index, k_index)
 
-The typed mask. :class:`AttentionMask` (padding, causal, window) is everything a mask says, carried from the
+The typed mask. :class:`AttentionMask` (padding, causal, window) is everything a mask says, built once at the
 entry points (a layer's ``key_padding_mask`` and causal flag; a ``transformers`` model's 4-D mask, read back by
-:meth:`AttentionMask.from_allowed`) to the ops, which take from it the form they need: a dense allowed tensor,
-per-row tables and a predicate for windowed buffers, a FlexAttention ``mask_mod``.
+:meth:`AttentionMask.from_allowed`) and carried as that one object through the inner attentions to the ops, which
+take from it the form they need (never building another): a dense allowed tensor, per-row tables and a
+predicate for windowed buffers (blocks that repeat a sequence per head or round included), padding per block,
+lengths and real tokens, a FlexAttention ``mask_mod``. An op given no mask reads :data:`NO_MASK` (or
+:data:`CAUSAL_MASK`, where it is causal by definition); :func:`check_mask` checks one against its input.
 
 The rule. A query with no allowed key (a sequence of padding only, left padding under a causal mask, an
 empty window) has no softmax; :func:`allow_empty_rows` gives it every key -- a finite softmax, so no NaN
@@ -32,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionMask", "MaskPredicate", "allow_empty_rows", "and_masks", "cache_sdpa", "causal_order",
-           "key_is_real", "local_blocks", "masked_sdpa", "not_mask", "real_lengths", "real_tokens", "same_group",
-           "self_only_when_alone", "within_window"]
+__all__ = ["CAUSAL_MASK", "NO_MASK", "AttentionMask", "MaskPredicate", "allow_empty_rows", "and_masks", "cache_sdpa",
+           "causal_order", "check_mask", "key_is_real", "local_blocks", "masked_sdpa", "not_mask", "real_lengths",
+           "real_tokens", "same_group", "self_only_when_alone", "within_window"]
 
 MaskPredicate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -171,16 +175,40 @@ class AttentionMask:
                 predicates.append(within_window(positions, self.window, self.causal))
         return and_masks(*predicates)
 
-    def rows(self, rows: torch.Tensor, length: int, row_valid: torch.Tensor | None = None
+    def rows(self, rows: torch.Tensor, length: int, row_valid: torch.Tensor | None = None, repeat: int = 1
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per flat buffer row holding token ``rows`` (b * length + position): may it be a key (a token -- where
-        ``row_valid`` says the slot holds one -- and not padding), and its position (None unless causal or
-        windowed): the tables :meth:`predicate` and the fused kernel's metadata read."""
+        """Per flat buffer row holding token ``rows`` (block * length + position): may it be a key (a token --
+        where ``row_valid`` says the slot holds one -- and not padding), and its position (None unless causal or
+        windowed): the tables :meth:`predicate` and the fused kernel's metadata read. ``repeat``: the blocks are
+        ``repeat`` consecutive copies of each sequence (one per head, or per head and hashing round: block
+        b * repeat + copy), all reading sequence b's padding."""
         real = torch.ones(rows.shape, dtype=torch.bool, device=rows.device) if row_valid is None else row_valid
         if self.padding is not None:
-            real = real & ~self.padding.reshape(-1)[rows]
+            tokens = rows
+            if repeat != 1:  # block * length + position -> b * length + position
+                span = max(length, 1)
+                tokens = torch.div(rows, span * repeat, rounding_mode="floor") * span + rows % span
+            real = real & ~self.padding.reshape(-1)[tokens]
         positions = rows % max(length, 1) if self.causal or self.window is not None else None
         return real, positions
+
+    def block_padding(self, repeat: int = 1) -> torch.Tensor | None:
+        """The padding of ``repeat`` consecutive copies of each sequence, (B * repeat, n) bool (block
+        b * repeat + copy reads sequence b), or None without padding: what a layout that sorts each block's
+        real tokens reads (:func:`clusterformer.ops.sorted_layout`)."""
+        if self.padding is None or repeat == 1:
+            return self.padding
+        return self.padding.repeat_interleave(repeat, dim=0)
+
+    def repeats(self, blocks: int, name: str = "mask") -> int:
+        """How many consecutive blocks of ``blocks`` each sequence of the padding covers (1 without padding);
+        ``ValueError`` naming ``name`` when ``blocks`` is not a multiple of the batch."""
+        if self.padding is None:
+            return 1
+        B = self.padding.shape[0]
+        if (B == 0 and blocks) or (B and blocks % B):
+            raise ValueError(f"{name}'s padding covers {B} sequences, which do not divide the {blocks} blocks")
+        return blocks // B if B else 1
 
     def allowed(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
         """The dense allowed mask of the last ``q_len`` of ``kv_len`` positions: (B or 1, 1, q_len or 1, kv_len),
@@ -225,6 +253,28 @@ class AttentionMask:
                 return mask
         raise ValueError("the mask is neither key padding nor key padding + causal (a sliding-window, "
                          "packed-sequence or custom mask)")
+
+
+NO_MASK = AttentionMask()  # no padding, no causal order, no window: what an op reads when given no mask
+CAUSAL_MASK = AttentionMask(causal=True)  # causal order alone: what a causal op reads when given no mask
+
+
+def check_mask(mask: AttentionMask | None, batch: int, length: int, *, device: torch.device | None = None,
+               name: str = "mask") -> AttentionMask:
+    """``mask`` checked for ``batch`` sequences of ``length`` keys: an :class:`AttentionMask` whose padding is None
+    or (batch, length) (on ``device``), returned as it is; None is :data:`NO_MASK`. ``ValueError`` naming ``name``."""
+    if mask is None:
+        return NO_MASK
+    if not isinstance(mask, AttentionMask):
+        raise ValueError(f"{name} must be an AttentionMask or None, got {type(mask).__name__} (a key padding "
+                         "tensor becomes one at the layer: AttentionMask(key_padding_mask, causal))")
+    if mask.padding is not None:
+        if tuple(mask.padding.shape) != (batch, length):
+            raise ValueError(f"{name}'s padding must have shape (batch, length) = {(batch, length)}, got "
+                             f"{tuple(mask.padding.shape)}")
+        if device is not None and mask.padding.device != device:
+            raise ValueError(f"{name}'s padding is on {mask.padding.device} but the input is on {device}")
+    return mask
 
 
 # ----------------------------------------------------------------------------------------------- the rule

@@ -22,6 +22,7 @@ from clusterformer.apps.clustering import (
 from clusterformer.apps.som import SOM, grid_shape, som_step
 from clusterformer.cli import main
 from clusterformer.clustering.neural import neural_clustering
+from clusterformer.masks import AttentionMask
 from seeds import fixed_seed
 
 
@@ -166,8 +167,8 @@ def test_shared_points_give_what_expanded_points_give(assign, per_set_k):
     for x, y in ((a.updated_centroids, b.updated_centroids), (a.clustering_loss, b.clustering_loss),
                  (a.sorting_loss, b.sorting_loss), (ga_p, gb_p), (ga_c, gb_c)):
         torch.testing.assert_close(x, y, atol=1e-10, rtol=0)
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        neural_clustering(base, cents, key_padding_mask=torch.zeros(N, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask: padding is not supported"):
+        neural_clustering(base, cents, mask=AttentionMask(torch.zeros(cents.shape[0], N, dtype=torch.bool)))
     with pytest.raises(ValueError, match="centroids"):
         neural_clustering(base, cents[0])
 
@@ -202,7 +203,7 @@ def test_updated_centroids_of_empty_softmax_rows_are_zero_and_finite():
     padding[1, 7:] = True
     padding[2] = True  # padding only
     num_clusters = torch.tensor([4, 3, 4])  # sequence 1 leaves its last centroid unused
-    out = neural_clustering(points, centroids, key_padding_mask=padding, similarity="dot", scale=1.0,
+    out = neural_clustering(points, centroids, mask=AttentionMask(padding), similarity="dot", scale=1.0,
                             num_clusters=num_clusters)
     for b, i in itertools.product(range(B), range(k)):
         real = ~padding[b]

@@ -35,6 +35,7 @@ import torch
 
 from causal_configs import STRICT_CAUSAL, one_per_mechanism
 from clusterformer.attention import build, collect_aux_losses, names, record_groups
+from clusterformer.masks import AttentionMask
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -191,7 +192,7 @@ def test_fused_kernel_half_precision_matches_dense_reference(dtype, tol, causal)
     pad[1, 150:] = True
     dt = getattr(torch, dtype)
     qd, kd, vd = (t.to("cuda", dt).requires_grad_() for t in (q, k, v))
-    out = sorted_chunk_attention(qd, kd, vd, ids.cuda(), chunk, causal=causal, key_padding_mask=pad.cuda(),
+    out = sorted_chunk_attention(qd, kd, vd, ids.cuda(), chunk, mask=AttentionMask(pad.cuda(), causal),
                                  kernel="fused")
     q, k, v = (t.to(dt).double().requires_grad_() for t in (q, k, v))  # the same rounded inputs
     ref = dense_reference(q, k, v, lambda i, j: sorted_chunk_allowed(ids[i], chunk, 1, causal, pad[i]))

@@ -910,7 +910,7 @@ def test_shared_qk_clustering_needs_the_layers_own_projection():
             return layer.project_rows(rows, which)
 
     with pytest.raises(ValueError, match="cluster_on='shared-qk' needs a layer whose queries and keys are one"):
-        layer.inner.attend_hidden(torch.randn(1, 5, layer.dim, dtype=torch.float64), Separate(), None, False)
+        layer.inner.attend_hidden(torch.randn(1, 5, layer.dim, dtype=torch.float64), Separate())
     with pytest.raises(ValueError, match="cluster_on"):
         _layer("neural-clustering", cluster_on="keys")
 

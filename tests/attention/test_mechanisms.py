@@ -19,6 +19,7 @@ from clusterformer.clustering import (
     sign_codes,
     spherical_kmeans,
 )
+from clusterformer.masks import AttentionMask
 from reference import (
     bucket_reference,
     clustered_matrices,
@@ -650,11 +651,12 @@ def test_gradcheck_of_the_family_ops(exact_path, monkeypatch):
     buckets = torch.randint(3, (B, H, 2, N), generator=g)
     groups = torch.randint(3, (B, H, N), generator=g)
     assert torch.autograd.gradcheck(
-        lambda a, b: bucketed_attention(a, b, buckets, 3, num_buckets=3, causal=True, key_padding_mask=pad), (q, v))
+        lambda a, b: bucketed_attention(a, b, buckets, 3, num_buckets=3, mask=AttentionMask(pad, causal=True)),
+        (q, v))
     assert torch.autograd.gradcheck(
-        lambda a, b, c: clustered_attention(a, b, c, groups, 3, topk=4, key_padding_mask=pad), (q, k, v))
+        lambda a, b, c: clustered_attention(a, b, c, groups, 3, topk=4, mask=AttentionMask(pad)), (q, k, v))
     assert torch.autograd.gradcheck(
-        lambda a, b, c: sliding_window_attention(a, b, c, 4, 2, causal=True, key_padding_mask=pad), (q, k, v))
+        lambda a, b, c: sliding_window_attention(a, b, c, 4, 2, mask=AttentionMask(pad, causal=True)), (q, k, v))
 
 
 @pytest.mark.parametrize("name", ["cluster-retrieval", "sink-window", "oracle", "quest"])
@@ -669,13 +671,13 @@ def test_cache_readers_attend_a_sequence_to_itself_densely_and_refuse_native_dec
     pad[1, 4:7] = True
     pad[1, 15:] = True
     inner = build(name, dim=15, heads=3, budget=3).inner.double().eval()
-    want = build("full", dim=15, heads=3).inner.double().eval()(q, k, v, pad, causal)
-    got = inner(q, k, v, pad, causal)
+    want = build("full", dim=15, heads=3).inner.double().eval()(q, k, v, AttentionMask(pad, causal))
+    got = inner(q, k, v, AttentionMask(pad, causal))
     real = ~pad[:, None, :, None]
     torch.testing.assert_close(got * real, want * real, rtol=0, atol=1e-12)
-    assert (want - inner(q, k, v, None, causal)).abs().max() > 1e-3  # the padding mattered
+    assert (want - inner(q, k, v, AttentionMask(None, causal))).abs().max() > 1e-3  # the padding mattered
     with pytest.raises(ValueError, match="no cached decoding"):
-        inner.prefill(q, k, v, None)
+        inner.prefill(q, k, v, AttentionMask(causal=True))
 
 
 @pytest.mark.parametrize("name", ["cluster-retrieval", "sink-window", "oracle", "quest"])

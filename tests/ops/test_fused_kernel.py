@@ -15,6 +15,7 @@ from reference import bucket_reference, cluster_causal_allowed, dense_reference,
 
 pytest.importorskip("triton")
 
+from clusterformer.masks import AttentionMask
 from clusterformer.ops import (
     bucketed_attention,
     cluster_causal_attention,
@@ -76,8 +77,8 @@ def test_sorted_chunk_fused_matches_dense_reference(seed, B, H, N, D, chunk, loo
         pad[-1, N // 2 :] = True
         pad[0, 3] = True  # padding in the middle too
     qd, kd, vd = _to_dev((q, k, v))
-    out = sorted_chunk_attention(qd, kd, vd, ids.to(DEVICE), chunk, look_back=look_back, causal=causal,
-                                 key_padding_mask=None if pad is None else pad.to(DEVICE), kernel="fused")
+    out = sorted_chunk_attention(qd, kd, vd, ids.to(DEVICE), chunk, look_back=look_back,
+                                 mask=AttentionMask(None if pad is None else pad.to(DEVICE), causal), kernel="fused")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ref = dense_reference(q, k, v, lambda b, h: sorted_chunk_allowed(ids[b], chunk, look_back, causal,
                                                                      None if pad is None else pad[b]))
@@ -98,7 +99,7 @@ def test_cluster_causal_fused_matches_dense_reference(seed, N, chunk, look_back)
     pad[1, N - 5 :] = True
     qd, kd, vd = _to_dev((q, k, v))
     out = cluster_causal_attention(qd, kd, vd, ids.to(DEVICE), chunk, C, look_back=look_back,
-                                   key_padding_mask=pad.to(DEVICE), kernel="fused")
+                                   mask=AttentionMask(pad.to(DEVICE), causal=True), kernel="fused")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ref = dense_reference(q, k, v, lambda b, h: cluster_causal_allowed(ids[b, h], chunk, look_back, pad[b]))
     grad = torch.randn(ref.shape, generator=g, dtype=torch.float64).masked_fill(pad[:, None, :, None], 0.0)
@@ -118,8 +119,8 @@ def test_bucketed_fused_matches_reference(causal):
     pad = torch.zeros(B, N, dtype=torch.bool)
     pad[0, 15:] = True
     qkd, vd = _to_dev((qk, v))
-    out = bucketed_attention(qkd, vd, buckets.to(DEVICE), chunk, num_buckets=nb, causal=causal,
-                             key_padding_mask=pad.to(DEVICE), kernel="fused")
+    out = bucketed_attention(qkd, vd, buckets.to(DEVICE), chunk, num_buckets=nb,
+                             mask=AttentionMask(pad.to(DEVICE), causal), kernel="fused")
     qk.requires_grad_()
     v.requires_grad_()
     ref = torch.stack([
@@ -166,7 +167,7 @@ def test_rows_without_keys_give_zeros_and_finite_gradients():
     pad = torch.ones(1, 10, dtype=torch.bool)  # nothing to attend to at all
     qd, kd, vd = _to_dev((q, k, v))
     out = sorted_chunk_attention(qd, kd, vd, torch.zeros(1, 10, dtype=torch.long, device=DEVICE), 4,
-                                 key_padding_mask=pad.to(DEVICE), kernel="fused")
+                                 mask=AttentionMask(pad.to(DEVICE)), kernel="fused")
     assert (out == 0).all()
     out.sum().backward()
     for t in (qd, kd, vd):
@@ -199,7 +200,7 @@ def test_fused_and_unfused_paths_agree_on_a_layer_sized_problem():
     for kernel in ("fused", "sdpa"):
         xs = x.detach().requires_grad_()
         q = layout.query_rows(xs[:, :, 0]).view(W, w, H, D).transpose(1, 2)
-        out = windowed_attention(q, xs[:, :, 1], xs[:, :, 2], layout, causal=True, kernel=kernel)
+        out = windowed_attention(q, xs[:, :, 1], xs[:, :, 2], layout, mask=AttentionMask(causal=True), kernel=kernel)
         out.pow(2).sum().backward()
         results.append((out.detach(), xs.grad))
     assert q_win.shape == (W, H, w, D)
@@ -221,8 +222,9 @@ def test_fused_path_promotes_mixed_dtypes():
     W = layout.num_windows
     low = torch.float16 if ON_GPU else torch.float32
     q = layout.query_rows(x[:, :, 0]).view(W, w, H, D).transpose(1, 2).to(low)
-    fused = windowed_attention(q, x[:, :, 1], x[:, :, 2], layout, causal=True, kernel="fused")
-    promoted = windowed_attention(q.to(DTYPE), x[:, :, 1], x[:, :, 2], layout, causal=True, kernel="sdpa")
+    fused = windowed_attention(q, x[:, :, 1], x[:, :, 2], layout, mask=AttentionMask(causal=True), kernel="fused")
+    promoted = windowed_attention(q.to(DTYPE), x[:, :, 1], x[:, :, 2], layout, mask=AttentionMask(causal=True),
+                                  kernel="sdpa")
     assert fused.dtype == DTYPE
     assert (fused - promoted).abs().max() < TOL
 
@@ -244,7 +246,8 @@ def test_the_output_recipe_rebuilds_the_output_and_its_gradients(kernel):
     for keep_recipe in (False, True):
         xs = x.detach().requires_grad_()
         q = layout.query_rows(xs[:, :, 0]).view(W, w, H, D).transpose(1, 2)
-        out = windowed_attention(q, xs[:, :, 1], xs[:, :, 2], layout, causal=True, kernel=kernel, with_recipe=True)
+        out = windowed_attention(q, xs[:, :, 1], xs[:, :, 2], layout, mask=AttentionMask(causal=True), kernel=kernel,
+                                 with_recipe=True)
         recipe = recipe_of(out)
         assert torch.equal(recipe(), out)
         flat = out.flatten(1)
@@ -253,7 +256,7 @@ def test_the_output_recipe_rebuilds_the_output_and_its_gradients(kernel):
         y.pow(2).sum().backward()
         grads.append(xs.grad)
     assert torch.equal(grads[0], grads[1])
-    plain = windowed_attention(q, x[:, :, 1], x[:, :, 2], layout, causal=True, kernel=kernel)
+    plain = windowed_attention(q, x[:, :, 1], x[:, :, 2], layout, mask=AttentionMask(causal=True), kernel=kernel)
     assert recipe_of(plain) is None  # only where asked
 
 

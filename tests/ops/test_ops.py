@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from clusterformer.masks import AttentionMask
 from clusterformer.ops import cluster_causal_attention, cluster_causal_layout, sorted_chunk_attention, sorted_layout
 from reference import cluster_causal_allowed, dense_reference, sorted_chunk_allowed
 from seeds import fixed_seed
@@ -44,8 +45,7 @@ def test_sorted_chunk_matches_dense_reference(N, chunk_size, look_back, causal):
     for per_head, pad_fraction in itertools.product([False, True], [0.0, 0.3]):
         q, k, v, ids, pad = _inputs(2, 3, N, 5, num_clusters=4, per_head=per_head, pad_fraction=pad_fraction)
         out = sorted_chunk_attention(
-            q, k, v, ids, chunk_size, look_back=look_back, causal=causal, key_padding_mask=pad
-        )
+            q, k, v, ids, chunk_size, look_back=look_back, mask=AttentionMask(pad, causal))
         ref = dense_reference(
             q, k, v,
             lambda b, h: sorted_chunk_allowed(_ids_for(ids, b, h), chunk_size, look_back, causal, _pad_for(pad, b)),
@@ -70,7 +70,7 @@ def test_sorted_chunk_per_sequence_lengths_and_chunk_sizes(look_back, causal):
     pad[2, ::3] = True  # scattered
     pad[3, :] = True  # nothing real
     chunk = torch.tensor([3, 5, 2, 4, 7])
-    out = sorted_chunk_attention(q, k, v, ids, chunk, look_back=look_back, causal=causal, key_padding_mask=pad)
+    out = sorted_chunk_attention(q, k, v, ids, chunk, look_back=look_back, mask=AttentionMask(pad, causal))
     ref = dense_reference(q, k, v, lambda b, h: sorted_chunk_allowed(
         ids[b, h], min(int(chunk[b]), max(int((~pad[b]).sum()), 1)), look_back, causal, pad[b]))
     real = (~pad)[:, None, :, None].expand_as(out)
@@ -80,7 +80,8 @@ def test_sorted_chunk_per_sequence_lengths_and_chunk_sizes(look_back, causal):
     for b in (0, 1, 2, 4):
         keep = ~pad[b]
         alone = sorted_chunk_attention(q[b:b + 1, :, keep], k[b:b + 1, :, keep], v[b:b + 1, :, keep],
-                                       ids[b:b + 1, :, keep], int(chunk[b]), look_back=look_back, causal=causal)
+                                       ids[b:b + 1, :, keep], int(chunk[b]), look_back=look_back,
+                                       mask=AttentionMask(causal=causal))
         torch.testing.assert_close(out[b][:, keep], alone[0], rtol=1e-12, atol=1e-12)
 
 
@@ -106,7 +107,7 @@ def test_sorted_chunk_gradients_match_dense_reference(N, chunk_size, look_back):
             qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
             if fn == "ours":
                 out = sorted_chunk_attention(qq, kk, vv, ids, chunk_size, look_back=look_back,
-                                             causal=causal, key_padding_mask=pad)
+                                             mask=AttentionMask(pad, causal))
             else:
                 out = dense_reference(qq, kk, vv, lambda b, h: sorted_chunk_allowed(
                     _ids_for(ids, b, h), chunk_size, look_back, causal, pad[b]))
@@ -127,8 +128,8 @@ def test_sorted_chunk_gradcheck(N, chunk_size, look_back, causal):
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
     def fn(q, k, v):
-        out = sorted_chunk_attention(q, k, v, ids, chunk_size, look_back=look_back, causal=causal,
-                                     key_padding_mask=pad)
+        out = sorted_chunk_attention(q, k, v, ids, chunk_size, look_back=look_back,
+                                     mask=AttentionMask(pad, causal))
         return out[:, :, :-1]  # the padded query's output is unspecified
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
@@ -142,7 +143,7 @@ def test_query_with_no_allowed_key_gives_zeros_and_finite_gradients():
     pad = torch.zeros(B, N, dtype=torch.bool)
     pad[0] = True
     pad[1, :3] = True
-    out = sorted_chunk_attention(q, k, v, ids, 2, causal=True, key_padding_mask=pad)
+    out = sorted_chunk_attention(q, k, v, ids, 2, mask=AttentionMask(pad, causal=True))
     assert torch.isfinite(out).all()
     assert out[0].abs().sum() == 0  # no allowed key anywhere in sequence 0
     out.sum().backward()
@@ -155,7 +156,8 @@ def test_query_with_no_allowed_key_gives_zeros_and_finite_gradients():
 def test_cluster_causal_matches_dense_reference(N, chunk_size, look_back):
     for per_head, pad_fraction in itertools.product([False, True], [0.0, 0.3]):
         q, k, v, ids, pad = _inputs(2, 2, N, 4, num_clusters=3, per_head=per_head, pad_fraction=pad_fraction)
-        out = cluster_causal_attention(q, k, v, ids, chunk_size, 3, look_back=look_back, key_padding_mask=pad)
+        out = cluster_causal_attention(q, k, v, ids, chunk_size, 3, look_back=look_back,
+                                       mask=AttentionMask(pad, causal=True))
         ref = dense_reference(q, k, v, lambda b, h: cluster_causal_allowed(
             _ids_for(ids, b, h), chunk_size, look_back, _pad_for(pad, b)))
         real = (torch.ones(2, N, dtype=torch.bool) if pad is None else ~pad)[:, None, :, None].expand_as(out)
@@ -181,18 +183,19 @@ def test_autocast_low_precision_is_finite(dtype):
     q, k, v = (torch.randn(2, 2, 50, 16) for _ in range(3))
     ids = torch.randint(0, 5, (2, 50))
     with torch.autocast("cpu", dtype=dtype):
-        out = sorted_chunk_attention(q.to(dtype), k.to(dtype), v.to(dtype), ids, 8, causal=True)
+        out = sorted_chunk_attention(q.to(dtype), k.to(dtype), v.to(dtype), ids, 8,
+                                     mask=AttentionMask(causal=True))
     assert out.dtype == dtype
-    ref = sorted_chunk_attention(q, k, v, ids, 8, causal=True)
+    ref = sorted_chunk_attention(q, k, v, ids, 8, mask=AttentionMask(causal=True))
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu():
     q, k, v, ids, pad = _inputs(2, 3, 37, 8, num_clusters=5, per_head=False, pad_fraction=0.2, dtype=torch.float32)
-    ref = sorted_chunk_attention(q, k, v, ids, 6, causal=True, key_padding_mask=pad)
-    out = sorted_chunk_attention(q.cuda(), k.cuda(), v.cuda(), ids.cuda(), 6, causal=True,
-                                 key_padding_mask=pad.cuda())
+    ref = sorted_chunk_attention(q, k, v, ids, 6, mask=AttentionMask(pad, causal=True))
+    out = sorted_chunk_attention(q.cuda(), k.cuda(), v.cuda(), ids.cuda(), 6,
+                                 mask=AttentionMask(pad.cuda(), causal=True))
     real = (~pad)[:, None, :, None].expand_as(ref)
     torch.testing.assert_close(out.cpu()[real], ref[real], rtol=1e-4, atol=1e-4)
 
@@ -216,15 +219,14 @@ def _good():
         (lambda a: {**a, "chunk_size": 0}, "chunk_size must be >= 1"),
         (lambda a: {**a, "chunk_size": 2.5}, "chunk_size must be an int"),
         (lambda a: {**a, "look_back": -1}, "look_back must be >= 0"),
-        (lambda a: {**a, "key_padding_mask": torch.zeros(2, 9, dtype=torch.bool)}, r"key_padding_mask must have shape"),
-        (lambda a: {**a, "key_padding_mask": torch.zeros(2, 10)}, "key_padding_mask must be a bool"),
-        (lambda a: {**a, "causal": 1}, "causal must be a bool"),
+        (lambda a: {**a, "mask": AttentionMask(torch.zeros(2, 9, dtype=torch.bool))}, r"mask's padding must have"),
+        (lambda a: {**a, "mask": torch.zeros(2, 10, dtype=torch.bool)}, "mask must be an AttentionMask"),
     ],
 )
 def test_bad_input_raises_value_error_naming_argument(change, match):
     q, k, v, ids = _good()
     args = change({"q": q, "k": k, "v": v, "cluster_ids": ids, "chunk_size": 3,
-                   "look_back": 1, "causal": False, "key_padding_mask": None})
+                   "look_back": 1, "mask": None})
     with pytest.raises(ValueError, match=match):
         sorted_chunk_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cluster_ids"),
                                args.pop("chunk_size"), **args)
@@ -265,8 +267,8 @@ def test_chunk_size_larger_than_the_sequence_is_clamped(causal_layout):
         a = cluster_causal_attention(q, k, v, ids, 2048, 3)
         b = cluster_causal_attention(q, k, v, ids, 4, 3)
     else:
-        a = sorted_chunk_attention(q, k, v, ids, 2048, causal=True)
-        b = sorted_chunk_attention(q, k, v, ids, 4, causal=True)
+        a = sorted_chunk_attention(q, k, v, ids, 2048, mask=AttentionMask(causal=True))
+        b = sorted_chunk_attention(q, k, v, ids, 4, mask=AttentionMask(causal=True))
     assert torch.equal(a, b)
 
 

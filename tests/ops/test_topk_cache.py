@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from clusterformer.masks import AttentionMask
 from clusterformer.ops.retrieval import keys_allowed
 from clusterformer.ops.topk_cache import oracle_attention, quest_attention
 from seeds import fixed_seed
@@ -74,9 +75,9 @@ def test_matches_reference(budget, page, Lq):
     k, v, real, g = _cache()
     q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
     if page is None:
-        got = oracle_attention(q, k, v, ~real, budget, 0.4)
+        got = oracle_attention(q, k, v, AttentionMask(~real, causal=True), budget, 0.4)
     else:
-        got = quest_attention(q, k, v, ~real, budget, page, 0.4)
+        got = quest_attention(q, k, v, AttentionMask(~real, causal=True), budget, page, 0.4)
     torch.testing.assert_close(got, reference(q, k, v, real, budget, 0.4, page), rtol=0, atol=1e-12)
 
 
@@ -87,8 +88,9 @@ def test_covering_budget_is_dense_and_a_sequence_alone_reads_the_same(page):
     q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
 
     def run(q, k, v, padding, budget):
-        return (oracle_attention(q, k, v, padding, budget, 0.3) if page is None else
-                quest_attention(q, k, v, padding, budget, page, 0.3))
+        mask = AttentionMask(padding, causal=True)
+        return (oracle_attention(q, k, v, mask, budget, 0.3) if page is None else
+                quest_attention(q, k, v, mask, budget, page, 0.3))
 
     got = run(q, k, v, ~real, 1.0)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
@@ -109,8 +111,8 @@ def test_every_key_read_counts_against_the_budget(budget, page):
     v = torch.eye(n, dtype=torch.float64).expand(2, 2, n, n)
     for Lq in (1, 3):
         q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-        out = (oracle_attention(q, k, v, ~real, budget, 0.3) if page is None else
-               quest_attention(q, k, v, ~real, budget, page, 0.3))
+        out = (oracle_attention(q, k, v, AttentionMask(~real, causal=True), budget, 0.3) if page is None else
+               quest_attention(q, k, v, AttentionMask(~real, causal=True), budget, page, 0.3))
         read = (out > 0).sum(-1)  # (B, H, Lq)
         allowed = keys_allowed(budget, real.sum(1)).view(2, 1, 1)
         assert bool((read <= allowed).all()), (read, allowed)

@@ -40,7 +40,7 @@ import torch
 from .._checks import check_choice, check_int
 from ..clustering.hashing import sign_codes
 from ..clustering.kmeans import euclidean_kmeans, hamming_kmeans
-from ..masks import real_tokens
+from ..masks import NO_MASK, AttentionMask
 from ..ops.clustered import clustered_attention
 from .aux import publish_groups
 from .base import InnerAttention, SeededOptions
@@ -101,7 +101,7 @@ class ImprovedClusteredOptions(ClusteredOptions):
 class ClusteredAttention(InnerAttention):
     interface_mode = "sequence"
 
-    def cluster_queries(self, q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    def cluster_queries(self, q: torch.Tensor, mask: AttentionMask = NO_MASK) -> tuple[torch.Tensor, int]:
         """Step 2: q (B, H, N, D) -> (query clusters (B, H, N), number of clusters C = min(num_clusters, N)).
 
         Hash planes (H, D, bits) are drawn from the layer's generator (Hamming clustering only); padded queries
@@ -109,8 +109,8 @@ class ClusteredAttention(InnerAttention):
         options = self.options
         B, H, N, D = q.shape
         valid = None
-        if key_padding_mask is not None:
-            valid = real_tokens(key_padding_mask, B, N, q.device).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
+        if mask.padding is not None:
+            valid = mask.real(B, N, q.device).unsqueeze(1).expand(B, H, N).reshape(B * H, N)
         if options.query_clustering == "euclidean":
             groups = euclidean_kmeans(q.detach().reshape(B * H, N, D), options.num_clusters,
                                       iterations=options.iterations, valid=valid)
@@ -121,15 +121,15 @@ class ClusteredAttention(InnerAttention):
             groups = hamming_kmeans(codes, options.num_clusters, iterations=options.iterations, valid=valid)
         return groups.view(B, H, N), max(1, min(options.num_clusters, N))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        self.refuse_causal(causal, "a cluster's centroid query mixes all positions")
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = NO_MASK
+                ) -> torch.Tensor:
+        self.refuse_causal(mask.causal, "a cluster's centroid query mixes all positions")
         if q.shape[2] == 0:
             return q * 0
-        groups, n_clusters = self.cluster_queries(q, key_padding_mask)
+        groups, n_clusters = self.cluster_queries(q, mask)
         publish_groups(self, groups)
         topk = getattr(self.options, "topk", None)
-        return clustered_attention(q, k, v, groups, n_clusters, topk=topk, key_padding_mask=key_padding_mask)
+        return clustered_attention(q, k, v, groups, n_clusters, topk=topk, mask=mask)
 
 
 @register(

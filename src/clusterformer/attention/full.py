@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..masks import AttentionMask, masked_sdpa
+from ..masks import NO_MASK, AttentionMask, masked_sdpa
 from ..ops.decode import KVCache
 from .base import AttentionOptions, InnerAttention
 from .registry import register
@@ -31,17 +31,16 @@ class FullAttention(InnerAttention):
     decodes = True
     interface_mode = "dense"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        if key_padding_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=causal)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = NO_MASK
+                ) -> torch.Tensor:
+        if mask.padding is None and mask.window is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=mask.causal)
         # rows with no allowed key (an all-padding sequence, left padding under a causal mask) give zeros
-        allowed = AttentionMask(key_padding_mask, causal).allowed(q.shape[2], k.shape[2], q.device)
+        allowed = mask.allowed(q.shape[2], k.shape[2], q.device)
         return masked_sdpa(q, k, v, allowed, dropout_p=self.dropout_p)
 
-    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_padding_mask: torch.Tensor | None) -> KVCache:
-        return KVCache.from_prompt(k, v, key_padding_mask)
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> KVCache:
+        return KVCache.from_prompt(k, v, mask)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: KVCache
              ) -> tuple[torch.Tensor, KVCache]:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from .._checks import check_float, check_int
 from ..clustering.kmeans import ema_centroid_update
 from ..distributed import all_reduce_sum
-from ..masks import real_tokens
+from ..masks import NO_MASK, AttentionMask
 from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
 from ..ops.decode import GroupRingCache
 from .aux import publish_groups
@@ -96,8 +96,8 @@ class KMeansAttention(InnerAttention):
         init = torch.randn(options.num_rounds, heads, options.num_clusters, self.head_dim, generator=self.generator)
         self.register_buffer("centroids", F.normalize(init, dim=-1))  # (m, H, k, D)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = NO_MASK
+                ) -> torch.Tensor:
         if self.updates_state():
             self.apply_pending_updates()
         B, H, N, D = q.shape  # q is k (shared QK)
@@ -107,8 +107,8 @@ class KMeansAttention(InnerAttention):
         publish_groups(self, buckets)
         if self.updates_state():
             valid = None
-            if key_padding_mask is not None:
-                real = real_tokens(key_padding_mask, B, N, unit.device)
+            if mask.padding is not None:
+                real = mask.real(B, N, unit.device)
                 valid = real[None, :, None, :].expand(m, B, H, N).transpose(1, 2).reshape(m * H, B * N)
             points = unit.transpose(0, 1).reshape(1, H, B * N, D).expand(m, H, B * N, D).reshape(m * H, B * N, D)
             updated = ema_centroid_update(
@@ -117,9 +117,8 @@ class KMeansAttention(InnerAttention):
             )
             self.pending["centroids"] = updated.view(m, H, n_clusters, D)
         return bucketed_attention(
-            q, v, buckets.unsqueeze(2), min(self.options.chunk_for(causal), max(N, 1)), num_buckets=n_clusters,
-            look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
-            dropout_p=self.dropout_p,
+            q, v, buckets.unsqueeze(2), min(self.options.chunk_for(mask.causal), max(N, 1)), num_buckets=n_clusters,
+            look_back=self.options.look_back, mask=mask, dropout_p=self.dropout_p,
         )
 
     def _buckets(self, unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,12 +128,10 @@ class KMeansAttention(InnerAttention):
         return round_ids, vote_buckets(round_ids, mu)
 
     # cached decoding: a ring per bucket and head (clusterformer.ops.bucketed.bucketed_cache)
-    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_padding_mask: torch.Tensor | None) -> GroupRingCache:
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> GroupRingCache:
         _, buckets = self._buckets(F.normalize(q.detach(), dim=-1))
         return bucketed_cache(q, v, buckets.unsqueeze(2), self.options.causal_chunk_size,
-                              num_buckets=self.options.num_clusters, look_back=self.options.look_back,
-                              key_padding_mask=key_padding_mask)
+                              num_buckets=self.options.num_clusters, look_back=self.options.look_back, mask=mask)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache
              ) -> tuple[torch.Tensor, GroupRingCache]:

@@ -39,7 +39,7 @@ import torch
 
 from .._checks import check_int
 from ..clustering.hashing import angular_lsh_buckets
-from ..masks import real_lengths
+from ..masks import NO_MASK, AttentionMask
 from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
 from ..ops.decode import GroupRingCache
 from .aux import publish_groups
@@ -121,17 +121,18 @@ class LSHAttention(InnerAttention):
         return self.draw(f"rotations {half}", lambda generator: self.rotations(half, generator), like.device,
                          like.dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = NO_MASK
+                ) -> torch.Tensor:
         B, _, N, _ = q.shape  # q is k (shared QK): the keys are the normalised queries
+        causal = mask.causal
         fixed = causal and self.options.num_clusters == "auto"  # fixed: a prefix hashes the same whatever follows
-        if key_padding_mask is None:
+        if mask.padding is None:
             # every sequence has N real tokens: the bucket count is known on the host, with no read of a device
             # tensor (so the step can be captured in a CUDA graph); the same count the masked path finds
             n_buckets, per_sequence = self.options.causal_clusters if fixed else self.buckets_for(N), None
         else:
             # the bucket count follows each sequence's real length, not the padded length of the batch
-            lengths = real_lengths(key_padding_mask, B, N, q.device)
+            lengths = mask.lengths(B, N, q.device)
             per_sequence = self.buckets_for(lengths)
             if fixed:
                 per_sequence = torch.full_like(lengths, self.options.causal_clusters)
@@ -141,8 +142,7 @@ class LSHAttention(InnerAttention):
         publish_groups(self, buckets)
         return bucketed_attention(
             q, v, buckets, min(self.options.chunk_for(causal), max(N, 1)), num_buckets=n_buckets,
-            look_back=self.options.look_back, causal=causal, key_padding_mask=key_padding_mask,
-            dropout_p=self.dropout_p,
+            look_back=self.options.look_back, mask=mask, dropout_p=self.dropout_p,
         )
 
     # cached decoding: rings per bucket, head and round (clusterformer.ops.bucketed.bucketed_cache)
@@ -152,11 +152,10 @@ class LSHAttention(InnerAttention):
         rotations = self._drawn_rotations(n // 2, qk)
         return angular_lsh_buckets(qk.detach(), rotations), n
 
-    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_padding_mask: torch.Tensor | None) -> GroupRingCache:
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> GroupRingCache:
         buckets, n = self._causal_buckets(q)
         return bucketed_cache(q, v, buckets, self.options.causal_chunk_size, num_buckets=n,
-                              look_back=self.options.look_back, key_padding_mask=key_padding_mask)
+                              look_back=self.options.look_back, mask=mask)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache
              ) -> tuple[torch.Tensor, GroupRingCache]:

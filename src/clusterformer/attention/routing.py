@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from .._checks import check_float, check_int
 from ..clustering.kmeans import ema_from_sums
 from ..distributed import all_reduce_sum
-from ..masks import real_tokens
+from ..masks import NO_MASK, AttentionMask
 from ..ops.bucketed import bucketed_attention, bucketed_cache, bucketed_step
 from ..ops.decode import GroupRingCache
 from ..ops.spherical import SphericalAssignment, spherical_assignment
@@ -102,20 +102,20 @@ class RoutingAttention(InnerAttention):
         init = torch.randn(heads, options.num_clusters, self.head_dim, generator=self.generator)
         self.register_buffer("centroids", F.normalize(init, dim=-1))  # (H, k, D) unit vectors
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = NO_MASK
+                ) -> torch.Tensor:
         if self.updates_state():
             self.apply_pending_updates()
         B, _, N, _ = q.shape  # q is k (shared QK)
-        real = real_tokens(key_padding_mask, B, N, q.device)
+        real = mask.real(B, N, q.device)
         assignment = spherical_assignment(q, self.centroids, real=real)
         ids = assignment.ids  # (B, H, N)
         publish_groups(self, ids)
         follow_tokens(self, assignment, real, self.options.decay)
         return bucketed_attention(
-            q, v, ids.unsqueeze(2), min(self.options.chunk_for(causal), max(N, 1)),
-            num_buckets=self.options.num_clusters, look_back=self.options.look_back, causal=causal,
-            key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
+            q, v, ids.unsqueeze(2), min(self.options.chunk_for(mask.causal), max(N, 1)),
+            num_buckets=self.options.num_clusters, look_back=self.options.look_back, mask=mask,
+            dropout_p=self.dropout_p,
         )
 
     def _route(self, qk: torch.Tensor) -> torch.Tensor:
@@ -124,11 +124,10 @@ class RoutingAttention(InnerAttention):
             return spherical_assignment(qk, self.centroids).ids
 
     # cached decoding: a ring per cluster and head (clusterformer.ops.bucketed.bucketed_cache)
-    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   key_padding_mask: torch.Tensor | None) -> GroupRingCache:
+    def cache_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> GroupRingCache:
         ids = self._route(q).unsqueeze(2)
         return bucketed_cache(q, v, ids, self.options.causal_chunk_size, num_buckets=self.options.num_clusters,
-                              look_back=self.options.look_back, key_padding_mask=key_padding_mask)
+                              look_back=self.options.look_back, mask=mask)
 
     def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, cache: GroupRingCache
              ) -> tuple[torch.Tensor, GroupRingCache]:

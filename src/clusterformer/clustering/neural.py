@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice
-from ..masks import allow_empty_rows, real_tokens
+from ..masks import NO_MASK, AttentionMask, allow_empty_rows
 
 __all__ = ["NeuralClusteringOutput", "assignment_scores", "nearest_centroid", "neural_clustering",
            "prefix_assignment_step"]
@@ -56,7 +56,7 @@ def neural_clustering(
     points: torch.Tensor,
     centroids: torch.Tensor,
     *,
-    key_padding_mask: torch.Tensor | None = None,
+    mask: AttentionMask | None = None,
     similarity: str = "cosine",
     scale: float = 10.0,
     assign: str = "subordinate",
@@ -68,10 +68,12 @@ def neural_clustering(
         points: (B, N, d) projected hidden states X W^C; or (N, d) points shared by the B centroid sets of a
             (B, k, d) ``centroids`` (the stand-alone clusterer's restarts): then the scores of every set are one
             (N, d) x (d, B k) product and nothing of size (B, N, d) is formed. Same results as the points
-            expanded to (B, N, d); no ``key_padding_mask``.
+            expanded to (B, N, d); no padding in ``mask``.
         centroids: (k, d) parameter centroids C, or (B, k, d) per-sequence centroids (e.g. the previous
             layer's C_hat).
-        key_padding_mask: optional (B, N) bool, True marks padding: excluded from U, C_hat and the losses.
+        mask: optional :class:`~clusterformer.masks.AttentionMask` (the layer's): its padding (B, N) bool, True
+            marks padding, is excluded from U, C_hat and the losses (a causal order is the attention's, not the
+            clustering's: eq. 2 normalises over the sequence).
         similarity: "cosine" (default, bounded) or "dot" (the paper's literal inner product).
         scale: multiplies phi inside the softmax of eq. 2.
         assign: "subordinate" -- I_j = argmax_i U_ij, the paper's eq. 4 (U normalised over positions, so the
@@ -91,12 +93,14 @@ def neural_clustering(
     """
     check_choice("assign", assign, ("subordinate", "nearest", "prefix"))
     check_choice("similarity", similarity, ("cosine", "dot"))
+    mask = NO_MASK if mask is None else mask
+    key_padding_mask = mask.padding
     shared = points.dim() == 2
     if shared:
         if centroids.dim() != 3:
             raise ValueError(f"shared (N, d) points need (B, k, d) centroids, got shape {tuple(centroids.shape)}")
         if key_padding_mask is not None:
-            raise ValueError("key_padding_mask is not supported with shared (N, d) points")
+            raise ValueError("mask: padding is not supported with shared (N, d) points")
         B, N = centroids.shape[0], points.shape[0]
     else:
         B, N, _ = points.shape
@@ -122,7 +126,7 @@ def neural_clustering(
             u = torch.softmax(by_centroid.masked_fill(no_key, 0.0), dim=-1).masked_fill(no_key, 0.0).transpose(1, 2)
         updated = _weighted_sums(u, points)  # eq. 3: C_hat_i = sum_j U_ij X_j W^C, (B, k, d)
         ids = _assignments(raw, scores, unused, assign, key_padding_mask)  # eq. 4
-        real = real_tokens(key_padding_mask, B, N, points.device)
+        real = mask.real(B, N, points.device)
         unit_updated = _unit(updated, similarity)
         clustering_loss = _clustering_loss(points, ids, unit_updated, real, similarity)  # eq. 6
         sorting_loss = _sorting_loss(unit_updated, real, num_clusters, unused)  # eq. 11

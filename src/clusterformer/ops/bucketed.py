@@ -9,14 +9,14 @@ has no other allowed key. Rounds are merged with their log-sum-exp weights,
 ``o_i = sum_r exp(lse_r(i) - logsumexp_r lse_r(i)) o_r(i)`` -- a key reached in several rounds counts once per
 round (no duplicate correction).
 
-Causal. With ``causal=True`` each bucket is chunked on its own by the token's rank among earlier tokens of
+Causal. Under a causal mask each bucket is chunked on its own by the token's rank among earlier tokens of
 that bucket (:func:`clusterformer.ops.cluster_causal_layout`) and later keys are masked: when the bucket ids
 depend on the token alone, output t depends on tokens 0..t only.
 
 One block per (batch, head, round); one batched attention call for all of them; no loop over buckets,
 chunks or tokens.
 
-Cached decoding (:func:`bucketed_cache`, :func:`bucketed_step`): under ``causal=True`` a token's keys are
+Cached decoding (:func:`bucketed_cache`, :func:`bucketed_step`): under a causal mask a token's keys are
 members of its bucket of rank within ``(look_back + 1) * chunk_size`` of its own, so a ring per bucket
 (:class:`clusterformer.ops.decode.GroupRingCache`, one stream per head and round) continues a prefix token by
 token at O(rounds (look_back + 1) chunk_size D) per head, whatever the context length.
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..masks import self_only_when_alone
+from ..masks import NO_MASK, AttentionMask, self_only_when_alone
 from .decode import GroupRingCache, attend_allowed
 from .layouts import cluster_causal_layout, sorted_layout
 from .recompute import attach_recipe, recipe_of, recompute_saved_all
@@ -62,8 +62,7 @@ def bucketed_attention(
     *,
     num_buckets: int,
     look_back: int = 1,
-    causal: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
+    mask: AttentionMask | None = None,
     dropout_p: float = 0.0,
     kernel: str = "auto",
 ) -> torch.Tensor:
@@ -76,8 +75,8 @@ def bucketed_attention(
         chunk_size: tokens per chunk (>= 1).
         num_buckets: upper bound on the ids (sizes the causal layout).
         look_back: previous chunks each chunk attends to.
-        causal: strictly causal per-bucket chunking plus masking of later keys.
-        key_padding_mask: (B, N) bool, True = padding, never attended to.
+        mask: the call's :class:`~clusterformer.masks.AttentionMask` (None: none): its padding (B, N), True =
+            padding, never attended to; causal: strictly causal per-bucket chunking plus masking of later keys.
         dropout_p: attention-weight dropout.
         kernel: ``"auto"``, ``"fused"`` or ``"sdpa"``; see :func:`clusterformer.ops.windowed_attention`.
 
@@ -87,17 +86,15 @@ def bucketed_attention(
     B, H, N, D = qk.shape
     R = buckets.shape[2]
     blocks = B * H * R
-    if key_padding_mask is not None:  # padding goes to an extra last bucket, out of every real chunk's way
-        buckets = buckets.masked_fill(key_padding_mask[:, None, None, :], num_buckets)
+    mask = NO_MASK if mask is None else mask
+    if mask.padding is not None:  # padding goes to an extra last bucket, out of every real chunk's way
+        buckets = buckets.masked_fill(mask.padding[:, None, None, :], num_buckets)
         num_buckets += 1
-    ids = buckets.reshape(blocks, N)
-    pad = None
-    if key_padding_mask is not None:
-        pad = key_padding_mask[:, None, None, :].expand(B, H, R, N).reshape(blocks, N)
-    if causal:
+    ids = buckets.reshape(blocks, N)  # one block per (batch, head, round): H * R blocks per sequence
+    if mask.causal:
         layout = cluster_causal_layout(ids, chunk_size, num_buckets, look_back)
     else:  # chunks and their wrap-around are those of each sequence's real tokens
-        layout = sorted_layout(ids, chunk_size, look_back, key_padding_mask=pad)
+        layout = sorted_layout(ids, chunk_size, look_back, mask=mask)
 
     # Buffer rows index (batch, head, round, position) blocks; the token's vector is the same in every
     # round, so gather straight from the (batch, head, position) rows.
@@ -126,7 +123,7 @@ def bucketed_attention(
     norm = qk.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     k_rows = gathered(qk / norm, lambda: rows_of(qk).div_(norm.reshape(B * H * N, 1, 1).index_select(0, source)))
     out, lse = windowed_attention_lse(
-        q_win, k_rows, gathered(v), layout, causal=causal, key_padding_mask=pad, exclude_self=True,
+        q_win, k_rows, gathered(v), layout, mask=mask, exclude_self=True,
         dropout_p=dropout_p, scale=scale, kernel=kernel,
     )
     # On the fused kernel ``out`` is a reorder of the kernel's saved output (it carries the recipe): the merge's
@@ -136,22 +133,22 @@ def bucketed_attention(
 
 def bucketed_cache(
     qk: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, chunk_size: int, *, num_buckets: int,
-    look_back: int = 1, key_padding_mask: torch.Tensor | None = None,
+    look_back: int = 1, mask: AttentionMask | None = None,
 ) -> GroupRingCache:
     """The cache after a right-padded prompt: qk, v (B, H, N, D), buckets (B, H, R, N) as for
-    :func:`bucketed_attention` with ``causal=True``."""
+    :func:`bucketed_attention` under a causal mask (``mask``: the prompt's, None: no padding)."""
     B, H, R, N = buckets.shape
     D = qk.shape[-1]
     keys = F.normalize(qk, dim=-1).unsqueeze(2).expand(B, H, R, N, D).reshape(B, H * R, N, D)
     values = v.unsqueeze(2).expand(B, H, R, N, D).reshape(B, H * R, N, D)
-    return GroupRingCache.from_prompt(buckets.reshape(B, H * R, N), keys, values, key_padding_mask, num_buckets,
+    return GroupRingCache.from_prompt(buckets.reshape(B, H * R, N), keys, values, mask, num_buckets,
                                       chunk_size, look_back)
 
 
 def bucketed_step(qk_t: torch.Tensor, v_t: torch.Tensor, buckets: torch.Tensor, cache: GroupRingCache
                   ) -> torch.Tensor:
     """One new token per sequence: qk_t, v_t (B, H, D), buckets (B, H, R) -> (B, H, D), equal to
-    :func:`bucketed_attention` with ``causal=True`` at that position; ``cache`` is updated in place."""
+    :func:`bucketed_attention` under a causal mask at that position; ``cache`` is updated in place."""
     B, H, R = buckets.shape
     D = qk_t.shape[-1]
     scale = 1.0 / math.sqrt(D)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_bool, check_int, check_padding_mask, check_tensor
+from .._checks import check_int, check_tensor
+from ..masks import CAUSAL_MASK, AttentionMask, check_mask
 from .layouts import ChunkLayout, cluster_causal_layout, sorted_layout
 from .windows import windowed_attention
 
@@ -29,7 +30,7 @@ __all__ = ["cluster_causal_attention", "sorted_chunk_attention"]
 
 def _attend_per_head(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ChunkLayout, *,
-    causal: bool, key_padding_mask: torch.Tensor | None, dropout_p: float, kernel: str,
+    mask: AttentionMask, dropout_p: float, kernel: str,
 ) -> torch.Tensor:
     """(B, H, N, D) inputs with one block per (batch, head) -> (B, H, N, D)."""
     B, H, N, D = q.shape
@@ -39,11 +40,7 @@ def _attend_per_head(
         return t.reshape(B * H * N, 1, D).index_select(0, layout.rows)
 
     q_win = layout.query_rows(rows_of(q)).view(W, w, 1, D).transpose(1, 2)
-    pad = None
-    if key_padding_mask is not None:
-        pad = key_padding_mask.unsqueeze(1).expand(B, H, N).reshape(B * H, N)
-    out = windowed_attention(q_win, rows_of(k), rows_of(v), layout, causal=causal,
-                             key_padding_mask=pad, dropout_p=dropout_p, kernel=kernel)
+    out = windowed_attention(q_win, rows_of(k), rows_of(v), layout, mask=mask, dropout_p=dropout_p, kernel=kernel)
     return out.view(B, H, N, D)
 
 
@@ -62,8 +59,7 @@ def sorted_chunk_attention(
     chunk_size: int | torch.Tensor,
     *,
     look_back: int = 1,
-    causal: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
+    mask: AttentionMask | None = None,
     dropout_p: float = 0.0,
     kernel: str = "auto",
 ) -> torch.Tensor:
@@ -76,8 +72,8 @@ def sorted_chunk_attention(
       (that sequence's entry when ``chunk_size`` is a tensor); the last chunk may be shorter. Let c(i) be
       token i's chunk and n_c the sequence's number of chunks. Padding is in no chunk.
     * Query i may attend to key j iff c(j) is one of c(i), c(i)-1, ..., c(i)-look_back modulo n_c
-      (the first chunk looks back to the sequence's last one), j is not padding, and, when ``causal``,
-      j <= i in original positions. This is a set: a chunk reachable twice (n_c <= look_back) counts once.
+      (the first chunk looks back to the sequence's last one), j is not padding, and, when the mask is
+      causal, j <= i in original positions. This is a set: a chunk reachable twice (n_c <= look_back) counts once.
     * So a sequence's outputs on its real tokens do not depend on the amount of padding or on the other
       sequences of the batch.
     * Softmax with scale 1/sqrt(D) over the allowed keys. A query with no allowed key outputs zeros
@@ -89,8 +85,8 @@ def sorted_chunk_attention(
         chunk_size: tokens per chunk, >= 1: an int, or a (B,) integer tensor with one per sequence (e.g.
             ceil(L_b / k_b) from each sequence's real length L_b).
         look_back: number of previous chunks each chunk also attends to, >= 0.
-        causal: additionally mask keys that come after the query in the original order.
-        key_padding_mask: optional bool (B, N), True marks padding (never attended to).
+        mask: the call's :class:`~clusterformer.masks.AttentionMask` (None: none): its padding (B, N), True =
+            padding (never attended to), and with ``causal`` no key after the query in the original order.
         dropout_p: attention dropout probability (pass 0 in evaluation).
         kernel: ``"auto"``, ``"fused"`` or ``"sdpa"``; see :func:`windowed_attention`.
 
@@ -102,17 +98,14 @@ def sorted_chunk_attention(
     cluster_ids = _check_cluster_ids(cluster_ids, B, H, N, q.device)
     chunk_size = _check_chunk_sizes(chunk_size, B, q.device)
     look_back = check_int("look_back", look_back, minimum=0)
-    causal = check_bool("causal", causal)
-    key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=q.device)
+    mask = check_mask(mask, B, N, device=q.device)
     _check_dropout(dropout_p)
     if q.numel() == 0:
         return q * 0  # keeps the autograd graph for empty batches / sequences
-    pad = None if key_padding_mask is None else key_padding_mask.repeat_interleave(H, dim=0)
     if isinstance(chunk_size, torch.Tensor):
         chunk_size = chunk_size.repeat_interleave(H)  # one block per (batch, head)
-    layout = sorted_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, look_back, key_padding_mask=pad)
-    return _attend_per_head(q, k, v, layout, causal=causal, key_padding_mask=key_padding_mask,
-                            dropout_p=dropout_p, kernel=kernel)
+    layout = sorted_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, look_back, mask=mask)
+    return _attend_per_head(q, k, v, layout, mask=mask, dropout_p=dropout_p, kernel=kernel)
 
 
 def cluster_causal_attention(
@@ -124,7 +117,7 @@ def cluster_causal_attention(
     num_clusters: int,
     *,
     look_back: int = 1,
-    key_padding_mask: torch.Tensor | None = None,
+    mask: AttentionMask | None = None,
     dropout_p: float = 0.0,
     kernel: str = "auto",
 ) -> torch.Tensor:
@@ -134,7 +127,7 @@ def cluster_causal_attention(
     block floor(r / chunk_size) of c. Query i attends to key j iff j is in the same cluster, j's block is
     i's block or one of the ``look_back`` blocks before it, j <= i, and j is not padding. Both the rank
     and the set of allowed keys are fixed by tokens up to i, so changing later tokens cannot change them
-    (unlike :func:`sorted_chunk_attention` with ``causal=True``, whose global chunk boundaries move with
+    (unlike :func:`sorted_chunk_attention` under a causal mask, whose global chunk boundaries move with
     the sizes of *all* clusters).
 
     Args:
@@ -143,7 +136,8 @@ def cluster_causal_attention(
         chunk_size: tokens per block, >= 1.
         num_clusters: upper bound on the ids (sizes the padded layout).
         look_back: previous blocks of the same cluster to attend to.
-        key_padding_mask: optional (B, N) bool, True marks padding.
+        mask: the call's causal :class:`~clusterformer.masks.AttentionMask` (its padding (B, N), True marks
+            padding), or None (no padding); a mask that is not causal is refused.
         kernel: ``"auto"``, ``"fused"`` or ``"sdpa"``; see :func:`windowed_attention`.
 
     Returns:
@@ -155,15 +149,16 @@ def cluster_causal_attention(
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     num_clusters = check_int("num_clusters", num_clusters, minimum=1)
     look_back = check_int("look_back", look_back, minimum=0)
-    key_padding_mask = check_padding_mask(key_padding_mask, B, N, device=q.device)
+    mask = CAUSAL_MASK if mask is None else check_mask(mask, B, N, device=q.device)
+    if not mask.causal:
+        raise ValueError("mask must be causal: cluster_causal_attention is strictly causal")
     _check_dropout(dropout_p)
     if cluster_ids.numel() and int(cluster_ids.max()) >= num_clusters:
         raise ValueError(f"cluster_ids must be < num_clusters={num_clusters}, got {int(cluster_ids.max())}")
     if q.numel() == 0:
         return q * 0
     layout = cluster_causal_layout(_blocks_ids(cluster_ids, B, H, N), chunk_size, num_clusters, look_back)
-    return _attend_per_head(q, k, v, layout, causal=True, key_padding_mask=key_padding_mask,
-                            dropout_p=dropout_p, kernel=kernel)
+    return _attend_per_head(q, k, v, layout, mask=mask, dropout_p=dropout_p, kernel=kernel)
 
 
 def _check_chunk_sizes(chunk_size: int | torch.Tensor, B: int, device: torch.device) -> int | torch.Tensor:

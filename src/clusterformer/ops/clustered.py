@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..masks import AttentionMask, allow_empty_rows, masked_sdpa
+from ..masks import NO_MASK, AttentionMask, allow_empty_rows, masked_sdpa
 from .layouts import cluster_aligned_slots
 
 __all__ = ["DENSE_TOPK_FACTOR", "clustered_attention"]
@@ -39,14 +39,16 @@ def clustered_attention(
     num_clusters: int,
     *,
     topk: int | None = None,
-    key_padding_mask: torch.Tensor | None = None,
+    mask: AttentionMask | None = None,
 ) -> torch.Tensor:
     """Args:
         q, k, v: (B, H, N, D).
         groups: (B, H, N) long cluster of every query, in [0, num_clusters).
         num_clusters: C.
         topk: None for clustered attention; an int >= 1 for improved clustered (clamped to N).
-        key_padding_mask: (B, N) bool, True = padding: never a key, and not part of any centroid.
+        mask: the call's :class:`~clusterformer.masks.AttentionMask` (None: none): its padding (B, N), True =
+            padding, is never a key and not part of any centroid; a causal or windowed mask is refused (a
+            centroid query mixes every position).
 
     Returns:
         (B, H, N, D). A query whose cluster has no real member gets its own (padding) cluster's zero
@@ -55,10 +57,13 @@ def clustered_attention(
     B, H, N, D = q.shape
     C = num_clusters
     scale = 1.0 / math.sqrt(D)
+    mask = NO_MASK if mask is None else mask
+    if mask.causal or mask.window is not None:
+        raise ValueError("mask must be key padding only: a cluster's centroid query mixes every position")
     members = torch.nn.functional.one_hot(groups, C).to(q.dtype)  # (B, H, N, C)
     key_ok = None
-    if key_padding_mask is not None:
-        key_ok = AttentionMask(key_padding_mask).allowed(1, N, q.device)  # (B, 1, 1, N)
+    if mask.padding is not None:
+        key_ok = mask.allowed(1, N, q.device)  # (B, 1, 1, N)
         members = members * key_ok.transpose(-1, -2).to(q.dtype)
     counts = members.sum(-2)  # (B, H, C)
     q_centroids = (members.transpose(-1, -2) @ q) / counts.clamp(min=1).unsqueeze(-1)  # eq. 3
@@ -80,7 +85,7 @@ def clustered_attention(
     v_top = _rows(v, top_i)  # (B, H, C, t, D)
     residual = v_c - (top_w.unsqueeze(-2) @ v_top).squeeze(-2)  # clustered attention on keys outside T_j
     if DENSE_TOPK_FACTOR * t >= N:  # short sequence: one masked dense attention is cheaper than the copies
-        exact = _top_key_attention_dense(q, k, v, top_i, key_padding_mask, groups, scale)
+        exact = _top_key_attention_dense(q, k, v, top_i, key_ok, groups, scale)
     else:
         top_ok = None
         if key_ok is not None:
@@ -104,15 +109,15 @@ def _per_query(per_cluster: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return _rows(per_cluster, groups)
 
 
-def _top_key_attention_dense(q, k, v, top_i, key_padding_mask, groups, scale):
+def _top_key_attention_dense(q, k, v, top_i, key_ok, groups, scale):
     """What :func:`_top_key_attention` computes, as one masked dense attention: query i of cluster j may
-    attend to key l iff l is in T_j (and not padding). O(N^2 D), no copies of keys -- cheaper when N is
-    within a small factor of topk (short sequences)."""
+    attend to key l iff l is in T_j (and ``key_ok``, the mask's allowed keys (B, 1, 1, N), or None). O(N^2 D),
+    no copies of keys -- cheaper when N is within a small factor of topk (short sequences)."""
     N = q.shape[2]
     allowed = torch.zeros((*top_i.shape[:-1], N), dtype=torch.bool, device=q.device)
     allowed.scatter_(-1, top_i, True)  # (B, H, C, N): T_j
-    if key_padding_mask is not None:
-        allowed &= AttentionMask(key_padding_mask).allowed(1, N, q.device)
+    if key_ok is not None:
+        allowed &= key_ok
     mask = _rows(allowed, groups)  # (B, H, N, N): each query's cluster row
     return masked_sdpa(q, k, v, mask, scale=scale)  # no allowed key (all padding): zeros
 

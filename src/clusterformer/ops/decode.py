@@ -20,8 +20,9 @@ Every cache holds tensors with the batch first and ``lengths`` (B,), the tokens 
 :meth:`select` reorders or repeats sequences (beam search). Caches are updated in place by the steps that
 take them (and returned, for a functional style); they hold no autograd graph (decoding is inference).
 
-Batches of different lengths: a prompt batch is right-padded (``key_padding_mask`` True at the end of
-shorter sequences); each sequence's next token goes to its own position, ``lengths[b]``.
+Batches of different lengths: a prompt batch is right-padded (its mask's padding True at the end of
+shorter sequences; every ``from_prompt`` takes the prompt's :class:`~clusterformer.masks.AttentionMask`, or
+None); each sequence's next token goes to its own position, ``lengths[b]``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..masks import real_lengths
+from ..masks import NO_MASK, AttentionMask
 from .layouts import group_ranks
 from .selected import group_extremes, top_groups, upper_bounds
 
@@ -40,11 +41,17 @@ __all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBloc
            "WindowCache", "attend_allowed", "check_right_padded", "merge_attention"]
 
 
-def check_right_padded(key_padding_mask: torch.Tensor | None) -> None:
-    """Cached decoding appends each sequence's next token after its last real one: padding must come last."""
-    if key_padding_mask is None or key_padding_mask.shape[1] == 0:
+def _lengths(mask: AttentionMask | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """Each prompt's real tokens, (batch,) long (:meth:`AttentionMask.lengths`; ``length`` for all without a mask)."""
+    return (NO_MASK if mask is None else mask).lengths(batch, length, device)
+
+
+def check_right_padded(mask: AttentionMask | None) -> None:
+    """Cached decoding appends each sequence's next token after its last real one: the padding of ``mask`` (an
+    :class:`AttentionMask`, or None) must come last."""
+    if mask is None or mask.padding is None or mask.padding.shape[1] == 0:
         return
-    pad = key_padding_mask.long()
+    pad = mask.padding.long()
     if bool((pad[:, 1:] < pad[:, :-1]).any()):
         raise ValueError("key_padding_mask must mark right padding only (real tokens first, padding after them) "
                          "for a prompt to be continued by cached decoding")
@@ -116,10 +123,10 @@ class KVCache(DecodeCache):
     static: bool = False  # set by reserve(): fixed capacity, no host read per step
 
     @classmethod
-    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None) -> KVCache:
-        """k, v (B, H, N, D) of a right-padded prompt batch."""
+    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None) -> KVCache:
+        """k, v (B, H, N, D) of a right-padded prompt batch under ``mask``."""
         B, _, N, _ = k.shape
-        lengths = real_lengths(key_padding_mask, B, N, k.device)
+        lengths = _lengths(mask, B, N, k.device)
         capacity = max(16, 2 * N)
         keys = k.new_zeros(*k.shape[:2], capacity, k.shape[-1])
         values = v.new_zeros(*v.shape[:2], capacity, v.shape[-1])
@@ -204,7 +211,7 @@ class GroupRingCache(DecodeCache):
         self.ranks = torch.cat([self.ranks, torch.full_like(self.ranks[..., :grow], -1)], dim=3)
 
     @classmethod
-    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
                     num_groups: int, chunk_size: int, look_back: int) -> GroupRingCache:
         """ids (B, X, N) in [0, num_groups); k, v (B, X, N, *features) of a right-padded prompt batch: each
         group's last ``slots`` members (padding is no member)."""
@@ -212,8 +219,8 @@ class GroupRingCache(DecodeCache):
         device = ids.device
         features = k.shape[3:]
         ring = (look_back + 1) * chunk_size
-        if key_padding_mask is not None:
-            ids = ids.masked_fill(key_padding_mask[:, None, :], num_groups)  # padding: an extra group, dropped
+        if mask is not None and mask.padding is not None:
+            ids = ids.masked_fill(mask.padding[:, None, :], num_groups)  # padding: an extra group, dropped
         rank, counts = group_ranks(ids.reshape(B * X, N), num_groups + 1)  # rank: earlier members
         rank, counts = rank.view(B, X, N), counts.view(B, X, num_groups + 1)[..., :num_groups]  # (B, X, G)
         largest = int(counts.max()) if counts.numel() else 0
@@ -228,7 +235,7 @@ class GroupRingCache(DecodeCache):
         keys[where[0], where[1], g, slot] = k[where]
         values[where[0], where[1], g, slot] = v[where]
         ranks[where[0], where[1], g, slot] = rank[where]
-        lengths = real_lengths(key_padding_mask, B, N, device)
+        lengths = _lengths(mask, B, N, device)
         return cls(lengths, keys, values, ranks, counts, chunk_size, look_back)
 
     def append(self, ids_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor
@@ -266,10 +273,10 @@ class WindowCache(DecodeCache):
     stride: int
 
     @classmethod
-    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
                     window: int, stride: int) -> WindowCache:
         B, H, N, D = k.shape
-        lengths = real_lengths(key_padding_mask, B, N, k.device)
+        lengths = _lengths(mask, B, N, k.device)
         # slot s holds the latest position p < L_b with p = s (mod window), if any
         s = torch.arange(window, device=k.device)
         last = lengths.unsqueeze(1) - 1
@@ -322,14 +329,15 @@ class LocalBlockCache(DecodeCache):
     block: int
 
     @classmethod
-    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, mask: AttentionMask | None,
                     block: int) -> LocalBlockCache:
-        """k, v (B, N, H, D) and the groups ids (B, N) of a right-padded prompt batch."""
+        """k, v (B, N, H, D) and the groups ids (B, N) of a right-padded prompt batch under ``mask``."""
         B, N = ids.shape
         span = 2 * block
-        lengths = real_lengths(key_padding_mask, B, N, ids.device)
+        lengths = _lengths(mask, B, N, ids.device)
         top = int(ids.max()) + 1 if ids.numel() else 1
-        groups = ids if key_padding_mask is None else ids.masked_fill(key_padding_mask, top)  # padding: a group
+        padding = None if mask is None else mask.padding
+        groups = ids if padding is None else ids.masked_fill(padding, top)  # padding: a group
         rank, _ = group_ranks(groups, top + 1)
         s = torch.arange(span, device=ids.device)
         last = lengths.unsqueeze(1) - 1
@@ -420,13 +428,13 @@ class SelectionCache(DecodeCache):
     bound_block: int = 0
 
     @classmethod
-    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
                     num_clusters: int, cluster_keys: int, window: int, bound_block: int = 0) -> SelectionCache:
         """ids (B, H, N) key clusters; k, v (B, H, N, D) of a right-padded prompt batch; ``bound_block``: keep the
         bounds of selection="bound" over blocks of that many positions (0: none)."""
         B, H, N, D = k.shape
         device = k.device
-        lengths = real_lengths(key_padding_mask, B, N, device)
+        lengths = _lengths(mask, B, N, device)
         position = torch.arange(N, device=device)
         real = position < lengths.unsqueeze(1)  # (B, N)
         in_window = (real & (position >= (lengths - window).unsqueeze(1)))[:, None, :].expand(B, H, N)
@@ -564,13 +572,13 @@ class MemberScoreCache(DecodeCache):
     cluster_keys: int = 1
 
     @classmethod
-    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def from_prompt(cls, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
                     num_clusters: int, cluster_keys: int, window: int, bound_block: int = 0) -> MemberScoreCache:
         """ids (B, H, N) key groups; k, v (B, H, N, D) of a right-padded prompt batch (:meth:`SelectionCache
         .from_prompt`'s arguments)."""
-        selection = SelectionCache.from_prompt(ids, k, v, key_padding_mask, num_clusters, cluster_keys, window,
+        selection = SelectionCache.from_prompt(ids, k, v, mask, num_clusters, cluster_keys, window,
                                                bound_block=bound_block)
-        store = KVCache.from_prompt(k, v, key_padding_mask)
+        store = KVCache.from_prompt(k, v, mask)
         B, H, N = ids.shape
         real = torch.arange(N, device=ids.device) < selection.lengths.unsqueeze(1)  # (B, N)
         kept = torch.full((B, H, store.keys.shape[2]), -1, dtype=torch.long, device=ids.device)

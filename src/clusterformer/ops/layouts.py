@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks import real_lengths
+from ..masks import AttentionMask, real_lengths
 
 __all__ = ["ChunkLayout", "cluster_aligned_slots", "cluster_causal_layout", "group_ranks", "sorted_layout"]
 
@@ -135,7 +135,7 @@ def _layout_from_slots(
 
 def sorted_layout(
     cluster_ids: torch.Tensor, chunk_size: int | torch.Tensor, look_back: int = 1, *,
-    key_padding_mask: torch.Tensor | None = None,
+    mask: AttentionMask | None = None,
 ) -> ChunkLayout:
     """Layout of :func:`sorted_chunk_attention`: per block, a stable sort of its *real* tokens by id, cut into
     consecutive chunks.
@@ -145,25 +145,28 @@ def sorted_layout(
         chunk_size: an int, or a (blocks,) integer tensor (each block's own chunk size, e.g. ceil(L_b / k_b)
             from its real length L_b); clamped to [1, L_b] (a chunk longer than the sequence is the sequence).
         look_back: previous chunks each chunk attends to (wrapping around within the block's real chunks).
-        key_padding_mask: (blocks, N) bool, True = padding. Padding takes no part in the sort or the chunks
-            and no place in the buffer (its outputs are unspecified), so the chunks, their number and the
-            wrap-around of a block are those of its real tokens alone, whatever the amount of padding (batch
-            invariance), and padded batches cost only their real tokens' chunks.
+        mask: the call's :class:`~clusterformer.masks.AttentionMask` (None: no padding), whose padding (B, N)
+            every block b * repeat .. b * repeat + repeat - 1 reads (blocks = B * repeat: one per head, or per
+            head and round; :meth:`~clusterformer.masks.AttentionMask.block_padding`). Padding takes no part in
+            the sort or the chunks and no place in the buffer (its outputs are unspecified), so the chunks, their
+            number and the wrap-around of a block are those of its real tokens alone, whatever the amount of
+            padding (batch invariance), and padded batches cost only their real tokens' chunks.
 
     The buffer's chunks are ``max_b chunk_size_b`` slots wide; a block with a smaller chunk size leaves the
     rest of each chunk empty (masked)."""
     blocks, N = cluster_ids.shape
     device = cluster_ids.device
-    if key_padding_mask is None and not isinstance(chunk_size, torch.Tensor):
+    padding = None if mask is None else mask.block_padding(mask.repeats(blocks))  # (blocks, N)
+    if padding is None and not isinstance(chunk_size, torch.Tensor):
         # Every block has N real tokens and one chunk size: the slots are the sorted positions.
         chunk_size = min(chunk_size, max(N, 1))
         n_c = max(1, math.ceil(N / chunk_size))
         token_slot = _sorted_positions(cluster_ids)  # token -> slot
         return _layout_from_slots(token_slot, n_c * chunk_size, chunk_size, look_back)
-    lengths = real_lengths(key_padding_mask, blocks, N, device)
+    lengths = real_lengths(padding, blocks, N, device)
     key = cluster_ids
-    if key_padding_mask is not None:
-        key = cluster_ids.masked_fill(key_padding_mask, torch.iinfo(torch.long).max)  # padding sorts last
+    if padding is not None:
+        key = cluster_ids.masked_fill(padding, torch.iinfo(torch.long).max)  # padding sorts last
     sizes = torch.as_tensor(chunk_size, dtype=torch.long, device=device).expand(blocks)
     sizes = torch.minimum(sizes, lengths.clamp(min=1)).clamp(min=1)
     w = int(sizes.max()) if blocks else 1

@@ -16,25 +16,29 @@ against its budget A (a fraction of its sequence's real cached keys, rounded up,
   floor((A - own) / page_size) pages fill the rest of its budget.
 
 Under grouped-query attention (H query heads on Hkv key/value heads) every query head selects on its own, as
-Quest does per head. Padding: ``key_padding_mask`` (B, n), True = padding (left padding, as ``generate()``
-batches prompts); a sequence's budget, pages and selection are its own, so outputs do not depend on the batch. A
-budget that covers every key reads every key: dense causal attention.
+Quest does per head. Padding: the padding (B, n), True = padding (left padding, as ``generate()`` batches
+prompts), of the call's causal :class:`~clusterformer.masks.AttentionMask`; a sequence's budget, pages and
+selection are its own, so outputs do not depend on the batch. A budget that covers every key reads every key:
+dense causal attention.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..masks import AttentionMask, allow_empty_rows, real_tokens
+from ..masks import AttentionMask, allow_empty_rows
 from .retrieval import gather_positions, keys_allowed
 
 __all__ = ["oracle_attention", "quest_attention"]
 
 
-def _budgets(key_padding_mask: torch.Tensor | None, budget: float | int, B: int, n: int,
+def _budgets(mask: AttentionMask, budget: float | int, B: int, Lq: int, n: int,
              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(real keys (B, n) bool, each sequence's budget A (B,) long)."""
-    real = real_tokens(key_padding_mask, B, n, device)
+    """(real keys (B, n) bool, each sequence's budget A (B,) long); ``ValueError`` for a mask that does not read
+    the cache causally (one query, the last position, sees every key either way)."""
+    if (not mask.causal and Lq > 1) or mask.window is not None:
+        raise ValueError("mask must be key padding + causal: a cache is read causally, without a window")
+    real = mask.real(B, n, device)
     return real, keys_allowed(budget, real.sum(1))
 
 
@@ -56,15 +60,15 @@ def _gather(x: torch.Tensor, positions: torch.Tensor, rep: int) -> torch.Tensor:
     return gather_positions(x, grouped).view(*positions.shape, x.shape[-1])
 
 
-def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
                      budget: float | int, scale: float) -> torch.Tensor:
-    """The oracle (module docstring). q (B, H, Lq, D) at positions n - Lq .. n - 1; k, v (B, Hkv, n, D).
-    Returns (B, H, Lq, D)."""
+    """The oracle (module docstring). q (B, H, Lq, D) at positions n - Lq .. n - 1; k, v (B, Hkv, n, D); ``mask``
+    the call's causal mask. Returns (B, H, Lq, D)."""
     B, H, Lq, D = q.shape
     Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
-    _real, allowed = _budgets(key_padding_mask, budget, B, n, q.device)
-    visible = AttentionMask(key_padding_mask, causal=True).allowed(Lq, n, q.device)  # (B or 1, 1, Lq, n)
+    _real, allowed = _budgets(mask, budget, B, Lq, n, q.device)
+    visible = mask.allowed(Lq, n, q.device)  # (B or 1, 1, Lq, n)
     scores = (q.reshape(B, Hkv, rep * Lq, D) @ k.transpose(-1, -2)).view(B, H, Lq, n)
     scores = scores.masked_fill(~visible, float("-inf"))
     top = scores.topk(min(int(allowed.max()), n), dim=-1)
@@ -73,10 +77,10 @@ def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padd
     return _attend(q, _gather(k, top.indices, rep), _gather(v, top.indices, rep), read, scale)
 
 
-def quest_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+def quest_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
                     budget: float | int, page_size: int, scale: float) -> torch.Tensor:
-    """Quest (module docstring). q (B, H, Lq, D) at positions n - Lq .. n - 1; k, v (B, Hkv, n, D).
-    Returns (B, H, Lq, D).
+    """Quest (module docstring). q (B, H, Lq, D) at positions n - Lq .. n - 1; k, v (B, Hkv, n, D); ``mask`` the
+    call's causal mask. Returns (B, H, Lq, D).
 
     Pages are cut from each sequence's real keys in order (page p holds its real keys of rank p P .. p P + P - 1),
     not from positions of the padded cache, so padding moves no page edge: a sequence reads the same alone as
@@ -85,7 +89,7 @@ def quest_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_paddi
     Hkv, n = k.shape[1], k.shape[2]
     rep, P = H // Hkv, page_size
     dev = q.device
-    real, allowed = _budgets(key_padding_mask, budget, B, n, dev)
+    real, allowed = _budgets(mask, budget, B, Lq, n, dev)
     order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # (B, n): real positions first
     rank = real.long().cumsum(1) - 1  # (B, n): a real key's rank among its sequence's real keys
     lengths = real.sum(1)

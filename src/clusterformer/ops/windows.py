@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .._checks import check_choice
 from ..masks import (
+    NO_MASK,
     AttentionMask,
     allow_empty_rows,
     and_masks,
@@ -69,8 +70,7 @@ def windowed_attention(
     v_rows: torch.Tensor,
     layout: ChunkLayout,
     *,
-    causal: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
+    mask: AttentionMask | None = None,
     dropout_p: float = 0.0,
     kernel: str = "auto",
     with_recipe: bool = False,
@@ -81,8 +81,9 @@ def windowed_attention(
         q: (W, H, w, D) queries (any strides with unit last stride), e.g. a view of the query rows.
         k_rows, v_rows: (R, H, D) keys and values for every buffer row.
         layout: the :class:`ChunkLayout` the rows were gathered with.
-        causal: mask keys at later original positions.
-        key_padding_mask: (blocks, N) bool, True marks padding.
+        mask: the call's :class:`~clusterformer.masks.AttentionMask` (None: none): its padding (B, N), whose
+            sequence b every block b * repeat .. b * repeat + repeat - 1 of the layout reads (one block per head,
+            or per head and round), and with ``causal`` no key at a later original position.
         kernel: ``"auto"`` (the fused Triton kernel where :func:`use_fused_kernel` says so, else SDPA over
             key-window views), ``"fused"`` (require the kernel) or ``"sdpa"``.
         with_recipe: mark the output with the recipe that rebuilds it from the attention's own saved output
@@ -93,12 +94,12 @@ def windowed_attention(
         (blocks * N, H, D): each token's output, in flat token order.
     """
     W, H, w, D = q.shape
+    mask = NO_MASK if mask is None else mask
     if use_fused_kernel(q, dropout_p, kernel):
-        return _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, False, 1.0 / math.sqrt(D),
-                               with_recipe)[0]
+        return _fused_windowed(q, k_rows, v_rows, layout, mask, False, 1.0 / math.sqrt(D), with_recipe)[0]
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
     v = _KeyWindows.apply(v_rows, w, layout.hops, W)
-    attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self=False)
+    attn_mask, no_key = _window_mask(layout, w, mask, exclude_self=False)
     attended = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
 
     def in_token_order() -> torch.Tensor:  # from SDPA's output, which its backward keeps anyway
@@ -138,8 +139,8 @@ def use_fused_kernel(q: torch.Tensor, dropout_p: float, kernel: str = "auto") ->
 
 
 def _fused_windowed(
-    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, layout: ChunkLayout, causal: bool,
-    key_padding_mask: torch.Tensor | None, exclude_self: bool, scale: float, with_recipe: bool = False,
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, layout: ChunkLayout, mask: AttentionMask,
+    exclude_self: bool, scale: float, with_recipe: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Windowed attention by the fused kernel: (out (blocks * N, H, D), lse (blocks * N, H)) in token order."""
     from .fused_chunked import fused_chunk_attention
@@ -161,9 +162,11 @@ def _fused_windowed(
             return lambda: recipe().to(dtype).transpose(1, 2).reshape(W * w, H, D)
         return lambda: recipe().to(dtype)
 
+    if mask.window is not None:
+        raise ValueError("mask: the fused kernel has no local-window predicate; use kernel='sdpa'")
     recipes = (cast(q, as_query_rows=True), cast(k_rows), cast(v_rows))
     q, k_rows, v_rows = q.to(dtype), k_rows.to(dtype), v_rows.to(dtype)
-    key_ok, positions = _row_meta(layout, causal, key_padding_mask)
+    key_ok, positions = _row_meta(layout, mask)
     out, lse = fused_chunk_attention(
         q.transpose(1, 2).reshape(W * w, H, D), k_rows, v_rows, key_ok, w, layout.hops,
         positions=positions, groups=layout.row_group, exclude_self=exclude_self, scale=scale, recipes=recipes,
@@ -174,24 +177,22 @@ def _fused_windowed(
     return reordered, lse.index_select(0, layout.out_rows)
 
 
-def _row_meta(
-    layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _row_meta(layout: ChunkLayout, mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per buffer row: may it be attended to (holds a token, not padding), and its position when causal: the
-    typed mask's row tables (:meth:`clusterformer.masks.AttentionMask.rows`), which the fused kernel reads."""
-    return AttentionMask(key_padding_mask, causal).rows(layout.rows, layout.length, layout.row_valid)
+    typed mask's row tables (:meth:`clusterformer.masks.AttentionMask.rows`), which the fused kernel reads. The
+    layout's blocks are ``repeat`` consecutive copies of each of the mask's sequences."""
+    blocks = layout.out_rows.shape[0] // max(layout.length, 1)
+    return mask.rows(layout.rows, layout.length, layout.row_valid, mask.repeats(blocks))
 
 
-def _needs_mask(layout: ChunkLayout, causal: bool, key_padding_mask: torch.Tensor | None,
-                local: tuple[int, bool] | None = None) -> bool:
+def _needs_mask(layout: ChunkLayout, mask: AttentionMask, local: tuple[int, bool] | None = None) -> bool:
     """Whether any key of any window can be disallowed (besides a shared-QK query's own key)."""
-    return bool(causal or key_padding_mask is not None or layout.row_group is not None or layout.has_empty_slots
-                or local is not None)
+    return bool(mask.causal or mask.padding is not None or mask.window is not None or layout.row_group is not None
+                or layout.has_empty_slots or local is not None)
 
 
 def _window_mask(
-    layout: ChunkLayout, w: int, causal: bool, key_padding_mask: torch.Tensor | None, exclude_self: bool,
-    local: tuple[int, bool] | None = None,
+    layout: ChunkLayout, w: int, mask: AttentionMask, exclude_self: bool, local: tuple[int, bool] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The SDPA mask of every window, (W, 1, w, hops w) bool (True = attend), and the queries with no
     allowed key, (W, 1, w, 1); (None, None) when every key of every window is allowed.
@@ -202,10 +203,10 @@ def _window_mask(
     token only when it has no other allowed key (Reformer's shared-QK rule, where q.k_self would dominate). A
     query with no allowed key follows the package's one rule (:func:`clusterformer.masks.allow_empty_rows`).
     Never NaN."""
-    if not _needs_mask(layout, causal, key_padding_mask):
+    if not _needs_mask(layout, mask):
         return None, None
     q_index, k_index = _window_meta(layout, torch.arange(layout.rows.shape[0], device=layout.rows.device))
-    predicates = [AttentionMask(key_padding_mask, causal).predicate(*_row_meta(layout, causal, key_padding_mask))]
+    predicates = [mask.predicate(*_row_meta(layout, mask))]
     if layout.row_group is not None:
         predicates.append(same_group(layout.row_group))
     if local is not None:  # (block, keep): only the keys in the query's local blocks, or all but them
@@ -225,8 +226,7 @@ def windowed_attention_lse(
     v_rows: torch.Tensor,
     layout: ChunkLayout,
     *,
-    causal: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
+    mask: AttentionMask | None = None,
     exclude_self: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
@@ -254,12 +254,13 @@ def windowed_attention_lse(
         (its output is zero).
     """
     W, H, w, D = q.shape
+    mask = NO_MASK if mask is None else mask
     if local is not None:
         if kernel == "fused":
             raise ValueError("kernel='fused' has no local-block predicate; use kernel='auto' or 'sdpa' with local")
         kernel = "sdpa"
     if use_fused_kernel(q, dropout_p, kernel):
-        out, lse = _fused_windowed(q, k_rows, v_rows, layout, causal, key_padding_mask, exclude_self,
+        out, lse = _fused_windowed(q, k_rows, v_rows, layout, mask, exclude_self,
                                    1.0 / math.sqrt(D) if scale is None else 1.0, with_recipe=True)
         return out, lse.to(q.dtype)
     k = _KeyWindows.apply(k_rows, w, layout.hops, W)
@@ -271,14 +272,14 @@ def windowed_attention_lse(
         scores = q @ k.transpose(-1, -2)  # (W, H, w, hops w)
     if scale is None:
         scores = scores * (1.0 / math.sqrt(D))
-    if exclude_self and not _needs_mask(layout, causal, key_padding_mask, local) and layout.hops * w > 1:
+    if exclude_self and not _needs_mask(layout, mask, local) and layout.hops * w > 1:
         # Every slot holds a token and each chunk appears once per window, so a query's own key sits at
         # column (hops - 1) w + i of its row i: mask that diagonal in place (autograd-tracked; the product's
         # backward does not need its output) instead of building a (W, w, hops w) mask.
         scores.diagonal(offset=(layout.hops - 1) * w, dim1=-2, dim2=-1).fill_(float("-inf"))
         attn_mask = no_key = None
     else:
-        attn_mask, no_key = _window_mask(layout, w, causal, key_padding_mask, exclude_self, local)
+        attn_mask, no_key = _window_mask(layout, w, mask, exclude_self, local)
     weights, lse = _SoftmaxLSE.apply(scores, attn_mask)
     if dropout_p:
         weights = F.dropout(weights, p=dropout_p)
