@@ -11,6 +11,8 @@ import itertools
 import pytest
 import torch
 
+from clusterformer.attention import build, names
+from clusterformer.attention.registry import causal_semantics
 from clusterformer.masks import AttentionMask
 from seeds import fixed_seed
 
@@ -108,3 +110,112 @@ def test_bad_fields_raise_naming_them():
         AttentionMask(torch.zeros(1, 5, dtype=torch.bool)).allowed(2, 6, torch.device("cpu"))
     with pytest.raises(ValueError, match="positions are needed"):
         AttentionMask(None, True).predicate(torch.ones(4, dtype=torch.bool), None)
+
+
+# ------------------------------------------------------------------------ one mask from the layer to the ops
+# Every registered mechanism, and variants that take other paths to the ops (local windows, shared QK, the banded
+# selection kernel), at sizes where the sparse structure bites.
+WALKS = {name: (name, {}) for name in names()}
+WALKS.update({
+    "improved-clustered+dense-topk": ("improved-clustered", {"num_clusters": 3, "topk": 8}),
+    "improved-clustered+chunked-topk": ("improved-clustered", {"num_clusters": 3, "topk": 2}),
+    "lsh+chunks": ("lsh", {"chunk_size": 8}),
+    "kmeans+chunks": ("kmeans", {"chunk_size": 8}),
+    "routing+chunks": ("routing", {"chunk_size": 8}),
+    "sliding-window+small": ("sliding-window", {"window": 8, "stride": 4}),
+    "cluster-former+small": ("cluster-former", {"window": 8, "stride": 4}),
+    "neural-clustering+local_window": ("neural-clustering", {"num_clusters": 3, "local_window": 4}),
+    "neural-clustering+shared-qk": ("neural-clustering", {"num_clusters": 3, "cluster_on": "shared-qk",
+                                                          "local_window": 2}),
+    "cluster-select+banded": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,
+                                                 "summaries": True, "selection": "summaries", "kernel": "banded"}),
+})
+MASK_READS = ("allowed", "rows", "predicate", "real", "lengths", "block_padding", "repeats", "mask_mod")
+
+
+def _walk(monkeypatch: pytest.MonkeyPatch) -> tuple[list[AttentionMask], list[AttentionMask]]:
+    """Spy on the typed mask: (every AttentionMask built, the mask of every read of a form from it)."""
+    built: list[AttentionMask] = []
+    read: list[AttentionMask] = []
+    post_init = AttentionMask.__post_init__
+
+    def counted(self: AttentionMask) -> None:
+        post_init(self)
+        built.append(self)
+
+    def spied(form):
+        def reading(self: AttentionMask, *args, **kwargs):
+            read.append(self)
+            return form(self, *args, **kwargs)
+
+        return reading
+
+    monkeypatch.setattr(AttentionMask, "__post_init__", counted)
+    for method in MASK_READS:
+        monkeypatch.setattr(AttentionMask, method, spied(getattr(AttentionMask, method)))
+    return built, read
+
+
+@pytest.mark.parametrize("label", sorted(WALKS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_mask_per_layer_call_reaches_the_ops_never_rebuilt(label, causal, monkeypatch):
+    """A walk of the mask from the layer's entry to the ops: one layer call with padding (forward and backward; a
+    prefill too where the mechanism decodes) builds exactly one AttentionMask, and every form the mechanism and its
+    ops read (dense, row tables, predicates, lengths, real tokens) comes from that one object."""
+    name, options = WALKS[label]
+    if causal and causal_semantics(name, options) == "refused":
+        pytest.skip("the mechanism refuses causal=True")
+    g = torch.Generator().manual_seed(fixed_seed())
+    layer = build(name, dim=16, heads=2, **options).double()
+    x = torch.randn(3, 37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    pad = torch.zeros(3, 37, dtype=torch.bool)
+    pad[1, 25:] = True  # right padding
+    pad[2] = True  # padding only
+    built, read = _walk(monkeypatch)
+    layer(x, key_padding_mask=pad, causal=causal).sum().backward()
+    assert len(built) == 1, f"{label}: {len(built)} masks built in one layer call"
+    assert read, f"{label}: no form was read from the layer's mask"
+    assert all(mask is built[0] for mask in read), f"{label}: a form was read from a rebuilt mask"
+    if causal and layer.inner.decodes and causal_semantics(name, options) == "strict":
+        layer.eval()
+        built.clear()
+        read.clear()
+        with torch.no_grad():
+            layer.prefill(x, pad)
+        assert len(built) == 1 and all(mask is built[0] for mask in read), f"{label}: the prefill rebuilt its mask"
+
+
+@pytest.mark.parametrize("repeat", [1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_tables_of_repeated_blocks_read_each_sequence_padding(repeat, causal):
+    """``rows(..., repeat)`` and ``block_padding(repeat)``: blocks b * repeat .. b * repeat + repeat - 1 (a sequence's
+    heads, or heads and rounds) read sequence b's padding, as an expanded (B * repeat, n) padding would."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, n = 3, 7
+    padding = torch.rand(B, n, generator=g) < 0.4
+    mask = AttentionMask(padding, causal)
+    expanded = padding.repeat_interleave(repeat, 0)
+    assert torch.equal(mask.block_padding(repeat), expanded)
+    rows = torch.randint(0, B * repeat * n, (50,), generator=g)
+    valid = torch.rand(50, generator=g) < 0.8
+    real, positions = mask.rows(rows, n, valid, repeat)
+    assert torch.equal(real, valid & ~expanded.reshape(-1)[rows])
+    assert positions is None if not causal else torch.equal(positions, rows % n)
+    assert mask.repeats(B * repeat) == repeat
+    with pytest.raises(ValueError, match="mask's padding covers 3 sequences"):
+        mask.repeats(B * repeat + 1)
+
+
+def test_ops_take_the_mask_object_and_name_it_in_errors():
+    from clusterformer.ops import cluster_causal_attention, sorted_chunk_attention
+
+    q = torch.randn(2, 1, 6, 4)
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="mask must be an AttentionMask"):
+        sorted_chunk_attention(q, q, q, ids, 2, mask=torch.zeros(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"mask's padding must have shape \(batch, length\) = \(2, 6\)"):
+        sorted_chunk_attention(q, q, q, ids, 2, mask=AttentionMask(torch.zeros(2, 5, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="mask must be causal"):
+        cluster_causal_attention(q, q, q, ids, 2, 1, mask=AttentionMask(torch.zeros(2, 6, dtype=torch.bool)))
+    no_mask = cluster_causal_attention(q, q, q, ids, 2, 1)  # no mask: causal order alone
+    assert torch.equal(no_mask, cluster_causal_attention(q, q, q, ids, 2, 1, mask=AttentionMask(causal=True)))
