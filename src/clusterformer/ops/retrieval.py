@@ -384,41 +384,56 @@ def _read_mask(query_pos: torch.Tensor, sinks: torch.Tensor, sink_ok: torch.Tens
     return torch.cat([sink_read.expand(B, -1, S), window.expand(B, -1, n - start)], -1)
 
 
-def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
-                      index: KeyClusterIndex, options: RetrievalSettings, scale: float,
-                      allowed: torch.Tensor | int, selection: str,
-                      ranking: torch.Tensor | None = None) -> torch.Tensor:
-    """The index path of :func:`retrieval_attention`. A *unit* chooses one set of key positions -- sinks, window
-    (every position from ``index.end``), retrieved slots -- gathered once for keys and once for values and
-    attended in one fused SDPA call by its m queries: per query head and position (``selection="head"``, m = 1),
-    per key/value head and position (``"group"``: the group's query heads, m = rep), or per key/value head for
-    all Lq positions of the call (``"block"``, m = rep x Lq: one gather for the whole block, each query masked to
-    its own causal window)."""
+@dataclass(frozen=True)
+class _Units:
+    """Who shares one set of retrieved keys (:func:`_attend_retrieved`): ``queries`` (B, Hkv, U, m, D), the m
+    scaled queries of each of U units; ``scaled`` (B, Hkv, rep, Lq, D) the same queries by head and position;
+    ``positions`` (U, m), or (U, 1) where a unit's queries share one position ("group"), their cache positions."""
+
+    queries: torch.Tensor
+    scaled: torch.Tensor
+    positions: torch.Tensor
+    selection: str
+
+    @property
+    def count(self) -> int:
+        return self.queries.shape[2]
+
+
+def _units(q: torch.Tensor, scale: float, Hkv: int, n: int, selection: str) -> _Units:
+    """The units of ``selection`` for q (B, H, Lq, D) at the last Lq positions of a cache of n: per query head and
+    position ("head", m = 1), per key/value head and position ("group": its query heads, m = rep), or per key/value
+    head for all Lq positions ("block", m = rep x Lq); units in (head, position) order, "group"'s in position order."""
     B, H, Lq, D = q.shape
-    if Lq == 1 and ranking is None and selection != "block" and not options.estimate_remainder and \
-            options.kernel != "torch":
-        reason = decode_kernel_unusable(q, k, v)
-        if reason is None:
-            return _decode_fused(q, k, v, real, index, options, scale, allowed, selection == "head")
-        if options.kernel == "fused":
-            raise ValueError(f"cluster retrieval's kernel='fused' cannot run here: {reason}; use kernel='auto'")
-    Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
-    dev = q.device
-    q5 = (q * scale).view(B, Hkv, rep, Lq, D)
+    scaled = (q * scale).view(B, Hkv, rep, Lq, D)
     U, m = {"head": (rep * Lq, 1), "group": (Lq, rep), "block": (1, rep * Lq)}[selection]
-    # (B, Hkv, U, m, D): "group"'s units are positions, their queries the heads; otherwise (head, position) order
-    unit_queries = q5.permute(0, 1, 3, 2, 4) if selection == "group" else q5.reshape(B, Hkv, U, m, D)
-    # (U, m) the cache position of each query of each unit; (U, 1) for "group", whose queries share a position
-    query_pos = n - Lq + (torch.arange(Lq, device=dev).view(Lq, 1) if selection == "group"
-                          else torch.arange(Lq, device=dev).repeat(rep).view(U, m))
-    start = index.end
+    queries = scaled.permute(0, 1, 3, 2, 4) if selection == "group" else scaled.reshape(B, Hkv, U, m, D)
+    steps = torch.arange(Lq, device=q.device)
+    positions = n - Lq + (steps.view(Lq, 1) if selection == "group" else steps.repeat(rep).view(U, m))
+    return _Units(queries, scaled, positions, selection)
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """A call's budget in parts (:func:`_retrieval_budget`): the sinks read, the cap of the window and the
+    retrieved keys together, the centroid terms reserved (``estimate_remainder``), the retrieved keys' width R and
+    each row's share of it (an int, or (B, 1, 1, 1) per sequence)."""
+
+    sink_count: torch.Tensor | int
+    cap: torch.Tensor | int
+    reserved: torch.Tensor | int
+    width: int
+    row_budget: torch.Tensor | int
+
+
+def _retrieval_budget(allowed: torch.Tensor | int, options: RetrievalSettings, index: KeyClusterIndex,
+                      real: torch.Tensor | None, n: int, B: int, Hkv: int) -> _Budget:
+    """The budget, every key or centroid read counted: sinks, the C centroid terms of estimate_remainder (where the
+    budget leaves room for them: else none), the query's window (the most recent positions, up to the cap) and the
+    retrieved keys, which fill what the last query's window leaves of the cap."""
+    start, C = index.end, index.counts.shape[1]
     W = n - start
-    S = index.sinks.shape[1]
-    C, capacity = index.counts.shape[1], index.members.shape[-1]
-    # The budget, every key or centroid read counted: sinks, the C centroid terms of estimate_remainder (where the
-    # budget leaves room for them: else none), the query's window (the most recent positions, up to the cap) and
-    # the retrieved keys, which fill what the last query's window leaves of the cap.
     sink_count, cap = _split_budget(allowed, options.sink, 0)
     reserved: torch.Tensor | int = 0
     # The window a sequence's last real query reads: W positions, fewer where padding ends the sequence early (the
@@ -434,101 +449,201 @@ def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: t
             reserved = torch.where((cap - window_read < held) & (allowed - sink_count - 1 >= C), C, 0)
         sink_count, cap = _split_budget(allowed, options.sink, reserved)
     if isinstance(cap, int):
-        retrieved: torch.Tensor | int = max(0, cap - W)
-        R, row_budget = retrieved, retrieved
-    else:
-        retrieved = (cap - window_read).clamp(min=0)
-        R, row_budget = int(retrieved.max()), retrieved.view(B, 1, 1, 1)
-    positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, U, S),
-                 torch.arange(start, n, device=dev).view(1, 1, 1, W).expand(B, Hkv, U, W)]
-    read = _read_mask(query_pos.reshape(-1), index.sinks, index.sink_live, sink_count, start, n, cap, real)
-    read = read.view(B, 1, U, query_pos.shape[1], S + W)
-    # (B, 1, U, m or 1, width), or None where every position is read: SDPA's unmasked path is the faster one
-    ok = [None if bool(part.all()) else part for part in (read[..., :S], read[..., S:])]
+        retrieved = max(0, cap - W)
+        return _Budget(sink_count, cap, reserved, retrieved, retrieved)
+    retrieved = (cap - window_read).clamp(min=0)
+    return _Budget(sink_count, cap, reserved, int(retrieved.max()), retrieved.view(B, 1, 1, 1))
 
-    # Clusters ranked per unit: by its query's score, or the best score among its queries (they read the same
-    # cache, so the unit gathers its keys once).
-    if ranking is None or selection != "block":
-        head_scores = q5 @ index.centroids_t.view(B, Hkv, 1, D, C)  # (B, Hkv, rep, Lq, C): q . mu_c
-    if selection == "head":
-        scores = head_scores.reshape(B, Hkv, U, C)
-    elif selection == "group":
-        scores = head_scores.amax(2)
-    elif ranking is not None:  # the block's ranking queries (B, H, Lr, D), not its own
-        ranking = (ranking * scale).reshape(B, Hkv, 1, -1, D)  # (B, Hkv, 1, rep x Lr, D): one unit
-        scores = ranking @ index.centroids_t.view(B, Hkv, 1, D, C)
-        scores = scores.amax(3)  # (B, Hkv, 1, C)
-    else:  # a padding query (past a short sequence's end) ranks nothing
-        if real is not None:
-            head_scores = head_scores.masked_fill(~real[:, n - Lq:].view(B, 1, 1, Lq, 1), float("-inf"))
-        scores = head_scores.amax((2, 3)).unsqueeze(2)
+
+def _sinks_and_window(units: _Units, index: KeyClusterIndex, budget: _Budget, real: torch.Tensor | None, n: int
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Every unit's sinks and window (every position from ``index.end``): their positions, (B, Hkv, U, S) and
+    (B, Hkv, U, W), and which each query reads, (B, 1, U, m or 1, width) bool, or None where it reads them all
+    (SDPA's unmasked path is the faster one)."""
+    B, Hkv, U = units.queries.shape[:3]
+    start, S = index.end, index.sinks.shape[1]
+    W = n - start
+    positions = [index.sinks.view(B, 1, 1, S).expand(B, Hkv, U, S),
+                 torch.arange(start, n, device=units.queries.device).view(1, 1, 1, W).expand(B, Hkv, U, W)]
+    read = _read_mask(units.positions.reshape(-1), index.sinks, index.sink_live, budget.sink_count, start, n,
+                      budget.cap, real).view(B, 1, U, units.positions.shape[1], S + W)
+    return positions, [None if bool(part.all()) else part for part in (read[..., :S], read[..., S:])]
+
+
+def _cluster_scores(units: _Units, index: KeyClusterIndex, ranking: torch.Tensor | None, real: torch.Tensor | None,
+                    n: int) -> torch.Tensor:
+    """(B, Hkv, U, C): each unit's score of each cluster -- its query's q . mu_c, or the best among its queries
+    (they read the same cache, so the unit gathers its keys once); with "block" and ``ranking`` (B, Hkv, 1, Q, D),
+    scaled, the best among those queries in place of the unit's own, of which a padding query (past a short
+    sequence's end) ranks nothing."""
+    B, Hkv, rep, Lq, D = units.scaled.shape
+    C = index.counts.shape[1]
+    centroids = index.centroids_t.view(B, Hkv, 1, D, C)
+    if units.selection == "block" and ranking is not None:  # the block's ranking queries, not its own
+        return (ranking @ centroids).amax(3)  # (B, Hkv, 1, C)
+    head_scores = units.scaled @ centroids  # (B, Hkv, rep, Lq, C): q . mu_c
+    if units.selection == "head":
+        return head_scores.reshape(B, Hkv, rep * Lq, C)
+    if units.selection == "group":
+        return head_scores.amax(2)
+    if real is not None:
+        head_scores = head_scores.masked_fill(~real[:, n - Lq:].view(B, 1, 1, Lq, 1), float("-inf"))
+    return head_scores.amax((2, 3)).unsqueeze(2)
+
+
+@dataclass(frozen=True)
+class _Retrieved:
+    """The clusters in each unit's order (``perm``, ``sizes``, their running total ``cum``: (B, Hkv, U, C)) and the
+    keys retrieved from them: ``candidates`` (B, Hkv, U, R) positions (None where R = 0), ``valid`` (B, Hkv, U, R)
+    or None (all), ``kept_cluster`` the cluster of each key re-ranking kept (estimate_remainder; else empty)."""
+
+    perm: torch.Tensor
+    sizes: torch.Tensor
+    cum: torch.Tensor
+    candidates: torch.Tensor | None
+    valid: torch.Tensor | None
+    kept_cluster: torch.Tensor
+
+
+def _retrieve(units: _Units, scores: torch.Tensor, index: KeyClusterIndex, k: torch.Tensor,
+              real: torch.Tensor | None, options: RetrievalSettings, budget: _Budget, ranking: torch.Tensor | None,
+              n: int) -> _Retrieved:
+    """Each unit's retrieved keys: rerank x R slots filled by its ranked clusters' members in order (R without
+    re-ranking), of which re-ranking keeps the R of best exact score (:func:`_rerank`)."""
+    B, Hkv, U, C = scores.shape
+    rep, Lq = units.scaled.shape[2:4]
+    dev = scores.device
+    capacity, R = index.members.shape[-1], budget.width
     perm = scores.sort(dim=-1, descending=True, stable=True).indices  # (B, Hkv, U, C)
     sizes = index.counts.view(B, Hkv, 1, C).expand(B, Hkv, U, C).gather(-1, perm)
     cum = sizes.cumsum(-1)
-    kept_cluster = torch.zeros(0)  # (rerank with estimate_remainder) the cluster of each kept key
-    if R > 0:
-        # The candidates: rerank x R slots filled by the ranked clusters (R without re-ranking).
-        Rc = R * options.rerank
-        slots = torch.arange(Rc, device=dev).expand(B, Hkv, U, Rc).contiguous()
-        r = torch.searchsorted(cum, slots, right=True).clamp_(max=C - 1)  # the ranked cluster of each slot
-        within = (slots - (cum - sizes).gather(-1, r)).clamp_(max=capacity - 1)  # past a row's keys: masked
-        g = (torch.arange(B * Hkv, device=dev) * C).view(B, Hkv, 1, 1)
-        flat = ((g + perm.gather(-1, r)) * capacity + within).view(-1)
-        candidates = index.members.view(-1).index_select(0, flat).view(B, Hkv, U, Rc)
-        needs_mask = index.fewest < Rc or real is not None  # rows with fewer keys or a smaller budget
-        valid = (slots < cum[..., -1:]) & (slots < row_budget * options.rerank) if needs_mask else None
-        if options.rerank > 1:
-            query_ok = None  # padding queries score nothing (as above)
-            if selection == "block" and ranking is None and real is not None:
-                query_ok = real[:, n - Lq:].repeat(1, rep).view(B, 1, 1, m)
-            candidates, valid, chosen = _rerank(unit_queries if ranking is None else ranking, k, candidates,
-                                                valid, row_budget, R, query_ok)
-            if options.estimate_remainder:  # (B, Hkv, U, R): the cluster of each kept key
-                kept_cluster = perm.gather(-1, r).gather(-1, chosen)
-        positions.append(candidates)
-        ok.append(None if valid is None else valid.unsqueeze(-2))
-    positions = torch.cat(positions, -1)  # (B, Hkv, U, K)
-    K = positions.shape[-1]
-    keys, values = gather_positions(k, positions), gather_positions(v, positions)  # (B, Hkv, U, K, D)
-    mask = None
-    if any(mk is not None for mk in ok):
-        rows = max(1 if mk is None else mk.shape[-2] for mk in ok)
-        mask = torch.cat([(torch.ones(1, 1, U, 1, w, dtype=torch.bool, device=dev) if mk is None else mk).expand(
-            B, Hkv, U, rows, w) for mk, w in zip(ok, [S, W, R][:len(ok)], strict=True)], -1)  # (B, Hkv, U, rows, K)
-    if options.estimate_remainder and not (isinstance(reserved, int) and reserved == 0):
-        # every cluster's unretrieved keys as one key mu_c with logit bias log n'_c
-        if options.rerank > 1 and R > 0:  # the kept keys are any members: count them per cluster
-            kept = torch.ones_like(kept_cluster) if valid is None else valid.long()
-            left = index.counts.view(B, Hkv, 1, C) - torch.zeros_like(sizes).scatter_add_(-1, kept_cluster, kept)
-        else:  # the retrieved keys are each ranked cluster's first members
-            taken = (row_budget - (cum - sizes)).clamp(min=0)
-            left = torch.zeros_like(sizes).scatter_(-1, perm, sizes - torch.minimum(taken, sizes))  # cluster order
-        bias = torch.log(left.to(q.dtype))  # log 0 = -inf: nothing left, no term
-        if not isinstance(reserved, int):  # the rows whose budget leaves no room for the centroid terms
-            bias = bias.masked_fill((reserved == 0).view(B, 1, 1, 1), float("-inf"))
-        keys = torch.cat([keys, index.centroids.to(q.dtype).view(B, Hkv, 1, C, D).expand(B, Hkv, U, C, D)], 3)
-        means = (index.value_sums / index.counts.clamp(min=1).unsqueeze(-1)).to(q.dtype).view(B, Hkv, 1, C, -1)
-        values = torch.cat([values, means.expand(B, Hkv, U, C, means.shape[-1])], 3)
-        zeros = torch.zeros(B, Hkv, U, 1 if mask is None else mask.shape[-2], K, dtype=q.dtype, device=dev)
-        if mask is not None:
-            zeros = zeros.masked_fill(~mask, float("-inf"))
-        mask = torch.cat([zeros, bias.unsqueeze(-2).expand(*zeros.shape[:-1], C)], -1)  # additive
+    if R == 0:
+        return _Retrieved(perm, sizes, cum, None, None, torch.zeros(0))
+    Rc = R * options.rerank
+    slots = torch.arange(Rc, device=dev).expand(B, Hkv, U, Rc).contiguous()
+    r = torch.searchsorted(cum, slots, right=True).clamp_(max=C - 1)  # the ranked cluster of each slot
+    within = (slots - (cum - sizes).gather(-1, r)).clamp_(max=capacity - 1)  # past a row's keys: masked
+    g = (torch.arange(B * Hkv, device=dev) * C).view(B, Hkv, 1, 1)
+    flat = ((g + perm.gather(-1, r)) * capacity + within).view(-1)
+    candidates = index.members.view(-1).index_select(0, flat).view(B, Hkv, U, Rc)
+    needs_mask = index.fewest < Rc or real is not None  # rows with fewer keys or a smaller budget
+    valid = (slots < cum[..., -1:]) & (slots < budget.row_budget * options.rerank) if needs_mask else None
+    kept_cluster = torch.zeros(0)
+    if options.rerank > 1:
+        query_ok = None  # padding queries score nothing (as in the ranking)
+        if units.selection == "block" and ranking is None and real is not None:
+            query_ok = real[:, n - Lq:].repeat(1, rep).view(B, 1, 1, units.queries.shape[3])
+        candidates, valid, chosen = _rerank(units.queries if ranking is None else ranking, k, candidates, valid,
+                                            budget.row_budget, R, query_ok)
+        if options.estimate_remainder:  # (B, Hkv, U, R): the cluster of each kept key
+            kept_cluster = perm.gather(-1, r).gather(-1, chosen)
+    return _Retrieved(perm, sizes, cum, candidates, valid, kept_cluster)
+
+
+def _read_allowed(ok: list[torch.Tensor | None], widths: list[int], shape: tuple[int, int, int]
+                  ) -> torch.Tensor | None:
+    """The parts' masks (each (B, 1, U, rows, width) bool, or None: all read) side by side, (B, Hkv, U, rows, K);
+    None where every part is read whole."""
+    if all(part is None for part in ok):
+        return None
+    B, Hkv, U = shape
+    rows = max(1 if part is None else part.shape[-2] for part in ok)
+    device = next(part for part in ok if part is not None).device
+    return torch.cat([(torch.ones(1, 1, U, 1, width, dtype=torch.bool, device=device) if part is None else part)
+                      .expand(B, Hkv, U, rows, width) for part, width in zip(ok, widths, strict=True)], -1)
+
+
+def _with_remainder(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, index: KeyClusterIndex,
+                    retrieved: _Retrieved, budget: _Budget, options: RetrievalSettings, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``estimate_remainder``: every cluster's unretrieved keys as one key mu_c with logit bias log n'_c, after the
+    keys (B, Hkv, U, K, D) and values, in the queries' ``dtype``; the mask becomes additive, (B, Hkv, U, rows,
+    K + C)."""
+    B, Hkv, U, K, D = keys.shape
+    sizes = retrieved.sizes
+    C = sizes.shape[-1]
+    if options.rerank > 1 and budget.width > 0:  # the kept keys are any members: count them per cluster
+        kept = torch.ones_like(retrieved.kept_cluster) if retrieved.valid is None else retrieved.valid.long()
+        left = index.counts.view(B, Hkv, 1, C) - torch.zeros_like(sizes).scatter_add_(-1, retrieved.kept_cluster,
+                                                                                       kept)
+    else:  # the retrieved keys are each ranked cluster's first members
+        taken = (budget.row_budget - (retrieved.cum - sizes)).clamp(min=0)
+        left = torch.zeros_like(sizes).scatter_(-1, retrieved.perm, sizes - torch.minimum(taken, sizes))
+    bias = torch.log(left.to(dtype))  # log 0 = -inf: nothing left, no term
+    if not isinstance(budget.reserved, int):  # the rows whose budget leaves no room for the centroid terms
+        bias = bias.masked_fill((budget.reserved == 0).view(B, 1, 1, 1), float("-inf"))
+    means = (index.value_sums / index.counts.clamp(min=1).unsqueeze(-1)).to(dtype).view(B, Hkv, 1, C, -1)
+    zeros = torch.zeros(B, Hkv, U, 1 if mask is None else mask.shape[-2], K, dtype=dtype, device=keys.device)
+    keys = torch.cat([keys, index.centroids.to(dtype).view(B, Hkv, 1, C, D).expand(B, Hkv, U, C, D)], 3)
+    values = torch.cat([values, means.expand(B, Hkv, U, C, means.shape[-1])], 3)
+    if mask is not None:
+        zeros = zeros.masked_fill(~mask, float("-inf"))
+    return keys, values, torch.cat([zeros, bias.unsqueeze(-2).expand(*zeros.shape[:-1], C)], -1)  # additive
+
+
+def _attend_units(units: _Units, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                  real: torch.Tensor | None) -> torch.Tensor:
+    """One fused attention per (sequence, key/value head, unit): its m queries on its keys (B, Hkv, U, K, D), under
+    ``mask`` (bool or additive, (B, Hkv, U, rows, K)). Returns (B, H, Lq, Dv)."""
+    B, Hkv, U, m, D = units.queries.shape
+    rep, Lq = units.scaled.shape[2:4]
     no_key = None
     if mask is not None and real is not None:  # a query with no key at all (a padded row): zeros, by the rule
         # (without padding every query reads at least its own key)
         allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
         allowed, no_key = allow_empty_rows(allowed)
         mask = allowed if mask.dtype == torch.bool else mask.masked_fill(no_key, 0.0)
-    # One fused attention per (sequence, key/value head, unit): its m queries on its keys.
     out = F.scaled_dot_product_attention(
-        unit_queries.reshape(B, Hkv * U, m, D), keys.view(B, Hkv * U, -1, D),
+        units.queries.reshape(B, Hkv * U, m, D), keys.view(B, Hkv * U, -1, D),
         values.view(B, Hkv * U, -1, values.shape[-1]),
         attn_mask=None if mask is None else mask.view(B, Hkv * U, mask.shape[-2], -1), scale=1.0)  # q is scaled
     if no_key is not None:
         out = out.masked_fill(no_key.view(B, Hkv * U, no_key.shape[-2], 1), 0.0)
-    if selection == "group":  # units are positions, their queries heads
-        return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, H, Lq, -1)
-    return out.view(B, H, Lq, -1)  # (head, position) order
+    if units.selection == "group":  # units are positions, their queries heads
+        return out.view(B, Hkv, Lq, rep, -1).permute(0, 1, 3, 2, 4).reshape(B, Hkv * rep, Lq, -1)
+    return out.view(B, Hkv * rep, Lq, -1)  # (head, position) order
+
+
+def _attend_retrieved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None,
+                      index: KeyClusterIndex, options: RetrievalSettings, scale: float,
+                      allowed: torch.Tensor | int, selection: str,
+                      ranking: torch.Tensor | None = None) -> torch.Tensor:
+    """The index path of :func:`retrieval_attention`. A *unit* chooses one set of key positions -- sinks, window
+    (every position from ``index.end``), retrieved slots -- gathered once for keys and once for values and
+    attended in one fused SDPA call by its m queries: per query head and position (``selection="head"``, m = 1),
+    per key/value head and position (``"group"``: the group's query heads, m = rep), or per key/value head for
+    all Lq positions of the call (``"block"``, m = rep x Lq: one gather for the whole block, each query masked to
+    its own causal window). The steps: the units (:func:`_units`), the budget's parts (:func:`_retrieval_budget`),
+    the sinks and window (:func:`_sinks_and_window`), the clusters ranked (:func:`_cluster_scores`) and their keys
+    retrieved (:func:`_retrieve`), with ``estimate_remainder`` a term per cluster for the rest
+    (:func:`_with_remainder`), and the attention (:func:`_attend_units`). One decoding step without the remainder
+    takes the fused C++ step instead (:func:`_decode_fused`)."""
+    B, _, Lq, D = q.shape
+    if Lq == 1 and ranking is None and selection != "block" and not options.estimate_remainder and \
+            options.kernel != "torch":
+        reason = decode_kernel_unusable(q, k, v)
+        if reason is None:
+            return _decode_fused(q, k, v, real, index, options, scale, allowed, selection == "head")
+        if options.kernel == "fused":
+            raise ValueError(f"cluster retrieval's kernel='fused' cannot run here: {reason}; use kernel='auto'")
+    Hkv, n = k.shape[1], k.shape[2]
+    units = _units(q, scale, Hkv, n, selection)
+    budget = _retrieval_budget(allowed, options, index, real, n, B, Hkv)
+    positions, ok = _sinks_and_window(units, index, budget, real, n)
+    if ranking is not None and selection == "block":  # the block's ranking queries, scaled, as one unit's
+        ranking = (ranking * scale).reshape(B, Hkv, 1, -1, D)
+    retrieved = _retrieve(units, _cluster_scores(units, index, ranking, real, n), index, k, real, options, budget,
+                          ranking, n)
+    if retrieved.candidates is not None:
+        positions.append(retrieved.candidates)
+        ok.append(None if retrieved.valid is None else retrieved.valid.unsqueeze(-2))
+    positions = torch.cat(positions, -1)  # (B, Hkv, U, K)
+    keys, values = gather_positions(k, positions), gather_positions(v, positions)  # (B, Hkv, U, K, D)
+    widths = [index.sinks.shape[1], n - index.end, budget.width][:len(ok)]
+    mask = _read_allowed(ok, widths, (B, Hkv, units.count))
+    if options.estimate_remainder and not (isinstance(budget.reserved, int) and budget.reserved == 0):
+        keys, values, mask = _with_remainder(keys, values, mask, index, retrieved, budget, options, q.dtype)
+    return _attend_units(units, keys, values, mask, real)
 
 
 DECODE_KERNEL = CppExtension("retrieval_decode", "cluster retrieval's fused decoding step")
