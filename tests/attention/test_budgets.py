@@ -22,6 +22,7 @@ from clusterformer.attention.diagnostics import (
     cache_rows,
     key_recall,
     logits_read,
+    step_logits,
 )
 from clusterformer.attention.registry import causal_semantics, get, make_options
 from clusterformer.cli import main
@@ -107,6 +108,41 @@ def test_logits_of_the_bucket_mechanisms_stay_within_keys_read(name):
     assert int(_mixed(layer, x, False).sum()) <= total <= N * make_options(name, options).keys_read(N)
 
 
+STEP_CASES = [  # (mechanism, options, the last query reaches both budgets)
+    ("full", {}, True), ("sliding-window", {"window": 42, "stride": 21}, True), ("neural-clustering", {}, False),
+    ("lsh", {}, False), ("routing", {}, False), ("kmeans", {}, False),
+    ("cluster-select", {}, False),  # k-means groups: some clusters of untrained centroids stay empty
+    ("cluster-select", {"grouping": "position"}, True),  # every page holds keys: 16 summaries and 16 bounds
+    ("cluster-select", {"grouping": "position", "summaries": False}, True),
+    ("cluster-select", {"grouping": "position", "selection": "summaries"}, True),  # + the 2 ranking summaries
+    ("cluster-select", {"summaries": False, "selection": "scores"}, True),  # the centroids are no keys
+    ("cluster-select", {"summaries": False, "members": "score"}, False),
+    # 2 groups, both selected: every key outside the window is scored, and both bounds: N + 2
+    ("cluster-select", {"grouping": "position", "num_clusters": 2, "summaries": False, "members": "score"}, True),
+    ("cluster-select", {"num_clusters": 8, "position_splits": 4, "split_size": 32, "selection": "summaries"}, False),
+    ("cluster-select", {"grouping": "position", "sink": 0, "own_group": False}, True),
+]
+
+
+@pytest.mark.parametrize(("name", "options", "tight"), STEP_CASES)
+def test_a_decoding_query_reads_and_mixes_at_most_its_budget(name, options, tight):
+    """The last query of 294 tokens, as a cached decoding step (one head): the logits the spy sees it use (keys,
+    summaries, group bounds, members scored) are at most ``keys_read``, the keys whose values reach it (the value
+    probe) at most ``keys_mixed``; both exactly where the query reaches them."""
+    torch.manual_seed(fixed_seed())
+    N = 294  # 41 + 7 x 21 + ...: the last query closes a window of 42
+    if name == "cluster-select":
+        options = {"window": 32, "cluster_keys": 8, **options}
+    layer = build(name, dim=8, heads=1, **options).eval()
+    x = torch.randn(1, N, 8)
+    read = step_logits(layer, x)
+    mixed = int((attention_rows(layer, x, torch.tensor([[N - 1]]), causal=True) > 0).sum())
+    made = make_options(name, options)
+    assert read <= made.keys_read(N, True) and mixed <= made.keys_mixed(N, True)
+    if tight:
+        assert (read, mixed) == (made.keys_read(N, True), made.keys_mixed(N, True))
+
+
 CACHE_CASES = [
     ("sink-window", {"budget": 40}), ("sink-window", {"budget": 0.2, "sink": 0}),
     ("oracle", {"budget": 40}), ("oracle", {"budget": 0.05}),
@@ -150,7 +186,9 @@ def test_cache_readers_read_and_mix_exactly_their_budget(name, options):
     # window, sink, 2 x 32 members, 16 summaries and 16 bounds read; the summaries mix every key
     ("cluster-select", {}, 1024, 64 + 1 + 64 + 16 + 16, 1024),
     ("cluster-select", {"summaries": False, "selection": "scores"}, 1024, 129, 129),  # the centroids are no keys
-    ("cluster-select", {"summaries": False, "members": "score"}, 1024, 1024 + 16, 129),  # every member scored
+    # every member of the selected groups scored: at most every key, and then the 2 selected groups' bounds
+    ("cluster-select", {"summaries": False, "members": "score"}, 1024, 1024 + 2, 129),
+    ("cluster-select", {"selection": "summaries"}, 1024, 129 + 16 + 2, 1024),  # + the 2 ranking summaries
     ("oracle", {}, 4096, 4096, 410),
     ("sink-window", {}, 4096, 410, 410),
     ("quest", {}, 4096, 400 + 255, 400),  # own page, 24 pages; 255 bounds ranked

@@ -11,8 +11,8 @@ trains with it from the start, strictly causal:
 
 1. q, k, v = x W^Q, x W^K, x W^V per head (separate projections: the selection is asymmetric).
 2. Per head, ``num_clusters`` unit centroids mu (a buffer): key j's cluster is argmax_c k_j/|k_j| . mu_c (+ b_c,
-   a load-balancing bias, with option ``balance``) -- it depends on key j alone, so later tokens cannot change it
-   (strict causality, prefix invariance).
+   a load-balancing bias, with the experimental option ``balance``) -- it depends on key j alone, so later tokens
+   cannot change it (strict causality, prefix invariance).
 3. Query t selects the ``select`` clusters with the largest q_t . mu_c.
 4. It reads, in one softmax (:func:`clusterformer.ops.selected_cluster_attention`), its window of ``window``
    positions (causal: (t - window, t]) and from each selected cluster the ``cluster_keys`` members nearest to it
@@ -37,6 +37,10 @@ The defaults since the twenty-fifth session (``DEFAULTS_VERSION`` 2): ``selectio
 query's own key's cluster is one of the ``select``, read first) and ``sink=1`` (position 0 read by every query), with
 the summaries: level with the earlier defaults on 20NEWS-1500, IMDB-4K and ListOps, far above on the histogram
 (ClusterSelectOptions). Runs written before are rebuilt with the earlier defaults (:meth:`earlier_defaults`).
+
+Options whose ablations lost -- ``balance``, ``position_splits`` (with ``split_size`` and ``split_selection``) and
+``page_size`` -- are kept apart in :class:`ExperimentalClusterSelectOptions`, which options naming them build, so
+that the runs recorded with them can be rerun.
 
 The selection is an argmax: its gradient reaches the selected keys only, as top-k attention's does. It differs from
 the own-cluster rule in that a query meets the keys that *score* highest against it at the cluster level, which is
@@ -66,19 +70,10 @@ import torch.nn.functional as F
 from .._checks import check_choice, check_float, check_int
 from ..masks import NO_MASK, AttentionMask, masked_sdpa
 from ..ops.decode import MemberScoreCache, SelectionCache
-from ..ops.selected import (
-    KERNELS,
-    ChunkBand,
-    ClusterLayout,
-    bound_selection,
-    chunk_band,
-    cluster_layout,
-    resolve_kernel,
-    scored_members,
-    selected_cluster_attention,
-    summary_selection,
-    with_own_group,
-)
+from ..ops.selected import KERNELS, resolve_kernel, selected_cluster_attention
+from ..ops.selected_band import ChunkBand, chunk_band
+from ..ops.selected_layout import ClusterLayout, cluster_layout
+from ..ops.selected_ranking import bound_selection, scored_members, summary_selection, with_own_group
 from ..ops.spherical import spherical_assignment
 from .aux import publish_groups, publish_losses
 from .base import InnerAttention, SeededOptions
@@ -108,8 +103,9 @@ class ClusterSelectOptions(SeededOptions):
             "bound": the groups of largest upper bound on q . k / sqrt(D) over their members outside the window,
             Quest's page score on groups (Tang et al. 2024): sum_d max(q_d hi_d, q_d lo_d) with hi, lo the
             channel-wise max and min of the members' keys in the whole blocks of ``bound_block`` positions outside
-            the window (:func:`clusterformer.ops.selected.bound_logits`). One key that scores high raises its group,
-            where the summaries' mean dilutes it among the group's other members (issue #31, seventeenth session).
+            the window (:func:`clusterformer.ops.selected_ranking.bound_logits`). One key that scores high raises
+            its group, where the summaries' mean dilutes it among the group's other members (issue #31, seventeenth
+            session).
             With or without ``summaries``; any grouping. The 2 G bound vectors are read to rank, not attended: they
             are not keys of the softmax (as the centroids of "scores" are not).
         kernel: "auto" (default), "gather", "dense-mask", "banded" or "fused": how the same keys are attended
@@ -134,22 +130,22 @@ class ClusterSelectOptions(SeededOptions):
         bound_block: selection="bound": positions per block of the bounds; 0 (default) = 64. Members in the block
             that the window cuts are left out of the bound (they lie within window + bound_block positions), so
             that a cached decoder keeps one running max and min per group (O(G D) per head, any length).
-        members: which of a selected group's members outside the window a query reads alone: "recent" (default):
-            the ``cluster_keys`` nearest to its window (causal: the most recent); "score": the ``cluster_keys`` of
-            largest q . k among all of them (ClusterKV's and cluster retrieval's re-ranking inside the selected
-            groups; :func:`clusterformer.ops.selected.scored_members`), so a group larger than ``cluster_keys`` gives
-            up its best-matching member wherever it lies. The keys per query do not change; the scores of the
-            selected groups' members cost O(N select n D) for groups of n members, and cached decoding keeps every
-            key (:class:`clusterformer.ops.decode.MemberScoreCache`: a step scores them all, O(t D) per head). An
-            argmax, like the selection: the gradient reaches the keys read. Needs ``summaries=False`` (the summaries
-            leave out the nearest members). Issue #31, twenty-seventh session: on the trained MQAR models at N =
-            4,096 the needed key's group is selected for up to 0.92 of the queries but its key read alone for 0.61
-            (the group larger than ``cluster_keys``); trained with "score", balanced content clusters split by
-            position (:class:`ExperimentalClusterSelectOptions`) keep 98% of full attention's accuracy there (86%
-            with "recent"), at 0.70x its training step.
-        own_group: True by default (None resolves to True): each
-            query reads the group of its *own* key first, then the ``select`` - 1 best others by the
-            selection (:func:`clusterformer.ops.selected.with_own_group`). Key t's group is known at t, so strict
+        members: which of a selected group's members outside the window a query reads alone: "recent" (default): the
+            ``cluster_keys`` nearest to its window (causal: the most recent); "score": the ``cluster_keys`` of
+            largest q . k among all of them (ClusterKV's and cluster retrieval's re-ranking inside the selected groups;
+            :func:`clusterformer.ops.selected_ranking.scored_members`), so a group larger than ``cluster_keys`` gives up
+            its best-matching member wherever it lies. The keys per query do not change; the scores of the selected
+            groups' members cost O(N select n D) for groups of n members, and cached decoding keeps every key
+            (:class:`clusterformer.ops.decode.MemberScoreCache`: a step scores them all, O(t D) per head). An argmax,
+            like the selection: the gradient reaches the keys read. Needs ``summaries=False`` (the summaries leave out
+            the nearest members). Issue #31, twenty-seventh session: on the trained MQAR models at N = 4,096 the needed
+            key's group is selected for up to 0.92 of the queries but its key read alone for 0.61 (the group larger than
+            ``cluster_keys``); trained with "score", balanced content clusters split by position
+            (:class:`ExperimentalClusterSelectOptions`) keep 98% of full attention's accuracy there (86% with "recent"),
+            at 0.70x its training step.
+        own_group: True by default (None resolves to True): each query reads the group of its *own* key first,
+            then the ``select`` - 1 best others by the selection
+            (:func:`clusterformer.ops.selected_ranking.with_own_group`). Key t's group is known at t, so strict
             causality and prefix invariance hold. This is routing's and neural-clustering's own-cluster rule on key
             clusters, as one of the selected groups: a query whose needed keys share its own token's content (the
             histogram's count of its type; an earlier occurrence of its token) reads them without having to rank
@@ -289,16 +285,22 @@ class ClusterSelectOptions(SeededOptions):
         return self.num_groups + (1 if self.sink else 0)
 
     def keys_read(self, length: int, causal: bool = False) -> int:
-        """The window, the sink and ``select`` x ``cluster_keys`` members read alone (``members="score"``: every
-        member of the selected groups is scored, up to every key); with ``summaries`` one logit per summary that
-        holds a key (at most num_groups); with ``selection="bound"`` one per group bound ranked (num_groups). The
-        centroids of ``"scores"`` are trained state, not keys: not counted."""
+        """The window, the sink and ``select`` x ``cluster_keys`` members read alone; with ``summaries`` one logit
+        per summary that holds a key (at most num_groups); with ``selection="bound"`` one per group bound ranked
+        (num_groups, each group with a member outside the window); with ``selection="summaries"`` the
+        ``select`` selected groups' summaries of all their members, which rank them, beside the summaries of their
+        members not read alone, which are attended. ``members="score"`` scores every member of the selected groups
+        outside the window: at most every key, and then only the selected groups hold members, so that of the
+        bounds only their ``select`` count (N + select). The centroids of ``"scores"`` are trained state, not keys:
+        not counted."""
         check_int("length", length, minimum=1)
         alone = min(length, self.window + self.sink + self.select * self.cluster_keys)
-        scored = length if self.members == "score" else alone
+        if self.members == "score":  # needs summaries=False
+            return length + (min(self.select, self.num_groups) if self.selection == "bound" else 0)
         summaries = min(self.num_groups, length - alone) if self.summaries else 0
-        bounds = self.num_groups if self.selection == "bound" else 0
-        return scored + summaries + bounds
+        bounds = min(self.num_groups, max(0, length - self.window - self.sink)) if self.selection == "bound" else 0
+        ranked = min(self.select, summaries) if self.selection == "summaries" else 0
+        return alone + summaries + bounds + ranked
 
     def keys_mixed(self, length: int, causal: bool = False) -> int:
         """With ``summaries``, every key (the summaries mix all the members not read alone: a late query's whole
@@ -309,7 +311,8 @@ class ClusterSelectOptions(SeededOptions):
         return min(length, self.window + self.sink + self.select * self.cluster_keys)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
-        """Keys read: the summaries' and the bounds' num_groups logits each and the ``sink`` first; of the rest,
+        """Keys read (:meth:`keys_read`): the summaries' and the bounds' num_groups logits each (with selection
+        "summaries" the ``select`` ranking summaries too) and the ``sink`` first; of the rest,
         half (rounded down to even) to the window and the others shared by the ``select`` clusters. A budget whose
         clusters get fewer than 2 ``sink`` keys each (the sink must fit half of them) goes without the sink:
         ``{"sink": 0, ...}``."""
@@ -321,7 +324,8 @@ class ClusterSelectOptions(SeededOptions):
 
     def _split_budget(self, keys: int, sink: int) -> dict[str, int]:
         rest = (keys - sink - (self.num_groups if self.summaries else 0)
-                - (self.num_groups if self.selection == "bound" else 0))
+                - (self.num_groups if self.selection == "bound" else 0)
+                - (self.select if self.selection == "summaries" else 0))
         window = max(2, rest // 4 * 2)
         cluster_keys = (rest - window) // self.select
         if cluster_keys < 1:

@@ -34,7 +34,7 @@ from ..masks import AttentionMask
 from .base import AttentionLayer
 
 __all__ = ["LogitSpy", "SourceWeights", "attention_rows", "attention_to_sources", "cache_rows", "key_recall",
-           "logits_read"]
+           "logits_read", "step_logits"]
 
 
 class _ValueProbe:
@@ -239,15 +239,19 @@ class LogitSpy(TorchFunctionMode):
     not used. The same logit used twice (a key ranked and then attended; a summary ranked and attended) has the
     same value: ``logits`` keeps the distinct finite non-zero values (to 12 significant digits, which separates
     the logits of distinct random float64 keys; an exact zero is a zero row -- a padded query or key slot -- which
-    random inputs never give), so ``len(spy.logits)`` is the query's keys read. A logit whose
+    random inputs never give), so ``len(spy.logits)`` is the query's keys read. ``scale``: the softmax scale
+    1 / sqrt(D) of the layer, where one path scores a key unscaled and another scaled (members scored by score,
+    then attended): a value equal to a kept one times ``scale`` or its inverse is that one. A logit whose
     computation adds a bias before it is used (a summary's + log n) is one value all the same. Kernels that run
     outside PyTorch's Python API (the fused C++ and Triton kernels) are not seen: probe a layer built with a
     PyTorch kernel."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 1.0) -> None:
         super().__init__()
         self.marks = WeakTensorKeyDictionary()
         self.logits: set[float] = set()
+        self.factors = (1.0,) if scale == 1.0 else (1.0, scale, 1 / scale)
+        self.recording = True  # False: marks propagate, nothing is counted (a prefill before the probed step)
 
     def mark(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """Mark ``tensor`` (a query: "q"; keys: "k") and return it."""
@@ -262,9 +266,12 @@ class LogitSpy(TorchFunctionMode):
         return found
 
     def _record(self, scores: torch.Tensor) -> None:
+        if not self.recording:
+            return
         finite = scores.detach()[torch.isfinite(scores.detach())].double()
         for value in finite[finite != 0].tolist():  # a probe: a few thousand logits
-            self.logits.add(float(f"{value:.12g}"))
+            if not any(float(f"{value * f:.12g}") in self.logits for f in self.factors):
+                self.logits.add(float(f"{value:.12g}"))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -349,7 +356,27 @@ def logits_read(layer: AttentionLayer, x: torch.Tensor, causal: bool = False) ->
     the mode it is in; build it with a PyTorch kernel (the spy does not see inside a fused one)."""
     check_tensor("x", x, ndim=3, floating=True)
     probe = copy.deepcopy(layer).double()
-    spy = LogitSpy()
+    spy = LogitSpy(layer.head_dim ** -0.5)
     with torch.no_grad(), spy:
         probe.inner.attend_hidden(x.detach().double(), _MarkingProjection(probe, spy), AttentionMask(None, causal))
+    return len(spy.logits)
+
+
+def step_logits(layer: AttentionLayer, x: torch.Tensor) -> int:
+    """The distinct logits the last query of x (1, N, dim) uses in a cached decoding step after a prefill of the
+    N - 1 before it (``layer.prefill`` / ``layer.step``; a strictly causal mechanism), counted by a
+    :class:`LogitSpy`: the keys that query reads, summed over the heads (build the layer with one head for one
+    query's count; with a PyTorch kernel). The layer is copied and run in float64 in eval mode."""
+    check_tensor("x", x, ndim=3, floating=True)
+    if x.shape[0] != 1 or x.shape[1] < 2:
+        raise ValueError(f"x must be (1, N >= 2, dim): one sequence, a prompt and the step; got {tuple(x.shape)}")
+    probe = copy.deepcopy(layer).double().eval()
+    spy = LogitSpy(layer.head_dim ** -0.5)
+    projection = _MarkingProjection(probe, spy)
+    x = x.detach().double()
+    with torch.no_grad(), spy:
+        spy.recording = False
+        _, cache = probe.inner.prefill_hidden(x[:, :-1], projection, AttentionMask(None, causal=True))
+        spy.recording = True
+        probe.inner.step_hidden(x[:, -1], projection, cache)
     return len(spy.logits)
