@@ -262,7 +262,7 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         for task in config.tasks:
             for entry in config.entries:
                 options = config.options_for(task, entry)
-                log(f"budget {config.keys_per_query} keys per query, {task} {entry.label}: "
+                log(f"budget {config.keys_per_query} keys read per query, {task} {entry.label}: "
                     + (json.dumps(options) if options != entry.options else "no option sets it; runs as it is"))
     pending: list[_Run] = []
     for i, (task, entry, unit, flags) in enumerate(grid, start=1):

@@ -354,12 +354,16 @@ def logits_read(layer: AttentionLayer, x: torch.Tensor, causal: bool = False) ->
     keys read summed over every query and head (with random float64 inputs distinct (query, key) pairs have
     distinct logits; the same pair in two rounds or windows is one). The layer is copied and run in float64, in
     the mode it is in; build it with a PyTorch kernel (the spy does not see inside a fused one)."""
+    return len(_forward_logits(layer, x, causal))
+
+
+def _forward_logits(layer: AttentionLayer, x: torch.Tensor, causal: bool) -> set[float]:
     check_tensor("x", x, ndim=3, floating=True)
     probe = copy.deepcopy(layer).double()
     spy = LogitSpy(layer.head_dim ** -0.5)
     with torch.no_grad(), spy:
         probe.inner.attend_hidden(x.detach().double(), _MarkingProjection(probe, spy), AttentionMask(None, causal))
-    return len(spy.logits)
+    return spy.logits
 
 
 def step_logits(layer: AttentionLayer, x: torch.Tensor) -> int:

@@ -297,7 +297,8 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         "batch": job["batch"],
         "padding": job["padding"],
         "causal": job["causal"],
-        "keys_per_query": layer.options.keys_per_query(job["length"], job["causal"]),
+        "keys_per_query": layer.options.keys_per_query(job["length"], job["causal"]),  # keys read
+        "keys_mixed": layer.options.keys_mixed(job["length"], job["causal"]),
         "heads": job["heads"],
         "head_dim": job["head_dim"],
         "device": str(device),

@@ -49,9 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="trainings at once (default 1); with more than one, each gets cpu_count/jobs threads "
                         "unless OMP_NUM_THREADS is set")
     p.add_argument("--keys-per-query", type=int, default=None,
-                   help="one budget for every entry: the options that let each query see at most this many keys "
-                        "at the runs' --max-len (full, clustered and improved-clustered read every key and run as "
-                        "they are); use a new --out per budget")
+                   help="one budget for every entry: the options that let each query read at most this many keys "
+                        "(logits computed: summaries, bounds, scored candidates included) at the runs' --max-len "
+                        "(full, clustered and improved-clustered read every key and run as they are); use a new --out "
+                        "per budget")
     p.add_argument("--out", default=None, help="comparison directory (required unless the grid file names one)")
     p.add_argument("--plot", default=None, help="also draw the speed-accuracy picture here (PNG)")
     p.add_argument("--summary-only", action="store_true",
