@@ -27,6 +27,7 @@ import torch
 from .. import hf
 from .._checks import check_choice, check_int
 from ..attention.clustered import QUERY_CLUSTERINGS
+from ..attention.registry import describe, names_where
 from ..data.classification import kfold_indices, load_20news, load_sentence_task
 
 __all__ = ["ApproxConfig", "logistic_cv_accuracy", "run_approx"]
@@ -57,13 +58,16 @@ class ApproxConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.attention not in ("clustered", "improved-clustered"):
-            raise ValueError(f"attention must be 'clustered' or 'improved-clustered'; got {self.attention!r}")
+        # the mechanisms that run on a pretrained model's own q, k, v as a sequence, with no parameters to train
+        usable = names_where(interface_mode="sequence")
+        if self.attention not in usable:
+            raise ValueError(f"attention must be {' or '.join(map(repr, usable))}; got {self.attention!r}")
         if not self.clusters or any(not isinstance(c, int) or c < 1 for c in self.clusters):
             raise ValueError(f"clusters must be a non-empty list of positive integers; got {self.clusters!r}")
         if self.topk is not None:
-            if self.attention != "improved-clustered":
-                raise ValueError("topk is an option of 'improved-clustered' only")
+            if "topk" not in describe(self.attention)["options"]:
+                with_topk = [name for name in usable if "topk" in describe(name)["options"]]
+                raise ValueError(f"topk is an option of {', '.join(map(repr, with_topk))} only")
             check_int("topk", self.topk, minimum=1)
         for name in ("long_docs", "folds", "batch_size", "sentence_len", "long_len"):
             check_int(name, getattr(self, name), minimum=0 if name == "long_docs" else 1)

@@ -33,6 +33,7 @@ import torch
 from .._checks import check_int
 from .._io import read_json, write_json
 from .._specs import parse_spec
+from ..attention.registry import DENSE, get, names
 from ..data.ruler import INSTRUCTION, TASKS, detokenize_wikitext, haystack_sentences, make_sample, score
 
 __all__ = ["LongContextConfig", "parse_method", "run_longctx", "summarize"]
@@ -42,12 +43,9 @@ MAX_NEW_TOKENS = {"passkey": 16, "niah-multikey": 24, "variable-tracking": 48}
 
 def parse_method(spec: str, budget: float | int | None) -> tuple[str, str, dict[str, Any]]:
     """"NAME[:key=value,...]" -> (label, mechanism, options); the mechanisms that read a cache at a budget (the
-    registry's ``interface_mode == "cache"``: cluster-retrieval, sink-window, oracle, quest) default to
-    ``budget``."""
-    from ..attention.registry import get, names
-
+    registry's kind ``"cache"``: cluster-retrieval, sink-window, oracle, quest) default to ``budget``."""
     mechanism, options = parse_spec(spec)
-    if mechanism in names() and get(mechanism).inner.interface_mode == "cache" and budget is not None:
+    if mechanism in names() and get(mechanism).kind == "cache" and budget is not None:
         options.setdefault("budget", budget)
     return spec.strip(), mechanism, options
 
@@ -57,7 +55,7 @@ class LongContextConfig:
     """What ``clusterformer longctx`` runs (see the module docstring)."""
 
     model: str = "smollm2"
-    methods: list[str] = field(default_factory=lambda: ["dense", "sink-window", "cluster-retrieval",
+    methods: list[str] = field(default_factory=lambda: [DENSE, "sink-window", "cluster-retrieval",
                                                         "cluster-retrieval:estimate_remainder=true"])
     budget: float | int | None = 0.1
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
@@ -104,7 +102,7 @@ class _Methods:
             label, mechanism, options = parse_method(spec, config.budget)
             if options.get("prefill_block"):
                 self.own_prefill.add(label)
-            if mechanism == "dense":
+            if mechanism == DENSE:
                 if options:
                     raise ValueError("the dense method takes no options")
                 self.names[label] = "sdpa"
@@ -112,7 +110,7 @@ class _Methods:
             if mechanism not in hf.interface_mechanisms():
                 raise ValueError(f"method {spec!r}: NAME must be dense or one of "
                                  f"{', '.join(hf.interface_mechanisms())}")
-            if mechanism in ("clustered", "improved-clustered"):
+            if get(mechanism).interface_mode == "sequence":  # it cannot be causal: causal calls run dense
                 options.setdefault("causal", "dense")
             self.names[label] = hf.register_attention(mechanism, name=f"clusterformer-longctx-{index}", **options)
 
@@ -289,20 +287,20 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         for label, r in record["methods"].items():
             table.setdefault(task, {}).setdefault(length, {}).setdefault(label, {})[sample] = r["score"]
             timing.setdefault(length, {}).setdefault(label, []).append(r["s_per_token"])
-            seconds = record.get("prefill_s") if label == "dense" else r.get("prefill_s")
+            seconds = record.get("prefill_s") if label == DENSE else r.get("prefill_s")
             if seconds is not None:
                 prefill.setdefault(length, {}).setdefault(label, []).append(seconds)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     accuracy: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for task, by_length in table.items():
         for length, by_method in by_length.items():
-            dense = {s for s, v in by_method.get("dense", {}).items() if v == 1.0}
+            dense = {s for s, v in by_method.get(DENSE, {}).items() if v == 1.0}
             for label, scores in by_method.items():
                 exact = {s for s, v in scores.items() if v == 1.0}
                 row: dict[str, Any] = {"mean": mean(list(scores.values())), "n": len(scores),
                                        "correct": len(exact), "wilson": wilson_interval(len(exact), len(scores))}
-                if label != "dense" and "dense" in by_method:
-                    shared = set(scores) & set(by_method["dense"])  # samples both ran
+                if label != DENSE and DENSE in by_method:
+                    shared = set(scores) & set(by_method[DENSE])  # samples both ran
                     kept, dense_here = exact & dense & shared, dense & shared
                     gained = (exact - dense) & shared
                     row.update({"dense_correct": len(dense_here), "kept": len(kept), "gained": len(gained),

@@ -21,12 +21,24 @@ from .._checks import check_int
 from .aux import declare_losses
 from .base import AttentionLayer, AttentionOptions, InnerAttention, option_fields
 
-__all__ = ["Mechanism", "build", "build_inner", "can_decode", "causal_semantics", "defaults_versions", "describe",
-           "make_options", "mechanisms", "names", "pin_defaults", "register"]
+__all__ = ["DENSE", "PSEUDO_NAMES", "STACK", "Mechanism", "build", "build_inner", "can_decode", "causal_semantics",
+           "defaults_versions", "describe", "make_options", "mechanisms", "names", "names_where", "pin_defaults",
+           "register"]
+
+# Labels that stand beside the registered names where mechanisms are compared, and name no mechanism (register refuses
+# them): DENSE, a pretrained decoder's own SDPA attention (apps.longctx, bench.retrieval, bench.prefill); STACK, the
+# Cluster-Former paper's stack, sliding-window layers whose last is a Cluster-Former layer (apps.compare).
+DENSE = "dense"
+STACK = "cluster-former-stack"
+PSEUDO_NAMES = (DENSE, STACK)
 
 
 @dataclass(frozen=True)
 class Mechanism:
+    """A registered mechanism: its name, inner attention, options dataclass and summary, and what it can do (the
+    inner attention's class attributes, :class:`~clusterformer.attention.base.InnerAttention`): code that treats
+    mechanisms differently asks these, never the name."""
+
     name: str
     inner: type[InnerAttention]
     options: type[AttentionOptions]  # a dataclass whose fields are the mechanism's options, all with defaults
@@ -40,12 +52,42 @@ class Mechanism:
     def aux_losses(self) -> tuple[str, ...]:
         return self.inner.aux_losses
 
+    @property
+    def kind(self) -> str:
+        """``"sequence"`` (a model's layer: a sequence attends to itself, and it trains) or ``"cache"`` (it reads a
+        pretrained decoder's key/value cache; training it would train full attention)."""
+        return self.inner.kind
+
+    @property
+    def interface_mode(self) -> str | None:
+        """How :mod:`clusterformer.hf`'s AttentionInterface runs it on a model's own q, k, v (None: it cannot)."""
+        return self.inner.interface_mode
+
+    @property
+    def keeps_index(self) -> bool:
+        """A cache reader that keeps a key index beside the cache, re-clustered every ``refresh`` keys."""
+        return self.inner.keeps_index
+
+    @property
+    def learned_centroids(self) -> bool:
+        """Learned centroids that can flow from layer to layer (the encoder's ``centroid_flow``) and train at their
+        own rate (``centroid_lr_scale``)."""
+        return self.inner.learned_centroids
+
+    @property
+    def stack_layers(self) -> str | None:
+        """The mechanism of the other layers of the paper's stack this one belongs in (train's ``cluster_layers``),
+        or None."""
+        return self.inner.stack_layers
+
 
 _REGISTRY: dict[str, Mechanism] = {}
 
 
 def register(name: str, options: type, summary: str):
     """Class decorator: ``@register("full", FullOptions, "...")`` on an :class:`InnerAttention` subclass."""
+    if name in PSEUDO_NAMES:
+        raise ValueError(f"{name!r} is a label beside the mechanisms' names (PSEUDO_NAMES), not a mechanism's name")
     if not (dataclasses.is_dataclass(options) and issubclass(options, AttentionOptions)):
         raise TypeError(f"options for {name!r} must be a dataclass subclassing AttentionOptions")
     for field in dataclasses.fields(options):
@@ -76,6 +118,16 @@ def names() -> list[str]:
 def mechanisms() -> list[Mechanism]:
     """Every registered mechanism, sorted by name."""
     return [_REGISTRY[name] for name in names()]
+
+
+def names_where(**capabilities: Any) -> list[str]:
+    """The names, sorted, of the mechanisms whose :class:`Mechanism` attributes equal ``capabilities``:
+    ``names_where(kind="cache")``, ``names_where(learned_centroids=True)``."""
+    for capability in capabilities:
+        if not isinstance(getattr(Mechanism, capability, None), property):
+            raise ValueError(f"{capability!r} is not a capability of a Mechanism")
+    return [mech.name for mech in mechanisms()
+            if all(getattr(mech, capability) == value for capability, value in capabilities.items())]
 
 
 def get(name: Any) -> Mechanism:

@@ -17,8 +17,8 @@ per step with ``torch.cat`` as ``DynamicCache`` does (not timed: every method pa
 
 Methods (``dense``, or a cache reader as ``NAME[:key=value,...]``: ``sink-window``, ``cluster-retrieval``,
 ``oracle``, ``quest``) run one after another in this process, dense first, so ratios come from the same
-conditions; ``options`` apply to every cluster-retrieval entry, beside its own (e.g. ``cluster-retrieval:kernel=torch``
-against the default fused decoding step).
+conditions; ``options`` apply to every entry whose mechanism keeps a key index (cluster-retrieval), beside its own
+(e.g. ``cluster-retrieval:kernel=torch`` against the default fused decoding step).
 """
 
 from __future__ import annotations
@@ -32,18 +32,19 @@ from typing import Any
 
 from .._checks import check_int
 from .._specs import parse_spec
+from ..attention.registry import DENSE, get, names_where
 
 __all__ = ["METHODS", "RetrievalBenchConfig", "run_retrieval_benchmark"]
 
-METHODS = ("dense", "sink-window", "cluster-retrieval", "oracle", "quest")  # dense SDPA and the cache readers
+METHODS = (DENSE, *names_where(kind="cache"))  # dense SDPA and the cache readers
 
 
 @dataclass
 class RetrievalBenchConfig:
     contexts: list[int]
-    methods: list[str] = field(default_factory=lambda: ["dense", "sink-window", "cluster-retrieval"])
+    methods: list[str] = field(default_factory=lambda: [DENSE, "sink-window", "cluster-retrieval"])
     budget: float | int = 0.1
-    options: dict[str, Any] = field(default_factory=dict)  # cluster-retrieval options besides the budget
+    options: dict[str, Any] = field(default_factory=dict)  # options of the index keepers besides the budget
     heads: int = 9
     kv_heads: int = 3
     head_dim: int = 64
@@ -64,10 +65,10 @@ class RetrievalBenchConfig:
             if name not in METHODS:
                 raise ValueError(f"methods must be among {', '.join(METHODS)} (cache readers with options as "
                                  f"NAME:key=value,...); got {method!r}")
-            if name == "dense" and options:
+            if name == DENSE and options:
                 raise ValueError(f"dense takes no options; got {method!r}")
         # dense first: the others' ratios are to its time in the same conditions
-        self.methods = sorted(self.methods, key=lambda method: method != "dense")
+        self.methods = sorted(self.methods, key=lambda method: method != DENSE)
 
 
 class _Cache:
@@ -105,13 +106,14 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
     refreshes: dict[str, int] = {}
     for number, method in enumerate(config.methods):
         name, inline = parse_spec(method)
-        if name == "dense":
+        if name == DENSE:
             functions[method] = None
             continue
-        options = {"budget": config.budget, **(config.options if name == "cluster-retrieval" else {}), **inline}
+        indexes = get(name).keeps_index  # an index to build, re-clustered every `refresh` keys
+        options = {"budget": config.budget, **(config.options if indexes else {}), **inline}
         registered = register_attention(name, name=f"clusterformer-bench-{number}", **options)
         functions[method] = AttentionInterface()[registered]  # the function transformers will call
-        if name == "cluster-retrieval":
+        if indexes:
             refreshes[method] = make_options(name, options).refresh
     B, H, Hkv, D = 1, config.heads, config.kv_heads, config.head_dim
     records = []
@@ -146,7 +148,7 @@ def run_retrieval_benchmark(config: RetrievalBenchConfig,
             refresh = refreshes.get(method)
             amortized = statistics.fmean(steps) * 1000 + (build_ms / refresh if builds else 0)
             answer = statistics.fmean(steps) * 1000 + (build_ms / config.answer_tokens if builds else 0)
-            if method == "dense":
+            if method == DENSE:
                 dense_ms, dense_answer = amortized, answer
             record = {"context": n, "method": method, "budget": config.budget, "ms_per_token": round(median, 4),
                       "amortized_ms": round(amortized, 4), "build_ms": round(build_ms, 2),

@@ -25,7 +25,7 @@ from .._checks import (
 )
 from ..attention import AttentionLayer, build, describe
 from ..attention.base import LAYER_SEED_STRIDE, layer_seed  # noqa: F401  (re-exported)
-from ..attention.registry import make_options
+from ..attention.registry import get, make_options, names_where
 from ..masks import real_tokens
 from ..ops.decode import DecodeCache
 from .reversible import ReversibleSequence
@@ -91,8 +91,9 @@ class EncoderConfig:
         check_choice("positional", self.positional, ("sinusoidal", "learned", "none"))
         make_options(self.attention, self.attention_options)  # unknown name / bad option -> ValueError
         check_bool("centroid_flow", self.centroid_flow)
-        if self.centroid_flow and self.attention != "neural-clustering":
-            raise ValueError(f"centroid_flow needs attention='neural-clustering', got {self.attention!r}")
+        if self.centroid_flow and not get(self.attention).learned_centroids:
+            raise ValueError(f"centroid_flow needs attention="
+                             f"{' or '.join(map(repr, names_where(learned_centroids=True)))}, got {self.attention!r}")
         if self.centroid_flow and "own_centroids" in self.attention_options:
             raise ValueError("centroid_flow sets own_centroids per layer; do not pass it in attention_options")
         if not isinstance(self.layer_attention, dict):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .._checks import check_choice, check_float, check_int
-from ..attention.registry import causal_semantics, get, make_options, names
+from ..attention.registry import causal_semantics, get, make_options, mechanisms, names, names_where
 from ..data.pretrained import PRETRAINED_ENCODERS
 from .checkpoint import CHECKPOINT
 from .tasks import TASK_SPECS, TASKS
@@ -46,8 +46,9 @@ def pretrained_model(init: str | None) -> bool:
 
 
 def check_trainable(argument: str, name: str) -> None:
-    """Refuse the mechanisms that only change how a decoder reads its cache: training one is full attention."""
-    if name in names() and get(name).inner.interface_mode == "cache":
+    """Refuse the mechanisms that only change how a decoder reads its cache (kind "cache"): training one is full
+    attention."""
+    if name in names() and get(name).kind == "cache":
         raise ValueError(f"{argument}: {name!r} changes only how a pretrained decoder reads its key/value cache "
                          "(clusterformer.hf); a sequence's attention to itself, and so training, is full attention "
                          "-- train with 'full'")
@@ -126,8 +127,9 @@ class ModelConfig:
         if self.tied and not self.reversible:
             raise ValueError("tied is the tied connection between reversible streams: it needs reversible")
         if self.cluster_layers is not None:
-            if self.attention != "cluster-former":
-                raise ValueError("cluster_layers builds the Cluster-Former stack: it needs attention='cluster-former'")
+            if get(self.attention).stack_layers is None:
+                raise ValueError(f"cluster_layers builds the Cluster-Former stack: it needs attention="
+                                 f"{' or '.join(repr(m.name) for m in mechanisms() if m.stack_layers)}")
             if not self.cluster_layers:
                 raise ValueError("cluster_layers must name at least one layer")
             for layer in self.cluster_layers:
@@ -347,8 +349,9 @@ def _check_neural_clustering(config: TrainConfig) -> None:
     # their own rate when fine-tuned; centroid_flow would rewire them, and a pretrained model of clusterformer.hf
     # owns its layers
     refused_init = config.init is not None and (config.centroid_flow or pretrained_model(config.init))
-    if config.attention != "neural-clustering" or refused_init or TASK_SPECS[config.task].kind == "translation":
-        raise ValueError(f"{flag} acts on neural-clustering's centroids: it needs attention='neural-clustering', "
+    if not get(config.attention).learned_centroids or refused_init or TASK_SPECS[config.task].kind == "translation":
+        raise ValueError(f"{flag} acts on neural-clustering's centroids: it needs attention="
+                         f"{' or '.join(map(repr, names_where(learned_centroids=True)))}, "
                          f"{'no init' if config.centroid_flow else 'no pretrained model as init (a PATH is fine)'} "
                          f"and a task other than multi30k (got attention={config.attention!r}, "
                          f"init={config.init!r}, task={config.task!r})")
