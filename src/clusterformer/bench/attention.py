@@ -205,6 +205,7 @@ def _worker(job: dict) -> dict:
     import torch
 
     from ..attention import build
+    from ..attention.registry import get
 
     if job["threads"]:
         torch.set_num_threads(job["threads"])
@@ -226,7 +227,7 @@ def _worker(job: dict) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     backend = contextlib.nullcontext()
     sdpa_backend = None
-    if cuda and job["name"] == "full" and dtype in (torch.float16, torch.bfloat16):
+    if cuda and get(job["name"]).interface_mode == "dense" and dtype in (torch.float16, torch.bfloat16):  # SDPA
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend, sdpa_backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION), "flash"

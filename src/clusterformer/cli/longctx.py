@@ -32,7 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _methods(text: str) -> list[str]:
-    return ["dense", *[m for m in split_specs(text) if m != "dense"]]
+    from ..attention.registry import DENSE
+
+    return [DENSE, *[m for m in split_specs(text) if m != DENSE]]
 
 
 def run(args: argparse.Namespace) -> int:
