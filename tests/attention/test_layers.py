@@ -285,7 +285,7 @@ def _key_clusters(layer, k, h):
     """Head h's key clusters from the definition: the largest cosine to a unit centroid, plus the cluster's
     load-balancing bias where the layer has one (option ``balance``). k (N, D)."""
     cosines = F.normalize(k, dim=-1) @ layer.inner.centroids[h].T
-    if layer.options.balance:
+    if layer.options.balance_rate:
         cosines = cosines + layer.inner.balance_bias[h]
     return cosines.argmax(-1)
 
@@ -409,17 +409,18 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
     key j of cluster c in group c R + (j // split_size) mod R."""
     o = layer.options
     H, N, D = q.shape
-    groups = o.num_clusters * o.position_splits
+    splits = getattr(o, "position_splits", 1)  # ExperimentalClusterSelectOptions' options, where given
+    groups = o.num_clusters * splits
     outputs = []
     for h in range(H):
         mu = layer.inner.centroids[h]
         if o.grouping == "kmeans":
             ids = _key_clusters(layer, k[h], h)
         elif o.grouping == "position":  # pages
-            ids = torch.arange(N) // (o.page_size or o.cluster_keys) % o.num_clusters
+            ids = torch.arange(N) // (getattr(o, "page_size", 0) or o.cluster_keys) % o.num_clusters
         else:  # "random": floor(C h(j) / 2^32), h(j) = (j + 1) 2654435761 mod 2^32, one position at a time
             ids = torch.tensor([((j + 1) * 2654435761 % 2**32) * o.num_clusters // 2**32 for j in range(N)])
-        if o.position_splits > 1:
+        if splits > 1:
             ids = torch.tensor([int(ids[j]) * o.position_splits + (j // o.split_size) % o.position_splits
                                 for j in range(N)])
         out = torch.zeros(N, D, dtype=q.dtype)
@@ -443,7 +444,8 @@ def _cluster_select_summaries_reference(layer, q, k, v, real, causal):
             else:
                 ranking = q[h, t] @ mu.T
             chosen_groups = _best(ranking.tolist(), o.select)
-            if o.split_selection == "clusters":  # clusters by the log-sum-exp of their spans, then the best span
+            # split_selection="clusters": clusters by the log-sum-exp of their spans, then the best span
+            if getattr(o, "split_selection", "groups") == "clusters":
                 R = o.position_splits
                 spans = [ranking[c * R:(c + 1) * R] for c in range(o.num_clusters)]
                 best = _best([float(torch.logsumexp(span, 0)) for span in spans], o.select)
@@ -562,9 +564,9 @@ def test_cluster_select_banded_chunks_shorter_than_the_window_match_dense_refere
     spans of the band (chunk 4 against a window of 10: a span that crosses into the second chunk; chunk 5: one that
     does not; chunk 1: the band is the window and no span holds any), with and without summaries, against the
     definitions above."""
-    from clusterformer.ops import selected
-    monkeypatch.setattr(selected, "BAND_CHUNK", chunk)
-    assert selected.band_chunk(10, causal) == chunk
+    from clusterformer.ops import selected_band
+    monkeypatch.setattr(selected_band, "BAND_CHUNK", chunk)
+    assert selected_band.band_chunk(10, causal) == chunk
     options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 10}
     test_cluster_select_matches_dense_reference(37, options, causal, "banded", "recent")
     test_cluster_select_summaries_match_dense_reference(37, options, "summaries", "kmeans", causal, "banded")
@@ -578,9 +580,9 @@ def test_cluster_select_kernels_give_one_gradient(chunk, causal, monkeypatch):
     for the summaries' selection (no gradient) and the attention (the gradient), so a band built without the
     gradient, or read from the selection's detached copy, changes them. Float64, padding, summaries; chunk 4: bands
     of several chunks against a window of 10."""
-    from clusterformer.ops import selected
+    from clusterformer.ops import selected_band
     if chunk is not None:
-        monkeypatch.setattr(selected, "BAND_CHUNK", chunk)
+        monkeypatch.setattr(selected_band, "BAND_CHUNK", chunk)
     options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 10}
     N = 37
     x = torch.randn(2, N, 16, dtype=torch.float64)
@@ -655,10 +657,11 @@ def test_cluster_select_summaries_options():
     them."""
     from clusterformer.attention.cluster_select import ClusterSelectOptions
     options = ClusterSelectOptions(num_clusters=16, select=2, cluster_keys=8, window=16, summaries=True)
-    assert options.keys_per_query(1024) == 16 + 2 * 8 + 16 + 1  # the window, the clusters, summaries, the sink
+    # keys read: the window, the clusters, the sink, the summaries and the bounds that rank the groups
+    assert options.keys_per_query(1024) == 16 + 2 * 8 + 1 + 16 + 16
     budget = options.for_budget(64, 1024)
     assert ClusterSelectOptions(**{**vars(options), **budget}).keys_per_query(1024) <= 64
-    assert budget == {"window": 22, "cluster_keys": 12}
+    assert budget == {"window": 14, "cluster_keys": 8}
     # the defaults (version 2, twenty-fifth session): summaries on (sixth session), groups ranked by the bound,
     # the own key's group read first, a sink of 1 -- each resolved at construction, so records name what ran
     defaults = ClusterSelectOptions()
@@ -666,8 +669,6 @@ def test_cluster_select_summaries_options():
     assert ClusterSelectOptions(summaries=False).selection == "bound"
     assert ClusterSelectOptions(summaries=False, selection="random").selection == "random"
     assert ClusterSelectOptions(cluster_keys=1).sink == 0  # a sink must fit half a cluster's keys
-    clusters = ClusterSelectOptions(num_clusters=4, position_splits=2, split_size=8, split_selection="clusters")
-    assert (clusters.own_group, clusters.sink) == (False, 0)  # one group per selected cluster: neither applies
     with pytest.raises(ValueError, match="summaries"):
         ClusterSelectOptions(summaries=False, selection="summaries")
     with pytest.raises(ValueError, match="grouping"):  # selection="scores" needs trained centroids
@@ -676,42 +677,18 @@ def test_cluster_select_summaries_options():
         ClusterSelectOptions(grouping="random", summaries=False, selection="scores")
     with pytest.raises(ValueError, match="grouping"):
         ClusterSelectOptions(grouping="pages", summaries=True, selection="summaries")
-    with pytest.raises(ValueError, match="page_size"):
-        ClusterSelectOptions(page_size=8)
     with pytest.raises(ValueError, match="summaries"):
         ClusterSelectOptions(num_clusters=16, summaries=True).for_budget(18, 1024)
-    # position_splits: num_clusters x position_splits groups, each with its summary in the budget
-    split = ClusterSelectOptions(num_clusters=8, position_splits=4, split_size=128, select=4, cluster_keys=24,
-                                 window=32)
-    assert split.num_groups == 32 and split.keys_per_query(1024) == 32 + 4 * 24 + 32 + 1
-    assert split.for_budget(256, 1024) == {"window": 110, "cluster_keys": 28}
-    assert ClusterSelectOptions(num_clusters=4, position_splits=2, split_size=8, select=8).select == 8
-    for bad, message in (({"position_splits": 2}, "split_size"), ({"split_size": 8}, "position_splits > 1"),
-                         ({"position_splits": 0}, "position_splits"),
-                         ({"position_splits": 2, "split_size": 8, "summaries": False, "selection": "scores"},
-                          "selection='summaries'"),
-                         ({"position_splits": 2, "split_size": 8, "grouping": "position"}, "grouping='kmeans'"),
-                         ({"position_splits": 2, "split_size": 8, "grouping": "random", "summaries": False,
-                           "selection": "random"}, "selection='summaries'"),
-                         ({"num_clusters": 4, "position_splits": 2, "split_size": 8, "select": 9},
-                          "x position_splits")):
-        with pytest.raises(ValueError, match=message):
-            ClusterSelectOptions(**bad)
-    # split_selection="clusters": select clusters (at most num_clusters), then one span of each
-    assert ClusterSelectOptions(num_clusters=4, position_splits=2, split_size=8, select=4,
-                                split_selection="clusters").by_cluster == 2
-    for bad, message in (({"split_selection": "clusters"}, "position_splits > 1"),
-                         ({"split_selection": "spans"}, "split_selection"),
-                         ({"num_clusters": 4, "position_splits": 2, "split_size": 8, "select": 5,
-                           "split_selection": "clusters"}, "at most num_clusters=4")):
-        with pytest.raises(ValueError, match=message):
-            ClusterSelectOptions(**bad)
-    # selection="bound": blocks of 64 by default, any grouping, with or without summaries and spans; the bound
-    # vectors rank groups and are not keys of the softmax (the budget is the summaries' selection's)
-    bound = ClusterSelectOptions(selection="bound", position_splits=2, split_size=8)
+    with pytest.raises(ValueError, match="select must be at most num_clusters=4; got 5"):
+        ClusterSelectOptions(num_clusters=4, select=5)
+    # selection="bound": blocks of 64 by default, any grouping, with or without summaries; the bound vectors rank
+    # groups and are not keys of the softmax, but their logits are keys read: one per group (the summaries'
+    # selection reads the chosen groups' whole summaries beside the attended ones)
+    bound = ClusterSelectOptions(selection="bound")
     assert bound.block == 64 and ClusterSelectOptions(selection="bound", bound_block=5).block == 5
     assert ClusterSelectOptions().block == 64 and ClusterSelectOptions(selection="summaries").block == 0
-    assert bound.keys_per_query(1024) == ClusterSelectOptions(position_splits=2, split_size=8).keys_per_query(1024)
+    assert bound.keys_per_query(1024) == ClusterSelectOptions(selection="summaries").keys_per_query(1024) + 16 - 2
+    assert bound.keys_mixed(1024) == ClusterSelectOptions(selection="summaries").keys_mixed(1024) == 1024
     assert ClusterSelectOptions(selection="bound", grouping="position", summaries=False).selection == "bound"
     for bad, message in (({"bound_block": 8, "selection": "summaries"},
                           "bound_block=8 sets the blocks of selection='bound'"),
@@ -730,7 +707,9 @@ def test_cluster_select_members_option():
 
     assert ClusterSelectOptions().members == "recent"
     scored = ClusterSelectOptions(summaries=False, members="score")
-    assert scored.keys_per_query(1024) == ClusterSelectOptions(summaries=False).keys_per_query(1024)
+    # as many keys mixed; read: every member of the selected groups scored, up to every key, and their 2 bounds
+    assert scored.keys_mixed(1024) == ClusterSelectOptions(summaries=False).keys_mixed(1024)
+    assert scored.keys_per_query(1024) == 1024 + 2
     with pytest.raises(ValueError, match=r"members='score' .* set summaries=False"):
         ClusterSelectOptions(members="score")
     with pytest.raises(ValueError, match="members"):
@@ -745,9 +724,9 @@ def test_cluster_select_members_option():
 def test_cluster_select_own_group_and_sink_options():
     """``with_own_group``: the own group first, then the selection's best others in their order -- the own group
     moves to the front where it was selected, and replaces the worst where it was not; the keys per query do not
-    change. Options: a bool, not with split_selection='clusters'. ``sink``: its keys are counted and budgeted."""
+    change. Options: a bool. ``sink``: its keys are counted and budgeted."""
     from clusterformer.attention.cluster_select import ClusterSelectOptions
-    from clusterformer.ops.selected import with_own_group
+    from clusterformer.ops.selected_ranking import with_own_group
     selected = torch.tensor([[5, 2, 7], [5, 2, 7], [5, 2, 7], [5, 2, 7]])
     own = torch.tensor([2, 7, 5, 1])
     assert with_own_group(selected, own).tolist() == [[2, 5, 7], [7, 5, 2], [5, 2, 7], [1, 5, 2]]
@@ -763,18 +742,15 @@ def test_cluster_select_own_group_and_sink_options():
     budget = sunk.for_budget(64, 1024)
     assert ClusterSelectOptions(**options, sink=4, **budget).keys_per_query(1024) <= 64
     assert budget == ClusterSelectOptions(**options, sink=0).for_budget(60, 1024)
-    # a budget whose clusters get fewer than 2 sink keys each goes without the sink, and says so
-    assert ClusterSelectOptions(**options).for_budget(8, 1024) == {"window": 2, "cluster_keys": 2}
-    small = ClusterSelectOptions(**options).for_budget(6, 1024)
+    # a budget whose clusters get fewer than 2 sink keys each goes without the sink, and says so (beside the 16
+    # group bounds, which are keys read)
+    assert ClusterSelectOptions(**options).for_budget(8 + 16, 1024) == {"window": 2, "cluster_keys": 2}
+    small = ClusterSelectOptions(**options).for_budget(6 + 16, 1024)
     assert small == {"window": 2, "cluster_keys": 2, "sink": 0}
-    assert ClusterSelectOptions(**options, **small).keys_per_query(1024) == 6
+    assert ClusterSelectOptions(**options, **small).keys_per_query(1024) == 6 + 16
     for bad, message in (({"sink": 17}, "sink=17 positions .* at most cluster_keys // 2 = 16"),
                          ({"sink": -1}, "sink"),
-                         ({"sink": 1, "position_splits": 2, "split_size": 4, "split_selection": "clusters"},
-                          "split_selection='groups'"),
-                         ({"own_group": 1}, "own_group must be a bool"),
-                         ({"own_group": True, "position_splits": 2, "split_size": 4, "split_selection": "clusters"},
-                          "split_selection='groups'")):
+                         ({"own_group": 1}, "own_group must be a bool")):
         with pytest.raises(ValueError, match=message):
             ClusterSelectOptions(**bad)
 
