@@ -19,7 +19,8 @@ causal form, the most over the model's layers (the Cluster-Former stack's slidin
   length.
 
 Writes ``results/budgets/recorded-grids.json``: a list of {grid, entry, options, length, causal, label_keys,
-keys_read, keys_mixed}, and prints the grids whose entries' keys read differ.
+keys_read, keys_mixed} (and task, mechanism, layers: [[mechanism, options], ...] of every layer kind, runs), and
+prints the comparisons whose entries' keys read differ.
 
 Run from the checkout: ``python docs/scripts/recorded_budgets.py [--out results/budgets/recorded-grids.json]``.
 """
@@ -105,7 +106,7 @@ def grid_rows(summary_path: Path) -> list[dict[str, Any]]:
         row = rows.setdefault(key, {
             "grid": str(grid.relative_to(ROOT / "results")), "task": task, "entry": entry,
             "options": layers[0][1] if len(layers) == 1 else {name: options for name, options in layers},
-            "mechanism": layers[0][0], "length": length, "causal": causal,
+            "mechanism": layers[0][0], "layers": [list(layer) for layer in layers], "length": length, "causal": causal,
             "label_keys": label, "keys_read": read, "keys_mixed": mixed, "runs": 0})
         row["runs"] += 1
         if record.get("keys_per_query") is not None:  # the largest label any run of the entry recorded
@@ -126,7 +127,8 @@ def long_context_rows(summary_path: Path) -> list[dict[str, Any]]:
         nominal = 0.1 if kept["grid"] == "layers" else float(re.match(r"[\d.]+", kept["budget"]).group()) / 100
         rows.append({"grid": f"long-context/{kept['grid']}, {kept['budget']}", "task": "passkey, niah-multikey",
                      "records": kept["records"],
-                     "entry": kept["entry"], "options": options, "mechanism": name, "length": length,
+                     "entry": kept["entry"], "options": options, "mechanism": name, "layers": [[name, options]],
+                     "length": length,
                      "causal": True, "label_keys": keys_allowed_count(nominal, length),
                      "keys_read": made.keys_read(length, True), "keys_mixed": made.keys_mixed(length, True),
                      "runs": kept["samples"]})

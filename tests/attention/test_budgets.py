@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,6 +199,22 @@ def test_default_budgets(name, options, length, read, mixed):
     made = make_options(name, options)
     assert (made.keys_read(length), made.keys_mixed(length)) == (read, mixed)
     assert made.keys_per_query(length) == read
+
+
+def test_the_recorded_grids_are_counted_as_the_library_counts():
+    """results/budgets/recorded-grids.json (docs/scripts/recorded_budgets.py): every entry's keys read and mixed are
+    its recorded options' at its length and causal form, the most over its layers -- rerun the script when a count
+    changes. The causal sliding windows of the MQAR grids read 84 of the 126 keys they were labelled with."""
+    path = Path(__file__).resolve().parents[2] / "results" / "budgets" / "recorded-grids.json"
+    rows = json.loads(path.read_text())
+    assert rows and {"grid", "entry", "options", "length", "causal", "label_keys", "keys_read", "keys_mixed"} <= set(
+        rows[0])
+    for row in rows:
+        made = [make_options(name, options) for name, options in row["layers"]]
+        assert row["keys_read"] == max(o.keys_read(row["length"], row["causal"]) for o in made), row
+        assert row["keys_mixed"] == max(o.keys_mixed(row["length"], row["causal"]) for o in made), row
+    windows = [r for r in rows if r["grid"].endswith("mqar-1024-k128") and r["entry"] == "sliding-window"]
+    assert [(r["label_keys"], r["keys_read"], r["keys_mixed"]) for r in windows] == [(126, 84, 84)]
 
 
 def test_causal_windows_read_one_window():
