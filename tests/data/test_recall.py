@@ -147,6 +147,28 @@ def test_multivalue_answers_match_an_independent_reader(spec):
     assert set(answers) == set(range(spec.values))  # every value is an answer
 
 
+@pytest.mark.parametrize("aggregate", ["majority", "max"])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_multivalue_every_value_matches_an_independent_reader(aggregate, prefix):
+    """labels="every": each value token of the context is a query too, labelled with its key's majority (ties to the
+    smallest) or largest value over the key's pairs -- up to and including it in the causal form (``prefix``); its
+    sources are exactly those pairs' values."""
+    spec = MultiValueSpec(length=301, aggregate=aggregate, max_count=5, num_queries=9, values=4, vocab_size=200,
+                          labels="every", prefix=prefix)
+    batch = generate_recall(spec, seed=6, split="train", start=2, count=12)
+    separator = spec.length - spec.num_queries - 1
+    assert batch.queries.shape == (12, spec.query_count) and spec.query_count == spec.pairs + spec.num_queries
+    for b in range(12):
+        tokens = batch.ids[b].tolist()
+        labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
+        assert read_multivalue(tokens, spec) == labelled and len(labelled) == spec.query_count
+        for m, q in enumerate(batch.queries[b].tolist()):
+            key = tokens[q] if q > separator else tokens[q - 1]
+            real = batch.sources[b, m][batch.source_mask[b, m]].tolist()
+            assert sorted(real) == [p for p in range(2, separator, 2)
+                                    if tokens[p - 1] == key and (p <= q or not prefix or q > separator)]
+
+
 def test_multivalue_needs_every_pair():
     """The answer is not readable from one pair: for keys with 3 or more pairs, a single pair's value (the first
     in the context) disagrees with the answer often, and the pairs are spread over the context."""
@@ -202,6 +224,8 @@ def test_gap_distributions():
     (MultiValueSpec, {"values": 1}, "values"),
     (MultiValueSpec, {"length": 100, "num_queries": 8, "max_count": 8}, "length"),
     (MultiValueSpec, {"vocab_size": 60}, "vocab_size"),  # 48 keys x 8 pairs < 495 pairs
+    (MultiValueSpec, {"labels": "all"}, "labels"),
+    (MultiValueSpec, {"prefix": True}, "prefix"),
 ])
 def test_bad_specs_name_the_option(kind, options, match):
     with pytest.raises(ValueError, match=match):
@@ -228,13 +252,13 @@ def test_train_histogram_through_the_cli(tmp_path, form):
 def test_train_multivalue_through_the_cli(tmp_path, task, form):
     out = tmp_path / "run"
     options = {"form": form, "num_queries": 3, "max_count": 4, "values": 5, "vocab_size": 64, "test_sequences": 8,
-               "recall_sequences": 4}
+               "recall_sequences": 4, "labels": "every"}
     assert main(["train", "--task", task, "--attention", "cluster-select", "--max-len", "64", "--task-options",
                  json.dumps(options), "--limit", "32", "--max-steps", "2", "--batch-size", "8", "--dim", "32",
                  "--out", str(out), "--no-progress"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     m = metrics["metrics"]
-    assert m["test_queries"] == 8 * 3 and 0 <= m["accuracy"] <= 1
+    assert m["test_queries"] == 8 * (3 + 29) and 0 <= m["accuracy"] <= 1 and 0 <= m["accuracy_end"] <= 1
     assert metrics["task"] == task
     for layer in m["key_recall"].values():
         assert 0 <= layer["key_coverage_all"] <= layer["key_coverage"] <= 1

@@ -254,6 +254,11 @@ class MultiValueSpec:
         values: V, the value tokens; the answer is one of them (chance 1 / V).
         vocab_size: tokens including padding, BOS, separator and filler; keys are ``[4 + V, vocab_size)``, at least
             (pairs) / C of them, so that the context can be filled.
+        labels: "queries" (the Q queries after the separator) or "every" (also every value token of the context,
+            labelled with the aggregate of its key's values -- up to and including it when ``prefix``, the causal
+            form; a running majority's ties go to the smallest value). As with the histogram, a model learns the
+            dense form far sooner.
+        prefix: with labels="every", aggregate only the pairs up to the position (what a causal model sees).
     """
 
     length: int = 1024
@@ -262,6 +267,8 @@ class MultiValueSpec:
     num_queries: int = 32
     values: int = 8
     vocab_size: int = 1024
+    labels: str = "queries"
+    prefix: bool = False
 
     BOS = 1
     SEPARATOR = 2
@@ -276,6 +283,14 @@ class MultiValueSpec:
         check_int("length", self.length, minimum=2 * self.num_queries * self.max_count + self.num_queries + 2)
         check_int("vocab_size", self.vocab_size,
                   minimum=self.first_key + max(self.num_queries, -(-self.pairs // self.max_count)))
+        check_choice("labels", self.labels, HISTOGRAM_LABELS)
+        if self.prefix and self.labels != "every":
+            raise ValueError("prefix=True aggregates up to each position, for labels='every' only")
+
+    @property
+    def query_count(self) -> int:
+        """Labelled positions per sequence: the Q end queries, and with labels="every" every pair's value too."""
+        return self.num_queries + (self.pairs if self.labels == "every" else 0)
 
     @property
     def first_key(self) -> int:
@@ -384,9 +399,24 @@ def _multivalue_one(spec: MultiValueSpec, rng: np.random.Generator) -> tuple[np.
     # sources: the positions of each asked key's value tokens (1 + 2 j + 1 for pair j), padded with the first
     by_owner = np.argsort(owner, kind="stable")  # pairs grouped by key, in context order
     start = np.cumsum(np.bincount(owner, minlength=len(keys))) - counts
-    valid = np.arange(C)[None, :] < counts[asked][:, None]
-    pair = by_owner[start[asked][:, None] + np.where(valid, np.arange(C)[None, :], 0)]
-    return tokens, queries, answer[asked], 2 + 2 * pair, valid
+    seen = counts[asked]  # an end query sees every pair of its key
+    answers, groups = answer[asked], asked
+    if spec.labels == "every":  # every value token asks too, for its own key's values (so far, with prefix)
+        rank = np.empty(P, dtype=np.int64)
+        rank[by_owner] = np.arange(P) - start[owner[by_owner]]  # the pair's index among its key's, in context order
+        so_far = np.cumsum(np.eye(V, dtype=np.int64)[value[by_owner]], axis=0)  # running value counts, grouped
+        before = np.vstack([np.zeros((1, V), dtype=np.int64), so_far])[start]  # each key's counts before its first
+        tally = np.empty_like(so_far)
+        tally[by_owner] = so_far - before[owner[by_owner]]  # each pair: its key's value counts up to it
+        if not spec.prefix:
+            tally = (so_far[start + counts - 1] - before)[owner]  # each pair: all its key's value counts
+        own = tally.argmax(-1) if spec.aggregate == "majority" else V - 1 - (tally[:, ::-1] > 0).argmax(-1)
+        queries = np.concatenate([2 + 2 * np.arange(P), queries])
+        answers, groups = np.concatenate([own, answers]), np.concatenate([owner, groups])
+        seen = np.concatenate([rank + 1 if spec.prefix else counts[owner], seen])
+    valid = np.arange(C)[None, :] < seen[:, None]
+    pair = by_owner[start[groups][:, None] + np.where(valid, np.arange(C)[None, :], 0)]
+    return tokens, queries, answers, 2 + 2 * pair, valid
 
 
 def _histogram_one(spec: HistogramSpec, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
@@ -445,7 +475,7 @@ def _spread_batch(spec: HistogramSpec | MultiValueSpec, seed: int, split: str, s
                   ) -> RecallBatch:
     """The tasks whose query needs several tokens (``sources`` (n, Q, S) with ``source_mask``)."""
     if isinstance(spec, MultiValueSpec):
-        Q, C, one = spec.num_queries, spec.max_count, _multivalue_one
+        Q, C, one = spec.query_count, spec.max_count, _multivalue_one
     else:
         Q, C, one = spec.num_queries if spec.labels == "queries" else spec.length - 2, spec.needed, _histogram_one
     rows = [one(spec, _rng(seed, split, start + i)) for i in range(count)]  # data, not a hot path
@@ -474,19 +504,30 @@ def read_histogram(tokens: list[int], labels: str = "queries", prefix: bool = Fa
 def read_multivalue(tokens: list[int], spec: MultiValueSpec) -> dict[int, int]:
     """An independent reader: {query position: answer}. A query is a token after the separator; its answer is the
     majority (``aggregate="majority"``) or the largest (``"max"``) of the values (token - 4) that follow its
-    occurrences as a key in the context."""
+    occurrences as a key in the context. With labels="every" each value token of the context is a query too, for its
+    key's values (up to and including it when ``prefix``; a tie of the running majority goes to the smallest)."""
     separator = tokens.index(MultiValueSpec.SEPARATOR)
     found: dict[int, list[int]] = {}
     for position in range(1, separator - 1, 2):  # pairs sit at 1, 3, 5, ...: the key, then its value
         if tokens[position] != MultiValueSpec.FILLER:
             found.setdefault(tokens[position], []).append(tokens[position + 1] - MultiValueSpec.FIRST_VALUE)
-    answers = {}
-    for position in range(separator + 1, len(tokens)):
-        values = found[tokens[position]]
+
+    def aggregate(values: list[int]) -> int:
         if spec.aggregate == "max":
-            answers[position] = max(values)
-        else:
-            answers[position] = next(v for v in set(values) if 2 * values.count(v) > len(values))
+            return max(values)
+        return max(sorted(set(values)), key=values.count)  # the most frequent; among ties the smallest
+
+    answers = {}
+    if spec.labels == "every":
+        so_far: dict[int, list[int]] = {}
+        for position in range(2, separator, 2):
+            if tokens[position - 1] == MultiValueSpec.FILLER:
+                continue
+            key = tokens[position - 1]
+            so_far.setdefault(key, []).append(tokens[position] - MultiValueSpec.FIRST_VALUE)
+            answers[position] = aggregate(so_far[key] if spec.prefix else found[key])
+    for position in range(separator + 1, len(tokens)):
+        answers[position] = aggregate(found[tokens[position]])
     return answers
 
 

@@ -71,7 +71,7 @@ class RecallOptions:
         max_count, num_queries, labels: the histogram's largest count, its queries and which positions are
             labelled (:class:`clusterformer.data.recall.HistogramSpec`; with labels="every" the causal form counts
             up to each position, the bidirectional form the whole sequence); ``max_count`` and ``num_queries`` are
-            also the multi-value tasks' most pairs per key and queries.
+            also the multi-value tasks' most pairs per key and queries, and ``labels`` which positions they label.
         values: the multi-value tasks' value tokens V (:class:`clusterformer.data.recall.MultiValueSpec`).
         min_gap: tokens between a needed token and the first query (MQAR: between the last pair and the query
             region; passkey: between the needle and the question).
@@ -104,7 +104,8 @@ class RecallOptions:
     def spec(self, task: str, length: int) -> MQARSpec | PasskeySpec | HistogramSpec | MultiValueSpec:
         if task in AGGREGATES:
             return MultiValueSpec(length=length, aggregate=AGGREGATES[task], max_count=self.max_count,
-                                  num_queries=self.num_queries, values=self.values, vocab_size=self.vocab_size or 1024)
+                                  num_queries=self.num_queries, values=self.values, vocab_size=self.vocab_size or 1024,
+                                  labels=self.labels, prefix=self.labels == "every" and self.form == "causal")
         if task == "histogram":
             return HistogramSpec(length=length, max_count=self.max_count, num_queries=self.num_queries,
                                  vocab_size=self.vocab_size or 1024, labels=self.labels,
@@ -194,7 +195,7 @@ class RecallTask:
         result = {"accuracy": hit.float().mean().item(), "test_sequences": len(test.ids),
                   "test_queries": hit.numel(), "far": self.options.far, "far_fraction": far.float().mean().item(),
                   "accuracy_far": _mean(hit[far]), "accuracy_near": _mean(hit[~far])}
-        if isinstance(self.spec, HistogramSpec) and self.spec.labels == "every":  # the queries after the separator
+        if isinstance(self.spec, HistogramSpec | MultiValueSpec) and self.spec.labels == "every":  # after the separator
             result["accuracy_end"] = _mean(hit[:, -self.spec.num_queries:])
         if self.options.recall_sequences:
             result["key_recall"] = self.key_recall(predict.model, predict.device)
