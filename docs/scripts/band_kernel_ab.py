@@ -3,7 +3,7 @@ with other chunk lengths or another build of the library (issue #31; docs/benchm
 
 Every entry runs in this one process, interleaved (entry 1, entry 2, ..., full; five times after a warm-up), so the
 ratios hold on a shared machine where absolute times do not. ``--chunks`` patches
-``clusterformer.ops.selected.BAND_CHUNK`` per entry; ``--kernels`` times several of this build's kernels (e.g.
+``clusterformer.ops.selected_band.BAND_CHUNK`` per entry; ``--kernels`` times several of this build's kernels (e.g.
 ``banded,fused``: the chunk bands against the C++ key lists, twenty-fourth session); ``--other SRC`` also times the
 ``clusterformer`` importable from SRC (e.g. the ``src`` of a ``git worktree`` at an earlier commit), with its own
 defaults.
@@ -25,13 +25,18 @@ import torch
 
 
 def load(src: str | None):
-    """The ``clusterformer`` package of ``src`` (None: the one on the path), imported afresh."""
+    """The ``clusterformer`` package of ``src`` (None: the one on the path), imported afresh: its attention and
+    the module that holds ``BAND_CHUNK`` (ops.selected_band; ops.selected in builds before the split)."""
     for name in [m for m in sys.modules if m == "clusterformer" or m.startswith("clusterformer.")]:
         del sys.modules[name]
     if src is not None:
         sys.path.insert(0, src)
     try:
-        return importlib.import_module("clusterformer.attention"), importlib.import_module("clusterformer.ops.selected")
+        attention = importlib.import_module("clusterformer.attention")
+        try:
+            return attention, importlib.import_module("clusterformer.ops.selected_band")
+        except ModuleNotFoundError:
+            return attention, importlib.import_module("clusterformer.ops.selected")
     finally:
         if src is not None:
             sys.path.remove(src)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from clusterformer.attention import ClusterSelectAttention, cluster_select, record_groups
-from clusterformer.ops.selected import scored_members
+from clusterformer.ops.selected_ranking import scored_members
 from clusterformer.train import load_trained
 
 SEQUENCES = 64

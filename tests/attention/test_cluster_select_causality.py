@@ -10,7 +10,9 @@ import torch
 
 from clusterformer.attention import build
 from clusterformer.ops.listed_attention import extension_available
-from clusterformer.ops.selected import cluster_layout, selected_cluster_attention, summary_selection
+from clusterformer.ops.selected import selected_cluster_attention
+from clusterformer.ops.selected_layout import cluster_layout
+from clusterformer.ops.selected_ranking import summary_selection
 from seeds import fixed_seed
 
 KERNELS = ["gather", "banded", "dense-mask",

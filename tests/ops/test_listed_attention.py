@@ -388,7 +388,7 @@ def test_bound_groups_match_the_definition_and_choose_ties_by_the_lower_group(wi
     """The fused bounds against a loop over queries and groups (padding, id G, in no group; blocks that do not
     divide N; a block longer than N), and its choice against top_groups of the bounds: the same groups in the same
     order, ties (groups without members, at -inf) to the lower id."""
-    from clusterformer.ops.selected import top_groups
+    from clusterformer.ops.selected_ranking import top_groups
 
     g = torch.Generator().manual_seed(fixed_seed())
     B, H, N, G = 2, 2, 13, 4
@@ -417,7 +417,7 @@ def test_bound_groups_match_the_definition_and_choose_ties_by_the_lower_group(wi
 
 def test_top_groups_puts_equal_logits_in_order_of_their_ids():
     """The selection's rule for ties, which topk leaves unspecified: largest first, equal ones by the lower id."""
-    from clusterformer.ops.selected import top_groups
+    from clusterformer.ops.selected_ranking import top_groups
 
     inf = math.inf
     logits = torch.tensor([[-inf, 1.0, -inf, 1.0, -inf, 2.0], [-inf] * 6, [0.5, -inf, 0.5, 0.5, 0.7, -inf]])
@@ -501,7 +501,8 @@ def test_scored_members_match_the_definition_with_ties_to_the_later_position(N, 
     """cluster-select's members="score": the fused pass and the tensor operations (without the kernel) against a
     loop over queries and groups -- padding (id G) in no group, groups of fewer than ``keep`` members, and equal
     keys (equal scores), which go to the later position first."""
-    from clusterformer.ops import selected as sel
+    from clusterformer.ops import selected_ranking as sel
+    from clusterformer.ops.selected_layout import cluster_layout
 
     if not fused:
         monkeypatch.setattr(sel, "extension_available", lambda: False)
@@ -516,7 +517,7 @@ def test_scored_members_match_the_definition_with_ties_to_the_later_position(N, 
     if N > 10:
         ids[:, :, [3, 7, 9]] = 1
     selected = torch.stack([torch.randperm(G, generator=g)[:S] for _ in range(B * H * N)]).view(B, H, N, S)
-    layout = sel.cluster_layout(ids, num_clusters=G, window=window, causal=causal)
+    layout = cluster_layout(ids, num_clusters=G, window=window, causal=causal)
     got = sel.scored_members(q, k, layout, selected, cluster_keys=keep, causal=causal)
     expected = _members_loop(q, k, ids, selected, keep, window, causal)
     assert torch.equal(got, expected)

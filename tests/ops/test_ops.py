@@ -280,9 +280,9 @@ def test_selected_cluster_attention_with_summaries_gradcheck(kernel, chunk, caus
     (banded: 9 positions are 5 chunks causal, 9 non-causal, so whole chunks lie beyond every band; chunk 4: a
     window of 10 in bands of three or four chunks of 4 and 3, whose keys outside the window span more than a chunk,
     21 positions) have the gradients of their values: gradcheck in float64 with padding, on q, k and v."""
-    from clusterformer.ops import selected, selected_cluster_attention
+    from clusterformer.ops import selected_band, selected_cluster_attention
     if chunk is not None:
-        monkeypatch.setattr(selected, "BAND_CHUNK", chunk)
+        monkeypatch.setattr(selected_band, "BAND_CHUNK", chunk)
     torch.manual_seed(fixed_seed())
     B, H, N, D, C = 1, 2, 9, 3, 3
     window = 2
@@ -318,7 +318,7 @@ def test_cluster_layout_counts_match_a_count_by_position(N, window, causal):
     count over every cluster) and searched for a few selected clusters (binary search in the sorted keys, the path
     taken without summaries), against a count written one query and cluster at a time; padding (id C) counts in no
     cluster."""
-    from clusterformer.ops.selected import cluster_layout
+    from clusterformer.ops.selected_layout import cluster_layout
 
     g = torch.Generator().manual_seed(fixed_seed())
     B, H, C, S = 2, 2, 5, 3

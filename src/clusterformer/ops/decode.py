@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..masks import NO_MASK, AttentionMask
 from .layouts import group_ranks
-from .selected import group_extremes, top_groups, upper_bounds
+from .selected_ranking import group_extremes, top_groups, upper_bounds
 
 __all__ = ["DecodeCache", "GroupRingCache", "JoinedCache", "KVCache", "LocalBlockCache", "MemberScoreCache",
            "WindowCache", "attend_allowed", "check_right_padded", "merge_attention"]
@@ -410,7 +410,7 @@ class SelectionCache(DecodeCache):
         bound_hi, bound_lo: with ``bound_block`` (selection="bound"), (B, H, C, D) channel-wise max and min of the
             members in the whole blocks of bound_block positions that left the window; pending_hi, pending_lo: of
             the members that left it from the block not yet whole, merged into the bounds when it is
-            (:func:`clusterformer.ops.selected.bound_logits`, one position). None without ``bound_block``.
+            (:func:`clusterformer.ops.selected_ranking.bound_logits`, one position). None without ``bound_block``.
     """
 
     window_keys: torch.Tensor
@@ -503,7 +503,7 @@ class SelectionCache(DecodeCache):
     def summaries(self, selected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per cluster, the mean key and value (B, H, C, D) of the members that left the window, less the ring of
         each ``selected`` (B, H, S) cluster (read alone; ``None``: nothing taken out), and log n (B, H, C), -inf
-        where n = 0 (:func:`clusterformer.ops.selected.cluster_summaries`, one position)."""
+        where n = 0 (:func:`clusterformer.ops.selected_layout.cluster_summaries`, one position)."""
         key_sums, value_sums, count = self.key_sums, self.value_sums, self.counts
         if selected is not None:
             w = self.ring_keys.shape[3]
@@ -518,7 +518,7 @@ class SelectionCache(DecodeCache):
     def summary_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0, groups: int | None = None
                           ) -> torch.Tensor:
         """The ``select`` clusters (B, H, S) whose summary of every member outside the window has the largest logit
-        for q_t (B, H, D) (:func:`clusterformer.ops.selected.summary_selection`; ``by_cluster``: its groups'
+        for q_t (B, H, D) (:func:`clusterformer.ops.selected_ranking.summary_selection`; ``by_cluster``: its groups'
         clusters first), among the first ``groups`` (None: all)."""
         keys, _, log_n = self.summaries(None)
         logits = (keys @ (q_t * q_t.shape[-1] ** -0.5).unsqueeze(-1)).squeeze(-1) + log_n
@@ -527,8 +527,8 @@ class SelectionCache(DecodeCache):
     def bound_selection(self, q_t: torch.Tensor, select: int, by_cluster: int = 0, groups: int | None = None
                         ) -> torch.Tensor:
         """The ``select`` groups (B, H, S) of largest upper bound q+ . hi + q- . lo / sqrt(D) over their members in
-        the whole blocks outside the window, for q_t (B, H, D) (:func:`clusterformer.ops.selected.bound_logits`),
-        among the first ``groups`` (None: all)."""
+        the whole blocks outside the window, for q_t (B, H, D)
+        (:func:`clusterformer.ops.selected_ranking.bound_logits`), among the first ``groups`` (None: all)."""
         if not self.bound_block:
             raise ValueError("this cache keeps no bounds: build it with bound_block > 0 (selection='bound')")
         logits = upper_bounds((q_t * q_t.shape[-1] ** -0.5).unsqueeze(-2), self.bound_hi, self.bound_lo)

@@ -292,11 +292,11 @@ def bound_groups(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, *, num
     ``scale`` (applied row by row in the kernel: the same bits as scaling q first, without its copy), k (B, H, N, D)
     and ``key_ids`` (B, H, N) in [0, num_groups] (num_groups: in no group), the upper bound
     sum_d max(q_d hi_d, q_d lo_d) of q . k over each group's members in the whole blocks of ``block`` positions
-    outside the query's window (:func:`clusterformer.ops.selected.bound_logits`, which is its definition in tensor
-    operations), built from running extremes as the queries move, not from a state per block. With ``select`` > 0,
-    the ``select`` groups of largest bound per query, (B, H, N, select), best first, ties to the lower group id
-    (:func:`clusterformer.ops.selected.top_groups`' rule); with 0 the bounds (B, H, N, G), -inf where a group has no
-    such member. No gradient. Needs the fused kernel (:func:`extension_available`)."""
+    outside the query's window (:func:`clusterformer.ops.selected_ranking.bound_logits`, which is its definition in
+    tensor operations), built from running extremes as the queries move, not from a state per block. With
+    ``select`` > 0, the ``select`` groups of largest bound per query, (B, H, N, select), best first, ties to the
+    lower group id (:func:`clusterformer.ops.selected_ranking.top_groups`' rule); with 0 the bounds (B, H, N, G),
+    -inf where a group has no such member. No gradient. Needs the fused kernel (:func:`extension_available`)."""
     if not extension_available():
         raise ValueError(f"bound_groups needs the fused kernel: {extension_error()}")
     if q.dim() != 4 or k.shape != q.shape or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
@@ -326,8 +326,8 @@ def top_members(q: torch.Tensor, k: torch.Tensor, runs: SlotRuns, *, per_group: 
     ``runs``, :class:`SlotRuns`, whose slots hold a group's members in position order); returns (B, H, N, groups *
     keep) int64, per group its ``keep`` candidates of largest q . k in slot order (equal scores at the cut: the later
     slot is kept), -1 after them where it has fewer (a group with at most ``keep`` is copied whole). No gradient. Needs
-    the fused kernel (:func:`extension_available`); :func:`clusterformer.ops.selected.scored_members` falls back to
-    tensor operations without it."""
+    the fused kernel (:func:`extension_available`); :func:`clusterformer.ops.selected_ranking.scored_members` falls
+    back to tensor operations without it."""
     if not extension_available():
         raise ValueError(f"top_members needs the fused kernel: {extension_error()}")
     if q.dim() != 4 or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
