@@ -815,17 +815,6 @@ def test_cluster_select_balance_spreads_crowded_keys():
     assert largest_share(0.05) < 0.4
 
 
-def test_cluster_select_balance_options():
-    from clusterformer.attention.cluster_select import ClusterSelectOptions
-
-    with pytest.raises(ValueError, match="balance"):
-        ClusterSelectOptions(balance=-0.1)
-    with pytest.raises(ValueError, match="balance"):
-        ClusterSelectOptions(balance=0.1, grouping="position")
-    assert "balance_bias" not in build("cluster-select", dim=16, heads=2).state_dict(), \
-        "without balance the state is what earlier checkpoints hold"
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_cluster_select_dense_training_attends_to_every_key_and_moves_the_centroids(causal):
     """``dense_training`` (``train --dense-warmup-steps``): a training forward of cluster-select is full attention

@@ -161,6 +161,12 @@ def make_options(name: str, options: dict[str, Any] | AttentionOptions) -> Atten
         if target in canonical:
             raise ValueError(f"option {target!r} of attention {name!r} is given twice (as {target!r} and an alias)")
         canonical[target] = value
+    kind = mech.options
+    # options whose ablations lost, kept in a subclass of the mechanism's options (its EXPERIMENTAL class; none
+    # in ``describe``) so that recorded runs can be rebuilt: naming any of them builds that class
+    experimental = getattr(kind, "EXPERIMENTAL", None)
+    if experimental is not None and not set(canonical) <= set(valid):
+        kind, valid = experimental, option_fields(experimental)
     unknown = sorted(set(canonical) - set(valid))
     if unknown:
         raise ValueError(
@@ -168,7 +174,7 @@ def make_options(name: str, options: dict[str, Any] | AttentionOptions) -> Atten
             f"{name!r}; valid options: {', '.join(sorted(valid)) or '(none)'}"
         )
     try:
-        return mech.options(**canonical)
+        return kind(**canonical)
     except ValueError as error:  # name the option as the caller spelled it
         message = str(error)
         for alias, target in mech.options.ALIASES.items():
