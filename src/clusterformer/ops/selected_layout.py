@@ -56,7 +56,7 @@ class ClusterLayout:
         self.total = _histogram(key_ids, num_clusters + 1)[..., :num_clusters]
         self.start = self.total.cumsum(-1) - self.total  # first slot of each cluster
         self._counts: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) the positions that end each query's part before its window and the end of its window: a cluster's
@@ -110,7 +110,7 @@ class ClusterLayout:
     def prefix_start(self) -> torch.Tensor:
         """(B, H, C) the row of :meth:`cluster_prefix` that holds each cluster's empty sum: row prefix_start[c] + r
         holds the sum of cluster c's first r members (r = 0 .. total[c])."""
-        return self._prefix_plan()[2]
+        return self._prefix_plan()[3]
 
     def cluster_prefix(self, x: torch.Tensor) -> torch.Tensor:
         """Per cluster, the prefix sums of its members' rows of x (B, H, N, D) in position order, each restarted at
@@ -123,10 +123,11 @@ class ClusterLayout:
         cluster's rows are cut into blocks of :data:`PREFIX_BLOCK` from its start; a block's sums are one cumsum
         within it, and a block adds the sum of its cluster's earlier blocks, found by a segmented scan over the
         blocks (ceil(log2 blocks) element-wise passes, Hillis and Steele 1986; no loop over clusters)."""
-        source, block_rank, _ = self._prefix_plan()
+        source, empty, block_rank, _ = self._prefix_plan()
         B, H, _, D = x.shape
         blocks = block_rank.shape[-1]
-        rows = F.pad(x, (0, 0, 0, 1)).gather(2, source.unsqueeze(-1).expand(B, H, -1, D))  # the padded row: zero
+        # gathered from x itself, which the backward keeps anyway (a padded copy would be kept too)
+        rows = x.gather(2, source.unsqueeze(-1).expand(B, H, -1, D)).masked_fill(empty, 0.0)
         local = rows.view(B, H, blocks, PREFIX_BLOCK, D).cumsum(3)
         totals = local[:, :, :, -1]  # (B, H, blocks, D)
         shift = 1
@@ -137,11 +138,11 @@ class ClusterLayout:
         earlier = torch.where((block_rank >= 1).unsqueeze(-1), F.pad(totals, (0, 0, 1, 0))[:, :, :blocks], 0.0)
         return (local + earlier.unsqueeze(3)).view(B, H, blocks * PREFIX_BLOCK, D)
 
-    def _prefix_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`cluster_prefix`'s rows: (B, H, R) the position whose row each holds (N: none, zero), (B, H,
-        R / PREFIX_BLOCK) each block's rank in its cluster, and :attr:`prefix_start`. Cluster c takes
-        ceil((total[c] + 1) / PREFIX_BLOCK) blocks, its members from the second row of the first on; R covers
-        every cluster of any (B, H) pair: ceil(N / PREFIX_BLOCK) + C blocks."""
+    def _prefix_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`cluster_prefix`'s rows: (B, H, R) the position whose row each holds and (B, H, R, 1) True where
+        it holds none (zero), (B, H, R / PREFIX_BLOCK) each block's rank in its cluster, and :attr:`prefix_start`.
+        Cluster c takes ceil((total[c] + 1) / PREFIX_BLOCK) blocks, its members from the second row of the first
+        on; R covers every cluster of any (B, H) pair: ceil(N / PREFIX_BLOCK) + C blocks."""
         if self._plan is None:
             B, H, N = self.order.shape
             C, L = self.num_clusters, PREFIX_BLOCK
@@ -158,11 +159,12 @@ class ClusterLayout:
             row = torch.where(inside, (first_row - self.start).gather(-1, cluster) + 1 + slot, blocks * L)
             source = torch.full((B, H, blocks * L + 1), N, dtype=torch.long, device=self.order.device)
             source = source.scatter_(-1, row, self.order)[..., :-1]
+            empty = (source == N).unsqueeze(-1)
             block = torch.arange(blocks, device=self.order.device).expand(B, H, blocks).contiguous()
             owner = torch.searchsorted(block_end, block, right=True)  # the cluster of each block (C: none)
             block_start = F.pad(block_end - taken, (0, 1), value=0)
             block_start[..., -1] = block_end[..., -1]
-            self._plan = (source, block - block_start.gather(-1, owner), first_row)
+            self._plan = (source.clamp(max=N - 1), empty, block - block_start.gather(-1, owner), first_row)
         return self._plan
 
 
