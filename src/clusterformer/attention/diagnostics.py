@@ -268,7 +268,8 @@ class LogitSpy(TorchFunctionMode):
     def _record(self, scores: torch.Tensor) -> None:
         if not self.recording:
             return
-        finite = scores.detach()[torch.isfinite(scores.detach())].double()
+        scores = scores.detach()
+        finite = scores[torch.isfinite(scores) & (scores > -1e30)].double()  # below -1e30: a mask's finite fill
         for value in finite[finite != 0].tolist():  # a probe: a few thousand logits
             if not any(float(f"{value * f:.12g}") in self.logits for f in self.factors):
                 self.logits.add(float(f"{value:.12g}"))
@@ -282,8 +283,8 @@ class LogitSpy(TorchFunctionMode):
                 logits = (q @ k.transpose(-1, -2)) * scale
                 mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
                 if mask is not None:
-                    logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else \
-                        logits.masked_fill(mask == -math.inf, -math.inf)
+                    blocked = ~mask if mask.dtype == torch.bool else mask < -1e30  # an additive mask's -inf, min
+                    logits = logits.masked_fill(blocked, -math.inf)
                 if kwargs.get("is_causal"):
                     logits = logits.masked_fill(torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
                 self._record(logits)
@@ -346,7 +347,11 @@ class _MarkingProjection:
         return self.spy.mark(q, "q"), self.spy.mark(k, "k"), v
 
     def project_rows(self, rows: torch.Tensor, which: str) -> torch.Tensor:
-        return self.layer.project_rows(rows, which)
+        projected = self.layer.project_rows(rows, which)
+        for mark in ("q", "k"):
+            if mark in which:  # "q", "k", or a shared "qk"
+                self.spy.mark(projected, mark)
+        return projected
 
 
 def logits_read(layer: AttentionLayer, x: torch.Tensor, causal: bool = False) -> int:
