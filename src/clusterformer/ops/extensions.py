@@ -5,12 +5,15 @@ Each :class:`CppExtension` compiles one source with ``torch.utils.cpp_extension.
 ~/.cache/torch_extensions) with the CPU's vector width (AVX2 with FMA, or AVX-512) and OpenMP. Without a C++
 compiler or ninja, after a failed build, or with ``CLUSTERFORMER_NO_EXTENSIONS=1``, :meth:`CppExtension.load`
 returns None and :attr:`CppExtension.error` says why; every caller then runs its PyTorch composition of the same
-function. A build lock older than ten minutes, which an interrupted build leaves and torch would wait on forever,
-is removed with a warning (:func:`clear_stale_lock`).
+function. The headers the sources share (``csrc/*.h``) enter the build as a define of their digest
+(:func:`header_digest`): torch's build cache hashes the sources and the flags, so an edit to a header rebuilds every
+extension as an edit to its source does. A build lock older than ten minutes, which an interrupted build leaves and
+torch would wait on forever, is removed with a warning (:func:`clear_stale_lock`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CppExtension", "build_flags"]
+__all__ = ["CppExtension", "build_flags", "header_digest"]
 
 CSRC = Path(__file__).with_name("csrc")
 
@@ -35,6 +38,16 @@ def build_flags() -> tuple[str, list[str]]:
     elif capability == "AVX2":
         flags += ["-mavx2", "-mfma"]
     return capability.lower(), flags
+
+
+def header_digest() -> str:
+    """A digest of the headers of ``ops/csrc`` (names and contents), which every build is given as the define
+    ``CLUSTERFORMER_HEADERS``: it changes the build's flags, and so rebuilds the extensions, whenever a header does."""
+    digest = hashlib.sha256()
+    for header in sorted(CSRC.glob("*.h")):
+        digest.update(header.name.encode())
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class CppExtension:
@@ -73,7 +86,8 @@ class CppExtension:
                           file=sys.stderr, flush=True)
                 # -fopenmp: at::parallel_for is an inline OpenMP loop in torch's builds, serial without it. The
                 # libgomp it links is torch's own, already loaded under the same soname: one OpenMP runtime.
-                self._module = load(name=name, sources=[str(self.source)], extra_cflags=[*flags, "-fopenmp"],
+                self._module = load(name=name, sources=[str(self.source)],
+                                    extra_cflags=[*flags, "-fopenmp", f"-DCLUSTERFORMER_HEADERS={header_digest()}"],
                                     extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch compositions remain
                 text = str(exc).strip()

@@ -37,26 +37,14 @@
 #include <utility>
 #include <vector>
 
+#include "rows.h"
+
 namespace {
 
-// A (B, H, L, D) tensor's rows with unit stride along D and any other strides (q, k, v as views of the layer's fused
-// projection; an output or gradient in the (B, L, H, D) order the heads are joined in): row i of (b, h) pair `pair`
-// at at(pair) + i * row.
-template <typename T>
-struct Rows {
-  T* data = nullptr;
-  int64_t batch = 0, head = 0, row = 0, H = 1;
-  inline T* at(int64_t pair) const { return data + (pair / H) * batch + (pair % H) * head; }
-};
-
-// rows_of<const T> to read, rows_of<T> to write
-template <typename T>
-Rows<T> rows_of(const torch::Tensor& t) {
-  return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
-}
-
-// Whether t is 4-D with unit stride along its last dim (any stride where it has one element).
-bool unit_rows(const torch::Tensor& t) { return t.dim() == 4 && (t.size(3) <= 1 || t.stride(3) == 1); }
+using clusterformer::Rows;
+using clusterformer::rows_of;
+using clusterformer::unit_rows;
+using clusterformer::with_head_size;
 
 // The slot runs of one (b, h) pair (pointers already offset to it); count == 0: none.
 struct Runs {
@@ -125,6 +113,34 @@ struct Summaries {
   }
 };
 
+// What the forward and the backward read: q, k, v, the listed keys (B, H, N, M), the slot runs, the key mask (B, Nk)
+// or null, the range summaries, the shapes and the window; pair(p, D) gives (b, h) pair p's own share of them.
+template <typename T>
+struct Listed {
+  Rows<const T> q, k, v;
+  const int64_t* index = nullptr;
+  Runs runs;
+  const bool* key_real = nullptr;
+  Summaries<T> sums;
+  int64_t prefix_rows = 0, pairs = 0, H = 1, N = 0, Nk = 0, M = 0, window = 0, offset = 0;
+  T scale = 1;
+
+  struct Pair {
+    const T* q;
+    const T* k;
+    const T* v;
+    const int64_t* index;  // (N, M)
+    Runs runs;
+    const bool* real;  // (Nk,) or null
+    Summaries<T> sums;
+  };
+
+  inline Pair pair(int64_t p, int64_t D) const {
+    return {q.at(p), k.at(p), v.at(p), index + p * N * M, runs.at(p, N, Nk),
+            key_real == nullptr ? nullptr : key_real + (p / H) * Nk, sums.at(p, prefix_rows, N, D)};
+  }
+};
+
 // exp(x) for x <= 0 in plain arithmetic, so that a loop over a buffer vectorises (std::exp is a call per element):
 // exp(x) = 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (Cody and Waite's ln 2 in two
 // parts), exp(r) by its Taylor series to degree 7 (float) or 12 (double): relative error about 1e-8 / 3e-16. x is
@@ -152,29 +168,29 @@ inline T exp_nonpositive(T x) {
 }
 
 template <typename T, int64_t FixedD>
-void forward_pairs(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v, const int64_t* index,
-                   const Runs& all_runs, const bool* key_real, const Summaries<T>& all, int64_t prefix_rows,
-                   const Rows<T>& out, T* lse, int64_t pairs, int64_t H,
-                    int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale,
-                   int64_t first, int64_t last) {
+void forward_pairs(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t head_dim, int64_t first, int64_t last) {
   const int64_t D = FixedD ? FixedD : head_dim;  // a compile-time head size unrolls the loops over channels
-  const int64_t C = all.groups;
+  const int64_t C = in.sums.groups, N = in.N, Nk = in.Nk, M = in.M, window = in.window, offset = in.offset;
+  const Rows<const T>& k = in.k;
+  const Rows<const T>& v = in.v;
+  const T scale = in.scale;
   const T minus_inf = -std::numeric_limits<T>::infinity();
-  const int64_t listed = M + all_runs.count * all_runs.capacity;  // places after the window, before the summaries
+  const int64_t listed = M + in.runs.count * in.runs.capacity;  // places after the window, before the summaries
   {
     std::vector<T> scores(window + listed + C);
     for (int64_t pair = first; pair < last; ++pair) {
-      const T* qp = q.at(pair);
-      const T* kp = k.at(pair);
-      const T* vp = v.at(pair);
-      const int64_t* ip = index + pair * N * M;
-      const Runs runs = all_runs.at(pair, N, Nk);
-      const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
-      const Summaries<T> sums = all.at(pair, prefix_rows, N, D);
+      const auto at = in.pair(pair, D);
+      const T* qp = at.q;
+      const T* kp = at.k;
+      const T* vp = at.v;
+      const int64_t* ip = at.index;
+      const Runs& runs = at.runs;
+      const bool* real = at.real;
+      const Summaries<T>& sums = at.sums;
       T* op = out.at(pair);
       T* lp = lse + pair * N;
       for (int64_t i = 0; i < N; ++i) {
-        const T* __restrict__ qi = qp + i * q.row;
+        const T* __restrict__ qi = qp + i * in.q.row;
         T* __restrict__ oi = op + i * out.row;
         T largest = minus_inf;
         for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
@@ -243,13 +259,9 @@ void forward_pairs(const Rows<const T>& q, const Rows<const T>& k, const Rows<co
 // forward_kernel: forward_pairs over every pair, split over torch's threads. The body is a function of its own, not
 // the parallel loop's lambda, so that its loops compile as they would inline whatever the loop does with it.
 template <typename T, int64_t FixedD>
-void forward_kernel(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v, const int64_t* index,
-                    const Runs& all_runs, const bool* key_real, const Summaries<T>& all, int64_t prefix_rows,
-                    const Rows<T>& out, T* lse, int64_t pairs, int64_t H,
-                    int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
-  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
-    forward_pairs<T, FixedD>(q, k, v, index, all_runs, key_real, all, prefix_rows, out, lse, pairs, H, N, Nk, M,
-                             head_dim, window, offset, scale, first, last);
+void forward_kernel(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t head_dim) {
+  at::parallel_for(0, in.pairs, 1, [&](int64_t first, int64_t last) {
+    forward_pairs<T, FixedD>(in, out, lse, head_dim, first, last);
   });
 }
 
@@ -261,17 +273,17 @@ void forward_kernel(const Rows<const T>& q, const Rows<const T>& k, const Rows<c
 constexpr int64_t kTwoPassBackward = 32;
 
 template <typename T, int64_t FixedD>
-void backward_pairs(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v, const int64_t* index,
-                    const Runs& all_runs, const bool* key_real, const Summaries<T>& all, int64_t prefix_rows,
-                    const Rows<const T>& out, const T* lse, const Rows<const T>& dout, const T* dlse,
-                    const Rows<T>& dq, const Rows<T>& dk, const Rows<T>& dv, T* dprefix_k, T* dprefix_v, int64_t pairs,
-                    int64_t H,
-                     int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale,
-                   int64_t first, int64_t last) {
+void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse, const Rows<const T>& dout,
+                    const T* dlse, const Rows<T>& dq, const Rows<T>& dk, const Rows<T>& dv, T* dprefix_k,
+                    T* dprefix_v, int64_t head_dim, int64_t first, int64_t last) {
   const int64_t D = FixedD ? FixedD : head_dim;
-  const int64_t C = all.groups;
+  const int64_t C = in.sums.groups, N = in.N, Nk = in.Nk, M = in.M, window = in.window, offset = in.offset;
+  const int64_t prefix_rows = in.prefix_rows;
+  const Rows<const T>& k = in.k;
+  const Rows<const T>& v = in.v;
+  const T scale = in.scale;
   const T minus_inf = -std::numeric_limits<T>::infinity();
-  const int64_t listed = M + all_runs.count * all_runs.capacity;
+  const int64_t listed = M + in.runs.count * in.runs.capacity;
   {
     // the query's row, its output gradient and its dq in buffers of their own: no aliasing with dk, dv
     std::vector<T> q_buffer(D), g_buffer(D), dq_buffer(D);
@@ -280,13 +292,14 @@ void backward_pairs(const Rows<const T>& q, const Rows<const T>& k, const Rows<c
     T* __restrict__ gi = g_buffer.data();
     T* __restrict__ dqi = dq_buffer.data();
     for (int64_t pair = first; pair < last; ++pair) {
-      const T* qp = q.at(pair);
-      const T* kp = k.at(pair);
-      const T* vp = v.at(pair);
-      const int64_t* ip = index + pair * N * M;
-      const Runs runs = all_runs.at(pair, N, Nk);
-      const bool* real = key_real == nullptr ? nullptr : key_real + (pair / H) * Nk;
-      const Summaries<T> sums = all.at(pair, prefix_rows, N, D);
+      const auto at = in.pair(pair, D);
+      const T* qp = at.q;
+      const T* kp = at.k;
+      const T* vp = at.v;
+      const int64_t* ip = at.index;
+      const Runs& runs = at.runs;
+      const bool* real = at.real;
+      const Summaries<T>& sums = at.sums;
       T* dpk = C ? dprefix_k + pair * prefix_rows * D : nullptr;
       T* dpv = C ? dprefix_v + pair * prefix_rows * D : nullptr;
       const T* op = out.at(pair);
@@ -304,7 +317,7 @@ void backward_pairs(const Rows<const T>& q, const Rows<const T>& k, const Rows<c
           continue;
         }
         const T* oi = op + i * out.row;
-        const T* q_row = qp + i * q.row;
+        const T* q_row = qp + i * in.q.row;
         const T* g_row = gp + i * dout.row;
         T delta = 0;  // dout . out
         for (int64_t d = 0; d < D; ++d) {
@@ -391,15 +404,11 @@ void backward_pairs(const Rows<const T>& q, const Rows<const T>& k, const Rows<c
 // backward_kernel: backward_pairs over every pair, split over torch's threads. The body is a function of its own, not
 // the parallel loop's lambda, so that its loops compile as they would inline whatever the loop does with it.
 template <typename T, int64_t FixedD>
-void backward_kernel(const Rows<const T>& q, const Rows<const T>& k, const Rows<const T>& v, const int64_t* index,
-                     const Runs& all_runs, const bool* key_real, const Summaries<T>& all, int64_t prefix_rows,
-                     const Rows<const T>& out, const T* lse, const Rows<const T>& dout, const T* dlse,
-                     const Rows<T>& dq, const Rows<T>& dk, const Rows<T>& dv, T* dprefix_k, T* dprefix_v,
-                     int64_t pairs, int64_t H,
-                     int64_t N, int64_t Nk, int64_t M, int64_t head_dim, int64_t window, int64_t offset, T scale) {
-  at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
-    backward_pairs<T, FixedD>(q, k, v, index, all_runs, key_real, all, prefix_rows, out, lse, dout, dlse, dq, dk, dv,
-                              dprefix_k, dprefix_v, pairs, H, N, Nk, M, head_dim, window, offset, scale, first, last);
+void backward_kernel(const Listed<T>& in, const Rows<const T>& out, const T* lse, const Rows<const T>& dout,
+                     const T* dlse, const Rows<T>& dq, const Rows<T>& dk, const Rows<T>& dv, T* dprefix_k,
+                     T* dprefix_v, int64_t head_dim) {
+  at::parallel_for(0, in.pairs, 1, [&](int64_t first, int64_t last) {
+    backward_pairs<T, FixedD>(in, out, lse, dout, dlse, dq, dk, dv, dprefix_k, dprefix_v, head_dim, first, last);
   });
 }
 
@@ -447,19 +456,6 @@ Summaries<T> summaries_of(const torch::Tensor& q, const torch::Tensor& prefix_k,
   return s;
 }
 
-// Calls run with std::integral_constant<int64_t, D> for the head sizes the kernels unroll at compile time (16, 32,
-// 64, 128), and with std::integral_constant<int64_t, 0> for any other (the loops then read D at run time).
-template <typename F>
-void with_head_size(int64_t D, F&& run) {
-  switch (D) {
-    case 16: run(std::integral_constant<int64_t, 16>{}); break;
-    case 32: run(std::integral_constant<int64_t, 32>{}); break;
-    case 64: run(std::integral_constant<int64_t, 64>{}); break;
-    case 128: run(std::integral_constant<int64_t, 128>{}); break;
-    default: run(std::integral_constant<int64_t, 0>{});
-  }
-}
-
 const bool* real_or_null(const torch::Tensor& key_real) {
   return key_real.numel() == 0 ? nullptr : key_real.data_ptr<bool>();
 }
@@ -484,6 +480,18 @@ Runs runs_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor
   return r;
 }
 
+// The inputs of the forward and the backward as a Listed (the runs already checked; the summaries checked here).
+template <typename T>
+Listed<T> listed_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& index,
+                    const Runs& runs, const torch::Tensor& key_real, int64_t window, int64_t offset,
+                    const torch::Tensor& prefix_k, const torch::Tensor& prefix_v, const torch::Tensor& start,
+                    const torch::Tensor& total, const torch::Tensor& lower, const torch::Tensor& upper, double scale) {
+  return {rows_of<const T>(q), rows_of<const T>(k), rows_of<const T>(v), index.data_ptr<int64_t>(), runs,
+          real_or_null(key_real), summaries_of<T>(q, prefix_k, prefix_v, start, total, lower, upper),
+          prefix_k.numel() ? prefix_k.size(2) : 0, q.size(0) * q.size(1), q.size(1), q.size(2), k.size(2),
+          index.size(3), window, offset, static_cast<T>(scale)};
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor index,
@@ -495,18 +503,14 @@ std::vector<torch::Tensor> listed_forward(torch::Tensor q, torch::Tensor k, torc
   check_inputs(q, k, v, index, key_real);
   TORCH_CHECK(unit_rows(out) && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "out: q's shape and dtype, unit stride along D");
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
-  const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
-  const Runs runs = runs_of(q, k, order, run_first, run_length, capacity);
-  auto lse = torch::empty({B, H, N}, q.options());
+  const int64_t D = q.size(3);
+  auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "listed_forward", [&] {
-    const auto sums = summaries_of<scalar_t>(q, prefix_k, prefix_v, start, total, lower, upper);
-    auto run = [&](auto kernel) {
-      kernel(rows_of<const scalar_t>(q), rows_of<const scalar_t>(k), rows_of<const scalar_t>(v),
-             index.data_ptr<int64_t>(), runs, real_or_null(key_real), sums, rows, rows_of<scalar_t>(out),
-             lse.data_ptr<scalar_t>(), B * H, H, N, Nk, M, D, window, offset, static_cast<scalar_t>(scale));
-    };
-    with_head_size(D, [&](auto fixed) { run(forward_kernel<scalar_t, decltype(fixed)::value>); });
+    const auto in = listed_of<scalar_t>(q, k, v, index, runs_of(q, k, order, run_first, run_length, capacity),
+                                        key_real, window, offset, prefix_k, prefix_v, start, total, lower, upper, scale);
+    with_head_size(D, [&](auto fixed) {
+      forward_kernel<scalar_t, decltype(fixed)::value>(in, rows_of<scalar_t>(out), lse.data_ptr<scalar_t>(), D);
+    });
   });
   return {out, lse};
 }
@@ -527,23 +531,19 @@ std::vector<torch::Tensor> listed_backward(torch::Tensor q, torch::Tensor k, tor
   // into zeros
   TORCH_CHECK(unit_rows(dq) && unit_rows(dk) && unit_rows(dv) && dq.sizes() == q.sizes() && dk.sizes() == k.sizes()
               && dv.sizes() == v.sizes(), "dq, dk, dv: q's, k's, v's shapes, unit stride along D");
-  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), Nk = k.size(2), M = index.size(3);
-  const int64_t rows = prefix_k.numel() ? prefix_k.size(2) : 0;
-  const Runs runs = runs_of(q, k, order, run_first, run_length, capacity);
+  const int64_t D = q.size(3);
   auto dprefix_k = torch::zeros_like(prefix_k);
   auto dprefix_v = torch::zeros_like(prefix_v);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "listed_backward", [&] {
-    const auto sums = summaries_of<scalar_t>(q, prefix_k, prefix_v, start, total, lower, upper);
-    scalar_t* dpk = rows ? dprefix_k.data_ptr<scalar_t>() : nullptr;
-    scalar_t* dpv = rows ? dprefix_v.data_ptr<scalar_t>() : nullptr;
-    auto run = [&](auto kernel) {
-      kernel(rows_of<const scalar_t>(q), rows_of<const scalar_t>(k), rows_of<const scalar_t>(v),
-             index.data_ptr<int64_t>(), runs, real_or_null(key_real), sums, rows, rows_of<const scalar_t>(out),
-             lse.data_ptr<scalar_t>(), rows_of<const scalar_t>(dout), dlse.data_ptr<scalar_t>(), rows_of<scalar_t>(dq),
-             rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), dpk, dpv, B * H, H, N, Nk, M, D, window, offset,
-             static_cast<scalar_t>(scale));
-    };
-    with_head_size(D, [&](auto fixed) { run(backward_kernel<scalar_t, decltype(fixed)::value>); });
+    const auto in = listed_of<scalar_t>(q, k, v, index, runs_of(q, k, order, run_first, run_length, capacity),
+                                        key_real, window, offset, prefix_k, prefix_v, start, total, lower, upper, scale);
+    scalar_t* dpk = in.prefix_rows ? dprefix_k.data_ptr<scalar_t>() : nullptr;
+    scalar_t* dpv = in.prefix_rows ? dprefix_v.data_ptr<scalar_t>() : nullptr;
+    with_head_size(D, [&](auto fixed) {
+      backward_kernel<scalar_t, decltype(fixed)::value>(
+          in, rows_of<const scalar_t>(out), lse.data_ptr<scalar_t>(), rows_of<const scalar_t>(dout),
+          dlse.data_ptr<scalar_t>(), rows_of<scalar_t>(dq), rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), dpk, dpv, D);
+    });
   });
   return {dprefix_k, dprefix_v};
 }

@@ -17,39 +17,16 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
+
+#include "rows.h"
 
 namespace {
 
-// Compile-time head sizes for the common ones, so that the per-dimension loops unroll (0: read at run time). The
-// same dispatch as listed_attention.cpp's, repeated: each extension builds from its one source file, and the build
-// cache tracks sources only (a shared header's edits would not rebuild them).
-template <typename F>
-void with_head_size(int64_t D, F&& run) {
-  switch (D) {
-    case 16: run(std::integral_constant<int64_t, 16>{}); break;
-    case 32: run(std::integral_constant<int64_t, 32>{}); break;
-    case 64: run(std::integral_constant<int64_t, 64>{}); break;
-    case 128: run(std::integral_constant<int64_t, 128>{}); break;
-    default: run(std::integral_constant<int64_t, 0>{});
-  }
-}
-
-// A (B, H, N, D) tensor's rows with unit stride along D and any other strides: row n of (b, h) pair `pair` at
-// at(pair) + n * row. The same as listed_attention.cpp's, repeated for the reason above.
-template <typename T>
-struct Rows {
-  T* data = nullptr;
-  int64_t batch = 0, head = 0, row = 0, H = 1;
-  inline T* at(int64_t pair) const { return data + (pair / H) * batch + (pair % H) * head; }
-};
-
-// rows_of<const T> to read, rows_of<T> to write
-template <typename T>
-Rows<T> rows_of(const torch::Tensor& t) {
-  return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), t.stride(2), t.size(1)};
-}
+using clusterformer::Rows;
+using clusterformer::rows_of;
+using clusterformer::unit_rows;
+using clusterformer::with_head_size;
 
 template <typename T, int64_t FixedD>
 void assign_kernel(const Rows<const T>& k, const T* mu, const T* mu_t, const T* bias, const bool* real, int64_t* ids, T* gap,
@@ -125,7 +102,7 @@ void gap_backward_kernel(const Rows<const T>& k, const T* mu, const int64_t* ids
 
 void check_inputs(const torch::Tensor& k, const torch::Tensor& mu) {
   TORCH_CHECK(k.device().is_cpu() && mu.device().is_cpu(), "spherical assignment runs on CPU tensors");
-  TORCH_CHECK(k.dim() == 4 && mu.dim() == 3 && (k.size(3) <= 1 || k.stride(3) == 1) && mu.is_contiguous() &&
+  TORCH_CHECK(unit_rows(k) && mu.dim() == 3 && mu.is_contiguous() &&
               k.scalar_type() == mu.scalar_type() && mu.size(0) == k.size(1) && mu.size(2) == k.size(3),
               "k (B, H, N, D) with unit stride along D and contiguous centroids (H, C, D), one dtype");
 }
