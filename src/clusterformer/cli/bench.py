@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from .._io import emit_json, read_json
 from ..bench.attention import COMPILE_MODES
@@ -143,7 +144,7 @@ def run_attention(args: argparse.Namespace) -> int:
         causal=args.causal, cuda_graph=args.cuda_graph, compile=args.compile,
     )
     records = run_attention_benchmark(config, progress=log)
-    emit_json(records, args.json, log=log)
+    _emit(records, args)
     if args.plot:
         from ..bench.plot import plot_attention_benchmark
 
@@ -160,41 +161,26 @@ def run_decode(args: argparse.Namespace) -> int:
                                head_dim=args.head_dim, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                                device=args.device, dtype=args.dtype, threads=args.threads, options=options,
                                cuda_graph=args.cuda_graph, references=args.references)
-    records = run_decode_benchmark(config, progress=log)
-    emit_json(records, args.json, log=log)
-    log(decode_table(records))
-    return 0
+    return _emit(run_decode_benchmark(config, progress=log), args, decode_table)
 
 
 def run_retrieval(args: argparse.Namespace) -> int:
     from ..bench.retrieval import RetrievalBenchConfig, retrieval_table, run_retrieval_benchmark
 
     options = json_object("--options", args.options, '{"num_clusters": 128}')
-    budget = args.budget if args.budget <= 1 else int(args.budget)
-    from .._specs import split_specs
-
-    config = RetrievalBenchConfig(contexts=args.contexts, methods=split_specs(args.methods),
-                                  budget=budget, options=options, heads=args.heads, kv_heads=args.kv_heads,
-                                  head_dim=args.head_dim, steps=args.steps, answer_tokens=args.answer_tokens,
-                                  threads=args.threads)
-    records = run_retrieval_benchmark(config, progress=log)
-    emit_json(records, args.json, log=log)
-    log(retrieval_table(records))
-    return 0
+    config = RetrievalBenchConfig(contexts=args.contexts, methods=_methods(args), budget=_budget(args), options=options,
+                                  heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, steps=args.steps,
+                                  answer_tokens=args.answer_tokens, threads=args.threads)
+    return _emit(run_retrieval_benchmark(config, progress=log), args, retrieval_table)
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    from .._specs import split_specs
     from ..bench.prefill import PrefillBenchConfig, prefill_table, run_prefill_benchmark
 
-    budget = args.budget if args.budget <= 1 else int(args.budget)
-    config = PrefillBenchConfig(lengths=args.lengths, methods=split_specs(args.methods), budget=budget,
-                                model=args.model, repeats=args.repeats, floor=not args.no_floor,
-                                data_dir=args.data_dir, threads=args.threads)
-    records = run_prefill_benchmark(config, progress=log)
-    emit_json(records, args.json, log=log)
-    log(prefill_table(records))
-    return 0
+    config = PrefillBenchConfig(lengths=args.lengths, methods=_methods(args), budget=_budget(args), model=args.model,
+                                repeats=args.repeats, floor=not args.no_floor, data_dir=args.data_dir,
+                                threads=args.threads)
+    return _emit(run_prefill_benchmark(config, progress=log), args, prefill_table)
 
 
 def run_reversible(args: argparse.Namespace) -> int:
@@ -206,8 +192,27 @@ def run_reversible(args: argparse.Namespace) -> int:
     config = ReversibleBenchConfig(depths=args.depths, attention=args.attention, options=options, length=args.length,
                                    batch=args.batch, dim=args.dim, heads=args.heads, tied=args.tied,
                                    device=args.device, repeats=args.repeats)
-    emit_json(run_reversible_benchmark(config, progress=log), args.json, log=log)
+    return _emit(run_reversible_benchmark(config, progress=log), args)
+
+
+def _emit(records: list[dict], args: argparse.Namespace, table: Callable[[list[dict]], str] | None = None) -> int:
+    """Write a benchmark's records (``--json``, or stdout) and log their table, where it has one."""
+    emit_json(records, args.json, log=log)
+    if table is not None:
+        log(table(records))
     return 0
+
+
+def _methods(args: argparse.Namespace) -> list[str]:
+    """``--methods``: specs separated by ';' (or ',' without options)."""
+    from .._specs import split_specs
+
+    return split_specs(args.methods)
+
+
+def _budget(args: argparse.Namespace) -> float | int:
+    """``--budget``: a fraction of the keys (<= 1) or a count (> 1)."""
+    return args.budget if args.budget <= 1 else int(args.budget)
 
 
 def run_report(args: argparse.Namespace) -> int:

@@ -5,14 +5,16 @@ and the key-padding mask the attention layers take (True = padding)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .._checks import check_int
 
-__all__ = ["ByteTokenizer", "MLMSpecials", "WordTokenizer"]
+__all__ = ["ByteTokenizer", "MLMSpecials", "TrainedTokenizer", "WordTokenizer"]
 
 PAD, UNK, SEP, MASK, CLS = "[PAD]", "[UNK]", "[SEP]", "[MASK]", "[CLS]"
+T = TypeVar("T", bound="TrainedTokenizer")
 
 
 @dataclass(frozen=True)
@@ -66,15 +68,34 @@ def _reproducible_wordpiece(tok, texts: list[str], trainer, specials: list[str])
     return Tokenizer.from_str(json.dumps(state))
 
 
-class WordTokenizer:
+class TrainedTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer trained here (:class:`WordTokenizer`, the translation task's
+    :class:`~clusterformer.data.translation.BPETokenizer`), kept in checkpoints as its JSON string."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+
+    @classmethod
+    def from_str(cls: type[T], text: str) -> T:
+        """The tokenizer that :meth:`to_str` wrote (of the class it is called on)."""
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(text))
+
+    def to_str(self) -> str:
+        return self._tok.to_str()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+
+class WordTokenizer(TrainedTokenizer):
     """A vocabulary trained on the training texts: lower-cased, split on whitespace and punctuation. Word-level
     (the default): words seen fewer than ``min_frequency`` times (or beyond ``vocab_size``) map to [UNK] (id 1).
     ``subword=True``: BERT's WordPiece -- a word outside the vocabulary is split into pieces that are in it
     (``##`` marks a continuation), so a text from another corpus keeps its rare words as pieces instead of [UNK]
     (what a pretrained vocabulary needs on a downstream task's sentences)."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tok = tokenizer
 
     @classmethod
     def train(cls, texts: list[str], vocab_size: int = 30000, min_frequency: int = 1,
@@ -115,19 +136,6 @@ class WordTokenizer:
         if kind not in ("word", "wordpiece"):
             raise ValueError(f"tokenizer must be 'word' or 'wordpiece' to train a vocabulary here, got {kind!r}")
         return cls.train(texts, vocab_size=vocab_size, subword=kind == "wordpiece", **options)
-
-    @classmethod
-    def from_str(cls, text: str) -> WordTokenizer:
-        from tokenizers import Tokenizer
-
-        return cls(Tokenizer.from_str(text))
-
-    def to_str(self) -> str:
-        return self._tok.to_str()
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size()
 
     @property
     def kind(self) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .paths import resolve_data_dir
+from .tokenize import TrainedTokenizer
 
 __all__ = ["SPECIALS", "BPETokenizer", "ParallelText", "load_multi30k"]
 
@@ -54,11 +55,8 @@ def load_multi30k(data_dir: str | Path | None, split: str, *, source: str = "de"
     return ParallelText(*sides)
 
 
-class BPETokenizer:
+class BPETokenizer(TrainedTokenizer):
     """Byte-level BPE (Hugging Face ``tokenizers``) with padding, BOS and EOS as ids 0, 1, 2."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
 
     @classmethod
     def train(cls, texts: list[str], vocab_size: int) -> BPETokenizer:
@@ -74,24 +72,11 @@ class BPETokenizer:
         tok.train_from_iterator(texts, trainer=trainer)
         return cls(tok)
 
-    @classmethod
-    def from_str(cls, state: str) -> BPETokenizer:
-        from tokenizers import Tokenizer
-
-        return cls(Tokenizer.from_str(state))
-
-    def to_str(self) -> str:
-        return self.tokenizer.to_str()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
-
     def encode_ids(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+        return [e.ids for e in self._tok.encode_batch(texts)]
 
     def decode_ids(self, ids: list[list[int]]) -> list[str]:
-        return self.tokenizer.decode_batch(ids, skip_special_tokens=True)
+        return self._tok.decode_batch(ids, skip_special_tokens=True)
 
 
 def pad_batch(rows: list[list[int]], max_len: int, *, bos: bool = False, eos: bool = False

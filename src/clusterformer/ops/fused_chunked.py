@@ -88,12 +88,47 @@ if triton is not None:
 
     @triton.jit
     def _query_tile(w, hops, BLOCK_M: tl.constexpr):
-        """This program's query tile: (window, query-buffer rows, the same tokens' key rows, valid rows)."""
+        """This program's query tile: (query-buffer rows, the same tokens' key rows, valid rows, and its window's
+        key rows [start, end))."""
         tiles = tl.cdiv(w, BLOCK_M)
         win = tl.program_id(0) // tiles
         local = (tl.program_id(0) % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_row = win * w + local  # row in the query buffer
-        return win, q_row, q_row + (hops - 1) * w, local < w  # key row r + (hops - 1) w is query row r
+        # key row r + (hops - 1) w is query row r
+        return q_row, q_row + (hops - 1) * w, local < w, win * w, win * w + hops * w
+
+    @triton.jit
+    def _rows(X, rows, ok, h, stride_m, stride_h, d, d_ok):
+        """The tile (rows, BLOCK_D) of head h's rows ``rows`` of X, zero where a row is not ``ok`` or beyond D."""
+        return tl.load(X + rows[:, None] * stride_m + h * stride_h + d[None, :], mask=ok[:, None] & d_ok[None, :],
+                       other=0.0)
+
+    @triton.jit
+    def _key_tile(K, V, first, end, h, stride_km, stride_kh, stride_vm, stride_vh, d, d_ok, BLOCK_N: tl.constexpr):
+        """Key rows ``first .. first + BLOCK_N`` (below ``end``): (rows, valid rows, their keys, their values)."""
+        n = first + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        return (n, n_ok, _rows(K, n, n_ok, h, stride_km, stride_kh, d, d_ok),
+                _rows(V, n, n_ok, h, stride_vm, stride_vh, d, d_ok))
+
+    @triton.jit
+    def _scores(q, k, scale, ACC: tl.constexpr, PRECISION: tl.constexpr):
+        """(BLOCK_M, BLOCK_N) q . k * scale, accumulated in ACC."""
+        return (tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale).to(ACC)
+
+    @triton.jit
+    def _query_rows(Q, DO, LSE, DELTA, SELF_ONLY, q_row, m_ok, h, H, stride_qm, stride_qh, stride_dom, stride_doh,
+                    d, d_ok, EXCLUDE_SELF: tl.constexpr):
+        """What the backward reads of query rows ``q_row``: (q, dO, the log-sum-exp, delta = dO . O, which rows fell
+        back to their own key in the forward: all valid rows unless ``EXCLUDE_SELF``)."""
+        q = _rows(Q, q_row, m_ok, h, stride_qm, stride_qh, d, d_ok)
+        do = _rows(DO, q_row, m_ok, h, stride_dom, stride_doh, d, d_ok)
+        lse = tl.load(LSE + q_row * H + h, mask=m_ok, other=float("inf"))
+        delta = tl.load(DELTA + q_row * H + h, mask=m_ok, other=0.0)
+        self_only = m_ok
+        if EXCLUDE_SELF:
+            self_only = tl.load(SELF_ONLY + q_row * H + h, mask=m_ok, other=0) != 0
+        return q, do, lse, delta, self_only
 
     @triton.jit
     def _fwd_kernel(
@@ -105,26 +140,18 @@ if triton is not None:
         ACC: tl.constexpr, PRECISION: tl.constexpr,
     ):
         h = tl.program_id(1)
-        win, q_row, self_row, m_ok = _query_tile(w, hops, BLOCK_M)
+        q_row, self_row, m_ok, start, end = _query_tile(w, hops, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        q = tl.load(Q + q_row[:, None] * stride_qm + h * stride_qh + d[None, :],
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        q = _rows(Q, q_row, m_ok, h, stride_qm, stride_qh, d, d_ok)
         m_i = tl.full([BLOCK_M], float("-inf"), ACC)
         l_i = tl.zeros([BLOCK_M], ACC)
         acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-        start = win * w
-        end = start + hops * w
         for kb in range(start, end, BLOCK_N):  # the key window, read in place
-            n = kb + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + n[:, None] * stride_km + h * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + n[:, None] * stride_vm + h * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+            n, n_ok, k, v = _key_tile(K, V, kb, end, h, stride_km, stride_kh, stride_vm, stride_vh, d, d_ok, BLOCK_N)
             allowed = _allowed(n, n_ok, self_row, m_ok, KEY_OK, POS, GRP, m_ok,
                                HAS_POS, HAS_GRP, EXCLUDE_SELF, False)
-            s = (tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale).to(ACC)
-            s = tl.where(allowed, s, float("-inf"))
+            s = tl.where(allowed, _scores(q, k, scale, ACC, PRECISION), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at zero
             p = tl.exp(s - m_safe[:, None])
@@ -139,10 +166,8 @@ if triton is not None:
         if EXCLUDE_SELF:  # no other key: the query attends to its own key alone (weight 1)
             self_ok = tl.load(KEY_OK + self_row, mask=m_ok, other=0) != 0
             fallback = (l_i == 0) & self_ok & m_ok
-            k_self = tl.load(K + self_row[:, None] * stride_km + h * stride_kh + d[None, :],
-                             mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            v_self = tl.load(V + self_row[:, None] * stride_vm + h * stride_vh + d[None, :],
-                             mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            k_self = _rows(K, self_row, m_ok, h, stride_km, stride_kh, d, d_ok)
+            v_self = _rows(V, self_row, m_ok, h, stride_vm, stride_vh, d, d_ok)
             s_self = (tl.sum(q.to(ACC) * k_self.to(ACC), 1) * scale).to(ACC)
             out = tl.where(fallback[:, None], v_self.to(ACC), out)
             lse = tl.where(fallback, s_self, lse)
@@ -162,36 +187,23 @@ if triton is not None:
         ACC: tl.constexpr, PRECISION: tl.constexpr,
     ):
         h = tl.program_id(1)
-        win, q_row, self_row, m_ok = _query_tile(w, hops, BLOCK_M)
+        q_row, self_row, m_ok, start, end = _query_tile(w, hops, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        qd_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + q_row[:, None] * stride_qm + h * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-        do = tl.load(DO + q_row[:, None] * stride_dom + h * stride_doh + d[None, :], mask=qd_mask, other=0.0)
-        lse = tl.load(LSE + q_row * H + h, mask=m_ok, other=float("inf"))
-        delta = tl.load(DELTA + q_row * H + h, mask=m_ok, other=0.0)
-        self_only = m_ok
-        if EXCLUDE_SELF:
-            self_only = tl.load(SELF_ONLY + q_row * H + h, mask=m_ok, other=0) != 0
+        q, do, lse, delta, self_only = _query_rows(Q, DO, LSE, DELTA, SELF_ONLY, q_row, m_ok, h, H, stride_qm,
+                                                   stride_qh, stride_dom, stride_doh, d, d_ok, EXCLUDE_SELF)
         dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-        start = win * w
-        end = start + hops * w
         for kb in range(start, end, BLOCK_N):
-            n = kb + tl.arange(0, BLOCK_N)
-            n_ok = n < end
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + n[:, None] * stride_km + h * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + n[:, None] * stride_vm + h * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+            n, n_ok, k, v = _key_tile(K, V, kb, end, h, stride_km, stride_kh, stride_vm, stride_vh, d, d_ok, BLOCK_N)
             allowed = _allowed(n, n_ok, self_row, m_ok, KEY_OK, POS, GRP, self_only,
                                HAS_POS, HAS_GRP, EXCLUDE_SELF, True)
-            s = (tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale).to(ACC)
-            p = tl.exp(tl.where(allowed, s, float("-inf")) - lse[:, None])
+            p = tl.exp(tl.where(allowed, _scores(q, k, scale, ACC, PRECISION), float("-inf")) - lse[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
         dq = (dq * scale).to(ACC)
         tl.store(DQ + q_row[:, None] * stride_gm + h * stride_gh + d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=qd_mask)
+                 mask=m_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _bwd_dkdv_kernel(
@@ -211,8 +223,8 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + n[:, None] * stride_km + h * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + n[:, None] * stride_vm + h * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        k = _rows(K, n, n_ok, h, stride_km, stride_kh, d, d_ok)
+        v = _rows(V, n, n_ok, h, stride_vm, stride_vh, d, d_ok)
         dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
         dv = tl.zeros([BLOCK_N, BLOCK_D], ACC)
         last = tl.minimum(first + BLOCK_N, num_rows) - 1
@@ -226,19 +238,11 @@ if triton is not None:
                 m_ok = local < w
                 q_row = win * w + local
                 self_row = q_row + (hops - 1) * w
-                qd_mask = m_ok[:, None] & d_ok[None, :]
-                q = tl.load(Q + q_row[:, None] * stride_qm + h * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-                do = tl.load(DO + q_row[:, None] * stride_dom + h * stride_doh + d[None, :], mask=qd_mask,
-                             other=0.0)
-                lse = tl.load(LSE + q_row * H + h, mask=m_ok, other=float("inf"))
-                delta = tl.load(DELTA + q_row * H + h, mask=m_ok, other=0.0)
-                self_only = m_ok
-                if EXCLUDE_SELF:
-                    self_only = tl.load(SELF_ONLY + q_row * H + h, mask=m_ok, other=0) != 0
+                q, do, lse, delta, self_only = _query_rows(Q, DO, LSE, DELTA, SELF_ONLY, q_row, m_ok, h, H, stride_qm,
+                                                           stride_qh, stride_dom, stride_doh, d, d_ok, EXCLUDE_SELF)
                 allowed = _allowed(n, n_in, self_row, m_ok, KEY_OK, POS, GRP, self_only,
                                    HAS_POS, HAS_GRP, EXCLUDE_SELF, True)
-                s = (tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * scale).to(ACC)
-                p = tl.exp(tl.where(allowed, s, float("-inf")) - lse[:, None])
+                p = tl.exp(tl.where(allowed, _scores(q, k, scale, ACC, PRECISION), float("-inf")) - lse[:, None])
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION, out_dtype=ACC)
                 dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
                 ds = p * (dp - delta[:, None])
