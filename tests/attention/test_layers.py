@@ -572,6 +572,20 @@ def test_cluster_select_banded_chunks_shorter_than_the_window_match_dense_refere
     test_cluster_select_summaries_match_dense_reference(37, options, "summaries", "kmeans", causal, "banded")
 
 
+@pytest.mark.parametrize("kernel", ["gather", FUSED])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cluster_select_summaries_over_several_prefix_blocks_match_dense_reference(kernel, causal, monkeypatch):
+    """The gather and fused kernels' summaries read each cluster's own prefix sums, cut into blocks of
+    ``PREFIX_BLOCK`` rows (16 in production, more than these clusters hold): in blocks of 4 every cluster spans
+    several, whose sums the blocks' segmented scan carries -- against the definitions above, with the summaries'
+    ranking and the bound's."""
+    from clusterformer.ops import selected_layout
+    monkeypatch.setattr(selected_layout, "PREFIX_BLOCK", 4)
+    options = {"num_clusters": 3, "select": 2, "cluster_keys": 3, "window": 6}
+    test_cluster_select_summaries_match_dense_reference(37, options, "summaries", "kmeans", causal, kernel)
+    test_cluster_select_summaries_match_dense_reference(37, options, "bound-own-sink", "kmeans", causal, kernel)
+
+
 @pytest.mark.parametrize("chunk", [None, 4])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cluster_select_kernels_give_one_gradient(chunk, causal, monkeypatch):
