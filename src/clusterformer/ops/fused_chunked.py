@@ -88,14 +88,20 @@ if triton is not None:
 
     @triton.jit
     def _query_tile(w, hops, BLOCK_M: tl.constexpr):
-        """This program's query tile: (query-buffer rows, the same tokens' key rows, valid rows, and its window's
-        key rows [start, end))."""
+        """This program's head and query tile: (head, query-buffer rows, the same tokens' key rows, valid rows, and
+        its window's key rows [start, end))."""
         tiles = tl.cdiv(w, BLOCK_M)
         win = tl.program_id(0) // tiles
         local = (tl.program_id(0) % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_row = win * w + local  # row in the query buffer
         # key row r + (hops - 1) w is query row r
-        return q_row, q_row + (hops - 1) * w, local < w, win * w, win * w + hops * w
+        return tl.program_id(1), q_row, q_row + (hops - 1) * w, local < w, win * w, win * w + hops * w
+
+    @triton.jit
+    def _channels(D, BLOCK_D: tl.constexpr):
+        """The tile's channels and which of them are real (< D)."""
+        d = tl.arange(0, BLOCK_D)
+        return d, d < D
 
     @triton.jit
     def _rows(X, rows, ok, h, stride_m, stride_h, d, d_ok):
@@ -139,10 +145,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         ACC: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        h = tl.program_id(1)
-        q_row, self_row, m_ok, start, end = _query_tile(w, hops, BLOCK_M)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
+        h, q_row, self_row, m_ok, start, end = _query_tile(w, hops, BLOCK_M)
+        d, d_ok = _channels(D, BLOCK_D)
         q = _rows(Q, q_row, m_ok, h, stride_qm, stride_qh, d, d_ok)
         m_i = tl.full([BLOCK_M], float("-inf"), ACC)
         l_i = tl.zeros([BLOCK_M], ACC)
@@ -180,16 +184,13 @@ if triton is not None:
     def _bwd_dq_kernel(
         Q, K, V, DO, DQ, LSE, DELTA, SELF_ONLY, KEY_OK, POS, GRP,
         stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
-        stride_gm, stride_gh,
-        H, w, hops, scale, D,
+        stride_gm, stride_gh, H, w, hops, scale, D,
         HAS_POS: tl.constexpr, HAS_GRP: tl.constexpr, EXCLUDE_SELF: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         ACC: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        h = tl.program_id(1)
-        q_row, self_row, m_ok, start, end = _query_tile(w, hops, BLOCK_M)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
+        h, q_row, self_row, m_ok, start, end = _query_tile(w, hops, BLOCK_M)
+        d, d_ok = _channels(D, BLOCK_D)
         q, do, lse, delta, self_only = _query_rows(Q, DO, LSE, DELTA, SELF_ONLY, q_row, m_ok, h, H, stride_qm,
                                                    stride_qh, stride_dom, stride_doh, d, d_ok, EXCLUDE_SELF)
         dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
@@ -220,8 +221,7 @@ if triton is not None:
         first = pid_n * BLOCK_N
         n = first + tl.arange(0, BLOCK_N)
         n_ok = n < num_rows
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
+        d, d_ok = _channels(D, BLOCK_D)
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = _rows(K, n, n_ok, h, stride_km, stride_kh, d, d_ok)
         v = _rows(V, n, n_ok, h, stride_vm, stride_vh, d, d_ok)

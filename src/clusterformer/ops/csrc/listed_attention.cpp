@@ -179,26 +179,19 @@ void forward_pairs(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t head
   {
     std::vector<T> scores(window + listed + C);
     for (int64_t pair = first; pair < last; ++pair) {
-      const auto at = in.pair(pair, D);
-      const T* qp = at.q;
-      const T* kp = at.k;
-      const T* vp = at.v;
-      const int64_t* ip = at.index;
-      const Runs& runs = at.runs;
-      const bool* real = at.real;
-      const Summaries<T>& sums = at.sums;
+      const auto at = in.pair(pair, D);  // this pair's q, k, v, listed keys, runs, key mask, summaries
       T* op = out.at(pair);
       T* lp = lse + pair * N;
       for (int64_t i = 0; i < N; ++i) {
-        const T* __restrict__ qi = qp + i * in.q.row;
+        const T* __restrict__ qi = at.q + i * in.q.row;
         T* __restrict__ oi = op + i * out.row;
         T largest = minus_inf;
-        for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
+        for_each_key(i, at.index + i * M, M, at.runs, window, offset, Nk, at.real, [&](int64_t m, int64_t j) {
           if (j < 0) {
             scores[m] = minus_inf;
             return;
           }
-          const T* __restrict__ kj = kp + j * k.row;
+          const T* __restrict__ kj = at.k + j * k.row;
           T dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
           scores[m] = dot * scale;
@@ -206,14 +199,14 @@ void forward_pairs(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t head
         });
         for (int64_t c = 0; c < C; ++c) {  // summaries: q . (sum of keys) / n * scale + log n
           int64_t r[4];
-          const int64_t n = sums.rows(i, c, r);
+          const int64_t n = at.sums.rows(i, c, r);
           T& score = scores[window + listed + c];
           if (n <= 0) {
             score = minus_inf;
             continue;
           }
-          const T* a = sums.prefix_k + r[0] * D; const T* b = sums.prefix_k + r[1] * D;
-          const T* e = sums.prefix_k + r[2] * D; const T* f = sums.prefix_k + r[3] * D;
+          const T* a = at.sums.prefix_k + r[0] * D; const T* b = at.sums.prefix_k + r[1] * D;
+          const T* e = at.sums.prefix_k + r[2] * D; const T* f = at.sums.prefix_k + r[3] * D;
           T dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += qi[d] * ((a[d] - b[d]) + (e[d] - f[d]));
           score = dot * scale / T(n) + std::log(T(n));
@@ -230,22 +223,22 @@ void forward_pairs(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t head
           for (int64_t m = 0; m < places; ++m) sp[m] = exp_nonpositive(sp[m] - largest);
         }
         T total = 0;
-        for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
+        for_each_key(i, at.index + i * M, M, at.runs, window, offset, Nk, at.real, [&](int64_t m, int64_t j) {
           if (j < 0) return;
           const T p = scores[m];
           total += p;
-          const T* __restrict__ vj = vp + j * v.row;
+          const T* __restrict__ vj = at.v + j * v.row;
           for (int64_t d = 0; d < D; ++d) oi[d] += p * vj[d];
         });
         for (int64_t c = 0; c < C; ++c) {
           int64_t r[4];
-          const int64_t n = sums.rows(i, c, r);
+          const int64_t n = at.sums.rows(i, c, r);
           if (n <= 0) continue;  // no summary
           const T p = scores[window + listed + c];
           total += p;
           const T w = p / T(n);
-          const T* a = sums.prefix_v + r[0] * D; const T* b = sums.prefix_v + r[1] * D;
-          const T* e = sums.prefix_v + r[2] * D; const T* f = sums.prefix_v + r[3] * D;
+          const T* a = at.sums.prefix_v + r[0] * D; const T* b = at.sums.prefix_v + r[1] * D;
+          const T* e = at.sums.prefix_v + r[2] * D; const T* f = at.sums.prefix_v + r[3] * D;
           for (int64_t d = 0; d < D; ++d) oi[d] += w * ((a[d] - b[d]) + (e[d] - f[d]));
         }
         const T inverse = T(1) / total;
@@ -292,14 +285,7 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
     T* __restrict__ gi = g_buffer.data();
     T* __restrict__ dqi = dq_buffer.data();
     for (int64_t pair = first; pair < last; ++pair) {
-      const auto at = in.pair(pair, D);
-      const T* qp = at.q;
-      const T* kp = at.k;
-      const T* vp = at.v;
-      const int64_t* ip = at.index;
-      const Runs& runs = at.runs;
-      const bool* real = at.real;
-      const Summaries<T>& sums = at.sums;
+      const auto at = in.pair(pair, D);  // this pair's q, k, v, listed keys, runs, key mask, summaries
       T* dpk = C ? dprefix_k + pair * prefix_rows * D : nullptr;
       T* dpv = C ? dprefix_v + pair * prefix_rows * D : nullptr;
       const T* op = out.at(pair);
@@ -317,7 +303,7 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
           continue;
         }
         const T* oi = op + i * out.row;
-        const T* q_row = qp + i * in.q.row;
+        const T* q_row = at.q + i * in.q.row;
         const T* g_row = gp + i * dout.row;
         T delta = 0;  // dout . out
         for (int64_t d = 0; d < D; ++d) {
@@ -330,10 +316,10 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
         T* __restrict__ wp = weights.data();
         T* __restrict__ dotp = dots.data();
         if (D <= kTwoPassBackward) {  // small heads: the weights' exp in one vectorised pass over a buffer
-          for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
+          for_each_key(i, at.index + i * M, M, at.runs, window, offset, Nk, at.real, [&](int64_t m, int64_t j) {
             if (j < 0) return;
-            const T* __restrict__ kj = kp + j * k.row;
-            const T* __restrict__ vj = vp + j * v.row;
+            const T* __restrict__ kj = at.k + j * k.row;
+            const T* __restrict__ vj = at.v + j * v.row;
             T score = 0, dp = 0;
             for (int64_t d = 0; d < D; ++d) {
               score += qi[d] * kj[d];
@@ -344,9 +330,9 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
           });
           for (int64_t m = 0; m < window + listed; ++m) wp[m] = exp_nonpositive(wp[m]);
         }
-        for_each_key(i, ip + i * M, M, runs, window, offset, Nk, real, [&](int64_t m, int64_t j) {
+        for_each_key(i, at.index + i * M, M, at.runs, window, offset, Nk, at.real, [&](int64_t m, int64_t j) {
           if (j < 0) return;
-          const T* __restrict__ kj = kp + j * k.row;
+          const T* __restrict__ kj = at.k + j * k.row;
           T* __restrict__ dkj = dkp + j * dk.row;
           T* __restrict__ dvj = dvp + j * dv.row;
           T p, dp;
@@ -354,7 +340,7 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
             p = wp[m];
             dp = dotp[m];
           } else {  // large heads: one pass over the keys, which the second would read again
-            const T* __restrict__ vj = vp + j * v.row;
+            const T* __restrict__ vj = at.v + j * v.row;
             T score = 0;
             dp = 0;
             for (int64_t d = 0; d < D; ++d) {
@@ -370,13 +356,13 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
         });
         for (int64_t c = 0; c < C; ++c) {  // a summary: key = K / n, value = V / n, logit = q . K * scale / n + log n
           int64_t r[4];
-          const int64_t n = sums.rows(i, c, r);
+          const int64_t n = at.sums.rows(i, c, r);
           if (n <= 0) continue;
           const T inverse_n = T(1) / T(n);
-          const T* ka = sums.prefix_k + r[0] * D; const T* kb = sums.prefix_k + r[1] * D;
-          const T* ke = sums.prefix_k + r[2] * D; const T* kf = sums.prefix_k + r[3] * D;
-          const T* va = sums.prefix_v + r[0] * D; const T* vb = sums.prefix_v + r[1] * D;
-          const T* ve = sums.prefix_v + r[2] * D; const T* vf = sums.prefix_v + r[3] * D;
+          const T* ka = at.sums.prefix_k + r[0] * D; const T* kb = at.sums.prefix_k + r[1] * D;
+          const T* ke = at.sums.prefix_k + r[2] * D; const T* kf = at.sums.prefix_k + r[3] * D;
+          const T* va = at.sums.prefix_v + r[0] * D; const T* vb = at.sums.prefix_v + r[1] * D;
+          const T* ve = at.sums.prefix_v + r[2] * D; const T* vf = at.sums.prefix_v + r[3] * D;
           T score = 0, dp = 0;
           for (int64_t d = 0; d < D; ++d) {
             score += qi[d] * ((ka[d] - kb[d]) + (ke[d] - kf[d]));
