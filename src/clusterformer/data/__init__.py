@@ -4,29 +4,10 @@ See ``../shared/data/README.md`` in this project for the files; :func:`resolve_d
 looked for. Nothing here downloads.
 """
 
-from .classification import (
-    CLASSIFICATION_TASKS,
-    ClassificationData,
-    kfold_indices,
-    load_20news,
-    load_classification_task,
-    load_imdb,
-    load_labeled_file,
-    load_sentence_task,
-)
+from . import classification
+from .classification import *  # noqa: F403  (the classification tasks' loaders, as that module lists them)
 from .paths import resolve_data_dir
 from .tokenize import ByteTokenizer, WordTokenizer
 
-__all__ = [
-    "CLASSIFICATION_TASKS",
-    "ByteTokenizer",
-    "ClassificationData",
-    "WordTokenizer",
-    "kfold_indices",
-    "load_20news",
-    "load_classification_task",
-    "load_imdb",
-    "load_labeled_file",
-    "load_sentence_task",
-    "resolve_data_dir",
-]
+__all__ = ["ByteTokenizer", "WordTokenizer", "resolve_data_dir"]
+__all__ += classification.__all__
