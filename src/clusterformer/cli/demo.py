@@ -17,8 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bench-lengths", type=int_list, default=[1024, 2048, 4096])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--with", dest="also", type=_names, default=None, metavar="NAMES",
-                   help="comma-separated mechanisms trained beside full and neural-clustering (default: "
-                        "cluster-select, with its defaults; '' for none)")
+                   help="comma-separated mechanisms trained beside full and neural-clustering, each with its "
+                        "defaults: any that trains a model (not the cache readers); default: cluster-select; '' for "
+                        "none")
     p.set_defaults(func=run)
 
 
