@@ -9,6 +9,11 @@ value in ``__post_init__``, so there is no global parameter namespace shared by 
 The same registry serves :func:`build` (a whole :class:`~clusterformer.attention.base.AttentionLayer`),
 :func:`build_inner` (the mechanism alone, for code that has its own projections) and
 :mod:`clusterformer.hf` (a pretrained model's attention).
+
+What a mechanism can do is a capability of its :class:`Mechanism` (its inner attention's class attributes: ``kind``,
+``interface_mode``, ``keeps_index``, ``learned_centroids``, ``stack_layers``, ``shared_qk``, ...), and code that
+treats mechanisms differently asks it (``names_where(kind="cache")``), never the name: a mechanism registered with
+the same attributes is treated alike. :data:`DENSE` and :data:`STACK` are labels that stand beside the names.
 """
 
 from __future__ import annotations
