@@ -407,8 +407,8 @@ class CacheReadingAttention(FullAttention):
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
               before: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyClusterIndex | None]:
         """The sparse reading of the cache by ``options`` (the mechanism's own, or with the prefill's budget) under
-        the call's ``mask`` (key padding, causal): (out, the index to keep, or None). ``before``: the call is a block of the sparse prefill, and these are the
-        queries of the block before it (which may choose its keys)."""
+        the call's ``mask`` (key padding, causal): (out, the index to keep, or None). ``before``: the call is a block
+        of the sparse prefill, and these are the queries of the block before it (which may choose its keys)."""
         raise NotImplementedError
 
 
