@@ -180,6 +180,8 @@ void forward_pairs(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t head
     std::vector<T> scores(window + listed + C);
     for (int64_t pair = first; pair < last; ++pair) {
       const auto at = in.pair(pair, D);  // this pair's q, k, v, listed keys, runs, key mask, summaries
+      const T* kp = at.k;  // the rows the loops over keys read, in locals
+      const T* vp = at.v;
       T* op = out.at(pair);
       T* lp = lse + pair * N;
       for (int64_t i = 0; i < N; ++i) {
@@ -191,7 +193,7 @@ void forward_pairs(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t head
             scores[m] = minus_inf;
             return;
           }
-          const T* __restrict__ kj = at.k + j * k.row;
+          const T* __restrict__ kj = kp + j * k.row;
           T dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
           scores[m] = dot * scale;
@@ -227,7 +229,7 @@ void forward_pairs(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t head
           if (j < 0) return;
           const T p = scores[m];
           total += p;
-          const T* __restrict__ vj = at.v + j * v.row;
+          const T* __restrict__ vj = vp + j * v.row;
           for (int64_t d = 0; d < D; ++d) oi[d] += p * vj[d];
         });
         for (int64_t c = 0; c < C; ++c) {
@@ -286,6 +288,8 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
     T* __restrict__ dqi = dq_buffer.data();
     for (int64_t pair = first; pair < last; ++pair) {
       const auto at = in.pair(pair, D);  // this pair's q, k, v, listed keys, runs, key mask, summaries
+      const T* kp = at.k;  // the rows the loops over keys read, in locals
+      const T* vp = at.v;
       T* dpk = C ? dprefix_k + pair * prefix_rows * D : nullptr;
       T* dpv = C ? dprefix_v + pair * prefix_rows * D : nullptr;
       const T* op = out.at(pair);
@@ -318,8 +322,8 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
         if (D <= kTwoPassBackward) {  // small heads: the weights' exp in one vectorised pass over a buffer
           for_each_key(i, at.index + i * M, M, at.runs, window, offset, Nk, at.real, [&](int64_t m, int64_t j) {
             if (j < 0) return;
-            const T* __restrict__ kj = at.k + j * k.row;
-            const T* __restrict__ vj = at.v + j * v.row;
+            const T* __restrict__ kj = kp + j * k.row;
+            const T* __restrict__ vj = vp + j * v.row;
             T score = 0, dp = 0;
             for (int64_t d = 0; d < D; ++d) {
               score += qi[d] * kj[d];
@@ -332,7 +336,7 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
         }
         for_each_key(i, at.index + i * M, M, at.runs, window, offset, Nk, at.real, [&](int64_t m, int64_t j) {
           if (j < 0) return;
-          const T* __restrict__ kj = at.k + j * k.row;
+          const T* __restrict__ kj = kp + j * k.row;
           T* __restrict__ dkj = dkp + j * dk.row;
           T* __restrict__ dvj = dvp + j * dv.row;
           T p, dp;
@@ -340,7 +344,7 @@ void backward_pairs(const Listed<T>& in, const Rows<const T>& out, const T* lse,
             p = wp[m];
             dp = dotp[m];
           } else {  // large heads: one pass over the keys, which the second would read again
-            const T* __restrict__ vj = at.v + j * v.row;
+            const T* __restrict__ vj = vp + j * v.row;
             T score = 0;
             dp = 0;
             for (int64_t d = 0; d < D; ++d) {
