@@ -308,3 +308,14 @@ def test_train_takes_a_mechanisms_options_in_its_spec_as_compare_does(tmp_path, 
             main(["train", *common, "--attention", spec, *(["--attention-options", options] if options else []),
                   "--out", str(tmp_path / "bad")])
         assert message in capsys.readouterr().err
+
+
+def test_all_names_every_trainable_mechanism():
+    """``--names all`` / ``--attention all`` list the mechanisms with a layer of their own, not the readers of a
+    decoder's cache (which train would refuse one by one, after the grid started)."""
+    from clusterformer.attention.registry import get, names
+    from clusterformer.cli._args import name_list
+
+    listed = name_list("all")
+    assert listed and all(get(name).kind == "sequence" for name in listed)
+    assert set(names()) - set(listed) == {name for name in names() if get(name).kind == "cache"} != set()

@@ -20,11 +20,13 @@ def int_list(text: str) -> list[int]:
 
 
 def name_list(text: str) -> list[str]:
-    """Comma-separated registered mechanism names, or "all"."""
+    """Comma-separated registered mechanism names, or "all": every mechanism with a layer of its own (the readers of a
+    pretrained decoder's cache, whose layer is full attention, are named one by one)."""
     from ..attention import names
+    from ..attention.registry import names_where
 
     if text.strip() == "all":
-        return names()
+        return names_where(kind="sequence")
     values = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in values if v not in names()]
     if not values or unknown:

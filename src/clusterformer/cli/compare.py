@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "flags given here override its values, e.g. grids/aggregation.json")
     p.add_argument("--tasks", default=None, type=_tasks, help="comma-separated tasks, e.g. mr,cr,wikiqa,listops")
     p.add_argument("--attention", type=_labels, default=None,
-                   help="comma-separated mechanisms, or 'all' (every registered one and cluster-former-stack); an "
+                   help="comma-separated mechanisms, or 'all' (every trainable one and cluster-former-stack); an "
                         "entry may carry options, NAME:key=value,... (e.g. neural-clustering:grouping=random; use ';' "
                         "between entries when options hold commas), or be a label defined by --variants; "
                         "cluster-former-stack is the paper's stack (sliding-window layers, the last Cluster-Former)")
