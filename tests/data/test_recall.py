@@ -300,7 +300,7 @@ def test_train_passkey_and_bad_task_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--task", "listops", "--task-options", '{"form": "causal"}', "--max-steps", "1",
               "--out", str(tmp_path / "bad")])
-    message = "task 'listops' takes no task_options (they are for mqar, passkey, histogram, mlm)"
+    message = "task 'listops' takes no task_options (they are for mqar, passkey, histogram, multivalue, maxvalue, mlm)"
     assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):  # the causal form needs a causal mechanism
         main(["train", "--task", "mqar", "--attention", "clustered", "--max-steps", "1",

@@ -38,7 +38,7 @@ distance can answer it. Both are token-level tasks: a label at each query positi
   ``labels="every"`` is Weiss et al.'s task itself, with a label at every position: its token's count in the
   sequence (bidirectional), or up to itself (``prefix``, the causal form) -- a thousand labels per sequence instead
   of Q: full attention learned that form at N = 128 where the end queries alone stayed at chance at N = 256
-  (docs/results.md, eighteenth session).
+  (docs/recall-and-aggregation.md#histogram-aggregation-over-scattered-positions).
 
 * **Multi-value recall**, two aggregation tasks over key-value pairs (MQAR's pairs, with each key repeated): a
   context of pairs ``k v`` in which a key appears with ``1..max_count`` values, its pairs scattered uniformly over
@@ -90,8 +90,8 @@ import torch
 from .._checks import check_choice, check_float, check_int
 
 __all__ = ["AGGREGATES", "GAPS", "HISTOGRAM_LABELS", "RECALL_TASKS", "SPLITS", "HistogramSpec", "MQARSpec",
-           "MultiValueSpec", "PasskeySpec", "RecallBatch", "generate_recall", "read_histogram", "read_mqar",
-           "read_multivalue", "read_passkey"]
+           "MultiValueSpec", "PasskeySpec", "RecallBatch", "SpreadSpec", "generate_recall", "read_histogram",
+           "read_mqar", "read_multivalue", "read_passkey"]
 
 GAPS = ("uniform", "power")
 SPLITS = {"train": 0, "test": 1}
@@ -187,7 +187,32 @@ class PasskeySpec:
 
 
 @dataclass(frozen=True)
-class HistogramSpec:
+class SpreadSpec:
+    """What the tasks whose query needs many scattered tokens share (:class:`HistogramSpec`,
+    :class:`MultiValueSpec`): a BOS, a context, a separator and ``num_queries`` queries; each kind appears up to
+    ``max_count`` times; ``labels`` "queries" (the end queries) or "every" (also the context's positions), counted
+    up to each position when ``prefix`` (the causal form)."""
+
+    length: int = 1024
+    max_count: int = 8
+    num_queries: int = 32
+    vocab_size: int = 1024
+    labels: str = "queries"
+    prefix: bool = False
+
+    BOS = 1
+    SEPARATOR = 2
+
+    def __post_init__(self) -> None:
+        check_int("max_count", self.max_count, minimum=1)
+        check_int("num_queries", self.num_queries, minimum=1)
+        check_choice("labels", self.labels, HISTOGRAM_LABELS)
+        if self.prefix and self.labels != "every":
+            raise ValueError("prefix=True counts up to each position, for labels='every' only")
+
+
+@dataclass(frozen=True)
+class HistogramSpec(SpreadSpec):
     """The shape of a histogram sequence.
 
     Attributes:
@@ -204,26 +229,13 @@ class HistogramSpec:
         prefix: with labels="every", count only the occurrences up to the position (what a causal model sees).
     """
 
-    length: int = 1024
-    max_count: int = 8
-    num_queries: int = 32
-    vocab_size: int = 1024
-    labels: str = "queries"
-    prefix: bool = False
-
-    BOS = 1
-    SEPARATOR = 2
     FIRST_TYPE = 3
 
     def __post_init__(self) -> None:
-        check_int("max_count", self.max_count, minimum=1)
-        check_int("num_queries", self.num_queries, minimum=1)
+        super().__post_init__()
         check_int("length", self.length, minimum=self.num_queries * self.max_count + self.num_queries + 2)
         check_int("vocab_size", self.vocab_size, minimum=self.FIRST_TYPE + max(self.num_queries,
                                                                               -(-self.context // self.max_count)))
-        check_choice("labels", self.labels, HISTOGRAM_LABELS)
-        if self.prefix and self.labels != "every":
-            raise ValueError("prefix=True counts up to each position, for labels='every' only")
 
     @property
     def needed(self) -> int:
@@ -241,7 +253,7 @@ class HistogramSpec:
 
 
 @dataclass(frozen=True)
-class MultiValueSpec:
+class MultiValueSpec(SpreadSpec):
     """The shape of a multi-value sequence (tasks ``multivalue`` and ``maxvalue``).
 
     Attributes:
@@ -261,31 +273,19 @@ class MultiValueSpec:
         prefix: with labels="every", aggregate only the pairs up to the position (what a causal model sees).
     """
 
-    length: int = 1024
     aggregate: str = "majority"
-    max_count: int = 8
-    num_queries: int = 32
     values: int = 8
-    vocab_size: int = 1024
-    labels: str = "queries"
-    prefix: bool = False
 
-    BOS = 1
-    SEPARATOR = 2
     FILLER = 3
     FIRST_VALUE = 4
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_choice("aggregate", self.aggregate, tuple(AGGREGATES.values()))
-        check_int("max_count", self.max_count, minimum=1)
-        check_int("num_queries", self.num_queries, minimum=1)
         check_int("values", self.values, minimum=2)
         check_int("length", self.length, minimum=2 * self.num_queries * self.max_count + self.num_queries + 2)
         check_int("vocab_size", self.vocab_size,
                   minimum=self.first_key + max(self.num_queries, -(-self.pairs // self.max_count)))
-        check_choice("labels", self.labels, HISTOGRAM_LABELS)
-        if self.prefix and self.labels != "every":
-            raise ValueError("prefix=True aggregates up to each position, for labels='every' only")
 
     @property
     def query_count(self) -> int:
@@ -453,7 +453,7 @@ def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec | MultiValueSpe
     check_choice("split", split, tuple(SPLITS))
     check_int("start", start, minimum=0)
     check_int("count", count, minimum=0)
-    if isinstance(spec, HistogramSpec | MultiValueSpec):
+    if isinstance(spec, SpreadSpec):
         return _spread_batch(spec, seed, split, start, count)
     one = _mqar_one if isinstance(spec, MQARSpec) else _passkey_one
     # One generator per sequence: data generation, a loop over the examples of a batch, not a hot path.
@@ -471,7 +471,7 @@ def generate_recall(spec: MQARSpec | PasskeySpec | HistogramSpec | MultiValueSpe
     return RecallBatch(ids, targets, queries, sources)
 
 
-def _spread_batch(spec: HistogramSpec | MultiValueSpec, seed: int, split: str, start: int, count: int
+def _spread_batch(spec: SpreadSpec, seed: int, split: str, start: int, count: int
                   ) -> RecallBatch:
     """The tasks whose query needs several tokens (``sources`` (n, Q, S) with ``source_mask``)."""
     if isinstance(spec, MultiValueSpec):

@@ -21,8 +21,8 @@ attention weight on it (``key_weight``), and the fractions in which it weighs mo
 recall alone cannot tell a key read as the answer from one averaged in. The histogram's query needs every occurrence
 of its type: ``key_recall`` counts a (query, head) pair that sees one of them, and ``key_coverage`` is the mean share
 of them it sees (``key_coverage_best_head``: the best head's, per query; ``key_coverage_all``: the share of (query,
-head) pairs that see them all). (Runs evaluated between two commits of
-2026-11-25 recorded ``key_top``, which counted a tie with the other members of a summary as the largest: superseded.)
+head) pairs that see them all). (Some recorded
+metrics hold ``key_top``, which counted a tie with the other members of a summary as the largest; it is not computed.)
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from ..data.recall import (
     MultiValueSpec,
     PasskeySpec,
     RecallBatch,
+    SpreadSpec,
     generate_recall,
 )
 from ..models import EncoderConfig, TokenClassifier
@@ -195,7 +196,7 @@ class RecallTask:
         result = {"accuracy": hit.float().mean().item(), "test_sequences": len(test.ids),
                   "test_queries": hit.numel(), "far": self.options.far, "far_fraction": far.float().mean().item(),
                   "accuracy_far": _mean(hit[far]), "accuracy_near": _mean(hit[~far])}
-        if isinstance(self.spec, HistogramSpec | MultiValueSpec) and self.spec.labels == "every":  # after the separator
+        if isinstance(self.spec, SpreadSpec) and self.spec.labels == "every":  # the queries after the separator
             result["accuracy_end"] = _mean(hit[:, -self.spec.num_queries:])
         if self.options.recall_sequences:
             result["key_recall"] = self.key_recall(predict.model, predict.device)
