@@ -129,14 +129,23 @@ WALKS.update({
                                                           "local_window": 2}),
     "cluster-select+banded": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,
                                                  "summaries": True, "selection": "summaries", "kernel": "banded"}),
+    "cluster-select+dense-mask": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,
+                                                     "kernel": "dense-mask"}),
+    "cluster-select+gather-members": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2,
+                                                         "window": 4, "summaries": False, "members": "score",
+                                                         "kernel": "gather"}),
 })
 MASK_READS = ("allowed", "rows", "predicate", "real", "lengths", "block_padding", "repeats", "mask_mod")
+MASK_VIEWS = ("packed_prefix",)  # masks derived from the layer's one mask (a block of a prompt read in blocks)
 
 
-def _walk(monkeypatch: pytest.MonkeyPatch) -> tuple[list[AttentionMask], list[AttentionMask]]:
-    """Spy on the typed mask: (every AttentionMask built, the mask of every read of a form from it)."""
+def _walk(monkeypatch: pytest.MonkeyPatch
+          ) -> tuple[list[AttentionMask], list[AttentionMask], list[tuple[AttentionMask, AttentionMask]]]:
+    """Spy on the typed mask: (every AttentionMask built, the mask of every read of a form from it, every
+    (mask, view) that a view method derived from a mask)."""
     built: list[AttentionMask] = []
     read: list[AttentionMask] = []
+    views: list[tuple[AttentionMask, AttentionMask]] = []
     post_init = AttentionMask.__post_init__
 
     def counted(self: AttentionMask) -> None:
@@ -150,10 +159,32 @@ def _walk(monkeypatch: pytest.MonkeyPatch) -> tuple[list[AttentionMask], list[At
 
         return reading
 
+    def viewed(view):
+        def deriving(self: AttentionMask, *args, **kwargs):
+            derived = view(self, *args, **kwargs)
+            views.append((self, derived))
+            return derived
+
+        return deriving
+
     monkeypatch.setattr(AttentionMask, "__post_init__", counted)
     for method in MASK_READS:
         monkeypatch.setattr(AttentionMask, method, spied(getattr(AttentionMask, method)))
-    return built, read
+    for method in MASK_VIEWS:
+        monkeypatch.setattr(AttentionMask, method, viewed(getattr(AttentionMask, method)))
+    return built, read, views
+
+
+def _from_the_entry(built: list[AttentionMask], read: list[AttentionMask],
+                    views: list[tuple[AttentionMask, AttentionMask]]) -> bool:
+    """Every mask but the first was derived by a view method from the first (or from a mask derived so), and
+    every form was read from one of these."""
+    reached = [built[0]]
+    for source, derived in views:
+        if any(source is mask for mask in reached):
+            reached.append(derived)
+    return (all(any(mask is m for m in reached) for mask in built)
+            and all(any(mask is m for m in reached) for mask in read))
 
 
 @pytest.mark.parametrize("label", sorted(WALKS))
@@ -161,7 +192,8 @@ def _walk(monkeypatch: pytest.MonkeyPatch) -> tuple[list[AttentionMask], list[At
 def test_one_mask_per_layer_call_reaches_the_ops_never_rebuilt(label, causal, monkeypatch):
     """A walk of the mask from the layer's entry to the ops: one layer call with padding (forward and backward; a
     prefill too where the mechanism decodes) builds exactly one AttentionMask, and every form the mechanism and its
-    ops read (dense, row tables, predicates, lengths, real tokens) comes from that one object."""
+    ops read (dense, row tables, predicates, lengths, real tokens) comes from that one object, or from a view of it
+    that one of its methods derives (each block of a prompt read in blocks)."""
     name, options = WALKS[label]
     if causal and causal_semantics(name, options) == "refused":
         pytest.skip("the mechanism refuses causal=True")
@@ -171,18 +203,49 @@ def test_one_mask_per_layer_call_reaches_the_ops_never_rebuilt(label, causal, mo
     pad = torch.zeros(3, 37, dtype=torch.bool)
     pad[1, 25:] = True  # right padding
     pad[2] = True  # padding only
-    built, read = _walk(monkeypatch)
+    built, read, views = _walk(monkeypatch)
     layer(x, key_padding_mask=pad, causal=causal).sum().backward()
-    assert len(built) == 1, f"{label}: {len(built)} masks built in one layer call"
+    assert len(built) == 1 + len(views), f"{label}: {len(built)} masks built in one layer call"
     assert read, f"{label}: no form was read from the layer's mask"
-    assert all(mask is built[0] for mask in read), f"{label}: a form was read from a rebuilt mask"
+    assert _from_the_entry(built, read, views), f"{label}: a form was read from a rebuilt mask"
     if causal and layer.inner.decodes and causal_semantics(name, options) == "strict":
         layer.eval()
         built.clear()
         read.clear()
+        views.clear()
         with torch.no_grad():
             layer.prefill(x, pad)
-        assert len(built) == 1 and all(mask is built[0] for mask in read), f"{label}: the prefill rebuilt its mask"
+        assert len(built) == 1 + len(views) and _from_the_entry(built, read, views), \
+            f"{label}: the prefill rebuilt its mask"
+
+
+@pytest.mark.parametrize("name, options", [
+    ("sink-window", {"budget": 6, "sink": 1, "prefill_block": 8}),
+    ("cluster-retrieval", {"budget": 10, "sink": 1, "window": 4, "num_clusters": 2, "prefill_block": 8}),
+])
+def test_a_prefill_in_blocks_derives_each_block_mask_from_the_call_mask(name, options, monkeypatch):
+    """A cache read of a padded prompt in blocks (``prefill_block``) reads every form from the call's one mask or
+    from its views (each block's mask: :meth:`AttentionMask.packed_prefix`), builds no other mask, and its block
+    masks are the call's padding in each sequence's own token order up to the block's end."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    inner = build(name, dim=16, heads=2, **options).inner.double()
+    q, k, v = (torch.randn(3, 2, 37, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(3, 37, dtype=torch.bool)
+    pad[0, :6] = True  # left padding, as generate() batches prompts
+    pad[1, 25:] = True  # right padding
+    pad[2] = True  # padding only
+    mask = AttentionMask(pad, causal=True)
+    built, read, views = _walk(monkeypatch)
+    with torch.no_grad():
+        inner.attend_cache(q, k, v, mask, 8 ** -0.5)
+    assert views, f"{name}: no block mask was derived: the prefill was not read in blocks"
+    assert len(built) == len(views) and _from_the_entry([mask, *built], read, views), \
+        f"{name}: a block's mask was built from raw tensors"
+    lengths = (~pad).sum(1, keepdim=True)
+    for source, derived in views:
+        end = derived.padding.shape[1]
+        assert source is mask and derived.causal
+        assert torch.equal(derived.padding, torch.arange(end) >= lengths)
 
 
 @pytest.mark.parametrize("repeat", [1, 3])

@@ -210,6 +210,17 @@ class AttentionMask:
             raise ValueError(f"{name}'s padding covers {B} sequences, which do not divide the {blocks} blocks")
         return blocks // B if B else 1
 
+    def packed_prefix(self, end: int) -> AttentionMask:
+        """The mask of the first ``end`` keys once each sequence's real keys are moved to its front in their own
+        order (left padding becomes right padding): padding True from the sequence's number of real keys on,
+        (B, end), or None without padding; causal order and window as here. The mask of a block of a prompt read
+        in that order (:meth:`clusterformer.attention.retrieval.CacheReadingAttention.attend_cache`)."""
+        if self.padding is None:
+            return self
+        lengths = self.lengths(*self.padding.shape, self.padding.device)
+        padding = torch.arange(end, device=self.padding.device) >= lengths[:, None]
+        return AttentionMask(padding, self.causal, self.window)
+
     def allowed(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
         """The dense allowed mask of the last ``q_len`` of ``kv_len`` positions: (B or 1, 1, q_len or 1, kv_len),
         True = the query may attend to the key (one query row when it is the same for every query)."""

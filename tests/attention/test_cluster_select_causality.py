@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from clusterformer.attention import build
+from clusterformer.masks import CAUSAL_MASK
 from clusterformer.ops.listed_attention import extension_available
 from clusterformer.ops.selected import selected_cluster_attention
 from clusterformer.ops.selected_layout import cluster_layout
@@ -54,12 +55,12 @@ def test_the_kernels_summaries_ignore_later_keys_and_values_bit_for_bit(kernel):
     q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
     ids = torch.randint(0, C, (B, H, N))
     selected = torch.stack([torch.randperm(C)[:2] for _ in range(B * H * N)]).view(B, H, N, 2)
-    options = {"num_clusters": C, "cluster_keys": 4, "window": 8, "causal": True, "summaries": True}
+    options = {"num_clusters": C, "cluster_keys": 4, "window": 8, "mask": CAUSAL_MASK, "summaries": True}
 
     def run(k, v, ids):
         layout = cluster_layout(ids, num_clusters=C, window=8, causal=True)
         out = selected_cluster_attention(q, k, v, ids, selected, kernel=kernel, layout=layout, **options)
-        ranked = summary_selection(q, k, ids, layout, select=2, window=8, causal=True, kernel=kernel)
+        ranked = summary_selection(q, k, ids, layout, select=2, window=8, mask=CAUSAL_MASK, kernel=kernel)
         return out[:, :, :CUT], ranked[:, :, :CUT]
 
     out, ranked = run(k, v, ids)

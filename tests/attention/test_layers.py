@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from clusterformer.attention import build, collect_aux_losses, describe, names, record_groups
+from clusterformer.masks import CAUSAL_MASK
 from clusterformer.ops.listed_attention import extension_available
 from reference import cluster_causal_allowed, groups_of, masked_softmax_attention, run_recorded, sorted_chunk_allowed
 from seeds import fixed_seed
@@ -217,7 +218,7 @@ def test_neural_clustering_prefix_assignment_matches_dense_reference(N, cluster_
                    local_window=local_window, cluster_on=cluster_on)
     B = 3
     x = torch.randn(B, N, layer.dim, dtype=torch.float64)
-    with torch.no_grad():  # a shared direction: what issue #31 measured in deep layers
+    with torch.no_grad():  # a shared direction, as measured in deep layers (docs/recall-and-aggregation.md)
         common = torch.randn(layer.dim, dtype=torch.float64)
         x += 3 * common
         layer.inner.centroids[:4] += 0.3 * (layer.to_qkv.weight[: layer.dim] @ common if cluster_on == "shared-qk"
@@ -676,7 +677,7 @@ def test_cluster_select_summaries_options():
     budget = options.for_budget(64, 1024)
     assert ClusterSelectOptions(**{**vars(options), **budget}).keys_per_query(1024) <= 64
     assert budget == {"window": 14, "cluster_keys": 8}
-    # the defaults (version 2, twenty-fifth session): summaries on (sixth session), groups ranked by the bound,
+    # the defaults (version 2): summaries on, groups ranked by the bound,
     # the own key's group read first, a sink of 1 -- each resolved at construction, so records name what ran
     defaults = ClusterSelectOptions()
     assert (defaults.summaries, defaults.selection, defaults.own_group, defaults.sink) == (True, "bound", True, 1)
@@ -732,7 +733,7 @@ def test_cluster_select_members_option():
     ids = torch.zeros(1, 1, 6, dtype=torch.long)
     with pytest.raises(ValueError, match="pass summaries=False with members"):
         selected_cluster_attention(q, q, q, ids, ids[..., None], num_clusters=1, cluster_keys=2, window=2,
-                                   causal=True, summaries=True, members=torch.zeros(1, 1, 6, 2, dtype=torch.long))
+                                   mask=CAUSAL_MASK, summaries=True, members=torch.zeros(1, 1, 6, 2, dtype=torch.long))
 
 
 def test_cluster_select_own_group_and_sink_options():
@@ -1109,7 +1110,7 @@ def test_bad_layer_input_raises_value_error(name, args, match):
 @pytest.mark.parametrize("options", [{}, {"num_clusters": 3, "causal_clusters": 2, "causal_chunk_size": 3},
                                      {"causal_clusters": 3, "causal_chunk_size": 4, "look_back": 2}])
 def test_strict_causal_prefix_gives_the_same_outputs_alone(options):
-    """Issue #12 §2: outputs at 0..t are the same whether the layer sees t + 1 tokens or more -- including
+    """Outputs at 0..t are the same whether the layer sees t + 1 tokens or more -- including
     with num_clusters="sqrt" (the default), whose k and chunk once followed the length -- at several t on
     and around block boundaries."""
     layer = _layer("neural-clustering", causal_mode="strict", **options).eval()
@@ -1125,7 +1126,7 @@ def test_strict_causal_prefix_gives_the_same_outputs_alone(options):
 @pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(13, 3, 1), (12, 4, 2), (7, "sqrt", 1)])
 @pytest.mark.parametrize("mode", ["none", "strict"])
 def test_contiguous_grouping_is_local_block_attention(N, num_clusters, look_back, mode):
-    """The issue #14 ablation (b): grouping="contiguous" is the same chunked attention with every token in one
+    """The ablation grouping="contiguous" is the same chunked attention with every token in one
     group -- contiguous blocks of the original order, chunk size ceil(L / k) (strict causal: causal_chunk_size)
     and the same look-back -- and publishes no clustering losses."""
     layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back, grouping="contiguous",
@@ -1153,7 +1154,7 @@ def test_contiguous_grouping_is_local_block_attention(N, num_clusters, look_back
 
 @pytest.mark.parametrize("mode", ["none", "strict"])
 def test_random_grouping_is_the_chunked_attention_of_random_clusters(mode):
-    """The issue #14 ablation (a): grouping="random" puts each token in a random cluster (a hash of its position
+    """The ablation grouping="random" puts each token in a random cluster (a hash of its position
     and one draw per forward), then attends exactly as the learned grouping would with those ids; fresh groups
     every training forward, the same in evaluation, independent of the batch, no clustering losses."""
     from clusterformer.attention.neural_clustering import random_groups

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from clusterformer.masks import AttentionMask
 from clusterformer.ops import listed_attention as la
 from clusterformer.ops import spherical as sp
 from clusterformer.ops.heads import empty_heads, gradient_buffers, split_heads, unit_rows
@@ -146,7 +147,7 @@ def test_the_kernels_read_and_write_projection_views_as_they_do_copies(D, with_r
 
     def run(split):
         q, k, v = split(projected)
-        out, lse = la.listed_attention(q, k, v, index, 0.7, window=3, window_offset=2, key_padding_mask=pad,
+        out, lse = la.listed_attention(q, k, v, index, 0.7, window=3, window_offset=2, mask=AttentionMask(pad),
                                        runs=runs)
         return (out, lse, *torch.autograd.grad((out * weight).sum() + lse.sum(), projected))
 

@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from clusterformer.masks import AttentionMask
 from clusterformer.ops import listed_attention as la
 from extensions_off import run_without_extensions
 from seeds import fixed_seed
@@ -90,7 +91,7 @@ def test_the_window_read_in_place_matches_a_loop_over_queries(window, offset, pa
     scale = 0.9
     expected = _loop_reference(q, k, v, index, scale, window, offset, pad if padded else None)
     _assert_matches(q, k, v, index, scale, expected, fused, window=window, window_offset=offset,
-                    key_padding_mask=pad if padded else None)
+                    mask=AttentionMask(pad if padded else None))
 
 
 def _assert_matches(q, k, v, index, scale, expected, fused, **options):
@@ -128,7 +129,7 @@ def test_listed_attention_kernel_gradcheck(shape):
     pad[0, -1] = True
 
     def windowed(q, k, v):  # a window of 3 ending at the query, with padding: every query keeps a key or two
-        out, lse = la.listed_attention(q, k, v, index, window=3, window_offset=2, key_padding_mask=pad)
+        out, lse = la.listed_attention(q, k, v, index, window=3, window_offset=2, mask=AttentionMask(pad))
         return out, lse.masked_fill(lse.isinf(), 0.0)
 
     assert torch.autograd.gradcheck(windowed, (q, k, v))
@@ -160,9 +161,9 @@ def test_listed_attention_kernel_gradients_equal_the_gathers_in_float32():
         (lambda a: {**a, "index": a["index"] - 2}, "index must hold -1"),
         (lambda a: {**a, "v": a["v"].float()}, "share a floating-point dtype"),
         (lambda a: {**a, "window": -1}, "window must be an int >= 0"),
-        (lambda a: {**a, "key_padding_mask": torch.zeros(1, 5, dtype=torch.bool)}, r"key_padding_mask must be a "
-                                                                                    r"bool tensor of shape \(B, Nk\)"),
-        (lambda a: {**a, "key_padding_mask": torch.zeros(1, 6)}, "key_padding_mask must be a bool"),
+        (lambda a: {**a, "mask": AttentionMask(torch.zeros(1, 5, dtype=torch.bool))},
+         r"mask's padding must have shape \(batch, length\) = \(1, 6\)"),
+        (lambda a: {**a, "mask": torch.zeros(1, 6, dtype=torch.bool)}, "mask must be an AttentionMask"),
     ],
 )
 def test_bad_input_raises_value_error_naming_argument(change, match):

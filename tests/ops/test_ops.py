@@ -252,7 +252,7 @@ def test_cluster_causal_rejects_ids_out_of_range():
 
 @pytest.mark.parametrize("causal_layout", [False, True])
 def test_chunk_size_larger_than_the_sequence_is_clamped(causal_layout):
-    """A 4-token input with chunk_size 2048 must not build a 2048-row buffer (issue #12): the layout is the
+    """A 4-token input with chunk_size 2048 must not build a 2048-row buffer: the layout is the
     one of chunk_size = N, and so are the outputs."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 3, (2, 4), generator=g)
@@ -296,7 +296,7 @@ def test_selected_cluster_attention_with_summaries_gradcheck(kernel, chunk, caus
 
     def fn(q, k, v):
         out = selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=C, cluster_keys=1,
-                                         window=window, causal=causal, key_padding_mask=pad, kernel=kernel,
+                                         window=window, mask=AttentionMask(pad, causal), kernel=kernel,
                                          summaries=True)
         return out[:, :, :-1]
 

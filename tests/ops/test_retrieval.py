@@ -16,6 +16,7 @@ import torch
 
 from clusterformer.attention.retrieval import ClusterRetrievalOptions, SinkWindowOptions
 from clusterformer.clustering.kmeans import euclidean_kmeans
+from clusterformer.masks import AttentionMask
 from clusterformer.ops.retrieval import (
     DECODE_KERNEL,
     build_index,
@@ -26,6 +27,11 @@ from clusterformer.ops.retrieval import (
 )
 from extensions_off import run_without_extensions
 from seeds import fixed_seed
+
+
+def cache_mask(real: torch.Tensor) -> AttentionMask:
+    """The causal mask of a cache whose real keys are ``real`` (B, n) bool."""
+    return AttentionMask(~real, causal=True)
 
 needs_decode_kernel = pytest.mark.skipif(not DECODE_KERNEL.available(),
                                          reason=f"the fused decoding step is not built: {DECODE_KERNEL.error}")
@@ -180,11 +186,11 @@ def test_retrieval_matches_reference_through_steps(budget, estimate, selection, 
         q = torch.randn(2, H, Lq, 8, generator=g, dtype=torch.float64)
         end = n - max(opts.window, Lq)
         if index is None:
-            index, ref_index = build_index(k, v, ~real, end, opts), ReferenceIndex(k, real, end, opts)
+            index, ref_index = build_index(k, v, cache_mask(real), end, opts), ReferenceIndex(k, real, end, opts)
         else:
-            index = extend_index(index, k, v, ~real, end, opts)
+            index = extend_index(index, k, v, cache_mask(real), end, opts)
             ref_index.extend(k, real, end)
-        got = retrieval_attention(q, k, v, ~real, index, opts, scale)
+        got = retrieval_attention(q, k, v, cache_mask(real), index, opts, scale)
         want = reference_attention(q, k, v, real, ref_index, opts, scale)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     assert index.joined == ref_index.joined < n - opts.window - 45  # fewer than all the joins: a rebuild happened
@@ -199,11 +205,11 @@ def test_block_selection_ranked_by_other_queries_matches_reference(rerank):
     k, v, real, g = _cache(fixed_seed(), n=60)
     q = torch.randn(2, 4, 4, 8, generator=g, dtype=torch.float64)
     before = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64)
-    index = build_index(k, v, ~real, 60 - 4, opts)
-    got = retrieval_attention(q, k, v, ~real, index, opts, 0.4, "block", before)
+    index = build_index(k, v, cache_mask(real), 60 - 4, opts)
+    got = retrieval_attention(q, k, v, cache_mask(real), index, opts, 0.4, "block", before)
     want = reference_attention(q, k, v, real, ReferenceIndex(k, real, 60 - 4, opts), opts, 0.4, ranking=before)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
-    own = retrieval_attention(q, k, v, ~real, index, opts, 0.4, "block")
+    own = retrieval_attention(q, k, v, cache_mask(real), index, opts, 0.4, "block")
     assert (own - got).abs().max() > 1e-6  # the ranking queries decide
 
 
@@ -214,7 +220,7 @@ def test_sink_window_matches_reference(pad):
     k, v, real, g = _cache(fixed_seed(), n=64, pad=pad)
     for Lq in (1, 4):
         q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-        got = retrieval_attention(q, k, v, ~real, None, opts, 0.5)
+        got = retrieval_attention(q, k, v, cache_mask(real), None, opts, 0.5)
         torch.testing.assert_close(got, reference_attention(q, k, v, real, None, opts, 0.5), rtol=0, atol=1e-10)
 
 
@@ -223,9 +229,9 @@ def test_budget_covering_every_key_is_dense_attention():
     k, v, real, g = _cache(fixed_seed(), n=60)
     n, Lq = 60, 3
     opts = ClusterRetrievalOptions(budget=1.0, num_clusters=4, sink=2, window=5, estimate_remainder=True)
-    index = build_index(k, v, ~real, n - 5, opts)
+    index = build_index(k, v, cache_mask(real), n - 5, opts)
     q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-    got = retrieval_attention(q, k, v, ~real, index, opts, 0.3)
+    got = retrieval_attention(q, k, v, cache_mask(real), index, opts, 0.3)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     allowed = real[:, None, None, :] & (torch.arange(n) <= torch.arange(n - Lq, n).unsqueeze(1))
     want = torch.softmax((q @ kk.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf")), -1) @ vv
@@ -238,16 +244,18 @@ def test_no_future_key_and_batch_invariance():
     k, v, real, g = _cache(fixed_seed(), n=48)
     Lq = 4
     q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-    index = build_index(k, v, ~real, 48 - Lq, opts)
-    base = retrieval_attention(q, k, v, ~real, index, opts, 0.4)
+    index = build_index(k, v, cache_mask(real), 48 - Lq, opts)
+    base = retrieval_attention(q, k, v, cache_mask(real), index, opts, 0.4)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, -1] += 5.0
     v2[:, :, -1] -= 3.0  # the last position is in the future of queries 0..2
-    moved = retrieval_attention(q, k2, v2, ~real, build_index(k2, v2, ~real, 48 - Lq, opts), opts, 0.4)
+    moved = retrieval_attention(q, k2, v2, cache_mask(real), build_index(k2, v2, cache_mask(real), 48 - Lq, opts),
+                                opts, 0.4)
     torch.testing.assert_close(moved[:, :, :3], base[:, :, :3], rtol=0, atol=0)
     assert not torch.allclose(moved[:, :, 3], base[:, :, 3])
     alone = (k[1:, :, 9:], v[1:, :, 9:], real[1:, 9:])  # row 1 without its 9 padding keys
-    got = retrieval_attention(q[1:], *alone[:2], ~alone[2], build_index(*alone[:2], ~alone[2], 39 - Lq, opts), opts,
+    alone_mask = cache_mask(alone[2])
+    got = retrieval_attention(q[1:], *alone[:2], alone_mask, build_index(*alone[:2], alone_mask, 39 - Lq, opts), opts,
                               0.4)
     torch.testing.assert_close(got, base[1:], rtol=0, atol=1e-12)
 
@@ -270,12 +278,14 @@ def test_no_padding_path_equals_an_all_real_mask(estimate):
     k, v, real, g = _cache(fixed_seed(), n=57, pad=(0, 0))
     for Lq in (1, 3):
         q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-        with_mask = retrieval_attention(q, k, v, ~real, build_index(k, v, ~real, 57 - 5, opts), opts, 0.3)
+        with_mask = retrieval_attention(q, k, v, cache_mask(real), build_index(k, v, cache_mask(real), 57 - 5, opts),
+                                        opts, 0.3)
         without = retrieval_attention(q, k, v, None, build_index(k, v, None, 57 - 5, opts), opts, 0.3)
         torch.testing.assert_close(without, with_mask, rtol=0, atol=1e-12)
         streaming = SinkWindowOptions(budget=opts.budget, sink=opts.sink)
         torch.testing.assert_close(retrieval_attention(q, k, v, None, None, streaming, 0.3),
-                                   retrieval_attention(q, k, v, ~real, None, streaming, 0.3), rtol=0, atol=1e-12)
+                                   retrieval_attention(q, k, v, cache_mask(real), None, streaming, 0.3),
+                                   rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 5, 9, 0.1, 0.25])
@@ -302,11 +312,12 @@ def test_every_key_and_centroid_read_counts_against_the_budget(budget, estimate,
     lengths = real.sum(1)
     for Lq in (1, 3):
         q = torch.randn(2, 4, Lq, 8, generator=g, dtype=torch.float64)
-        index = build_index(k, v, ~real, n - max(opts.window, Lq) - 5, opts)  # 5 keys wait to join: W > window
+        # 5 keys wait to join: W > window
+        index = build_index(k, v, cache_mask(real), n - max(opts.window, Lq) - 5, opts)
         index.value_sums = torch.zeros_like(index.value_sums)
         index.value_sums[:, torch.arange(C), n + torch.arange(C)] = index.counts.to(torch.float64)
         for index_or_none, options in ((index, opts), (None, SinkWindowOptions(budget=budget, sink=sink))):
-            out = retrieval_attention(q, k, v, ~real, index_or_none, options, 0.3)  # (B, H, Lq, n + C)
+            out = retrieval_attention(q, k, v, cache_mask(real), index_or_none, options, 0.3)  # (B, H, Lq, n + C)
             keys, terms = (out[..., :n] > 0).sum(-1), (out[..., n:] > 0).sum(-1)  # (B, H, Lq)
             allowed = keys_allowed(budget, lengths).view(2, 1, 1)
             assert bool(((keys + terms) <= allowed).all()), (keys + terms, allowed)
@@ -340,9 +351,10 @@ def test_fused_decoding_step_runs_where_it_applies_and_says_why_not_elsewhere():
     the reason, and the remainder estimate at construction."""
     k, v, real, g = _cache(fixed_seed(), n=80)
     opts = {"budget": 0.3, "num_clusters": 4, "sink": 2, "window": 5}
-    index = build_index(k, v, ~real, 80 - 5, ClusterRetrievalOptions(**opts))
+    index = build_index(k, v, cache_mask(real), 80 - 5, ClusterRetrievalOptions(**opts))
     q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
-    auto, fused, composed = (retrieval_attention(q, k, v, ~real, index, ClusterRetrievalOptions(**opts, kernel=kn), 0.3)
+    auto, fused, composed = (retrieval_attention(q, k, v, cache_mask(real), index,
+                                                 ClusterRetrievalOptions(**opts, kernel=kn), 0.3)
                              for kn in ("auto", "fused", "torch"))
     assert torch.equal(auto, fused)
     assert not torch.equal(fused, composed)  # two computations (equal to rounding: the reference tests)
@@ -350,11 +362,12 @@ def test_fused_decoding_step_runs_where_it_applies_and_says_why_not_elsewhere():
     fused_opts = ClusterRetrievalOptions(**opts, kernel="fused")
     for bad, reason in ((q.float(), "float32 or float64"), (q.clone().requires_grad_(), "no backward")):
         with pytest.raises(ValueError, match=reason):
-            retrieval_attention(bad, k, v, ~real, index, fused_opts, 0.3)
+            retrieval_attention(bad, k, v, cache_mask(real), index, fused_opts, 0.3)
     assert decode_kernel_unusable(q, k, v) is None
     q3 = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)  # several positions: the composition, no error
-    torch.testing.assert_close(retrieval_attention(q3, k, v, ~real, index, fused_opts, 0.3),
-                               retrieval_attention(q3, k, v, ~real, index, ClusterRetrievalOptions(**opts), 0.3),
+    torch.testing.assert_close(retrieval_attention(q3, k, v, cache_mask(real), index, fused_opts, 0.3),
+                               retrieval_attention(q3, k, v, cache_mask(real), index, ClusterRetrievalOptions(**opts),
+                                                   0.3),
                                rtol=0, atol=0)
     with pytest.raises(ValueError, match="estimate_remainder"):
         ClusterRetrievalOptions(**opts, kernel="fused", estimate_remainder=True)
@@ -397,16 +410,16 @@ def test_fused_decoding_step_gives_the_same_bits_on_one_and_two_threads(selectio
     k, v, real, g = _cache(fixed_seed(), n=2000)
     opts = ClusterRetrievalOptions(budget=0.1, num_clusters=16, sink=2, window=8, rerank=4, selection=selection,
                                    kernel="fused")
-    index = build_index(k, v, ~real, 2000 - 8, opts)
+    index = build_index(k, v, cache_mask(real), 2000 - 8, opts)
     q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = retrieval_attention(q, k, v, ~real, index, opts, 0.3)
+        one = retrieval_attention(q, k, v, cache_mask(real), index, opts, 0.3)
         torch.set_num_threads(2)
-        two = retrieval_attention(q, k, v, ~real, index, opts, 0.3)
+        two = retrieval_attention(q, k, v, cache_mask(real), index, opts, 0.3)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    composed = retrieval_attention(q, k, v, ~real, index, dataclasses.replace(opts, kernel="torch"), 0.3)
+    composed = retrieval_attention(q, k, v, cache_mask(real), index, dataclasses.replace(opts, kernel="torch"), 0.3)
     torch.testing.assert_close(one, composed, rtol=0, atol=1e-10)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import clusterformer.ops.selected_layout as selected_layout
+from clusterformer.masks import AttentionMask
 from clusterformer.ops.listed_attention import extension_available
 from clusterformer.ops.selected import selected_cluster_attention
 from clusterformer.ops.selected_layout import cluster_layout
@@ -75,7 +76,7 @@ def test_the_summaries_over_several_blocks_gradcheck(kernel, causal, monkeypatch
 
     def fn(q, k, v):
         out = selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=C, cluster_keys=1, window=2,
-                                         causal=causal, key_padding_mask=pad, kernel=kernel, summaries=True)
+                                         mask=AttentionMask(pad, causal), kernel=kernel, summaries=True)
         return out[:, :, :-1]
 
     assert torch.autograd.gradcheck(fn, (q, k, v))

@@ -490,7 +490,7 @@ class ClusterSelectAttention(InnerAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask = NO_MASK
                 ) -> torch.Tensor:
-        key_padding_mask, causal = mask.padding, mask.causal  # what the selection ops take of the call's mask
+        causal = mask.causal  # the layout's and the selection bound's order; the other ops take the mask itself
         if self.updates_state():
             self.apply_pending_updates()
         o = self.options
@@ -522,14 +522,14 @@ class ClusterSelectAttention(InnerAttention):
         kernel = resolve_kernel(o.kernel, N, q=q, dropout_p=self.dropout_p)
         band = None  # the banded kernel's chunk bands, built once for the summaries' selection and the attention
         if kernel == "banded":
-            band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, key_padding_mask, num_clusters=G,
-                              window=o.window, causal=causal, summaries=o.summaries)
-        selected = self._forced(self._choose(q, k, key_ids, layout, causal, key_padding_mask, kernel, band), ids)
+            band = chunk_band(q * q.shape[-1] ** -0.5, k, v, key_ids, mask, num_clusters=G, window=o.window,
+                              summaries=o.summaries)
+        selected = self._forced(self._choose(q, k, key_ids, layout, mask, kernel, band), ids)
         members = (scored_members(q, k, layout, selected, cluster_keys=o.cluster_keys, causal=causal)
                    if o.members == "score" else None)
         return selected_cluster_attention(q, k, v, key_ids, selected, num_clusters=G,
-                                          cluster_keys=o.cluster_keys, window=o.window, causal=causal,
-                                          key_padding_mask=key_padding_mask, dropout_p=self.dropout_p,
+                                          cluster_keys=o.cluster_keys, window=o.window, mask=mask,
+                                          dropout_p=self.dropout_p,
                                           kernel=kernel, summaries=o.summaries, layout=layout, band=band,
                                           members=members)
 
@@ -566,23 +566,23 @@ class ClusterSelectAttention(InnerAttention):
         return torch.cat([sink.unsqueeze(-1), ranked], -1)
 
     def _choose(self, q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout,
-                causal: bool, key_padding_mask: torch.Tensor | None, kernel: str, band: ChunkBand | None
-                ) -> torch.Tensor:
+                mask: AttentionMask, kernel: str, band: ChunkBand | None) -> torch.Tensor:
         """The ``select`` clusters each query ranks best, (B, H, N, S), by the option ``selection``, among the real
         groups alone (with ``sink``, not the sink group, which :meth:`_forced` adds; the bound leaves its members
         out, as groups without members in whole blocks tie and may still be read). ``kernel``: the resolved kernel,
-        whose way the summaries' logits are computed; ``band``: the banded kernel's chunk bands, which hold them."""
+        whose way the summaries' logits are computed; ``band``: the banded kernel's chunk bands, which hold them;
+        ``mask``: the call's mask."""
         o = self.options
         B, H, N, _ = q.shape
         if o.selection == "scores":
             return self._select(q, o.select)
         if o.selection == "summaries":
-            return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, causal=causal,
-                                     kernel=kernel, key_padding_mask=key_padding_mask, band=band,
+            return summary_selection(q, k, key_ids, layout, select=o.select, window=o.window, mask=mask,
+                                     kernel=kernel, band=band,
                                      by_cluster=o.by_cluster, groups=o.num_groups)
         if o.selection == "bound":
             return bound_selection(q, k, key_ids.clamp(max=o.num_groups), num_groups=o.num_groups, select=o.select,
-                                   window=o.window, causal=causal, block=o.block, by_cluster=o.by_cluster,
+                                   window=o.window, causal=mask.causal, block=o.block, by_cluster=o.by_cluster,
                                    kernel=kernel)
         return self._random_selection(B, H, N, q.device)
 

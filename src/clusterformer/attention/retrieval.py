@@ -351,14 +351,14 @@ class CacheReadingAttention(FullAttention):
         if Lq == n:  # a prefill: sparse by its own budget (a dense decoding budget may follow a sparse prefill)
             prefill = self.options.for_prefill()
             if 0 < self.options.prefill_block < n and not prefill.covers(lengths):
-                return self._prefill_in_blocks(q, k, v, mask.padding, scale, prefill)
+                return self._prefill_in_blocks(q, k, v, mask, scale, prefill)
             return cache_sdpa(q, k, v, mask, scale=scale), index
         options = self.options.for_layer(layer)
         if options.covers(lengths):
             return cache_sdpa(q, k, v, mask, scale=scale), index
         return self._read(q, k, v, mask, scale, index, options)
 
-    def _prefill_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None,
+    def _prefill_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
                            scale: float, options: CacheBudgetOptions) -> tuple[torch.Tensor, None]:
         """The sparse prefill (option ``prefill_block`` = P): queries 0 .. P - 1 densely, then each block of P
         queries as a cached call on the keys up to the block's end (:meth:`_read`, or densely where the budget
@@ -372,21 +372,21 @@ class CacheReadingAttention(FullAttention):
         A padded batch is read in each sequence's own token order: its real tokens first (a stable sort by
         padding; left padding becomes right padding), so that every block starts at the same token of a sequence
         as when that sequence is prefilled alone, and its outputs do not depend on the batch. The blocks are a
-        loop: a block's index must hold exactly the keys before it, which the previous block completes."""
+        loop: a block's index must hold exactly the keys before it, which the previous block completes. Each block's
+        mask is the call's ``mask`` (key padding + causal) in that order, up to the block's end
+        (:meth:`~clusterformer.masks.AttentionMask.packed_prefix`)."""
         B, _, n, _ = q.shape
         P = self.options.prefill_block
         order = None
-        if padding is not None:  # rank -> cache position: the real tokens first, each sequence in its own order
-            order = torch.sort(padding.to(torch.uint8), dim=1, stable=True).indices
+        if mask.padding is not None:  # rank -> cache position: the real tokens first, each sequence in its own order
+            order = torch.sort(mask.padding.to(torch.uint8), dim=1, stable=True).indices
             q, k, v = (x.gather(2, order[:, None, :, None].expand(*x.shape[:2], n, x.shape[-1])) for x in (q, k, v))
-            padding, original = padding.gather(1, order), padding
         # each block is a call of its own on the keys up to its end, in the sorted order: one mask per block
-        blocks = [cache_sdpa(q[:, :, :P], k[:, :, :P], v[:, :, :P],
-                             AttentionMask(None if padding is None else padding[:, :P], causal=True), scale=scale)]
+        blocks = [cache_sdpa(q[:, :, :P], k[:, :, :P], v[:, :, :P], mask.packed_prefix(P), scale=scale)]
         index = None
         for start in range(P, n, P):
             end = min(n, start + P)
-            block_mask = AttentionMask(None if padding is None else padding[:, :end], causal=True)
+            block_mask = mask.packed_prefix(end)
             keys, values = k[:, :, :end], v[:, :, :end]
             if options.covers(block_mask.lengths(B, end, q.device)):
                 blocks.append(cache_sdpa(q[:, :, start:end], keys, values, block_mask, scale=scale))
@@ -401,7 +401,7 @@ class CacheReadingAttention(FullAttention):
             return out, None
         back = torch.argsort(order, dim=1)  # cache position -> rank
         out = out.gather(2, back[:, None, :, None].expand(*out.shape[:2], n, out.shape[-1]))
-        return out.masked_fill(original[:, None, :, None], 0.0), None
+        return out.masked_fill(mask.padding[:, None, :, None], 0.0), None
 
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
@@ -422,7 +422,7 @@ class SinkWindowAttention(CacheReadingAttention):
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
               before: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        return retrieval_attention(q, k, v, mask.padding, None, options, scale), None
+        return retrieval_attention(q, k, v, mask, None, options, scale), None
 
 
 @register("oracle", CacheBudgetOptions,
@@ -464,13 +464,13 @@ class ClusterRetrievalAttention(CacheReadingAttention):
     def _read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               scale: float, index: KeyClusterIndex | None, options: CacheBudgetOptions,
               before: torch.Tensor | None = None) -> tuple[torch.Tensor, KeyClusterIndex]:
-        index = self._index(k, v, mask.padding, index, q.shape[2])
+        index = self._index(k, v, mask, index, q.shape[2])
         if before is None:
-            return retrieval_attention(q, k, v, mask.padding, index, options, scale), index
+            return retrieval_attention(q, k, v, mask, index, options, scale), index
         # a prefill block gathers its retrieved keys once, chosen by the queries of the block before (causal)
-        return retrieval_attention(q, k, v, mask.padding, index, options, scale, "block", before), index
+        return retrieval_attention(q, k, v, mask, index, options, scale, "block", before), index
 
-    def _index(self, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    def _index(self, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
                index: KeyClusterIndex | None, queries: int) -> KeyClusterIndex:
         """The index of this cache: ``index`` extended by the keys that left the window (in batches of
         :data:`JOIN_BATCH`), or built afresh when there is none or it does not continue this cache. The window
@@ -478,8 +478,8 @@ class ClusterRetrievalAttention(CacheReadingAttention):
         n = k.shape[2]
         end = max(0, n - max(self.options.window, queries))
         if index is None or not index.follows(k, self.options) or index.end > end:
-            return build_index(k, v, key_padding_mask, end, self.options)
+            return build_index(k, v, mask, end, self.options)
         if end - index.end >= JOIN_BATCH:  # keys leave the window in batches; until then the window is wider
-            return extend_index(index, k, v, key_padding_mask, end, self.options)
+            return extend_index(index, k, v, mask, end, self.options)
         index.length = n
         return index

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..masks import NO_MASK, AttentionMask, check_mask
 from .extensions import CppExtension
 from .heads import empty_heads, gradient_buffers, unit_rows
 
@@ -131,7 +132,7 @@ class _ListedAttention(torch.autograd.Function):
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, window: int,
-           key_padding_mask: torch.Tensor | None, summaries: RangeSummaries | None = None,
+           mask: AttentionMask, summaries: RangeSummaries | None = None,
            runs: SlotRuns | None = None) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, H, N, D); got shape {tuple(q.shape)}")
@@ -149,10 +150,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
         raise ValueError(f"q, k and v must share a floating-point dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0; got {window!r}")
-    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
-                                         or key_padding_mask.shape != (q.shape[0], k.shape[2])):
-        raise ValueError(f"key_padding_mask must be a bool tensor of shape (B, Nk) = {(q.shape[0], k.shape[2])}; "
-                         f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    check_mask(mask, q.shape[0], k.shape[2])
     if runs is not None:
         _check_runs(runs, q, k)
     if summaries is not None:
@@ -179,25 +177,26 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tenso
 
 def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                      scale: float | None = None, *, window: int = 0, window_offset: int = 0,
-                     key_padding_mask: torch.Tensor | None = None, summaries: RangeSummaries | None = None,
+                     mask: AttentionMask = NO_MASK, summaries: RangeSummaries | None = None,
                      runs: SlotRuns | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, N, D), lse (B, H, N)) of each query over the keys ``index`` lists, the keys of its ``runs``
     (:class:`SlotRuns`) and its ``window`` (module docstring); ``scale`` defaults to D^-0.5. Positions in ``index``
     must be -1 (none) or in [0, Nk); a key listed twice, or listed and in the window, counts twice.
-    ``key_padding_mask`` (B, Nk), True = padding: the window skips those keys (the lists and runs are taken as
-    given). ``summaries``: one more logit per group (:class:`RangeSummaries`). The fused kernel on float32/float64
-    CPU tensors when it is built (:func:`extension_available`), else :func:`listed_attention_reference`; the same
+    ``mask``: an :class:`~clusterformer.masks.AttentionMask` whose padding is (B, Nk) or None: the window skips
+    its padding keys (the lists and runs are taken as given; the window's place is ``window_offset``).
+    ``summaries``: one more logit per group (:class:`RangeSummaries`). The fused kernel on float32/float64 CPU
+    tensors when it is built (:func:`extension_available`), else :func:`listed_attention_reference`; the same
     values and gradients either way. The kernel reads q, k, v with any strides but a unit one along D (views of a
     fused projection, :mod:`clusterformer.ops.heads`) and lays ``out`` out as (B, N, H, D), so that joining its heads
     is a view; its gradients of such views come back in the projection's layout."""
-    _check(q, k, v, index, window, key_padding_mask, summaries, runs)
+    _check(q, k, v, index, window, mask, summaries, runs)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     fused = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and extension_available())
     if not fused:
         return listed_attention_reference(q, k, v, index, scale, window=window, window_offset=window_offset,
-                                          key_padding_mask=key_padding_mask, summaries=summaries, runs=runs)
-    key_real = (torch.empty(0, dtype=torch.bool) if key_padding_mask is None
-                else (~key_padding_mask).contiguous())
+                                          mask=mask, summaries=summaries, runs=runs)
+    key_real = (torch.empty(0, dtype=torch.bool) if mask.padding is None
+                else mask.real(q.shape[0], k.shape[2], q.device).contiguous())
     if summaries is None:
         prefix_k = prefix_v = q.new_empty(0)
         ranges = (_NO_LONGS,) * 4
@@ -215,12 +214,12 @@ def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
 
 def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                                scale: float | None = None, *, window: int = 0, window_offset: int = 0,
-                               key_padding_mask: torch.Tensor | None = None, summaries: RangeSummaries | None = None,
+                               mask: AttentionMask = NO_MASK, summaries: RangeSummaries | None = None,
                                runs: SlotRuns | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`listed_attention` by a gather of the listed keys and values, (B, H, N, window + M, D), the window's
     positions listed first and the runs' keys last (:meth:`SlotRuns.as_index`), and of the summaries' prefix rows,
     (B, H, N, C, D): the definition, written plainly (autograd does the backward)."""
-    _check(q, k, v, index, window, key_padding_mask, summaries, runs)
+    _check(q, k, v, index, window, mask, summaries, runs)
     if runs is not None:
         index = torch.cat([index, runs.as_index()], dim=-1)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -229,8 +228,8 @@ def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         Nk = k.shape[2]
         spans = torch.arange(N, device=q.device)[:, None] - window_offset + torch.arange(window, device=q.device)
         inside = (spans >= 0) & (spans < Nk)
-        if key_padding_mask is not None:  # (B, N, window): the window's real keys
-            inside = inside & ~key_padding_mask[:, spans.clamp(0, max(Nk - 1, 0))]
+        if mask.padding is not None:  # (B, N, window): the window's real keys
+            inside = inside & mask.real(B, Nk, q.device)[:, spans.clamp(0, max(Nk - 1, 0))]
         spans = torch.where(inside, spans, -1).expand(B, N, window)  # -1: outside [0, Nk), or padding
         index = torch.cat([spans[:, None].expand(B, H, N, window), index], dim=-1)
     B, H, N, M = index.shape

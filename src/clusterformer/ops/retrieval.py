@@ -52,8 +52,9 @@ option ``kernel``: steps 1-2 above reading the candidate rows where they lie in 
 gathering copies of them); every other call is the PyTorch composition below, which is also the reference the
 tests hold the kernel to.
 
-Padding: ``key_padding_mask`` (B, n), True = padding (the library's one mask value, :mod:`clusterformer.masks`;
-left padding, as Hugging Face batches prompts for generation); inside, its view ``real`` marks the real keys.
+Masks: the call's :class:`~clusterformer.masks.AttentionMask` -- causal order (a cache is read causally) and
+padding (B, n) or None (left padding, as Hugging Face batches prompts for generation); inside, its view ``real``
+(:meth:`~clusterformer.masks.AttentionMask.real`) marks the real keys.
 Every choice is per sequence -- its budget from its own number of real keys, its own sinks, clusters from its
 own keys only (padding never seeds or moves a centroid) -- so a sequence's outputs do not depend on the batch.
 """
@@ -68,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from ..clustering.kmeans import cluster_sums, euclidean_kmeans
-from ..masks import allow_empty_rows, real_tokens
+from ..masks import CAUSAL_MASK, AttentionMask, allow_empty_rows, check_mask
 from .extensions import CppExtension
 from .layouts import group_ranks
 
@@ -198,12 +199,12 @@ def _tally(points: torch.Tensor, values: torch.Tensor, assign: torch.Tensor, val
     return key_sums, value_sums, counts.round().long(), ids, rank
 
 
-def build_index(k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None, end: int,
+def build_index(k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None, end: int,
                 options: RetrievalSettings) -> KeyClusterIndex:
-    """Cluster the keys at positions < ``end`` of cache k, v (B, Hkv, n, D); key_padding_mask (B, n) bool, True =
-    padding, or None."""
+    """Cluster the keys at positions < ``end`` of cache k, v (B, Hkv, n, D); ``mask``: the cache's
+    :class:`~clusterformer.masks.AttentionMask`, whose padding (B, n) or None is read (None: no padding)."""
     B, Hkv, n, D = k.shape
-    real = real_tokens(key_padding_mask, B, n, k.device)
+    real = check_mask(mask, B, n).real(B, n, k.device)
     G, C = B * Hkv, max(1, options.num_clusters)
     dtype = torch.promote_types(k.dtype, torch.float32)
     sinks, sink_ok = _first_real(real, options.sink)
@@ -250,21 +251,21 @@ def _set_probe(index: KeyClusterIndex, k: torch.Tensor) -> None:
     index.probe = k[:, :, index.probe_at].reshape(B * Hkv, -1, D).clone()
 
 
-def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
                  end: int, options: RetrievalSettings) -> KeyClusterIndex:
     """Let the keys at positions [index.end, end) join their nearest centroids (re-cluster everything once
     ``refresh`` keys have joined since the last clustering, or when ``index`` was built under other ``options``).
     Returns the (updated in place or new) index."""
     if not (options is index.options or options == index.options):
-        return build_index(k, v, key_padding_mask, end, options)
+        return build_index(k, v, mask, end, options)
     start = index.end
     if end <= start:
         _set_probe(index, k)
         return index
     if index.joined + (end - start) > options.refresh:
-        return build_index(k, v, key_padding_mask, end, options)
+        return build_index(k, v, mask, end, options)
     B, Hkv, n, D = k.shape
-    real = real_tokens(key_padding_mask, B, n, k.device)
+    real = check_mask(mask, B, n).real(B, n, k.device)
     G, C = B * Hkv, index.counts.shape[1]
     dtype = index.centroids.dtype
     valid = _indexable(real, options.sink, end)[:, start:]
@@ -300,7 +301,7 @@ def extend_index(index: KeyClusterIndex, k: torch.Tensor, v: torch.Tensor, key_p
     return index
 
 
-def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
                         index: KeyClusterIndex | None, options: RetrievalSettings, scale: float,
                         selection: str | None = None, ranking: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the last Lq positions of a cache to it, by sinks + window + retrieved clusters.
@@ -308,7 +309,8 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
     Args:
         q: (B, H, Lq, D) queries of cache positions n - Lq .. n - 1 (H a multiple of the key/value heads).
         k, v: (B, Hkv, n, D) the cache, the queries' own keys included.
-        key_padding_mask: (B, n) bool, True = padding; None: no padding.
+        mask: the call's :class:`~clusterformer.masks.AttentionMask`: causal (or one query), without a window;
+            its padding (B, n) or None. None: :data:`~clusterformer.masks.CAUSAL_MASK` (no padding).
         index: the clustered keys (:func:`build_index`); the window is then every position from ``index.end``
             on (at least ``options.window`` and the Lq queries: the caller keeps the index that far back). None:
             sinks + window only, the window taking what the sinks leave of the budget (sink-window).
@@ -330,7 +332,10 @@ def retrieval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
     Hkv, n = k.shape[1], k.shape[2]
     rep = H // Hkv
     Q = rep * Lq
-    real = None if key_padding_mask is None else real_tokens(key_padding_mask, B, n, q.device)  # None: no masks
+    mask = CAUSAL_MASK if mask is None else check_mask(mask, B, n, device=q.device)
+    if (not mask.causal and Lq > 1) or mask.window is not None:
+        raise ValueError("mask must be causal (or one query) and without a window: a cache is read causally")
+    real = None if mask.padding is None else mask.real(B, n, q.device)  # None: no masks
     if real is None:  # every row holds n keys: the budget is one number
         allowed: torch.Tensor | int = keys_allowed_count(options.budget, n)
     else:

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from ..masks import masked_sdpa
+from ..masks import NO_MASK, AttentionMask, check_mask, masked_sdpa
 from .key_lists import KeyLists, key_lists, listed_scores, listed_sum, run_key_lists
 from .listed_attention import RangeSummaries, extension_available, extension_error, listed_attention
 from .recompute import recompute_saved
@@ -94,7 +94,7 @@ def _weights(scores: torch.Tensor, dropout_p: float) -> torch.Tensor:
 
 def selected_cluster_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor, selected: torch.Tensor, *,
-    num_clusters: int, cluster_keys: int, window: int, causal: bool, key_padding_mask: torch.Tensor | None = None,
+    num_clusters: int, cluster_keys: int, window: int, mask: AttentionMask = NO_MASK,
     dropout_p: float = 0.0, kernel: str = "auto", summaries: bool = False, layout: ClusterLayout | None = None,
     band: ChunkBand | None = None, members: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -115,8 +115,12 @@ def selected_cluster_attention(
     ``members``: (B, H, N, M) the key positions each query reads alone from its clusters (-1: none), in place of
     each selected cluster's members nearest to the window (:func:`scored_members`: ``members="score"``); not with
     ``summaries``, whose ranges leave out the nearest members.
+    ``mask``: the call's :class:`~clusterformer.masks.AttentionMask` -- causal order (the window (t - window, t] and
+    the members at positions <= t - window) and padding (B, N) or None (never read; the caller gives padding the id
+    num_clusters, in no cluster).
     Returns (B, H, N, D); a query without any key gets 0."""
     B, H, N, D = q.shape
+    causal = check_mask(mask, B, N).causal
     if layout is None:
         layout = cluster_layout(key_ids, num_clusters=num_clusters, window=window, causal=causal)
     scale = D ** -0.5
@@ -130,13 +134,11 @@ def selected_cluster_attention(
                              f"{members.dtype} {tuple(members.shape)}")
         if kernel == "fused":
             return listed_attention(q, k, v, members, scale, window=window,
-                                    window_offset=window - 1 if causal else window // 2,
-                                    key_padding_mask=key_padding_mask)[0]
-        positions, allowed = with_window(members.clamp(min=0), members >= 0, window=window, causal=causal,
-                                          key_padding_mask=key_padding_mask)
+                                    window_offset=window - 1 if causal else window // 2, mask=mask)[0]
+        positions, allowed = with_window(members.clamp(min=0), members >= 0, window=window, mask=mask)
         return _attend_positions(q, k, v, key_ids, selected, positions, allowed, layout, kernel=kernel,
-                                 window=window, cluster_keys=cluster_keys, causal=causal,
-                                 key_padding_mask=key_padding_mask, dropout_p=dropout_p, band=band, slots=None)
+                                 window=window, cluster_keys=cluster_keys, mask=mask, dropout_p=dropout_p, band=band,
+                                 slots=None)
     if kernel == "fused":  # the selected clusters' keys as runs of sorted slots, the window read in place: one C++ pass
         runs = cluster_runs(layout, selected, cluster_keys=cluster_keys, causal=causal)
         ranges = None
@@ -146,39 +148,38 @@ def selected_cluster_attention(
                                     layout.total, lower_end, upper_start)
         return listed_attention(q, k, v, q.new_empty(B, H, N, 0, dtype=torch.long), scale, window=window,
                                 window_offset=window - 1 if causal else window // 2,
-                                key_padding_mask=key_padding_mask, summaries=ranges, runs=runs)[0]
+                                mask=mask, summaries=ranges, runs=runs)[0]
     positions, allowed, slots = listed_positions(layout, selected, cluster_keys=cluster_keys, window=window,
-                                                    causal=causal, key_padding_mask=key_padding_mask)
+                                                    mask=mask)
     return _attend_positions(q, k, v, key_ids, selected, positions, allowed, layout, kernel=kernel, window=window,
-                             cluster_keys=cluster_keys, causal=causal, key_padding_mask=key_padding_mask,
+                             cluster_keys=cluster_keys, mask=mask,
                              dropout_p=dropout_p, band=band, slots=slots, summaries=summaries)
 
 
 def _attend_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
                       selected: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, layout: ClusterLayout,
-                      *, kernel: str, window: int, cluster_keys: int, causal: bool,
-                      key_padding_mask: torch.Tensor | None, dropout_p: float, band: ChunkBand | None,
-                      slots: torch.Tensor | None, summaries: bool = False) -> torch.Tensor:
+                      *, kernel: str, window: int, cluster_keys: int, mask: AttentionMask, dropout_p: float,
+                      band: ChunkBand | None, slots: torch.Tensor | None, summaries: bool = False) -> torch.Tensor:
     """The unfused kernels ("banded", "dense-mask", "gather") over the keys each query reads alone, (B, H, N, M)
     ``positions`` and ``allowed`` with its window last (:func:`with_window`), and with ``summaries`` the summaries
     of the rest (``slots``: the :func:`cluster_slots` of the cluster part, when it is the nearest members)."""
     B, H, N, D = q.shape
     scale = D ** -0.5
+    causal = mask.causal
     M = positions.shape[-1]
     if kernel == "banded":  # the cluster part only: the band holds the window
         alone = M - window
         return _banded_attention(q * scale, k, v, key_ids, selected, positions[..., :alone], allowed[..., :alone],
-                                 layout, window=window, cluster_keys=cluster_keys, causal=causal,
-                                 key_padding_mask=key_padding_mask, summaries=summaries, dropout_p=dropout_p,
-                                 band=band, slots=slots)
+                                 layout, window=window, cluster_keys=cluster_keys, mask=mask, summaries=summaries,
+                                 dropout_p=dropout_p, band=band, slots=slots)
     if kernel == "dense-mask":
         # scatter True at every allowed position; the entries that are not allowed go to an extra column, dropped
         index = torch.where(allowed, positions, N)
-        mask = torch.zeros(B, H, N, N + 1, dtype=torch.bool, device=q.device).scatter_(-1, index, True)[..., :N]
+        read = torch.zeros(B, H, N, N + 1, dtype=torch.bool, device=q.device).scatter_(-1, index, True)[..., :N]
         if summaries:
             n = summary_counts(layout, selected, cluster_keys=cluster_keys, causal=causal).to(q.dtype)
-            return _dense_with_summaries(q * scale, k, v, key_ids, mask, n, window, causal, dropout_p)
-        return masked_sdpa(q, k, v, mask, dropout_p=dropout_p)
+            return _dense_with_summaries(q * scale, k, v, key_ids, read, n, window, causal, dropout_p)
+        return masked_sdpa(q, k, v, read, dropout_p=dropout_p)
     lists = key_lists(positions)  # the keys each query reads, as sparse key lists (ops/key_lists.py)
     scores = listed_scores(q * scale, k, lists).masked_fill(~allowed, float("-inf"))
     if not summaries:
@@ -192,8 +193,8 @@ def _attend_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
 
 def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids: torch.Tensor,
                       selected: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, layout: ClusterLayout, *,
-                      window: int, cluster_keys: int, causal: bool, key_padding_mask: torch.Tensor | None,
-                      summaries: bool, dropout_p: float, band: ChunkBand | None,
+                      window: int, cluster_keys: int, mask: AttentionMask, summaries: bool, dropout_p: float,
+                      band: ChunkBand | None,
                       slots: torch.Tensor | None = None) -> torch.Tensor:
     """The ``"banded"`` kernel (:mod:`clusterformer.ops.selected_band`): the window from the chunk bands, the
     selected clusters' keys as sparse key lists ((B, H, N, M) ``positions`` / ``allowed`` of the keys read alone,
@@ -204,9 +205,9 @@ def _banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ids
     them: the keys are then listed as runs of the cluster-sorted keys (:func:`_read_alone`)."""
     B, H, N, _ = q.shape
     C = layout.total.shape[-1]
+    causal = mask.causal
     if band is None:
-        band = chunk_band(q, k, v, key_ids, key_padding_mask, num_clusters=C, window=window, causal=causal,
-                          summaries=summaries)
+        band = chunk_band(q, k, v, key_ids, mask, num_clusters=C, window=window, summaries=summaries)
     L = band.scores.shape[3]
     # the keys read alone as sparse key lists (ops/key_lists.py): no (B, H, N, M, D) gather
     lists = _read_alone(positions, slots, layout, cluster_keys=cluster_keys, causal=causal)

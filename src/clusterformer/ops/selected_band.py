@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..masks import real_tokens
+from ..masks import AttentionMask
 from .recompute import recompute_saved
 
 __all__ = ["BAND_CHUNK", "ChunkBand", "band_chunk", "chunk_band", "from_chunks", "to_chunks"]
@@ -80,13 +80,14 @@ class ChunkBand(NamedTuple):
 
 
 def chunk_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids: torch.Tensor,
-               key_padding_mask: torch.Tensor | None, *, num_clusters: int, window: int, causal: bool,
-               summaries: bool) -> ChunkBand:
+               mask: AttentionMask, *, num_clusters: int, window: int, summaries: bool) -> ChunkBand:
     """The bands of chunks around every query chunk (:class:`ChunkBand`); q already scaled. Chunks of L =
     :func:`band_chunk` positions; the band of chunk i is chunks i - before .. i + after, the fewest that hold every
     query's window. Built once per layer call, it serves both the summaries' selection and the attention
-    (``summaries``: also the summaries' dots, with the gradient when q and k have one)."""
+    (``summaries``: also the summaries' dots, with the gradient when q and k have one). ``mask``: the call's mask,
+    its causal order (the window (t - window, t]) and padding (B, N) or None."""
     B, N = key_ids.shape[0], key_ids.shape[2]
+    causal = mask.causal
     C = num_clusters
     L = band_chunk(window, causal)
     half = window // 2
@@ -101,7 +102,7 @@ def chunk_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, key_ids
         shifted = F.pad(x, (0, 0, 0, 0, before, after))
         return torch.cat([shifted[:, :, s:s + chunks] for s in range(width)], dim=3)
 
-    real = real_tokens(key_padding_mask, B, N, q.device)
+    real = mask.real(B, N, q.device)
     band_real = band(to_chunks(real[:, None, :, None], L, False)).squeeze(-1)  # (B, 1, chunks, R)
     keys = to_chunks(k, L)
     band_keys = band(keys)

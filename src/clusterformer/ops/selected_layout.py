@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..masks import real_tokens
+from ..masks import AttentionMask
 from .listed_attention import SlotRuns
 
 __all__ = ["PREFIX_BLOCK", "ClusterLayout", "cluster_layout", "cluster_runs", "cluster_slots", "cluster_summaries",
@@ -237,33 +237,32 @@ def cluster_runs(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys:
 
 
 def listed_positions(layout: ClusterLayout, selected: torch.Tensor, *, cluster_keys: int, window: int,
-                        causal: bool, key_padding_mask: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The keys each query reads alone and its window: ((B, H, N, M) long positions, (B, H, N, M) bool allowed,
     the window last), and the :func:`cluster_slots` its cluster part came from. ``selected``: (B, H, N, S) distinct
-    cluster ids in [0, num_clusters) per query."""
+    cluster ids in [0, num_clusters) per query; ``mask``: the call's mask (causal order, padding)."""
     cluster_positions, cluster_valid, slots = _cluster_positions(layout, selected, cluster_keys=cluster_keys,
-                                                                 causal=causal)
-    positions, allowed = with_window(cluster_positions, cluster_valid, window=window, causal=causal,
-                                      key_padding_mask=key_padding_mask)
+                                                                 causal=mask.causal)
+    positions, allowed = with_window(cluster_positions, cluster_valid, window=window, mask=mask)
     return positions, allowed, slots
 
 
-def with_window(cluster_positions: torch.Tensor, cluster_valid: torch.Tensor, *, window: int, causal: bool,
-                 key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def with_window(cluster_positions: torch.Tensor, cluster_valid: torch.Tensor, *, window: int, mask: AttentionMask
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys a query reads alone from its clusters, (B, H, N, M) positions and valid, followed by its window:
-    (B, H, N, M + window) positions and allowed (the window's padding and positions outside [0, N) not)."""
+    (B, H, N, M + window) positions and allowed (the window's padding and positions outside [0, N) not): ``mask``
+    gives the window's place (causal: (t - window, t]) and the padding."""
     B, H, N, _ = cluster_positions.shape
     device = cluster_positions.device
     t = torch.arange(N, device=device)
     offsets = torch.arange(window, device=device)
-    window_positions = t[:, None] + offsets - (window - 1 if causal else window // 2)  # (N, window)
+    window_positions = t[:, None] + offsets - (window - 1 if mask.causal else window // 2)  # (N, window)
     window_valid = (window_positions >= 0) & (window_positions < N)
     window_positions = window_positions.clamp(0, max(N - 1, 0))
     positions = torch.cat([cluster_positions, window_positions.expand(B, H, N, window)], dim=-1)
     allowed = torch.cat([cluster_valid, window_valid.expand(B, H, N, window)], dim=-1)
-    if key_padding_mask is not None:  # the cluster part never reads padding (its id is num_clusters); the window may
-        real = real_tokens(key_padding_mask, B, N, device)[:, None, None, :].expand(B, H, N, N)
+    if mask.padding is not None:  # the cluster part never reads padding (its id is num_clusters); the window may
+        real = mask.real(B, N, device)[:, None, None, :].expand(B, H, N, N)
         allowed = allowed & real.gather(-1, positions)
     return positions, allowed
 

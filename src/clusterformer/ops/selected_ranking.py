@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..masks import AttentionMask
 from .listed_attention import RangeSummaries, bound_groups, extension_available, summary_logits, top_members
 from .selected_band import ChunkBand, chunk_band
 from .selected_layout import ClusterLayout, cluster_runs, cluster_summaries, log_count, outside_window, summary_counts
@@ -84,8 +85,7 @@ def with_own_group(selected: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 
 
 def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, layout: ClusterLayout, *,
-                      select: int, window: int, causal: bool, kernel: str,
-                      key_padding_mask: torch.Tensor | None = None, band: ChunkBand | None = None,
+                      select: int, window: int, mask: AttentionMask, kernel: str, band: ChunkBand | None = None,
                       by_cluster: int = 0, groups: int | None = None) -> torch.Tensor:
     """The ``select`` clusters (B, H, N, S), among the first ``groups`` (None: all), whose summary of every member
     outside the window scores highest for each query: q . mean / sqrt(D) + log n, the logit the summary would have
@@ -94,7 +94,9 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
     "dense-mask" from the (N, N) scores by two matmuls, "banded" from chunk bands and per-chunk prefix sums (``band``:
     the layer's :func:`chunk_band` of the same q / sqrt(D) and k, built with summaries, whose dots the attention
     reads too; otherwise one is built here), "fused" from one prefix sum of the keys in sorted order and a C++ pass
-    (:func:`clusterformer.ops.listed_attention.summary_logits`), "gather" from :func:`cluster_summaries`."""
+    (:func:`clusterformer.ops.listed_attention.summary_logits`), "gather" from :func:`cluster_summaries`.
+    ``mask``: the call's mask, its causal order (the window (t - window, t]) and padding (B, N) or None."""
+    causal = mask.causal
     with torch.no_grad():
         q, k = q.detach() * q.shape[-1] ** -0.5, k.detach()
         if kernel in ("dense-mask", "banded"):  # every member outside the window
@@ -106,8 +108,8 @@ def summary_selection(q: torch.Tensor, k: torch.Tensor, key_ids: torch.Tensor, l
             logits = ((q @ k.transpose(-1, -2)) * outside) @ members / n.clamp(min=1) + log_count(n)
         elif kernel == "banded":
             if band is None or band.summary_dots is None:
-                band = chunk_band(q, k, None, key_ids, key_padding_mask, num_clusters=layout.total.shape[-1],
-                                  window=window, causal=causal, summaries=True)
+                band = chunk_band(q, k, None, key_ids, mask, num_clusters=layout.total.shape[-1], window=window,
+                                  summaries=True)
             logits = band.summary_dots / n.clamp(min=1) + log_count(n)
         elif kernel == "fused":  # the fused kernel's summaries of every member outside the window, logits alone
             prefix = layout.cluster_prefix(k)
