@@ -7,7 +7,7 @@ import sys
 
 
 def test_the_core_imports_nothing_but_torch():
-    """Issue #13: the library core pulls in no package that ``import torch`` does not (the applications that need
+    """The library core pulls in no package that ``import torch`` does not (the applications that need
     numpy, scikit-learn or transformers live in clusterformer.apps and clusterformer.hf)."""
     code = ("import sys, torch; base = set(sys.modules); "
             "import clusterformer.attention, clusterformer.ops, clusterformer.clustering, clusterformer.models; "
@@ -47,9 +47,8 @@ print("ok")
 
 
 def test_every_docs_script_imports_against_the_current_api():
-    """The scripts under docs/scripts that measured results.md's tables must still run: each is imported (its work
-    is under ``if __name__ == "__main__"``), so a renamed or moved name they use fails here, not in a reader's hands.
-    (One had imported ``RetrievalOptions`` from ops.retrieval for a session after issue #33 moved it.)"""
+    """The scripts under docs/scripts that measured the docs' tables must still run: each is imported (its work
+    is under ``if __name__ == "__main__"``), so a renamed or moved name they use fails here, not in a reader's hands."""
     import importlib.util
     from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""The keys' spherical assignment timed, fused against its composition (issue #31, twenty-eighth session).
+"""The keys' spherical assignment timed, fused against its composition
+(docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step).
 
 One forward and backward of :func:`clusterformer.ops.spherical.spherical_assignment` -- each key's nearest unit
 centroid with the balance bias, its commitment distance, the per-cluster sums -- against

@@ -1,10 +1,11 @@
 """cluster-select's kernels, one causal layer's forward and backward, against full attention and against themselves
-with other chunk lengths or another build of the library (issue #31; docs/benchmarks.md, eleventh session).
+with other chunk lengths or another build of the library
+(docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step).
 
 Every entry runs in this one process, interleaved (entry 1, entry 2, ..., full; five times after a warm-up), so the
 ratios hold on a shared machine where absolute times do not. ``--chunks`` patches
 ``clusterformer.ops.selected_band.BAND_CHUNK`` per entry; ``--kernels`` times several of this build's kernels (e.g.
-``banded,fused``: the chunk bands against the C++ key lists, twenty-fourth session); ``--other SRC`` also times the
+``banded,fused``: the chunk bands against the C++ key lists); ``--other SRC`` also times the
 ``clusterformer`` importable from SRC (e.g. the ``src`` of a ``git worktree`` at an earlier commit), with its own
 defaults.
 

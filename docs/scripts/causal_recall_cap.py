@@ -1,4 +1,5 @@
-"""The bounded memory of strict-causal neural clustering, measured on MQAR's positions (issue #31, §3).
+"""The bounded memory of strict-causal neural clustering, measured on MQAR's positions
+(docs/recall-and-aggregation.md#why-neural-clustering-does-not-recall).
 
 Under ``causal_mode="strict"`` a token of cluster c with r earlier members of c sees the members of c of rank in
 ``[(r // w - look_back) w, r]`` (``w = causal_chunk_size``): at most ``(look_back + 1) w`` keys, whatever the
@@ -7,7 +8,7 @@ if few enough members of that cluster came between them. This script measures th
 (:mod:`clusterformer.data.recall`, uniform gaps), each query put in its key's cluster, every other token in a
 uniformly random cluster of ``causal_clusters``, and the share of queries whose key is still in the window.
 
-    python docs/scripts/causal_recall_cap.py            # the table in docs/results.md
+    python docs/scripts/causal_recall_cap.py            # the table in docs/recall-and-aggregation.md
 """
 
 from __future__ import annotations

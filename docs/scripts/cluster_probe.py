@@ -1,4 +1,5 @@
-"""How a trained model's clustering layers group the tokens of its task's test texts (issue #34, twenty-fifth session).
+"""How a trained model's clustering layers group the tokens of its task's test texts
+(docs/pretraining.md#why-pretrained-neural-clustering-fine-tunes-worse-on-20news).
 
 For each run (a classification run's directory), the first ``--examples`` test texts go through the model in
 evaluation mode and every layer that publishes groups (neural-clustering's clusters, cluster-select's key clusters)

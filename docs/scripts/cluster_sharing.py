@@ -1,4 +1,5 @@
-"""Where a trained recall model's clusters put an MQAR query, per layer (issue #31, §3).
+"""Where a trained recall model's clusters put an MQAR query, per layer
+(docs/recall-and-aggregation.md#why-neural-clustering-does-not-recall).
 
 For each query of the first test sequences of a trained ``train --task mqar`` run, and each attention layer that
 publishes its groups (neural-clustering, routing: head 0, ...): whether the query shares its cluster with the value

@@ -1,4 +1,5 @@
-"""Where cluster retrieval's decoding step spends its time (issue #32, docs/benchmarks.md).
+"""Where cluster retrieval's decoding step spends its time
+(docs/long-context-decoding.md#what-a-decoding-step-costs).
 
 One layer of SmolLM2-135M's shape (9 query heads, 3 key/value heads of 64) over a random cache of N keys, called
 through the AttentionInterface function as ``clusterformer bench retrieval`` calls it, one thread. Reported:

@@ -1,5 +1,6 @@
-"""How large the groups a trained model's layers form are, on its own training batches (issue #31, twenty-sixth
-session): per layer that publishes groups (cluster-select's key groups, neural-clustering's clusters), over every
+"""How large the groups a trained model's layers form are, on its own training batches
+(docs/recall-and-aggregation.md#what-earns-the-recall-the-ranking-not-content-clusters): per layer that publishes
+groups (cluster-select's key groups, neural-clustering's clusters), over every
 (sequence, head) of ``--batches`` batches, the share of real keys in the largest group, the groups holding any key,
 and the share of keys whose group holds more than ``--reach`` members (cluster-select reads at most
 ``cluster_keys`` members of a selected group, its most recent ones: the keys beyond that reach are read only when

@@ -1,5 +1,5 @@
 """Tensors alive after a layer's training forward, and the tensor peak over forward and backward, in units of the
-input's bytes (issue #35 §2; docs/benchmarks.md, "Without a GPU").
+input's bytes (docs/speed-and-memory.md#memory).
 
     python docs/scripts/kept_memory.py 16384 full,lsh,kmeans,routing
     TRITON_INTERPRET=1 python docs/scripts/kept_memory.py rounds fused     (or: rounds sdpa)
@@ -10,7 +10,7 @@ with an older commit, run the same file with that commit's src first on PYTHONPA
 
 ``rounds KERNEL``: bucketed_attention alone (float64, B 1, 2 heads, N 256, D 16, 4 rounds, 8 buckets, chunks of 16;
 the fused kernel runs in Triton's interpreter on the CPU), with its recipes and with them replaced by nothing (every
-round's rows and outputs kept, as before issue #35 §2), in units of one (B, H, N, D) tensor.
+round's rows and outputs kept), in units of one (B, H, N, D) tensor.
 """
 
 from __future__ import annotations

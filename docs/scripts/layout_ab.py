@@ -1,5 +1,5 @@
-"""Trained runs' training step with q, k, v as strided views of the fused projection, against the layout before it
-(issue #31, twenty-ninth session).
+"""Trained runs' training step with q, k, v as strided views of the fused projection, against a split of q, k, v
+into contiguous tensors (docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step).
 
 Each run's model is loaded twice: as the library builds it (``ops/heads.py``: the kernels read the projection's
 views in place and write their gradients into its layout) and with the previous layout patched in -- the split by

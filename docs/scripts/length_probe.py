@@ -1,4 +1,5 @@
-"""A trained MQAR model evaluated at another length, without training there (issue #31: N = 4,096 on a CPU).
+"""A trained MQAR model evaluated at another length, without training there (N = 4,096 on a
+CPU: docs/recall-and-aggregation.md#mqar-at-4096-tokens).
 
 Rebuilds each run's model and loads its weights (a cluster-select run's centroids included), then evaluates it on
 a fresh MQAR test set of ``LENGTH`` tokens whose every query lies at least ``MIN_GAP`` tokens after its value, the

@@ -1,4 +1,5 @@
-"""The fused key-list kernel alone (issue #31, twenty-fifth session): forward, and forward with backward, of
+"""The fused key-list kernel alone (docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step): forward,
+and forward with backward, of
 :func:`clusterformer.ops.listed_attention.listed_attention` on random lists, medians after a warm-up.
 
 Two shapes by default: the demo's heads (B 16, H 4, N 512, D 16, a window of 64 and 80 listed keys: 144 keys per

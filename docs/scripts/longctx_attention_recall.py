@@ -1,5 +1,5 @@
-"""How much of dense attention's mass cluster retrieval's selected keys hold, per layer (docs/results.md, "Why 8k
-misses").
+"""How much of dense attention's mass cluster retrieval's selected keys hold, per layer
+(docs/long-context-decoding.md#where-the-attention-mass-goes).
 
 One multi-key NIAH prompt for SmolLM2 (about 8k tokens, or the length given): the context is prefilled densely into
 a cache, then the ~25 question tokens run through a registered attention function that computes dense attention
@@ -13,8 +13,9 @@ question tokens.
 
 Also the rules of cluster retrieval's ``rerank=4`` (the ranked clusters fill 4 x the retrieved slots with
 candidates, of which the ones of highest exact q . k are kept: by the best over the group's query heads, or per
-query head), and ``--budgets`` sweeps the budget (the recall-against-budget curve of issue #32), ``--samples``
-averages over that many prompts (seeds 1, 2, ...), ``--json`` / ``--plot`` keep the numbers and draw them.
+query head), and ``--budgets`` sweeps the budget (the recall-against-budget curve of
+docs/long-context-decoding.md), ``--samples`` averages over that many prompts (seeds 1, 2, ...), ``--json`` /
+``--plot`` keep the numbers and draw them.
 
 Run from the checkout (about 3 minutes on one thread at 8k for the two default budgets):
 ``python docs/scripts/longctx_attention_recall.py [LENGTH] [--budgets 0.01,0.02,0.05,0.1,0.2,0.3] [--samples 3]

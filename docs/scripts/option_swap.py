@@ -1,9 +1,10 @@
-"""A trained run evaluated with other options of its mechanism, without training (issue #31).
+"""A trained run evaluated with other options of its mechanism, without training
+(docs/recall-and-aggregation.md#what-earns-the-recall-the-ranking-not-content-clusters).
 
 Rebuilds each run's model with its attention options updated by ``OPTIONS`` (``key=value,...``, read as the
 ``--attention`` specs read them), loads the trained weights into it, and evaluates it on the run's own test set.
 It answers "what would this model score if it ranked, read or grouped its keys another way", e.g. a cluster-select
-run trained with the summaries' ranking, evaluated with ``selection=bound`` (the seventeenth session). Options that
+run trained with the summaries' ranking, evaluated with ``selection=bound``. Options that
 add parameters or buffers the run does not have (``balance``) cannot be swapped in this way. Without OPTIONS
 (``-``) it re-evaluates the run as trained, which must give the run's recorded accuracy.
 

@@ -1,4 +1,4 @@
-"""The main paper's Table 8 analogue (issue #34): fine-tuned from a masked-LM checkpoint against from scratch.
+"""The main paper's Table 8 analogue (docs/pretraining.md): fine-tuned from a masked-LM checkpoint against from scratch.
 
 Reads the fine-tuning grids' records (each run's ``metrics.json``, committed under ``results/compare``) and
 prints, per task and mechanism, the score (accuracy; WikiQA: MAP) of each starting point over the seeds, and the

@@ -63,7 +63,7 @@ def layer_mechanisms(config: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]
 def as_run(name: str, options: dict[str, Any], versions: dict[str, int] | None, label: int | None,
            length: int) -> dict[str, Any]:
     """A layer's options as the run meant them: pinned to its recorded defaults (``defaults_versions``). One default
-    changed without a version: cluster-select's ``summaries``, off until issue #31's sixth session. A record
+    differs between records without a version: cluster-select's ``summaries``, off in the oldest records. A record
     without it then takes the value whose count at the time -- window + sink + select x cluster_keys, plus one key
     per summary -- gives the ``keys_per_query`` the run recorded."""
     pinned = pin_defaults(name, options, versions)

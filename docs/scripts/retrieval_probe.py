@@ -1,4 +1,5 @@
-"""Clustered key selection on a trained *full-attention* MQAR model, without retraining (issue #31, §3).
+"""Clustered key selection on a trained *full-attention* MQAR model, without retraining
+(docs/recall-and-aggregation.md#how-the-models-at-n--1024-are-trained-a-length-curriculum).
 
 For every full-attention layer of a trained ``train --task mqar --attention full`` run, each query is restricted to
 its causal window of ``WINDOW`` keys plus the keys of the clusters it scores highest: the layer's keys are grouped by

@@ -1,4 +1,5 @@
-"""What a trained ``cluster-select`` recall model's layers do with the keys a query needs (issue #31, §3).
+"""What a trained ``cluster-select`` recall model's layers do with the keys a query needs
+(docs/recall-and-aggregation.md#passkey, #histogram-aggregation-over-scattered-positions).
 
 For each cluster-select layer of a trained ``train --task mqar|passkey|histogram --attention cluster-select`` run,
 on the first test sequences: the share of the keys in each head's largest groups, how often the query *selects*

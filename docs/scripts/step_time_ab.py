@@ -1,4 +1,5 @@
-"""Training-step time of trained runs' whole models, interleaved in one process (issue #31, twentieth session).
+"""Training-step time of trained runs' whole models, interleaved in one process
+(docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step).
 
 Each run's model (its checkpoint, config and task: ``load_trained``) takes the same training steps as in ``train``
 -- the task's own batches, forward with the auxiliary losses, the task loss, backward; no optimiser step, so every

@@ -128,7 +128,7 @@ def test_cluster_command_digits_and_npy(tmp_path, capsys):
 
 
 def test_neural_clusterer_mini_batches_and_early_stopping():
-    """Issue #14: mini-batches of points and early stopping keep the clustering of planted blobs, and stop early."""
+    """Mini-batches of points and early stopping keep the clustering of planted blobs, and stop early."""
     x, labels = _blobs(200, 5, 8, seed=7)
     x = x - x.mean(0)
     fast = NeuralClusterer(5, steps=1000, n_init=3, seed=0, batch_size=128, tol=1e-3, patience=20).fit(x)

@@ -1,4 +1,4 @@
-"""The statistics of ``clusterformer longctx``'s summary (issue #32 §2): Wilson intervals, the exact McNemar test
+"""The statistics of ``clusterformer longctx``'s summary: Wilson intervals, the exact McNemar test
 and the paired counts against dense, on hand-built records (no model needed)."""
 
 from __future__ import annotations

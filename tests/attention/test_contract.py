@@ -451,7 +451,7 @@ def _tensors_with_graphs(model) -> list[str]:
 
 @pytest.mark.parametrize("name", ALL)
 def test_no_forward_output_is_stored_on_modules(name):
-    """Issue #13: auxiliary losses, groups and centroids of a forward go to collectors, never onto modules: after
+    """Auxiliary losses, groups and centroids of a forward go to collectors, never onto modules: after
     a training forward and backward, no module holds a tensor with an autograd graph."""
     layer = _small(name).train()
     x = torch.randn(2, 19, 16, dtype=torch.float64, requires_grad=True)
@@ -462,9 +462,9 @@ def test_no_forward_output_is_stored_on_modules(name):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_state_dicts_from_before_the_inner_attention_split_still_load(name):
-    """Before issue #13 a mechanism's parameters, buffers and extra state sat on the layer itself (``centroids``,
-    ``to_cluster.weight``, ``_extra_state``); such state dicts (old checkpoints) load into ``layer.inner``."""
+def test_state_dicts_with_the_mechanism_state_on_the_layer_load(name):
+    """State dicts that hold a mechanism's parameters, buffers and extra state on the layer itself (``centroids``,
+    ``to_cluster.weight``, ``_extra_state``, as some checkpoints do) load into ``layer.inner``."""
     layer = _small(name).train()
     layer(torch.randn(2, 19, 16, dtype=torch.float64))  # some state: memory banks, pending EMA updates, generators
     old_style = {key.replace("inner.", "", 1): value for key, value in layer.state_dict().items()}

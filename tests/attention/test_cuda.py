@@ -21,7 +21,7 @@ float64 run's. Tolerances (per-token relative error e_t = |y_t - ref_t| / |ref_t
   mask, a lost chunk) moves every token by O(1).
 
 Every run must be free of NaN/inf in outputs and gradients; evaluation must be bitwise repeatable.
-Set CUDA_REPORT=path to write the measured errors as JSON (docs/benchmarks.md records them).
+Set CUDA_REPORT=path to write the measured errors as JSON (docs/speed-and-memory.md#on-a-gpu records them).
 """
 
 from __future__ import annotations

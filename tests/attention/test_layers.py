@@ -16,7 +16,7 @@ from seeds import fixed_seed
 
 _fused_ready = pytest.mark.skipif(not extension_available(), reason="cluster-select's fused kernel is not built here")
 FUSED = pytest.param("fused", marks=_fused_ready)  # cluster-select's C++ kernel
-# cluster-select's own group and sink, on by default since version 2 of its defaults: off where a test names the
+# cluster-select's own group and sink, on by default in version 2 of its defaults: off where a test names the
 # configuration before them (its references add them only when asked)
 OFF = {"own_group": False, "sink": 0}
 

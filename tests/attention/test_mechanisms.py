@@ -244,7 +244,8 @@ def test_kmeans_matches_dense_reference(N, causal, pad_last):
 def test_kmeans_with_one_covering_cluster_is_dense_shared_qk_attention(N, causal, pad_last):
     """One cluster, one round and a chunk holding every key (``look_back=0``) make kmeans dense attention with the
     Reformer's shared-QK rules: keys are the unit queries, a token reads itself only when it has no other key.
-    The MQAR curriculum trains the shared-QK mechanisms' stage 1 this way (docs/results.md, thirtieth session)."""
+    The MQAR curriculum trains the shared-QK mechanisms' stage 1 this way
+    (docs/recall-and-aggregation.md#how-the-models-at-n--1024-are-trained-a-length-curriculum)."""
     chunk = 32  # >= N: every real key of a sequence falls in the query's own chunk
     layer = _layer("kmeans", num_clusters=1, num_rounds=1, chunk_size=chunk, causal_chunk_size=chunk, look_back=0)
     B = 2

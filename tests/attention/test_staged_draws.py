@@ -1,4 +1,4 @@
-"""Staged draws (clusterformer.attention.stage_draws / restage_draws, issue #35): the random numbers of a training
+"""Staged draws (clusterformer.attention.stage_draws / restage_draws): the random numbers of a training
 step drawn on the host before the step, into device buffers, so the step itself can be captured in a CUDA graph.
 
 Two things must hold on every device, and are checked here on the CPU:
@@ -125,7 +125,8 @@ def test_a_step_without_restaging_reuses_the_numbers():
 
 @pytest.mark.parametrize(("name", "causal"), [
     ("lsh", False), ("lsh", True), ("clustered", False), ("improved-clustered", False),
-    # captured on an H200 already (docs/benchmarks.md): the spy must agree that they do no host work
+    # captured on an H200 (docs/speed-and-memory.md#cuda-graphs-and-memory-h200): the spy must agree that they do no
+    # host work
     ("neural-clustering", False), ("neural-clustering", True), ("kmeans", False), ("routing", False),
     ("sliding-window", False), ("full", False),
 ])

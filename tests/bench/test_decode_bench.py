@@ -1,4 +1,4 @@
-"""bench decode's reference steps (issue #35 §4): sdpa-decode computes full attention's own step, the projections
+"""bench decode's reference steps: sdpa-decode computes full attention's own step, the projections
 step is the step without attention, and both are timed and replayed like the mechanisms' steps."""
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def test_demo_trains_cluster_select_with_its_defaults(tmp_path, monkeypatch):
 
 
 def test_every_command_has_its_own_module_and_help():
-    """Issue #13: each command adds its own parser; the package docstring lists every one of them."""
+    """Each command adds its own parser; the package docstring lists every one of them."""
     from clusterformer import cli
 
     parser = cli.build_parser()
@@ -171,7 +171,7 @@ def test_list_shows_aliases_and_resolved_defaults(capsys):
 
 
 def test_generate_streams_a_continuation_from_a_checkpoint(tmp_path, capsys):
-    """Issue #15: `clusterformer generate` rebuilds a character LM from its run directory alone and streams."""
+    """`clusterformer generate` rebuilds a character LM from its run directory alone and streams."""
     (tmp_path / "tinyshakespeare").mkdir()
     (tmp_path / "tinyshakespeare" / "input.txt").write_text("to be or not to be, that is the question\n" * 40)
     run = tmp_path / "run"
@@ -229,7 +229,7 @@ def _tiny_multi30k(root) -> None:
 
 
 def test_train_multi30k_then_translate_from_stdin(tmp_path, capsys, monkeypatch):
-    """Issue #15: train --task multi30k writes BLEU with sacrebleu's signature; translate reads stdin, batched."""
+    """train --task multi30k writes BLEU with sacrebleu's signature; translate reads stdin, batched."""
     import io
 
     pytest.importorskip("sacrebleu")

@@ -132,7 +132,7 @@ def test_patched_attention_refuses_a_cache_under_every_name(argument):
 ])
 def test_padding_does_not_change_real_tokens(attention, options):
     """A sequence alone, and inside batches padded to two other lengths beside other sequences, gives the
-    same hidden states on its real tokens (issue #12: the amount of padding and the other sequences change)."""
+    same hidden states on its real tokens (the amount of padding and the other sequences change)."""
     model = patch(_bert(), attention, **options)
     alone = _batch([30], 30, seed=1)
     reference = _hidden(model, alone)
@@ -352,7 +352,7 @@ def test_each_patched_layer_gets_its_own_seed():
 
 
 def test_patch_uses_the_attention_registry():
-    """Issue #13: one registry. Every mechanism with separate Q and K projections can be patched -- Cluster-Former's
+    """One registry. Every mechanism with separate Q and K projections can be patched -- Cluster-Former's
     two layers too, which the old allow-list lacked -- with its registry options and aliases; the options the
     pretrained model decides are refused; the patched module runs the registry's inner attention."""
     from clusterformer.attention import names

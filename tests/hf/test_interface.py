@@ -157,7 +157,7 @@ def test_retrieval_is_batch_invariant_and_never_reads_a_future_key():
 
 @pytest.mark.parametrize(("mechanism", "options"), [("oracle", {}), ("quest", {"page_size": 4})])
 def test_oracle_and_quest_in_a_decoder_are_batch_invariant_and_covering_budgets_are_dense(mechanism, options):
-    """The two yardsticks of issue #32 run in generate() through the interface: a left-padded sequence beside a
+    """The two yardsticks (oracle, Quest) run in generate() through the interface: a left-padded sequence beside a
     longer one gives the same logits as alone, a budget of 25% changes them, and a budget covering the cache is
     dense attention."""
     model = _llama()
@@ -349,7 +349,7 @@ def test_what_cannot_be_honoured_is_refused():
         hf.register_attention("cluster-retrieval", name="test-bad", dropout=0.1)
 
 
-# The sparse prefill (option prefill_block, issue #32 section 4): the prompt's own attention read block by block
+# The sparse prefill (option prefill_block): the prompt's own attention read block by block
 # under the budget.
 
 PREFILL_MECHANISMS = [("cluster-retrieval", {"clusters": 4, "sink": 2, "window": 4}), ("sink-window", {"sink": 2}),

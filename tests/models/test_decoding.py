@@ -206,8 +206,8 @@ def test_decoding_refuses_training_mode_left_padding_and_foreign_caches():
 
 def test_one_softmax_over_two_key_sets_with_an_empty_row():
     """attend_allowed + merge_attention equal one masked softmax over the union of two disjoint key sets, also
-    for a row whose first set is empty (a shared-QK token alone in its cluster, with local keys beside it: that
-    row was NaN before issue #31's third session)."""
+    for a row whose first set is empty (a shared-QK token alone in its cluster, with local keys beside it: such
+    a row must not give NaN)."""
     torch.manual_seed(7)
     q, keys, values = (torch.randn(3, 6, 4, dtype=torch.float64) for _ in range(3))
     q = q[:, 0]

@@ -100,7 +100,7 @@ def test_encoder_config_errors():
 
 @pytest.mark.parametrize("name", ["lsh", "kmeans", "routing", "clustered"])
 def test_each_layer_gets_its_own_seed(name):
-    """Issue #12: layers of a model must not share hash rotations / planes / initial centroids. Layer 1's
+    """Layers of a model must not share hash rotations / planes / initial centroids. Layer 1's
     parameters (not its seeded buffers or generator) are copied into layer 0; with a shared seed the two
     would then compute the same function."""
     from clusterformer.models import Encoder, EncoderConfig

@@ -287,7 +287,7 @@ def _bucketed_kept(kernel: str, recipes: bool, monkeypatch) -> tuple[int, list[t
 
 @pytest.mark.parametrize("kernel", ["fused", "sdpa"])
 def test_hashing_rounds_keep_no_gathered_rows(kernel, monkeypatch):
-    """Issue #35 §2: the rows gathered once per round (q, k, v: 3 x 4 rounds x the input's size) are rebuilt in the
+    """The rows gathered once per round (q, k, v: 3 x 4 rounds x the input's size) are rebuilt in the
     backward, and on the fused kernel the merge of the rounds rebuilds their reordered outputs (4 more) from the
     kernel's own. At least 11 (fused: 14) tensors of the input's size fewer alive after the forward than with the
     recipes replaced by nothing; the same output and gradients, bit for bit. Both kernels: the recipes go through

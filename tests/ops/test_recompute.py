@@ -131,11 +131,11 @@ def _alive_after_forward(name: str, length: int = 484, **options):
 
 
 def test_neural_clustering_keeps_what_full_attention_keeps_plus_integers(monkeypatch):
-    """Issue #35's memory target, after the forward: full keeps its Q/K/V projection, SDPA's output and the output
-    projection's; neural clustering the same plus its layout's integers (O(N)), neither its sorted copy of x nor the
-    reordered copy of its output, which the backward rebuilds. With the blocks replaced by nothing it keeps both
-    (about 2x the input more): a block that kept its source, or that caught an op saving its own output (a reference
-    cycle keeping the clustering's graph alive), fails this. Both give the same gradients."""
+    """The memory target (docs/speed-and-memory.md#memory), after the forward: full keeps its Q/K/V projection, SDPA's
+    output and the output projection's; neural clustering the same plus its layout's integers (O(N)), neither its sorted
+    copy of x nor the reordered copy of its output, which the backward rebuilds. With the blocks replaced by nothing it
+    keeps both (about 2x the input more): a block that kept its source, or that caught an op saving its own output (a
+    reference cycle keeping the clustering's graph alive), fails this. Both give the same gradients."""
     full, _, x_bytes = _alive_after_forward("full")
     with_recompute, grad, _ = _alive_after_forward("neural-clustering")
     assert with_recompute <= full + 0.3 * x_bytes, (with_recompute, full, x_bytes)

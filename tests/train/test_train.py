@@ -432,7 +432,7 @@ def test_cross_validation_runs_every_fold_and_summarises(tmp_path, capsys):
     ("clustered", {}, "cannot be causal"),
 ])
 def test_language_model_refuses_mechanisms_that_are_not_strictly_causal(tmp_path, attention, options, message):
-    """Issue #12: a non-strict causal mode sees more than the past, so its bits per character are optimistic."""
+    """A non-strict causal mode sees more than the past, so its bits per character are optimistic."""
     from clusterformer.train import TrainConfig
 
     with pytest.raises(ValueError, match=message):
@@ -455,7 +455,7 @@ def test_cli_names_the_opt_in_flag(tmp_path, capsys):
 
 
 def test_no_character_gets_the_padding_id(tmp_path):
-    """Issue #12: the newline had id 0, the embedding's padding_idx, so its embedding was frozen at zero."""
+    """No character gets id 0, the embedding's padding_idx, whose embedding is frozen at zero."""
     from clusterformer.train.tasks import prepare_task
 
     (tmp_path / "tinyshakespeare").mkdir()

@@ -21,7 +21,8 @@ translation invariant, but matters for the cosine similarity of the neural metho
   float32, stopping early once the smoothed loss stalls; the final assignment over every point); like k-means,
   10 restarts from different initial points, keeping the one of lowest final L1. ``scale`` defaults to 3
   (the attention layer's 10 is too sharp over a whole data set: eq. 2's softmax runs over all n points, so
-  C_hat collapses onto the few points nearest each centroid; docs/results.md has the sweep). No W^C projection by
+  C_hat collapses onto the few points nearest each centroid;
+  docs/clustering-experiment.md#what-the-neural-methods-options-do has the sweep). No W^C projection by
   default: with the clustering loss alone, L1 has a degenerate minimum (W^C mapping every point to one direction gives
   L1 = -1 whatever the clusters), so the projection only makes sense with a task loss beside it
   (``projection=True`` keeps it; the tests show it lowers L1 further).
@@ -57,7 +58,7 @@ class NeuralClusterer:
     -- the analogue of k-means keeping its lowest-inertia restart. ``losses`` records the mean L1 over restarts at
     every step; ``restart_losses`` the final L1 of each restart (over the whole data set).
 
-    Speed (issue #14). Each step draws ``batch_size`` points (one sample shared by the restarts; None = every
+    Speed. Each step draws ``batch_size`` points (one sample shared by the restarts; None = every
     point, the paper's eq. 2 over the whole data set) and computes eqs. 2-6 on them in ``dtype``; training
     stops after ``steps`` steps, or earlier when the mean loss (smoothed over ``patience`` steps) has not fallen
     by a relative ``tol`` in the last ``patience`` steps (``tol=0``: never). The final assignment and the choice

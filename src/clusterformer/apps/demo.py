@@ -29,7 +29,7 @@ from ..attention.registry import names_where
 from ..models import EncoderConfig, SequenceClassifier
 
 # The mechanisms every demo trains; ``--with NAMES`` (DemoConfig.also) adds others, each with its defaults: any that
-# trains a model (:func:`addable`). cluster-select is added by default (docs/results.md, Demo).
+# trains a model (:func:`addable`). cluster-select is added by default (docs/usage.md#benchmarks).
 BASE = ("full", "neural-clustering")
 clock = time.perf_counter  # the demo's timer (a test spies on it: nothing is timed before a warm-up)
 
@@ -205,15 +205,15 @@ def run_demo(out_dir: str | Path, config: DemoConfig | None = None, log: Callabl
                   f"and each of its queries sees {nc['keys_per_query']} of the {config.length} keys (its "
                   "cluster's chunk and the one before), where full attention sees them all. Grouping helps where a "
                   "query needs a few distant tokens chosen by content (recall), not a count over all of them: "
-                  "docs/results.md, issue #31, measures both kinds of task at equal keys per query."]
+                  "docs/recall-and-aggregation.md measures both kinds of task at equal keys per query."]
     for r in runs[len(BASE):]:  # the added mechanisms: say plainly whether each reached full's accuracy here
         reached = r["accuracy"] >= full["accuracy"] - 0.02
         lines += ["", f"{r['attention']} reads {r['keys_per_query']} keys per query "
                   f"({describe(r['attention'])['summary']}): "
                   f"accuracy {r['accuracy']:.3f} against full's {full['accuracy']:.3f}, "
                   + ("at full's accuracy (within 0.02)" if reached else
-                     "below full's here; 200 steps of one seed move a run by several points (docs/results.md, "
-                     "Demo)")
+                     "below full's here; 200 steps of one seed move a run by several points (docs/usage.md#"
+                     "benchmarks)")
                   + f", at {r['ms_per_step'] / full['ms_per_step']:.1f}x full's training step on this machine."]
     lines += ["", f"wrote {out / 'demo.json'}, {out / 'bench.json'}" + (f", {plot_path}" if plot_path else "")]
     log("\n".join(lines))

@@ -165,9 +165,9 @@ class BucketOptions(SeededOptions):
             chunking gives every bucket chunks of its own (a token's chunk is fixed by the earlier tokens), so
             each non-empty bucket leaves up to a chunk of empty slots: with 16 buckets and chunks of 64 a
             256-token sequence fills 1,264 slots, and training ran 15-50x slower than full attention
-            (docs/benchmarks.md). A chunk near the expected bucket size keeps the slots near N; 16, as
-            neural-clustering's ``causal_chunk_size``. Fixed, not derived from the length, so a prefix
-            alone gives the same outputs as inside a longer sequence.
+            (docs/speed-and-memory.md#at-sentence-length-and-in-causal-training). A chunk near the expected bucket
+            size keeps the slots near N; 16, as neural-clustering's ``causal_chunk_size``. Fixed, not derived from
+            the length, so a prefix alone gives the same outputs as inside a longer sequence.
     """
 
     chunk_size: int = 64
@@ -219,7 +219,7 @@ class SeededModule(nn.Module):
     numbers. :meth:`draw_generator` gives the generator to draw a forward's numbers from, and :meth:`draw` draws a
     forward's random tensor from it.
 
-    Staged draws (for a step replayed from a CUDA graph, issue #35). A forward that draws on the host and copies
+    Staged draws (for a step replayed from a CUDA graph). A forward that draws on the host and copies
     to the GPU cannot be captured, and a tensor copied from pinned host memory would be replayed as the capture's
     numbers for ever. With staging on (:func:`stage_draws`), :meth:`draw` returns a device buffer instead, and
     :func:`restage_draws`, called on the host before each step (outside the graph), draws the step's numbers

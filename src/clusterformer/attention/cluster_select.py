@@ -1,12 +1,12 @@
 """``"cluster-select"``: each query reads the keys of the clusters *it selects*, beside a local window
-(beyond the papers; issue #31).
+(beyond the papers).
 
 Neural clustering, routing, lsh and kmeans confine a query to its own cluster: query and key must land in one
-group. Issue #31 measured what that costs on recall under a strict causal mask: nothing makes the query and the
+group. Under a strict causal mask that costs recall (docs/recall-and-aggregation.md): nothing makes the query and the
 distant key it needs share a cluster, and a sparse forward gives no gradient to pairs it keeps apart. Decoder-side
 cluster retrieval (ClusterKV, and Quest's pages) turns it around: the *keys* are clustered, and a query scores the
-clusters and reads the best ones. With the trained full MQAR model of issue #31 that selection (16 clusters, 32
-selected keys + a 32-key window) kept 0.995 of the answers where a 64-key window keeps none. This mechanism
+clusters and reads the best ones. With a trained full MQAR model that selection (16 clusters, 32 selected keys + a
+32-key window) kept 0.995 of the answers where a 64-key window keeps none. This mechanism
 trains with it from the start, strictly causal:
 
 1. q, k, v = x W^Q, x W^K, x W^V per head (separate projections: the selection is asymmetric).
@@ -25,18 +25,18 @@ trains with it from the start, strictly causal:
 Option ``summaries`` (on by default; NSA's compressed branch, Yuan et al. 2025, with key clusters for blocks): the
 query also reads, in the same softmax, one summary per cluster of the members outside its window that it does not
 read alone -- mean key, mean value, logit q . mean / sqrt(D) + log n -- so every cluster gets the task's gradient,
-selected or not, and ``selection="summaries"`` (the default from the sixth to the twenty-fourth session) ranks the
-clusters by those logits (the clusters that would draw most weight). Every key outside the window then counts
+selected or not, and ``selection="summaries"`` (the rule of version 1 of the defaults) ranks the clusters by those
+logits (the clusters that would draw most weight). Every key outside the window then counts
 once, alone or inside its summary; num_clusters more keys per query.
 
-Option ``selection="bound"`` (seventeenth session of issue #31) ranks the groups instead by Quest's upper bound of
+Option ``selection="bound"`` ranks the groups instead by Quest's upper bound of
 q . k over their members (Tang et al. 2024: per-channel max and min, here per group and over whole blocks outside
 the window), so that one key scoring high raises its group where the summaries' mean dilutes it.
 
-The defaults since the twenty-fifth session (``DEFAULTS_VERSION`` 2): ``selection="bound"``, ``own_group`` (the
-query's own key's cluster is one of the ``select``, read first) and ``sink=1`` (position 0 read by every query), with
-the summaries: level with the earlier defaults on 20NEWS-1500, IMDB-4K and ListOps, far above on the histogram
-(ClusterSelectOptions). Runs written before are rebuilt with the earlier defaults (:meth:`earlier_defaults`).
+The defaults (``DEFAULTS_VERSION`` 2): ``selection="bound"``, ``own_group`` (the query's own key's cluster is one of
+the ``select``, read first) and ``sink=1`` (position 0 read by every query), with the summaries: level with version 1
+of the defaults (the summaries' ranking, no own group, no sink) on 20NEWS-1500, IMDB-4K and ListOps, far above on the
+histogram (ClusterSelectOptions). Runs recorded with version 1 are rebuilt with it (:meth:`earlier_defaults`).
 
 Options whose ablations lost -- ``balance``, ``position_splits`` (with ``split_size`` and ``split_selection``) and
 ``page_size`` -- are kept apart in :class:`ExperimentalClusterSelectOptions`, which options naming them build, so
@@ -52,8 +52,8 @@ prefix sums), O(N (2 window + select * cluster_keys) D) for the attention (the w
 cluster keys as sparse key lists, ops/key_lists.py), plus one sort of the keys per head and one of the listed keys;
 to N = 256 the dense-mask kernel's O(N^2 D) matmuls are faster on a CPU. The fused kernel (the default where it
 runs) reads every key a query reads (window, sink, clusters) and its summaries in one C++ pass: O(N (window + select
-* cluster_keys + C) D), faster than both at every length measured on the CPU (docs/benchmarks.md, "the fused key
-lists"). Groups published: the key
+* cluster_keys + C) D), faster than both at every length measured on the CPU
+(docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step). Groups published: the key
 clusters, (B, H, N). Cached decoding (``layer.prefill`` / ``layer.step``): the last ``window`` keys, each cluster's last
 ``cluster_keys`` members outside the window and the sums of all its members there (with selection="bound" their
 running channel max and min), per head.
@@ -92,8 +92,8 @@ class ClusterSelectOptions(SeededOptions):
         window: local keys each query reads (even: non-causal queries see window / 2 positions on each side).
         decay: EMA decay of the centroids (0 = replace by the batch means; closer to 1 = slower).
         selection: "auto" (default): "bound" (resolved at construction, so that records name the rule that ran).
-            Before issue #31's twenty-fifth session "auto" meant "summaries" with ``summaries``, else "scores";
-            checkpoints written then are rebuilt with that rule (:meth:`earlier_defaults`).
+            In version 1 of the defaults "auto" means "summaries" with ``summaries``, else "scores"; runs recorded
+            with version 1 are rebuilt with that rule (:meth:`earlier_defaults`).
             "scores": a query reads the clusters of largest q . mu; "random": the ablation with the
             same sizes -- ``select`` distinct clusters drawn per query from a hash of its position, head and one
             number drawn per forward from the layer's generator (so they do not depend on the batch or on later
@@ -104,8 +104,7 @@ class ClusterSelectOptions(SeededOptions):
             Quest's page score on groups (Tang et al. 2024): sum_d max(q_d hi_d, q_d lo_d) with hi, lo the
             channel-wise max and min of the members' keys in the whole blocks of ``bound_block`` positions outside
             the window (:func:`clusterformer.ops.selected_ranking.bound_logits`). One key that scores high raises
-            its group, where the summaries' mean dilutes it among the group's other members (issue #31, seventeenth
-            session).
+            its group, where the summaries' mean dilutes it among the group's other members.
             With or without ``summaries``; any grouping. The 2 G bound vectors are read to rank, not attended: they
             are not keys of the softmax (as the centroids of "scores" are not).
         kernel: "auto" (default), "gather", "dense-mask", "banded" or "fused": how the same keys are attended
@@ -123,10 +122,10 @@ class ClusterSelectOptions(SeededOptions):
         summaries: also read one summary per cluster (its members outside the window that are not read alone: mean
             key, mean value, logit + log n) in the same softmax -- NSA's compressed branch with clusters for blocks:
             every cluster gets the task's gradient, not only the selected ones. Adds num_groups keys per query.
-            On by default since the sixth session of issue #31: on causal MQAR at 64 keys per query, without them
-            no seed of two learned recall in 2,000 steps; with them two of three from scratch by 4,000 steps, and
-            both seeds tried (0.998, 0.997) after a dense warm-up (docs/results.md). ``summaries=False`` is the
-            configuration of the third session's runs.
+            On by default: on causal MQAR at 64 keys per query, without them no seed of two learned recall in 2,000
+            steps; with them two of three from scratch by 4,000 steps, and both seeds tried (0.998, 0.997) after a
+            dense warm-up (docs/recall-and-aggregation.md#mqar-from-scratch-at-256-and-512-tokens). Some records
+            without the option ran with ``summaries=False``.
         bound_block: selection="bound": positions per block of the bounds; 0 (default) = 64. Members in the block
             that the window cuts are left out of the bound (they lie within window + bound_block positions), so
             that a cached decoder keeps one running max and min per group (O(G D) per head, any length).
@@ -138,7 +137,7 @@ class ClusterSelectOptions(SeededOptions):
             groups' members cost O(N select n D) for groups of n members, and cached decoding keeps every key
             (:class:`clusterformer.ops.decode.MemberScoreCache`: a step scores them all, O(t D) per head). An argmax,
             like the selection: the gradient reaches the keys read. Needs ``summaries=False`` (the summaries leave out
-            the nearest members). Issue #31, twenty-seventh session: on the trained MQAR models at N = 4,096 the needed
+            the nearest members). On the trained MQAR models at N = 4,096 (docs/recall-and-aggregation.md) the needed
             key's group is selected for up to 0.92 of the queries but its key read alone for 0.61 (the group larger than
             ``cluster_keys``); trained with "score", balanced content clusters split by position
             (:class:`ExperimentalClusterSelectOptions`) keep 98% of full attention's accuracy there (86% with "recent"),
@@ -149,24 +148,25 @@ class ClusterSelectOptions(SeededOptions):
             causality and prefix invariance hold. This is routing's and neural-clustering's own-cluster rule on key
             clusters, as one of the selected groups: a query whose needed keys share its own token's content (the
             histogram's count of its type; an earlier occurrence of its token) reads them without having to rank
-            their group first. The keys per query do not change. Issue #31, nineteenth session: on the trained
-            histogram models, layer 1's key clusters hold 0.99 of a query's needed keys in its own key's group,
-            which the bound selected for 0.53 of them.
+            their group first. The keys per query do not change. On the trained histogram models
+            (docs/recall-and-aggregation.md#histogram-aggregation-over-scattered-positions), layer 1's key clusters
+            hold 0.99 of a query's needed keys in its own key's group, which the bound selected for 0.53 of them.
         sink: 1 by default (None resolves to min(1, cluster_keys // 2)):
             the first ``sink`` positions are read by every query (StreamingLLM's attention sinks, Xiao et al.
             2024; the BOS anchor of a count, Weiss et al. 2021): they form one more group, outside every cluster,
             that every query selects beside its ``select`` others (so ``sink`` more keys per query). At most
             cluster_keys // 2, so that a query reads the whole group on either side of its window. 0: none.
 
-    The defaults (twenty-fifth session of issue #31): ``selection="bound"``, ``own_group=True``, ``sink=1`` with the
-    summaries. Measured against the earlier defaults (the summaries' mean, no own group, no sink) at 128 keys per
+    The defaults (version 2): ``selection="bound"``, ``own_group=True``, ``sink=1`` with the summaries. Measured
+    against version 1 (the summaries' mean, no own group, no sink) at 128 keys per
     query on three seeds each, they are level on 20NEWS-1500 (21.46 against 21.07), IMDB-4K (58.67 against 58.65)
     and ListOps (32.50 against 32.60), and far above on the histogram at 64 keys (0.798 against 0.44), where the
     answer is spread over positions chosen by content; on MQAR and the passkey they cost about half a point, within
-    the seeds' spread (docs/results.md, issue #31).
+    the seeds' spread (docs/long-documents.md, docs/recall-and-aggregation.md).
     """
 
-    # 2: selection "bound", own_group and a sink of 1 by default (issue #31, twenty-fifth session)
+    # 2: selection "bound", own_group and a sink of 1 by default; 1: "auto" selection is "summaries" (or "scores"
+    # without summaries), no own group, no sink
     DEFAULTS_VERSION: ClassVar[int] = 2
     # the options whose ablations lost, kept apart so that the runs recorded with them can be rerun: the registry
     # builds this class for options that name any of them (registry.make_options)
@@ -347,7 +347,8 @@ def balance_step(bias: torch.Tensor, loads: torch.Tensor, rate: float) -> torch.
 
 @dataclass(frozen=True)
 class ExperimentalClusterSelectOptions(ClusterSelectOptions):
-    """``"cluster-select"``'s options whose ablations did not win (docs/results.md, issue #31), beside
+    """``"cluster-select"``'s options whose ablations did not win (docs/recall-and-aggregation.md: Passkey,
+    MQAR at 4,096 tokens), beside
     :class:`ClusterSelectOptions`'. Not defaults and not in ``describe``'s list; options that name any of them
     (``--attention "cluster-select:position_splits=8,split_size=128"``, a recorded run) build this class, so the
     runs recorded with them can be rerun. At their defaults they change nothing.
@@ -362,7 +363,7 @@ class ExperimentalClusterSelectOptions(ClusterSelectOptions):
             of the batch (summed over DDP ranks). Overfull clusters lose keys to empty ones, so a selected cluster's
             ``cluster_keys`` most recent members reach further back. 0 (default) = off: the nearest centroid. The
             bias is a buffer (``balance_bias``, (H, C)), fixed in evaluation and decoding, so a key's cluster still
-            depends on the key alone. On the passkey at N = 1,024 (three seeds, fourteenth session of issue #31) it
+            depends on the key alone. On the passkey at N = 1,024 (three seeds) it
             spread the clusters but left the accuracy level with the plain nearest centroid.
         position_splits: grouping="kmeans" (or "random", its control): split every key cluster by position into
             this many groups (1, the default: no split). Key j's group is c * position_splits + (j // split_size)
@@ -370,11 +371,10 @@ class ExperimentalClusterSelectOptions(ClusterSelectOptions):
             (the spans wrap around after position_splits of them). There are then num_clusters * position_splits
             groups, each with its summary, and a query selects groups: a large cluster becomes several small
             groups, so a selected group's ``cluster_keys`` most recent members reach back to a distant key of that
-            cluster, which the whole cluster's most recent members do not (the passkey's misses, fifteenth session
-            of issue #31). The group depends on the key and its position alone (strict causality and prefix
-            invariance hold). Needs selection="summaries" or "bound" (the centroids cannot score a group's span).
-            On the passkey (sixteenth and seventeenth sessions) the split clusters stayed below contiguous pages and
-            random groups ranked the same way; on MQAR at N = 4,096 (twenty-sixth to twenty-ninth sessions),
+            cluster, which the whole cluster's most recent members do not (the passkey's misses). The group depends
+            on the key and its position alone (strict causality and prefix invariance hold). Needs
+            selection="summaries" or "bound" (the centroids cannot score a group's span). On the passkey the split
+            clusters stayed below contiguous pages and random groups ranked the same way; on MQAR at N = 4,096,
             balanced and read by score, they kept 97-98% of full attention's accuracy, level with the random
             groups of the same shape.
         split_size: positions per span of ``position_splits`` (required with position_splits > 1).
@@ -382,8 +382,7 @@ class ExperimentalClusterSelectOptions(ClusterSelectOptions):
             largest logits; "clusters": the ``select`` clusters of largest log-sum-exp of their groups' logits (the
             weight a whole cluster's summaries would draw), then each selected cluster's one group of largest logit
             (:func:`clusterformer.ops.selected_ranking.top_groups`). ``select`` <= num_clusters then, and neither
-            ``own_group`` nor ``sink`` (None resolves to False and 0). Below "groups" on the passkey (sixteenth
-            session).
+            ``own_group`` nor ``sink`` (None resolves to False and 0). Below "groups" on the passkey.
     """
 
     page_size: int = 0

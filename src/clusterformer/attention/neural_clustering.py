@@ -52,7 +52,8 @@ real length L_b (not the padded length of the batch), clamped to [1, max_cluster
 
 What the tokens are clustered by (``cluster_on``). The paper clusters P = x W^C, a projection that only the
 clustering losses train: the argmax assignment passes no gradient from the task, so nothing moves a query and the
-key it needs into one cluster (issue #31 measured key recall 0.00 on causal MQAR). ``cluster_on="shared-qk"``
+key it needs into one cluster (key recall 0.00 on causal MQAR:
+docs/recall-and-aggregation.md#why-neural-clustering-does-not-recall). ``cluster_on="shared-qk"``
 clusters P = x W^QK instead, the projection attention itself uses for both queries and keys (the Reformer's and
 the Routing Transformer's choice): a large q_i . k_j is a small angle between them, so the task's gradient on the
 attention logits pulls a query and its key towards one centroid. Keys are then unit vectors per head and a token
@@ -154,7 +155,7 @@ class NeuralClusteringOptions(SeededOptions):
         similarity: "cosine" (bounded, default) or "dot" (the paper's literal inner product).
         similarity_scale: multiplies phi inside the softmax over positions (eq. 2).
         own_centroids: own a centroid parameter; False means centroids flow in from the previous layer.
-        grouping: "learned" (the paper), or an ablation of issue #14 with the same chunk size, look-back and causal
+        grouping: "learned" (the paper), or an ablation with the same chunk size, look-back and causal
             semantics and no clustering losses: "contiguous" -- every token in one group, so the sorted chunks are
             contiguous blocks of the original order (local block attention); "random" -- each token in a random
             cluster, drawn afresh for every training forward (:func:`random_groups`: a hash of the token's position
@@ -162,25 +163,26 @@ class NeuralClusteringOptions(SeededOptions):
             and evaluation, re-seeded, is deterministic).
         cluster_on: what the tokens are clustered by. "hidden" (the paper): P = x W^C, a projection of its own that
             only the clustering losses train (the argmax passes no gradient from the task). "shared-qk" (beyond the
-            paper, issue #31; the Reformer's and the Routing Transformer's choice): queries and keys are one
+            paper; the Reformer's and the Routing Transformer's choice): queries and keys are one
             projection, P = x W^QK, and the tokens are clustered by the vectors attention itself is trained to
             match, so a query and the key it needs are pulled into one cluster by the task's own gradient. As in
             the other shared-QK mechanisms, keys are unit vectors and a token attends to itself only when it has no
             other key. Needs the layer's own projections (``AttentionLayer``; not ``hf.patch``).
-        explore: beyond the paper (issue #31): the probability that a training forward attends within random groups
+        explore: beyond the paper: the probability that a training forward attends within random groups
             of the same size instead of the learned ones (drawn from the layer's generator; the clustering and its
             losses run as usual; evaluation and decoding always use the learned groups). A learned grouping that
             keeps a query apart from the key it needs gives the task no gradient to bring them together; random
             groups let them meet. 0 (default) is the paper.
-        causal_assign: how strict causal mode assigns a token (beyond the paper, issue #31). "nearest" (default):
+        causal_assign: how strict causal mode assigns a token (beyond the paper). "nearest" (default):
             its nearest centroid, argmax_i phi(C_i, x_t W^C). "prefix": the paper's eq. 4 with eq. 2's normalisation
             over the positions so far, argmax_i (s_it - log sum_{j <= t} exp s_ij) with s = similarity_scale * phi:
             a token goes to the centroid it scores high on *relative to the earlier tokens*. In deep layers every
-            token's P shares one dominant direction (issue #31 measured its mean 24x longer than a token's deviation
-            from it), the nearest centroid is then the same for every token and a causal cluster's window becomes a
-            recency window; the prefix normalisation removes what all tokens share, as eq. 2 does without a mask.
+            token's P shares one dominant direction (its mean measured 24x longer than a token's deviation from it:
+            docs/recall-and-aggregation.md#why-neural-clustering-does-not-recall), the nearest centroid is then the
+            same for every token and a causal cluster's window becomes a recency window; the prefix normalisation
+            removes what all tokens share, as eq. 2 does without a mask.
             Still strict causal and prefix invariant; cached decoding keeps k log-sum-exps per sequence.
-        local_window: beyond the paper (issue #31): 0 (off), or an even number of local keys every query also sees:
+        local_window: beyond the paper: 0 (off), or an even number of local keys every query also sees:
             positions are cut into blocks of ``local_window / 2`` and a query sees its block and the one before (up
             to itself under a causal mask), as well as its cluster's chunks. The two sets are joined, each key once,
             in one softmax (BigBird / NSA's window beside selected blocks; the Routing Transformer's local heads).

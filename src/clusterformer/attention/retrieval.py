@@ -18,7 +18,7 @@ decoding of pretrained LLMs (ClusterKV, Squeezed Attention; StreamingLLM; Quest)
 
 A sequence attending to itself -- a prefill, or training -- is exact softmax attention (:meth:`forward` is
 ``"full"``'s): these papers leave the prompt's own attention dense and make the *reading of the cache* sparse.
-Option ``prefill_block`` (beyond them; issue #32) makes a prefill through :meth:`attend_cache` sparse too, read in
+Option ``prefill_block`` (beyond them) makes a prefill through :meth:`attend_cache` sparse too, read in
 blocks as cached calls (:class:`CacheBudgetOptions`).
 :meth:`CacheReadingAttention.attend_cache` is that reading: the last Lq positions of a cache of n keys, with
 cluster retrieval's key index (:class:`clusterformer.ops.retrieval.KeyClusterIndex`) that belongs to that cache,
@@ -77,14 +77,16 @@ class CacheBudgetOptions(AttentionOptions):
         budget: keys each query of a cached call attends to, every key and centroid term it reads counted: a float
             in (0, 1] is a fraction of the sequence's cached keys (rounded up), an int >= 1 a count. A budget >= the
             cache is dense attention.
-        dense_layers: the model's first ``dense_layers`` layers (by the attention module's ``layer_idx``) read
-            their cache densely, as Quest and ClusterKV do: the lowest layers' attention is the least sparse
-            (docs/results.md). Keys read then average ``(dense_layers + (L - dense_layers) * budget) / L`` of the
-            cache over L layers.
+        dense_layers: the model's first ``dense_layers`` layers (by the attention module's ``layer_idx``) read their
+            cache densely, as Quest and ClusterKV do: the lowest layers' attention is the least sparse
+            (docs/long-context-decoding.md#what-each-cache-reader-keeps-of-denses-answers,
+            #where-the-attention-mass-goes). Keys read then average ``(dense_layers + (L - dense_layers) * budget) / L``
+            of the cache over L layers.
         lower_layers, lower_budget: the model's first ``lower_layers`` layers (those not dense by
             ``dense_layers``) read ``lower_budget`` keys per query (a fraction or a count, as ``budget``), the
             others ``budget``: a budget spread unevenly over the layers, as PyramidKV (Cai et al. 2024) spreads
-            its cache, more where attention is least sparse (SmolLM2's lower layers, docs/results.md). Keys read
+            its cache, more where attention is least sparse (SmolLM2's lower layers,
+            docs/long-context-decoding.md#the-budget-spread-over-the-layers). Keys read
             then average ``(lower_layers * lower_budget + (L - lower_layers) * budget) / L`` of the cache over L
             layers: to compare at a mean budget b, set ``budget = (L b - lower_layers * lower_budget) /
             (L - lower_layers)``. Decoding steps only: a sparse prefill reads ``prefill_budget`` in every layer.
@@ -99,7 +101,7 @@ class CacheBudgetOptions(AttentionOptions):
         prefill_budget: the budget of the sparse prefill's blocks, as ``budget`` (a fraction or a count); None
             (the default): ``budget``. A prefill errs where decoding does not: every later layer's keys and values
             of the prompt are computed from the sparse attention below it, so a prefill may want more keys than
-            the decoding steps that read its cache (docs/results.md, issue #32).
+            the decoding steps that read its cache (docs/long-context-decoding.md#the-prefill).
     """
 
     ATTENTION_DROPOUT: ClassVar[bool] = False
@@ -245,21 +247,22 @@ class ClusterRetrievalOptions(SinkWindowOptions):
             precise, ``rep`` times the gathering under grouped-query attention); ``"block"``: those heads at
             every position of a call share one (a chunk of Lq queries gathers once; a decoding step is "group").
             The sparse prefill's blocks always use ``"block"``.
-        rerank: candidates per retrieved key (default 4: the best measured, docs/results.md, issue #32). ``1``:
-            the retrieved keys are the ranked clusters' first members up to the budget (ClusterKV's rule).
-            ``f > 1``: the ranked clusters fill ``f`` times that many candidate slots, and each
-            unit (a query, or under ``"group"`` a position with the best score over its query heads) keeps the
-            candidates of highest exact ``q . k``. The keys *attended* stay within the budget; the candidates
-            are *scored* (one dot product each, no value read), ``f`` times the retrieved keys, the price of a
-            choice closer to the oracle's (docs/results.md). With ``estimate_remainder`` a cluster's remainder is
-            its members that were not kept.
+        rerank: candidates per retrieved key (default 4: the best measured,
+            docs/long-context-decoding.md#what-each-cache-reader-keeps-of-denses-answers). ``1``: the retrieved keys are
+            the ranked clusters' first members up to the budget (ClusterKV's rule). ``f > 1``: the ranked clusters fill
+            ``f`` times that many candidate slots, and each unit (a query, or under ``"group"`` a position with the best
+            score over its query heads) keeps the candidates of highest exact ``q . k``. The keys *attended* stay within
+            the budget; the candidates are *scored* (one dot product each, no value read), ``f`` times the retrieved
+            keys, the price of a choice closer to the oracle's
+            (docs/long-context-decoding.md#what-each-cache-reader-keeps-of-denses-answers). With ``estimate_remainder``
+            a cluster's remainder is its members that were not kept.
         kernel: how a decoding step (one query position) is computed: ``"auto"`` (default): the fused C++ step
             (:func:`clusterformer.ops.retrieval.decode_kernel_unusable` says where it runs: CPU, float32/64, no
-            gradient, the extension built; ``"group"`` or ``"head"`` selection, without ``estimate_remainder``),
-            else the PyTorch composition; ``"fused"``: the fused step, ``ValueError`` where it cannot run;
-            ``"torch"``: the PyTorch composition always. The same keys and function: they differ in rounding and
-            speed (docs/benchmarks.md). Calls with several query positions (a prompt in chunks, the sparse
-            prefill's blocks) always run the composition.
+            gradient, the extension built; ``"group"`` or ``"head"`` selection, without ``estimate_remainder``), else
+            the PyTorch composition; ``"fused"``: the fused step, ``ValueError`` where it cannot run; ``"torch"``: the
+            PyTorch composition always. The same keys and function: they differ in rounding and speed
+            (docs/long-context-decoding.md#what-a-decoding-step-costs). Calls with several query positions (a prompt in
+            chunks, the sparse prefill's blocks) always run the composition.
     """
 
     ALIASES: ClassVar[dict[str, str]] = {"clusters": "num_clusters"}

@@ -27,7 +27,7 @@ of tensors created by that pass alive at once, counted exactly by
 :class:`clusterformer.bench.memory.TensorMemoryTracker` in a separate untimed pass (any device;
 deterministic, the number to compare mechanisms by on CPU). ``kept_tensor_mb``: in the same pass, the bytes of
 those tensors still alive after the training forward, before the backward: what autograd keeps for the backward,
-plus the output (issue #35 §2: the target is what flash keeps, q, k, v, the output and its log-sum-exp, plus O(N)
+plus the output (the target is what flash keeps, q, k, v, the output and its log-sum-exp, plus O(N)
 integers).
 
 On CUDA, times are CUDA-event intervals (one ``cudaEventSynchronize`` per timed run, no host timers), and

@@ -1,4 +1,5 @@
-"""Time per generated token of cached decoding against the context length (issue #15).
+"""Time per generated token of cached decoding against the context length
+(docs/speed-and-memory.md#decoding-one-token-with-a-cache).
 
 For each (mechanism, context N): one attention layer (projections + mechanism, dim = heads * head_dim) in eval
 mode prefills a random context of N tokens (``prefill_ms``, one run), then decodes one token at a time with its

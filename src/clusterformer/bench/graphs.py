@@ -1,5 +1,5 @@
 """CUDA graphs of an attention layer's step, and the check that a replay computes what the eager step computes
-(issue #35: on a GPU a short step is bound by Python and kernel launches, not by the device).
+(on a GPU a short step is bound by Python and kernel launches, not by the device).
 
 A captured graph replays the recorded kernels on the same memory without running Python, so it is only right
 when the step has no host round trip (no ``.item()``, no shape read from a tensor, no copy from host memory) and
@@ -14,7 +14,7 @@ trip. A mechanism that keeps state updates pending (EMA centroids, :attr:`InnerA
 applied inside the step, so each replay leaves the state that the next one reads, as the training loop does
 after each optimiser step.
 
-Measured on one H200 (docs/benchmarks.md, "CUDA graphs"); on CPU nothing here runs.
+Measured on one H200 (docs/speed-and-memory.md#cuda-graphs-and-memory-h200); on CPU nothing here runs.
 """
 
 from __future__ import annotations

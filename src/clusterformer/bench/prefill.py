@@ -1,4 +1,5 @@
-"""Whole-model prefill time of a pretrained decoder: dense SDPA vs sparse prefills (issue #32, section 4).
+"""Whole-model prefill time of a pretrained decoder: dense SDPA vs sparse prefills
+(docs/long-context-decoding.md#the-prefill).
 
 A prompt of N tokens of real text (WikiText-2 *valid*, detokenised, through the model's tokenizer) is prefilled
 into a fresh ``DynamicCache`` by the whole model, once per method and repeat, the methods interleaved within a

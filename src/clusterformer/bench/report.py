@@ -1,4 +1,5 @@
-"""Markdown tables from benchmark records, so the numbers in docs/benchmarks.md are pasted, never retyped."""
+"""Markdown tables from benchmark records, so the numbers on the topic pages in docs/ (e.g. docs/speed-and-memory.md)
+are pasted, never retyped."""
 
 from __future__ import annotations
 

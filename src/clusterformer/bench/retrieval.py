@@ -1,4 +1,5 @@
-"""Decode attention time per token over a long cache: dense SDPA vs cluster retrieval (issue #16).
+"""Decode attention time per token over a long cache: dense SDPA vs cluster retrieval
+(docs/long-context-decoding.md#what-a-decoding-step-costs).
 
 One attention call per generated token, as a decoder layer makes it through ``transformers``' AttentionInterface
 (:mod:`clusterformer.hf.interface`; the registered functions themselves are timed, called from an attention module

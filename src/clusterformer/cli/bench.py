@@ -1,5 +1,5 @@
 """``clusterformer bench {attention,decode,retrieval,prefill,reversible,report}``: time and memory benchmarks
-(docs/benchmarks.md)."""
+(docs/speed-and-memory.md)."""
 
 from __future__ import annotations
 

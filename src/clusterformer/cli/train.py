@@ -1,4 +1,5 @@
-"""``clusterformer train``: train on a task of the papers (docs/results.md); one run, or every fold with --cv."""
+"""``clusterformer train``: train on a task of the papers (docs/usage.md#train-on-the-papers-tasks; results:
+docs/papers.md); one run, or every fold with --cv."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from ._args import json_object, log, mechanism_spec, spec_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train on a task (see docs/results.md); works under torchrun too")
+    p = sub.add_parser("train", help="train on a task (see docs/usage.md#train-on-the-papers-tasks); works under "
+                       "torchrun too")
     p.add_argument("--task", required=True, help="mr, cr, subj, mpqa, 20news, imdb, wikiqa, listops, shakespeare-char, "
                    "multi30k (De->En translation), text-classification, mqar, passkey (recall), histogram, "
                    "multivalue, maxvalue (aggregation), mlm (masked-language-model pretraining)")

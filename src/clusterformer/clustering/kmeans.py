@@ -206,7 +206,8 @@ def euclidean_kmeans(
     The clustered-attention paper (section 3.2.2) names K-means on the queries as the grouping its analysis
     wants and hashes them only to make the distances cheap (O(N C B) instead of O(N C D_k) per iteration).
     When the head dimension D_k is no larger than the hash's B bits that saving is gone, and clustering the
-    queries directly groups them better (docs/results.md measures it inside a pretrained MiniLM).
+    queries directly groups them better (measured inside a pretrained MiniLM:
+    docs/papers.md#clustered-attention-vyas-et-al-2020-approximating-a-pretrained-model).
 
     Args:
         points: (G, n, d) floating.

@@ -81,7 +81,7 @@ def neural_clustering(
             phi(C_i, X_j W^C), which depends on token j alone (the strictly causal mode's default); or "prefix" --
             eq. 4 with eq. 2's normalisation restricted to positions j' <= j: I_j = argmax_i (s_ij - log sum_{j'
             <= j} exp s_ij'), s = scale * phi, which depends on tokens 0..j only (the strictly causal mode's
-            ``causal_assign="prefix"``; beyond the paper, issue #31). Like eq. 4 it ranks a token against what the
+            ``causal_assign="prefix"``; beyond the paper). Like eq. 4 it ranks a token against what the
             centroid has scored so far, so a direction shared by every token does not send them all to one
             centroid. (The losses and C_hat are the same for every ``assign``.)
         num_clusters: optional (B,) ints: sequence b uses only the first ``num_clusters[b]`` centroids (its own
@@ -116,7 +116,8 @@ def neural_clustering(
         # Eq. 2: U_ij = softmax over positions j. A sequence that is all padding has no positions, and an unused
         # centroid no scores: U = 0 for both.
         # Softmax along the last, contiguous dim of a (B, k, N) copy: CUDA's kernel for a softmax over a strided
-        # dim took 157 ms of a 160 ms forward at N = 131,072 on an H100 (docs/benchmarks.md); this takes < 1 ms.
+        # dim took 157 ms of a 160 ms forward at N = 131,072 on an H100 (docs/speed-and-memory.md#on-a-gpu); this takes
+        # < 1 ms.
         # The (B, N, k) view it returns is what _weighted_sums wants: its transpose is contiguous.
         by_centroid = scores.transpose(1, 2)
         if key_padding_mask is None and unused is None:

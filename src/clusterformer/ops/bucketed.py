@@ -105,7 +105,8 @@ def bucketed_attention(
 
     def gathered(t: torch.Tensor, recipe: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         # The rows hold every token once per round (R copies of t). The attention's backward gathers them again
-        # instead of keeping them from the forward (issue #35 §2); by default from t, which then stays alive.
+        # instead of keeping them from the forward (docs/speed-and-memory.md#memory); by default from t, which then
+        # stays alive.
         return attach_recipe(rows_of(t), recipe or (lambda: rows_of(t)))
 
     scale = 1.0 / math.sqrt(D)

@@ -27,7 +27,7 @@ __all__ = ["DENSE_TOPK_FACTOR", "clustered_attention"]
 
 # The exact top-k part runs as one masked dense attention when N <= DENSE_TOPK_FACTOR * topk: short sequences
 # are cheaper as one N x N product than as chunked copies (the measurement behind the factor is in
-# docs/benchmarks.md, "Improved clustered: dense or chunked top-k").
+# docs/speed-and-memory.md#improved-clustered-dense-or-chunked-top-k).
 DENSE_TOPK_FACTOR = 8
 
 

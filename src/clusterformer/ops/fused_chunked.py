@@ -375,7 +375,7 @@ def fused_chunk_attention(
         scale: multiplies q.k (pass 1.0 when the scale is already folded into q).
         recipes: for q_rows, k_rows, v_rows, None or a function that recomputes the tensor (any view of memory laid
             out as the argument's is): the backward calls it instead of keeping the argument from the forward
-            (issue #35 §2: rows gathered per hashing round are cheap to gather again). The gradients are the same.
+            (rows gathered per hashing round are cheap to gather again). The gradients are the same.
 
     Returns:
         out (W * w, H, D) in the query rows' order and lse (W * w, H) in float32 (float64 for float64

@@ -1,7 +1,7 @@
 """Attention over an explicit list of keys per query, as sparse matrices: no (B, H, N, M, D) gather.
 
 A mechanism that reads, for each query n, the keys at ``positions[n, 0..M)`` (cluster-select's selected cluster
-members, issue #31) needs two products over those lists:
+members) needs two products over those lists:
 
 * the scores  s[n, m] = q_n . k_{positions[n, m]}        -- a sampled dense-dense product (SDDMM);
 * the output  o_n = sum_m w[n, m] v_{positions[n, m]}    -- a sparse-dense product (SpMM).
@@ -23,8 +23,8 @@ runs' starts, one per run rather than one per entry, and a count of the runs cov
 come out in slot order and one gather puts them back in key order. An entry's value is computed
 alone, so repeated or clamped positions are fine: a caller masks the entries it does not read (weight 0, score
 ignored).
-Cost O(B H N M D) time for each product, O(B H N M) memory. Measured against the gather in docs/benchmarks.md
-("cluster-select's sparse key lists").
+Cost O(B H N M D) time for each product, O(B H N M) memory. Measured against the gather in
+docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step.
 
 The sparse path runs where CSR products exist for the dtype: float32 and float64 on the CPU; elsewhere (CUDA, half
 precision, or lists longer than B H N) the same functions gather (:func:`uses_sparse`), with the same values and

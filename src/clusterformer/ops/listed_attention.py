@@ -21,7 +21,7 @@ still materialises (B, H, N, M) scores, weights and their gradients, each pass o
 its own. Here the forward is one pass per query (scores, running maximum, weighted sum, kept only as ``lse``) and
 the backward another (the scores recomputed from ``lse``, then dq, dk and dv), work split over the (b, h) pairs so
 that the scatter into dk and dv has no race. Memory: O(B H N) beyond the inputs and outputs. Measured in
-docs/benchmarks.md ("the fused key lists").
+docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step.
 
 The kernel is C++ (``csrc/listed_attention.cpp``), compiled on first use (:mod:`clusterformer.ops.extensions`: about
 30 s, once per machine, for the CPU's vector width). It needs a C++ compiler and ninja; without them, or with

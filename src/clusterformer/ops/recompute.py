@@ -1,4 +1,5 @@
-"""Recompute a cheap tensor in the backward instead of keeping it from the forward (issue #35 §2).
+"""Recompute a cheap tensor in the backward instead of keeping it from the forward
+(docs/speed-and-memory.md#memory).
 
 Autograd keeps every tensor an op needs for its backward until the backward runs. For some of them that is a waste:
 neural clustering sorts the hidden states into buffer order (one gather, ``index_select``) before projecting

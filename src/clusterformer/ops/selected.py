@@ -1,4 +1,4 @@
-"""Attention over the keys of *selected* clusters plus a local window (``"cluster-select"``, issue #31): the kernels.
+"""Attention over the keys of *selected* clusters plus a local window (``"cluster-select"``): the kernels.
 
 Which keys and summaries each query reads is :mod:`clusterformer.ops.selected_layout`'s (the window, the selected
 clusters' members nearest to it, one summary per cluster of the rest outside the window); how queries rank the
@@ -66,14 +66,14 @@ def fused_usable(q: torch.Tensor, *, dropout_p: float = 0.0) -> str | None:
 def resolve_kernel(kernel: str, length: int, *, q: torch.Tensor | None = None, dropout_p: float = 0.0) -> str:
     """The kernel that ``kernel`` names at this length: "gather", "dense-mask", "banded" or "fused" as given ("fused"
     with ``q``: a ``ValueError`` saying why where it cannot run, :func:`fused_usable`); "auto" takes the fused kernel
-    for queries ``q`` it can run, else the dense mask while N <= 256 and the banded kernel beyond. Measured on the
-    CPU (one thread, a layer's forward and backward, docs/benchmarks.md "cluster-select's sparse key lists" and "the
-    fused key lists"): the dense mask took 0.77x the banded kernel's time at N = 256 (causal, 64 keys) and 0.97x at
-    N = 256 (non-causal, 144 keys); the banded kernel took 0.47x the dense mask's at N = 384, 0.37x at 512,
-    0.26-0.45x at 1,024, 0.09x at 1,500 and 0.10x at 4,096. The gather kernel (every key, window included, listed
-    per query) is the reference form; it is slower than one of them at every length measured. The fused kernel
-    reads the same keys and summaries in one C++ pass, and was faster than the three at every length and shape
-    measured."""
+    for queries ``q`` it can run, else the dense mask while N <= 256 and the banded kernel beyond. Measured on the CPU
+    (one thread, a layer's forward and backward,
+    docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step): the dense mask took 0.77x the banded
+    kernel's time at N = 256 (causal, 64 keys) and 0.97x at N = 256 (non-causal, 144 keys); the banded kernel took 0.47x
+    the dense mask's at N = 384, 0.37x at 512, 0.26-0.45x at 1,024, 0.09x at 1,500 and 0.10x at 4,096. The gather kernel
+    (every key, window included, listed per query) is the reference form; it is slower than one of them at every length
+    measured. The fused kernel reads the same keys and summaries in one C++ pass, and was faster than the three at every
+    length and shape measured."""
     if kernel == "fused" and q is not None:
         reason = fused_usable(q, dropout_p=dropout_p)
         if reason:

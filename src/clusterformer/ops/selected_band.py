@@ -46,7 +46,7 @@ def band_chunk(window: int, causal: bool) -> int:
     ``window``; otherwise ``window / 2``), at most :data:`BAND_CHUNK` = 128. A band spans the window plus less than
     one chunk, (window + L) keys per query rather than 2 window, while the per-chunk cluster sums, (N / L, C, D),
     grow as L shrinks. Measured on one CPU thread (one causal layer's forward and backward, 64 clusters, 96 keys
-    read alone; docs/benchmarks.md): with a window of 512 at N = 4,096, chunks of 128 took 0.64x the time of
+    read alone; docs/scripts/band_kernel_ab.py): with a window of 512 at N = 4,096, chunks of 128 took 0.64x the time of
     chunks of 512 (64: 0.78x, 256: 0.60-0.67x, the machine shared); with a window of 96 at N = 1,024, chunks of 96
     were faster than 48 or 32."""
     return min(window if causal else window // 2, BAND_CHUNK)

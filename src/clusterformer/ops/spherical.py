@@ -15,8 +15,9 @@ with u = k / max(|k|, 1e-12) (``F.normalize``):
 Why a kernel of its own. As tensor operations these are a dozen passes over (B, H, N, D) -- the normalisation,
 the cosines, the gathered centroids, the difference, its square, the sums by ``index_add_`` -- and as many in the
 backward through the normalisation: about 0.3 s of a 4,096-token MQAR training step of 6 s on one core, at two
-layers (docs/benchmarks.md). Here the forward reads each key once (the cosines vectorised over the clusters) and
-the backward once more, recomputing u; the distance's gradient through the normalisation is written out:
+layers (docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step). Here the forward reads each key
+once (the cosines vectorised over the clusters) and the backward once more, recomputing u; the distance's gradient
+through the normalisation is written out:
 
     dk = g (2 / max(|k|, eps)) ((u - mu_id) - [|k| >= eps] u (u . (u - mu_id)))
 

@@ -1,4 +1,4 @@
-"""Two baselines for reading a decoder's cache at a budget: the oracle and Quest (issue #32).
+"""Two baselines for reading a decoder's cache at a budget: the oracle and Quest (docs/long-context-decoding.md).
 
 Both read the last Lq positions of a cache of n keys against it, causally, every key a query reads counted
 against its budget A (a fraction of its sequence's real cached keys, rounded up, or a count:

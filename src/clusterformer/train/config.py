@@ -189,7 +189,7 @@ class OptimConfig:
                      "commitment_weight"):
             check_float(name, getattr(self, name), minimum=0.0)
         check_choice("schedule", self.schedule, ("linear", "cosine", "constant"))
-        # 0 freezes the centroids and W^C (fine-tuning a pretrained clustering without moving it; issue #34)
+        # 0 freezes the centroids and W^C (fine-tuning a pretrained clustering without moving it)
         check_float("centroid_lr_scale", self.centroid_lr_scale, minimum=0.0)
         check_int("dense_warmup_steps", self.dense_warmup_steps, minimum=0)
         if self.dense_warmup_loss is not None:

@@ -1,4 +1,4 @@
-"""Masked-language-model pretraining: ``clusterformer train --task mlm`` (issue #34).
+"""Masked-language-model pretraining: ``clusterformer train --task mlm`` (docs/pretraining.md).
 
 The main paper pretrains a ClusterFormer with masked language modelling and next-sentence prediction at BERT-small
 size before fine-tuning it (its appendix F, Table 8); the k-means paper compares mechanisms by masked-LM perplexity

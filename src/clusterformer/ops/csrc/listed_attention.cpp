@@ -262,9 +262,9 @@ void forward_kernel(const Listed<T>& in, const Rows<T>& out, T* lse, int64_t hea
 
 // Head sizes up to this take the backward in two passes over a query's keys (scores and dout . v into buffers, their
 // exp in one vectorised loop, then the gradients); larger ones in one pass, an inline exp per key. The kernel's
-// forward and backward, one thread (docs/benchmarks.md, twenty-fifth session): at D = 16 (N 512, 144 keys per query)
-// two passes 101 ms, one pass 129; at D = 64 (N 1,024, 256 keys) one pass 172-182 ms, two passes 210. D = 32: not
-// measured.
+// forward and backward, one thread (docs/speed-and-memory.md#cluster-select-its-kernels-and-its-training-step):
+// at D = 16 (N 512, 144 keys per query) two passes 101 ms, one pass 129; at D = 64 (N 1,024, 256 keys) one pass
+// 172-182 ms, two passes 210. D = 32: not measured.
 constexpr int64_t kTwoPassBackward = 32;
 
 template <typename T, int64_t FixedD>
