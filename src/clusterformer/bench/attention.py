@@ -46,10 +46,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass
 
 from .._checks import check_float
+from .shape import LayerShape
 
 __all__ = ["COMPILE_MODES", "DTYPE_ALIASES", "BenchConfig", "run_attention_benchmark"]
 
@@ -60,22 +60,15 @@ COMPILE_MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagra
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(LayerShape):
+    """The layers ``names`` at each of ``lengths`` (cuda_graph: the eval forward and the training step replayed)."""
+
     names: list[str]
     lengths: list[int]
-    batch: int = 1
-    heads: int = 4
-    head_dim: int = 64
-    device: str = "cpu"
-    dtype: str = "float32"
     warmup: int = 1
     repeats: int = 3
-    threads: int | None = None
-    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-mechanism build options
-    seed: int = 0
     padding: float = 0.0  # right padding, a fraction of N: sequence b padded by padding * N * b / (batch - 1)
     causal: bool = False  # call the layers with causal=True (strict causal chunking: causal_chunk_size, ...)
-    cuda_graph: bool = False  # also time the eval forward and the training step replayed from CUDA graphs
     compile: str | None = None  # torch.compile the layer: a mode (COMPILE_MODES), or "eager" (Dynamo alone)
 
     def __post_init__(self) -> None:

@@ -26,10 +26,11 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .._checks import check_int
+from .shape import LayerShape
 
 __all__ = ["REFERENCES", "DecodeBenchConfig", "reference_steps", "run_decode_benchmark"]
 
@@ -37,21 +38,14 @@ REFERENCES = ("sdpa-decode", "projections")  # the reference steps' record names
 
 
 @dataclass
-class DecodeBenchConfig:
+class DecodeBenchConfig(LayerShape):
+    """Cached decoding steps of ``names`` over each of ``contexts`` (cuda_graph: the step replayed)."""
+
     names: list[str]
     contexts: list[int]
-    batch: int = 1
-    heads: int = 4
-    head_dim: int = 64
     steps: int = 32
     warmup: int = 8
     repeats: int = 5
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int | None = None
-    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-mechanism build options
-    seed: int = 0
-    cuda_graph: bool = False  # also time the step replayed from a CUDA graph
     references: bool = False  # also time the sdpa-decode and projections-only steps per context
 
     def __post_init__(self) -> None:
