@@ -180,7 +180,7 @@ def build_table() -> list[dict[str, str]]:
             row[f"speed_{n}"] = (f"{ratio:.2f}" if ratio is not None else
                                  "cache reader" if mechanism.kind == "cache" else NOT_MEASURED)
         for family, by_name in sources.items():
-            row[family] = _cell(*by_name[name][:2], by_name[name][2], name) if name in by_name else NOT_MEASURED
+            row[family] = _cell(*by_name[name], name) if name in by_name else NOT_MEASURED
         row["long_context"] = long_context.get(name, NOT_MEASURED)
         rows.append(row)
     return rows
