@@ -169,6 +169,37 @@ def test_multivalue_every_value_matches_an_independent_reader(aggregate, prefix)
                                     if tokens[p - 1] == key and (p <= q or not prefix or q > separator)]
 
 
+@pytest.mark.parametrize("aggregate", ["majority", "max"])
+@pytest.mark.parametrize(("labels", "prefix"), [("queries", False), ("every", False), ("every", True)])
+def test_fused_multivalue_matches_an_independent_reader(aggregate, labels, prefix):
+    """fused=True: each pair is one token; its key and value decode from the token alone (the reader's own
+    arithmetic), the labels are the same aggregates, and a query's sources are exactly its key's pair tokens (up to
+    it in the causal form)."""
+    spec = MultiValueSpec(length=131, aggregate=aggregate, max_count=5, num_queries=7, values=3, vocab_size=150,
+                          labels=labels, prefix=prefix, fused=True)
+    assert spec.pairs == 131 - 7 - 2 and spec.keys == (150 - 4 - 3) // 4
+    batch = generate_recall(spec, seed=3, split="test", start=5, count=16)
+    separator = spec.length - spec.num_queries - 1
+    answers = []
+    for b in range(16):
+        tokens = batch.ids[b].tolist()
+        labelled = {p: int(t) for p, t in enumerate(batch.targets[b].tolist()) if t != -100}
+        assert read_multivalue(tokens, spec) == labelled and len(labelled) == spec.query_count
+        assert tokens[separator] == MultiValueSpec.SEPARATOR and MultiValueSpec.FILLER not in tokens
+        context = tokens[1:separator]
+        assert min(context) >= spec.first_pair and max(context) < spec.first_pair + spec.keys * spec.values
+        assert all(spec.first_key <= t < spec.first_pair for t in tokens[separator + 1:])
+        key_of = {p: (t - spec.first_pair) // spec.values for p, t in enumerate(tokens) if 0 < p < separator}
+        assert max(list(key_of.values()).count(k) for k in set(key_of.values())) <= spec.max_count
+        for m, q in enumerate(batch.queries[b].tolist()):
+            key = tokens[q] - spec.first_key if q > separator else key_of[q]
+            real = batch.sources[b, m][batch.source_mask[b, m]].tolist()
+            assert sorted(real) == [p for p in range(1, separator)
+                                    if key_of[p] == key and (p <= q or not prefix or q > separator)]
+        answers += labelled.values()
+    assert set(answers) == set(range(spec.values))
+
+
 def test_multivalue_needs_every_pair():
     """The answer is not readable from one pair: for keys with 3 or more pairs, a single pair's value (the first
     in the context) disagrees with the answer often, and the pairs are spread over the context."""
@@ -224,6 +255,8 @@ def test_gap_distributions():
     (MultiValueSpec, {"values": 1}, "values"),
     (MultiValueSpec, {"length": 100, "num_queries": 8, "max_count": 8}, "length"),
     (MultiValueSpec, {"vocab_size": 60}, "vocab_size"),  # 48 keys x 8 pairs < 495 pairs
+    (MultiValueSpec, {"vocab_size": 400, "fused": True}, "vocab_size"),  # 1,006 pairs need 126 keys x 9 tokens
+    (MultiValueSpec, {"length": 70, "num_queries": 8, "max_count": 8, "fused": True}, "length"),
     (MultiValueSpec, {"labels": "all"}, "labels"),
     (MultiValueSpec, {"prefix": True}, "prefix"),
 ])

@@ -61,6 +61,10 @@ distance can answer it. Both are token-level tasks: a label at each query positi
   contiguous pages need many pages to hold them and random groups mix them with other keys, while a group of the
   key's own pairs holds them all. ``sources`` are the positions of the key's value tokens.
 
+  With ``fused=True`` each pair is **one token** ``(k, v)`` (a vocabulary of K x V pair tokens), so the answer is
+  one hop away: the query gathers the tokens of its key, where the two-token form first has to carry each key onto
+  its value (an induction step). The aggregation itself is unchanged; ``sources`` are the key's pair tokens.
+
 Forms. The same sequences serve a **causal** model (the paper's language-model form: the label sits at the query
 token, and nothing after it is needed) and a **bidirectional** encoder that predicts the label at each query
 position. Accuracy counts query positions only.
@@ -72,8 +76,9 @@ Vocabulary (token 0 is padding and never appears): histogram: BOS ``1`` (the fir
 a count is read), separator ``2``, types ``[3, vocab_size)``. MQAR keys ``[1, 1 + K)``,
 values ``[1 + K, 1 + 2K)``, noise ``[1 + 2K, vocab_size)`` with ``K = (vocab_size - 1 - noise) // 2`` and ``noise =
 vocab_size // 4``. Multi-value: BOS ``1``, separator ``2``, a filler ``3`` (one, when the context is odd),
-values ``[4, 4 + V)``, keys ``[4 + V, vocab_size)``. Passkey: digits ``1..10``, marker ``11``, question ``12``,
-slots ``13..12+m``, noise the rest.
+values ``[4, 4 + V)``, keys ``[4 + V, vocab_size)``; fused, keys (the queries) ``[4 + V, 4 + V + K)`` and pair
+``(k, v)`` ``4 + V + K + k V + v``, with ``K = (vocab_size - 4 - V) // (V + 1)``. Passkey: digits ``1..10``,
+marker ``11``, question ``12``, slots ``13..12+m``, noise the rest.
 
 Each generated batch also gives, for every query, the position of the token that holds its answer (``sources``:
 MQAR's value, the passkey's digit; the histogram's every occurrence, ``source_mask`` marking the real ones), which
@@ -271,10 +276,13 @@ class MultiValueSpec(SpreadSpec):
             form; a running majority's ties go to the smallest value). As with the histogram, a model learns the
             dense form far sooner.
         prefix: with labels="every", aggregate only the pairs up to the position (what a causal model sees).
+        fused: each pair is one token ``(k, v)`` instead of ``k`` then ``v`` (no filler; with labels="every" every
+            pair token is labelled).
     """
 
     aggregate: str = "majority"
     values: int = 8
+    fused: bool = False
 
     FILLER = 3
     FIRST_VALUE = 4
@@ -283,9 +291,11 @@ class MultiValueSpec(SpreadSpec):
         super().__post_init__()
         check_choice("aggregate", self.aggregate, tuple(AGGREGATES.values()))
         check_int("values", self.values, minimum=2)
-        check_int("length", self.length, minimum=2 * self.num_queries * self.max_count + self.num_queries + 2)
+        width = 1 if self.fused else 2  # tokens per pair
+        check_int("length", self.length, minimum=width * self.num_queries * self.max_count + self.num_queries + 2)
+        keys_needed = max(self.num_queries, -(-self.pairs // self.max_count))
         check_int("vocab_size", self.vocab_size,
-                  minimum=self.first_key + max(self.num_queries, -(-self.pairs // self.max_count)))
+                  minimum=self.first_key + keys_needed * (self.values + 1 if self.fused else 1))
 
     @property
     def query_count(self) -> int:
@@ -299,11 +309,21 @@ class MultiValueSpec(SpreadSpec):
     @property
     def pairs(self) -> int:
         """Key-value pairs in the context."""
-        return (self.length - self.num_queries - 2) // 2
+        return (self.length - self.num_queries - 2) // (1 if self.fused else 2)
 
     @property
     def keys(self) -> int:
-        return self.vocab_size - self.first_key
+        """K, the key tokens (fused: each also has its V pair tokens)."""
+        return (self.vocab_size - self.first_key) // (self.values + 1 if self.fused else 1)
+
+    @property
+    def first_pair(self) -> int:
+        """The fused form's first pair token, ``(0, 0)``."""
+        return self.first_key + self.keys
+
+    def pair_positions(self, pair: np.ndarray) -> np.ndarray:
+        """The position of the token that holds pair j's value: j's own token when fused, else its value token."""
+        return 1 + pair if self.fused else 2 + 2 * pair
 
 
 @dataclass
@@ -389,9 +409,12 @@ def _multivalue_one(spec: MultiValueSpec, rng: np.random.Generator) -> tuple[np.
         value = np.where(rank == 0, answer[owner], np.floor(rng.random(P) * (answer[owner] + 1)).astype(np.int64))
     shuffle = rng.permutation(P)  # scatters each key's pairs uniformly over the context
     owner, value = owner[shuffle], value[shuffle]
-    context = np.empty(2 * P, dtype=np.int64)
-    context[0::2], context[1::2] = spec.first_key + keys[owner], MultiValueSpec.FIRST_VALUE + value
-    filler = [MultiValueSpec.FILLER] * (spec.length - Q - 2 - 2 * P)
+    if spec.fused:
+        context = spec.first_pair + keys[owner] * V + value
+    else:
+        context = np.empty(2 * P, dtype=np.int64)
+        context[0::2], context[1::2] = spec.first_key + keys[owner], MultiValueSpec.FIRST_VALUE + value
+    filler = [MultiValueSpec.FILLER] * (spec.length - Q - 2 - len(context))
     asked = rng.choice(len(keys), size=Q, replace=False)
     tokens = np.concatenate([[MultiValueSpec.BOS], context, filler, [MultiValueSpec.SEPARATOR],
                              spec.first_key + keys[asked]]).astype(np.int64)
@@ -411,12 +434,12 @@ def _multivalue_one(spec: MultiValueSpec, rng: np.random.Generator) -> tuple[np.
         if not spec.prefix:
             tally = (so_far[start + counts - 1] - before)[owner]  # each pair: all its key's value counts
         own = tally.argmax(-1) if spec.aggregate == "majority" else V - 1 - (tally[:, ::-1] > 0).argmax(-1)
-        queries = np.concatenate([2 + 2 * np.arange(P), queries])
+        queries = np.concatenate([spec.pair_positions(np.arange(P)), queries])
         answers, groups = np.concatenate([own, answers]), np.concatenate([owner, groups])
         seen = np.concatenate([rank + 1 if spec.prefix else counts[owner], seen])
     valid = np.arange(C)[None, :] < seen[:, None]
     pair = by_owner[start[groups][:, None] + np.where(valid, np.arange(C)[None, :], 0)]
-    return tokens, queries, answers, 2 + 2 * pair, valid
+    return tokens, queries, answers, spec.pair_positions(pair), valid
 
 
 def _histogram_one(spec: HistogramSpec, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
@@ -505,12 +528,19 @@ def read_multivalue(tokens: list[int], spec: MultiValueSpec) -> dict[int, int]:
     """An independent reader: {query position: answer}. A query is a token after the separator; its answer is the
     majority (``aggregate="majority"``) or the largest (``"max"``) of the values (token - 4) that follow its
     occurrences as a key in the context. With labels="every" each value token of the context is a query too, for its
-    key's values (up to and including it when ``prefix``; a tie of the running majority goes to the smallest)."""
+    key's values (up to and including it when ``prefix``; a tie of the running majority goes to the smallest).
+    Fused, pair token t is key ``first_key + (t - first_pair) // V`` with value ``(t - first_pair) % V``."""
     separator = tokens.index(MultiValueSpec.SEPARATOR)
+    V = spec.values
+    if spec.fused:  # (position of the pair's value, its key token, its value)
+        pairs = [(p, spec.first_key + (tokens[p] - spec.first_pair) // V, (tokens[p] - spec.first_pair) % V)
+                 for p in range(1, separator)]
+    else:  # pairs sit at 1, 3, 5, ...: the key, then its value
+        pairs = [(p + 1, tokens[p], tokens[p + 1] - MultiValueSpec.FIRST_VALUE) for p in range(1, separator - 1, 2)
+                 if tokens[p] != MultiValueSpec.FILLER]
     found: dict[int, list[int]] = {}
-    for position in range(1, separator - 1, 2):  # pairs sit at 1, 3, 5, ...: the key, then its value
-        if tokens[position] != MultiValueSpec.FILLER:
-            found.setdefault(tokens[position], []).append(tokens[position + 1] - MultiValueSpec.FIRST_VALUE)
+    for _, key, value in pairs:
+        found.setdefault(key, []).append(value)
 
     def aggregate(values: list[int]) -> int:
         if spec.aggregate == "max":
@@ -520,11 +550,8 @@ def read_multivalue(tokens: list[int], spec: MultiValueSpec) -> dict[int, int]:
     answers = {}
     if spec.labels == "every":
         so_far: dict[int, list[int]] = {}
-        for position in range(2, separator, 2):
-            if tokens[position - 1] == MultiValueSpec.FILLER:
-                continue
-            key = tokens[position - 1]
-            so_far.setdefault(key, []).append(tokens[position] - MultiValueSpec.FIRST_VALUE)
+        for position, key, value in pairs:
+            so_far.setdefault(key, []).append(value)
             answers[position] = aggregate(so_far[key] if spec.prefix else found[key])
     for position in range(separator + 1, len(tokens)):
         answers[position] = aggregate(found[tokens[position]])

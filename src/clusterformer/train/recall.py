@@ -74,6 +74,7 @@ class RecallOptions:
             up to each position, the bidirectional form the whole sequence); ``max_count`` and ``num_queries`` are
             also the multi-value tasks' most pairs per key and queries, and ``labels`` which positions they label.
         values: the multi-value tasks' value tokens V (:class:`clusterformer.data.recall.MultiValueSpec`).
+        fused: the multi-value tasks' pairs are one token ``(k, v)`` each, the one-hop form.
         min_gap: tokens between a needed token and the first query (MQAR: between the last pair and the query
             region; passkey: between the needle and the question).
         test_sequences: sequences of the test split evaluated.
@@ -91,6 +92,7 @@ class RecallOptions:
     num_queries: int = 32
     labels: str = "queries"
     values: int = 8
+    fused: bool = False
     min_gap: int = 0
     test_sequences: int = 1000
     far: int = 256
@@ -106,7 +108,8 @@ class RecallOptions:
         if task in AGGREGATES:
             return MultiValueSpec(length=length, aggregate=AGGREGATES[task], max_count=self.max_count,
                                   num_queries=self.num_queries, values=self.values, vocab_size=self.vocab_size or 1024,
-                                  labels=self.labels, prefix=self.labels == "every" and self.form == "causal")
+                                  labels=self.labels, prefix=self.labels == "every" and self.form == "causal",
+                                  fused=self.fused)
         if task == "histogram":
             return HistogramSpec(length=length, max_count=self.max_count, num_queries=self.num_queries,
                                  vocab_size=self.vocab_size or 1024, labels=self.labels,
