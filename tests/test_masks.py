@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from clusterformer.attention import build, names
-from clusterformer.attention.registry import causal_semantics
+from clusterformer.attention.registry import can_decode, causal_semantics
 from clusterformer.masks import AttentionMask
 from seeds import fixed_seed
 
@@ -127,6 +127,7 @@ WALKS.update({
     "neural-clustering+local_window": ("neural-clustering", {"num_clusters": 3, "local_window": 4}),
     "neural-clustering+shared-qk": ("neural-clustering", {"num_clusters": 3, "cluster_on": "shared-qk",
                                                           "local_window": 2}),
+    "neural-clustering+query-key": ("neural-clustering", {"num_clusters": 3, "cluster_on": "query-key"}),
     "cluster-select+banded": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,
                                                  "summaries": True, "selection": "summaries", "kernel": "banded"}),
     "cluster-select+dense-mask": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,
@@ -136,7 +137,8 @@ WALKS.update({
                                                          "kernel": "gather"}),
 })
 MASK_READS = ("allowed", "rows", "predicate", "real", "lengths", "block_padding", "repeats", "mask_mod")
-MASK_VIEWS = ("packed_prefix",)  # masks derived from the layer's one mask (a block of a prompt read in blocks)
+# masks derived from the layer's one mask (a block of a prompt read in blocks; per-head point sets to cluster)
+MASK_VIEWS = ("packed_prefix", "point_sets")
 
 
 def _walk(monkeypatch: pytest.MonkeyPatch
@@ -208,7 +210,7 @@ def test_one_mask_per_layer_call_reaches_the_ops_never_rebuilt(label, causal, mo
     assert len(built) == 1 + len(views), f"{label}: {len(built)} masks built in one layer call"
     assert read, f"{label}: no form was read from the layer's mask"
     assert _from_the_entry(built, read, views), f"{label}: a form was read from a rebuilt mask"
-    if causal and layer.inner.decodes and causal_semantics(name, options) == "strict":
+    if causal and can_decode(name, options):
         layer.eval()
         built.clear()
         read.clear()

@@ -221,6 +221,16 @@ class AttentionMask:
         padding = torch.arange(end, device=self.padding.device) >= lengths[:, None]
         return AttentionMask(padding, self.causal, self.window)
 
+    def point_sets(self, heads: int, copies: int) -> AttentionMask:
+        """The padding of ``heads`` point sets per sequence, each ``copies`` of the sequence's n positions side by
+        side ((B * heads, copies * n), the sets of one sequence consecutive), for a clustering of per-head points
+        (a head's queries and keys together); no causal order or window (a clustering's normalisation is over the
+        sequence). Itself when there is neither padding nor an order to drop."""
+        if self.padding is None and not self.causal and self.window is None:
+            return self
+        padding = None if self.padding is None else self.padding.repeat(1, copies).repeat_interleave(heads, dim=0)
+        return AttentionMask(padding)
+
     def allowed(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
         """The dense allowed mask of the last ``q_len`` of ``kv_len`` positions: (B or 1, 1, q_len or 1, kv_len),
         True = the query may attend to the key (one query row when it is the same for every query)."""

@@ -26,6 +26,9 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
             "neural-clustering+shared-qk+local_window": (
                 "neural-clustering", {"num_clusters": 3, "cluster_on": "shared-qk", "local_window": 2},
                 {"cluster_on": "shared-qk", "local_window": 32}),
+            "neural-clustering+query-key": ("neural-clustering", {"num_clusters": 3, "cluster_on": "query-key",
+                                                                  "causal_chunk_size": 3, "causal_clusters": 3},
+                                            {"cluster_on": "query-key"}),
             "neural-clustering+prefix-assign": ("neural-clustering", {"num_clusters": 3, "causal_assign": "prefix",
                                                                       "local_window": 2},
                                                 {"causal_assign": "prefix", "local_window": 32}),

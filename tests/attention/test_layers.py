@@ -207,6 +207,112 @@ def test_neural_clustering_on_shared_qk_matches_dense_reference(N, num_clusters,
         assert layer.inner.centroids.grad is not None and layer.inner.centroids.grad.any()
 
 
+def _query_key_reference(layer, x, real, causal, strict):
+    """cluster_on="query-key" written plainly for one sequence x (N, dim) with real tokens ``real``: per head h, each
+    query and each real key to its nearest centroid by cosine (the layer's k x dim centroids split by heads); query
+    i reads the keys of its cluster -- under a causal mask the latest W at positions <= i, otherwise W consecutive
+    ones in position order from its rank r (the cluster's keys before i) less W // 2, moved inside the cluster --
+    with W = (look_back + 1) x the chunk. Returns (the layer's output (N, dim), the per-point losses' terms: a list
+    over heads of (-cos(point, C_hat[its id]) for the 2 L real points, the ring loss))."""
+    o, H, D = layer.options, layer.heads, layer.head_dim
+    N, L = x.shape[0], int(real.sum())
+    k = o.strict_causal_clusters() if strict else o.clusters_for(L)
+    if strict:
+        width = (o.look_back + 1) * o.causal_chunk_size
+    else:
+        chunk = math.ceil(L / k)
+        width = (min(o.look_back, math.ceil(L / chunk) - 1) + 1) * chunk
+    q, kk, v = _heads(layer, x)
+    centroids = layer.inner.centroids[:k].view(k, H, D)
+    outputs, terms = [], []
+    for h in range(H):
+        C = centroids[:, h]
+        cos = lambda P: F.cosine_similarity(P[:, None, :], C[None, :, :], dim=-1)  # noqa: E731  (N, k)
+        q_ids, k_ids = cos(q[h]).argmax(1), cos(kk[h]).argmax(1)
+        allowed = torch.zeros(N, N, dtype=torch.bool)
+        for i in range(N):
+            members = [j for j in range(N) if real[j] and k_ids[j] == q_ids[i]]
+            if causal:
+                chosen = [j for j in members if j <= i][-width:]
+            else:
+                rank = sum(j < i for j in members)
+                start = min(max(0, rank - width // 2), max(0, len(members) - width))
+                chosen = members[start:start + width]
+            allowed[i, chosen] = True
+        outputs.append(masked_softmax_attention(q[h], kk[h], v[h], allowed))
+        points = torch.cat([q[h][real], kk[h][real]])  # the 2 L real points of this head
+        U = torch.softmax(o.similarity_scale * F.cosine_similarity(C[:, None], points[None], dim=-1), dim=1)
+        C_hat = U @ points  # eqs. 2-3 over the points
+        ids = F.cosine_similarity(points[:, None], C[None], dim=-1).argmax(1)
+        l1 = [-F.cosine_similarity(points[j], C_hat[ids[j]], dim=0) for j in range(len(points))]
+        ring = sum(F.cosine_similarity(C_hat[i], C_hat[i - 1], dim=0) for i in range(1, k))
+        terms.append((l1, -(ring + F.cosine_similarity(C_hat[0], C_hat[k - 1], dim=0)) / k))
+    merged = torch.stack(outputs).transpose(0, 1).reshape(N, layer.dim)
+    return merged @ layer.to_out.weight.T + layer.to_out.bias, terms
+
+
+@pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(13, 3, 1), (20, 4, 1), (17, 3, 2), (9, "sqrt", 1),
+                                                              (1, 2, 1), (6, 8, 1)])
+@pytest.mark.parametrize("mode", ["none", "strict"])
+def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters, look_back, mode):
+    """``cluster_on="query-key"``: queries and keys assigned apart, each by its own projection to its head's share
+    of the centroids; each query reads its cluster's latest (causal) or nearest-ranked keys, W of them; the two
+    losses over each head's queries and keys together train the centroids only. Padding at the end and inside."""
+    layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back, causal_clusters=3,
+                   causal_chunk_size=2, cluster_on="query-key")
+    assert layer.inner.to_cluster is None
+    B = 3
+    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if N > 4:
+        pad[1, -2:] = True
+        pad[2, 1:3] = True
+    causal = mode == "strict"
+    y, aux, _ = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
+    l1_terms, rings = [], []
+    for b in range(B):
+        real = ~pad[b]
+        ref, terms = _query_key_reference(layer, x[b], real, causal, strict=causal)
+        torch.testing.assert_close(y[b][real], ref[real], rtol=1e-10, atol=1e-10)
+        assert (y[b][~real] == 0).all()
+        l1_terms += [t for head_terms, _ in terms for t in head_terms]
+        rings += [ring for _, ring in terms]
+    torch.testing.assert_close(aux["clustering"], torch.stack(l1_terms).mean(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(aux["centroid_sorting"], torch.stack(rings).mean(), rtol=1e-10, atol=1e-10)
+    layer.zero_grad()
+    losses = run_recorded(layer, x, key_padding_mask=pad, causal=causal)[1]
+    (losses["clustering"] + losses["centroid_sorting"]).backward()
+    assert layer.to_qkv.weight.grad is None or not layer.to_qkv.weight.grad.any()
+    if N > 1:
+        assert layer.inner.centroids.grad is not None and layer.inner.centroids.grad.any()
+
+
+def test_neural_clustering_on_query_key_reads_a_key_unlike_its_query():
+    """What the paper's shared cluster cannot do: a query whose own token is far from the key it needs reads that
+    key when its query vector is near the key's. One head, two centroids; token 0's key and token 5's query point
+    along centroid 0, every other query and key along centroid 1: query 5 reads key 0 alone."""
+    layer = _layer("neural-clustering", dim=4, heads=1, num_clusters=2, causal_chunk_size=4,
+                   cluster_on="query-key")
+    with torch.no_grad():
+        layer.inner.centroids.copy_(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]))
+        layer.to_qkv.weight.zero_()
+        layer.to_qkv.bias.zero_()
+        layer.to_qkv.weight[:4, 2] = torch.tensor([1.0, 0, 0, 0])  # queries: feature 2 -> centroid 0
+        layer.to_qkv.bias[:4] = torch.tensor([0, 0.5, 0, 0])  # ... others -> centroid 1
+        layer.to_qkv.weight[4:8, 3] = torch.tensor([1.0, 0, 0, 0])  # keys: feature 3 -> centroid 0
+        layer.to_qkv.bias[4:8] = torch.tensor([0, 0.5, 0, 0])
+        layer.to_qkv.weight[8:, :] = torch.eye(4)  # values: the token
+        layer.to_out.weight.copy_(torch.eye(4))
+        layer.to_out.bias.zero_()
+    x = torch.zeros(1, 8, 4, dtype=torch.float64)
+    x[0, :, 0] = torch.arange(8, dtype=torch.float64)  # each token's value names it
+    x[0, 0, 3] = 1.0  # token 0's key is the odd one
+    x[0, 5, 2] = 1.0  # token 5's query is the odd one
+    y = layer(x, causal=True)
+    assert y[0, 5, 0] == 0.0 and y[0, 5, 3] == 1.0  # query 5 averaged key 0's value alone (token 0 says 0)
+    assert (y[0, 1:5, 3] == 0).all() and (y[0, 6:, 3] == 0).all()  # no other query read key 0
+
+
 @pytest.mark.parametrize(("N", "cluster_on", "local_window"), [
     (13, "hidden", 0), (20, "hidden", 4), (9, "shared-qk", 0), (16, "shared-qk", 2), (1, "hidden", 0)])
 def test_neural_clustering_prefix_assignment_matches_dense_reference(N, cluster_on, local_window):

@@ -107,6 +107,11 @@ class AttentionOptions:
         the whole sequence) or ``"refused"`` (``causal=True`` raises)."""
         return "strict"
 
+    def cached_decoding(self) -> bool:
+        """Whether these options keep the mechanism's cached decoding (when it has one and is strictly causal);
+        an option that groups in a way the cache cannot follow says False."""
+        return True
+
     # budgets: the keys a query reads and the keys it mixes (docs/ARCHITECTURE.md, "Budgets")
     def keys_read(self, length: int, causal: bool = False) -> int:
         """Keys read: the most key-side vectors whose logit one query computes in a sequence of ``length`` tokens
@@ -469,13 +474,16 @@ class InnerAttention(SeededModule):
 
     def check_decoding(self) -> None:
         """Cached decoding is inference with a strictly causal mechanism: refuse anything else clearly."""
-        if not self.decodes or self.options.causal_semantics() != "strict":
+        if not self.decodes or self.options.causal_semantics() != "strict" or not self.options.cached_decoding():
             raise ValueError(self._no_decoding())
         if self.training:
             raise ValueError(f"{type(self).__name__}: cached decoding is inference (no dropout, no state updates); "
                              "call model.eval() first")
 
     def _no_decoding(self) -> str:
+        if self.decodes and not self.options.cached_decoding():
+            return (f"{type(self).__name__} has no cached decoding with these options: "
+                    f"{type(self.options).cached_decoding.__doc__}")
         return (f"{type(self).__name__} has no cached decoding: its causal mode is "
                 f"{self.options.causal_semantics()!r}, and only strictly causal mechanisms can continue a prefix "
                 "token by token (full, neural-clustering with causal_mode='strict', lsh, routing, kmeans, "

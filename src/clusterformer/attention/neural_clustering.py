@@ -87,6 +87,7 @@ from torch import nn
 from .._checks import check_bool, check_choice, check_float, check_int
 from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
 from ..masks import NO_MASK, AttentionMask, masked_sdpa, self_only_when_alone
+from ..ops.cluster_runs import cluster_runs, run_attention
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
 from ..ops.layouts import ChunkLayout, cluster_causal_layout, sorted_layout
 from ..ops.recompute import attach_recipe, recipe_of, recompute_saved
@@ -108,7 +109,7 @@ class ClusterCount(NamedTuple):
 
 
 GROUPINGS = ("learned", "contiguous", "random")
-CLUSTER_INPUTS = ("hidden", "shared-qk")
+CLUSTER_INPUTS = ("hidden", "shared-qk", "query-key")
 CAUSAL_ASSIGNMENTS = ("nearest", "prefix")
 
 
@@ -168,6 +169,15 @@ class NeuralClusteringOptions(SeededOptions):
             match, so a query and the key it needs are pulled into one cluster by the task's own gradient. As in
             the other shared-QK mechanisms, keys are unit vectors and a token attends to itself only when it has no
             other key. Needs the layer's own projections (``AttentionLayer``; not ``hf.patch``).
+            "query-key" (beyond the paper): each head's queries and keys are assigned apart, each to its nearest
+            of the head's shared centroids (the layer's k x dim centroids, split by heads) by its own projection, q
+            = x W^Q and k = x W^K; a query reads the (look_back + 1) x chunk keys of its cluster nearest to it (the
+            latest ones up to it under a causal mask: :func:`clusterformer.ops.cluster_runs.cluster_runs`). In the
+            paper's form a query and its key share the token's cluster, so the key it needs must *be* like it;
+            here the query needs only to score its key high, which is what attention trains (and what a trained
+            full-attention model already does). The two losses train the centroids on the detached queries and
+            keys. Strict causal with the nearest assignment, learned grouping, no ``local_window``, ``explore``,
+            centroid flow or cached decoding.
         explore: beyond the paper: the probability that a training forward attends within random groups
             of the same size instead of the learned ones (drawn from the layer's generator; the clustering and its
             losses run as usual; evaluation and decoding always use the learned groups). A learned grouping that
@@ -227,6 +237,22 @@ class NeuralClusteringOptions(SeededOptions):
         check_int("local_window", self.local_window, minimum=0)
         if self.local_window % 2:
             raise ValueError(f"local_window must be even (two blocks of local_window / 2), got {self.local_window}")
+        if self.cluster_on == "query-key":
+            self._check_query_key()
+
+    def _check_query_key(self) -> None:
+        """What cluster_on="query-key" does not combine with, each refused by name."""
+        conflicts = {"grouping": (self.grouping, "learned"), "causal_mode": (self.causal_mode, "strict"),
+                     "causal_assign": (self.causal_assign, "nearest"), "own_centroids": (self.own_centroids, True),
+                     "local_window": (self.local_window, 0), "explore": (self.explore, 0.0)}
+        for name, (value, allowed) in conflicts.items():
+            if value != allowed:
+                raise ValueError(f"{name}={value!r} does not combine with cluster_on='query-key' (which needs "
+                                 f"{name}={allowed!r})")
+
+    def cached_decoding(self) -> bool:
+        """cluster_on="query-key" has no decoding cache (its keys are grouped apart from its queries)."""
+        return self.cluster_on != "query-key"
 
     @property
     def n_centroids(self) -> int:
@@ -300,7 +326,9 @@ class NeuralClusteringAttention(InnerAttention):
         # cluster_on="shared-qk": the layer builds one projection for queries and keys, which is also what the
         # tokens are clustered by; there is no W^C
         self.shared_qk = options.cluster_on == "shared-qk"
-        self.to_cluster = None if self.shared_qk else nn.Linear(dim, dim, bias=False)  # W^C
+        # cluster_on="query-key": queries and keys are clustered by their own projections, and there is no W^C
+        self.query_key = options.cluster_on == "query-key"
+        self.to_cluster = None if self.shared_qk or self.query_key else nn.Linear(dim, dim, bias=False)  # W^C
         if options.own_centroids:
             self.centroids = nn.Parameter(torch.randn(options.n_centroids, dim))  # C, random init as in the paper
         else:
@@ -327,6 +355,10 @@ class NeuralClusteringAttention(InnerAttention):
         """x (B, N, dim) -> (heads output (B, N, H, D), C_hat). ``flow``: optional (B, k, dim) or (k, dim)
         centroids replacing the layer's own (the paper's flow between layers); C_hat is what flows on."""
         count = self._count(x, mask)
+        if self.query_key:
+            if flow is not None:
+                raise ValueError("cluster_on='query-key' keeps per-layer centroids: no centroids flow in")
+            return self._attend_query_key(x, projection, mask, count), None
         ids, updated = self._assign(x, projection, mask, flow, count)
         publish_groups(self, ids)
         out = self._attend(x, projection, mask, ids, count, dense=self.dense_training and self.training)
@@ -369,6 +401,65 @@ class NeuralClusteringAttention(InnerAttention):
         heads = out.view(B, N, self.heads, self.head_dim)
         recipe = recipe_of(out)  # the output is a reorder the output projection can redo in its backward
         return heads if recipe is None else attach_recipe(heads, lambda: recipe().view(B, N, self.heads, self.head_dim))
+
+    def _attend_query_key(self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask,
+                          count: ClusterCount) -> torch.Tensor:
+        """cluster_on="query-key" (the options' docstring): per head, queries and keys to their nearest centroid
+        apart, then each query's run of its cluster's keys in one fused call. (B, N, H, D)."""
+        B, N, _ = x.shape
+        H, D = self.heads, self.head_dim
+        q, k, v = projection.qkv(x)  # (B, H, N, D)
+        if B == 0 or N == 0:
+            return q.transpose(1, 2)
+        n_clusters = count.clusters
+        centroids = self.centroids[:n_clusters].view(n_clusters, H, D).transpose(0, 1)  # (H, k, D): each head's
+        unused = None  # (B, 1, 1, k): the centroids past each sequence's own k_b
+        if count.per_sequence is not None:
+            unused = (torch.arange(n_clusters, device=x.device) >= count.per_sequence.unsqueeze(1)).view(B, 1, 1, -1)
+        with torch.no_grad():
+            query_ids, key_ids = (self._nearest_per_head(t, centroids, unused) for t in (q, k))
+        real = None if mask.padding is None else mask.real(B, N, x.device)
+        if real is not None:  # padding keys past every cluster: never read
+            key_ids = key_ids.masked_fill(~real.unsqueeze(1), n_clusters)
+        publish_groups(self, key_ids[:, 0])
+        self._query_key_losses(q, k, centroids, mask, count)
+        if self.dense_training and self.training:
+            return self._dense_attention(x, projection, mask)
+        if count.strict:
+            width: int | torch.Tensor = (self.options.look_back + 1) * self.options.causal_chunk_size
+        else:  # (look_back + 1) chunks of ceil(L / k), each chunk once however few there are, as keys_read counts
+            lengths = torch.full((B,), N, device=x.device) if count.lengths is None else count.lengths
+            per_sequence = (torch.full((B,), n_clusters, device=x.device) if count.per_sequence is None
+                            else count.per_sequence)
+            chunk = (lengths + per_sequence - 1) // per_sequence
+            chunks = (lengths + chunk - 1) // chunk.clamp(min=1)
+            width = ((chunks - 1).clamp(min=0, max=self.options.look_back) + 1) * chunk
+        runs = cluster_runs(query_ids, key_ids, width, causal=mask.causal, query_real=real)
+        out = run_attention(q, k, v, runs, dropout_p=self.dropout_p, mask=mask)
+        return out.transpose(1, 2)  # (B, N, H, D)
+
+    def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None
+                          ) -> torch.Tensor:
+        """points (B, H, N, D), centroids (H, k, D) -> each point's nearest centroid of its head, (B, H, N) long
+        (cosine or dot, as ``similarity``; a centroid in ``unused`` is never chosen)."""
+        if self.options.similarity == "cosine":
+            points, centroids = F.normalize(points.float(), dim=-1), F.normalize(centroids.float(), dim=-1)
+        scores = torch.einsum("bhnd,hkd->bhnk", points.float(), centroids.float())
+        if unused is not None:
+            scores = scores.masked_fill(unused, float("-inf"))
+        return scores.argmax(-1)
+
+    def _query_key_losses(self, q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, mask: AttentionMask,
+                          count: ClusterCount) -> None:
+        """The paper's two losses (eqs. 6, 11), each head's centroids over its detached queries and keys together:
+        they move the centroids to where the queries and keys are, not the projections (the task trains those)."""
+        B, H, N, D = q.shape
+        points = torch.cat([q, k], dim=2).detach().reshape(B * H, 2 * N, D)
+        per_sequence = None if count.per_sequence is None else count.per_sequence.repeat_interleave(H)
+        clustering = neural_clustering(points, centroids.repeat(B, 1, 1), mask=mask.point_sets(H, 2),
+                                       similarity=self.options.similarity, scale=self.options.similarity_scale,
+                                       assign="nearest", num_clusters=per_sequence)
+        publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
 
     def _dense_attention(self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask) -> torch.Tensor:
         """Every real key (every earlier one under a causal ``mask``; with shared QK unit keys and the token's own

@@ -242,4 +242,5 @@ def causal_semantics(name: str, options: Any) -> str:
 def can_decode(name: str, options: Any) -> bool:
     """Whether mechanism ``name`` with ``options`` has cached incremental decoding (``layer.prefill`` /
     ``layer.step``): it is strictly causal and implements the cache."""
-    return get(name).inner.decodes and causal_semantics(name, options) == "strict"
+    opts = make_options(name, options)
+    return get(name).inner.decodes and opts.causal_semantics() == "strict" and opts.cached_decoding()

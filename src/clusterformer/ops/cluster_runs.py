@@ -1,0 +1,88 @@
+"""Each query's run of keys from its own cluster, when queries and keys are clustered apart.
+
+A query i with cluster id ``query_ids[i]`` = c reads ``width`` keys of the keys whose id ``key_ids[j]`` is c:
+
+* causal: the ``width`` latest such keys at positions j <= i (fewer when fewer came before);
+* otherwise: ``width`` consecutive keys of c in position order, the ones around the query's place among them
+  (its rank r = the keys of c before position i; the run starts at r - width // 2, moved inside c's keys).
+
+Sorting the keys by (cluster, position) puts every cluster's keys in one run of slots, in position order, so each
+query's keys are consecutive slots: a :class:`~clusterformer.ops.listed_attention.SlotRuns` with one run per query,
+which :func:`~clusterformer.ops.listed_attention.listed_attention` reads without an index per key. Where a query
+stands among its cluster's keys is one batched ``searchsorted`` of (its cluster, its position) in the sorted keys:
+O(N log N) per head, no (N, k) counts, no loop over clusters.
+
+This is what neural-clustering's ``cluster_on="query-key"`` attends with (its queries and keys assigned to shared
+centroids by their own projections); the chunked layouts of :mod:`clusterformer.ops.layouts` need one id per
+token, shared by its query and its key.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..masks import NO_MASK, AttentionMask
+from .listed_attention import SlotRuns, listed_attention
+
+__all__ = ["cluster_runs", "run_attention"]
+
+
+def cluster_runs(query_ids: torch.Tensor, key_ids: torch.Tensor, width: int | torch.Tensor, *, causal: bool,
+                 query_real: torch.Tensor | None = None) -> SlotRuns:
+    """The runs (module docstring) for ``query_ids`` and ``key_ids`` (B, H, N) int64 ids >= 0.
+
+    A key whose id no query has (e.g. one past the clusters, for padding) is never read. ``width``: the most keys
+    per query, an int or a (B,) int64 tensor (one per sequence); ``query_real``: optional (B, N) bool, False for a
+    query that reads nothing (padding). Returns SlotRuns with order (B, H, N) and first, length (B, H, N, 1)."""
+    if query_ids.shape != key_ids.shape or query_ids.dim() != 3:
+        raise ValueError(f"query_ids and key_ids must be (B, H, N) tensors of one shape; got "
+                         f"{tuple(query_ids.shape)} and {tuple(key_ids.shape)}")
+    if query_ids.dtype != torch.long or key_ids.dtype != torch.long:
+        raise ValueError(f"query_ids and key_ids must be int64; got {query_ids.dtype} and {key_ids.dtype}")
+    B, H, N = key_ids.shape
+    device = key_ids.device
+    widths = torch.as_tensor(width, dtype=torch.long, device=device).expand(B).reshape(B, 1, 1)
+    if widths.numel() and int(widths.min()) < 0:
+        raise ValueError(f"width must be >= 0; got {width}")
+    capacity = int(widths.max()) if widths.numel() else 0
+    positions = torch.arange(N, device=device)
+    # (cluster, position) as one sortable number; sorted, every cluster's keys are one run in position order
+    composite, order = torch.sort(key_ids * N + positions, dim=-1, stable=True)
+    flat = composite.reshape(B * H, N)
+
+    def slots_before(values: torch.Tensor) -> torch.Tensor:  # sorted keys < values, (B, H, N)
+        return torch.searchsorted(flat, values.reshape(B * H, N)).view(B, H, N)
+
+    start = slots_before(query_ids * N)  # the first slot of the query's cluster
+    end = slots_before((query_ids + 1) * N)  # one past its last
+    if causal:  # the latest `width` keys of the cluster at positions <= i
+        upto = slots_before(query_ids * N + positions + 1)
+        first = torch.maximum(start, upto - widths)
+        length = upto - first
+    else:  # `width` keys of the cluster around the query's rank, moved inside the cluster's run
+        rank = slots_before(query_ids * N + positions)
+        length = torch.minimum(widths.expand(B, H, N), end - start)
+        first = torch.minimum(torch.maximum(start, rank - widths // 2), end - length)
+    if query_real is not None:
+        length = length.masked_fill(~query_real.unsqueeze(1), 0)
+    first = first.clamp(max=max(N - 1, 0)) if N else first  # a run of length 0 still names a slot in [0, N)
+    return SlotRuns(order, first.unsqueeze(-1), length.unsqueeze(-1), capacity)
+
+
+def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: SlotRuns, *, dropout_p: float = 0.0,
+                  mask: AttentionMask = NO_MASK) -> torch.Tensor:
+    """Each query (B, H, N, D) over its run's keys: (B, H, N, D), 0 for a query without keys. The fused kernel
+    without dropout (:func:`~clusterformer.ops.listed_attention.listed_attention`); with ``dropout_p`` > 0 (a
+    training forward) the run's keys gathered, (B, H, N, capacity, D), and the weights dropped out as SDPA drops
+    them (zeroed with probability p, the rest scaled by 1 / (1 - p))."""
+    B, H, N, _ = q.shape
+    if not dropout_p:
+        return listed_attention(q, k, v, q.new_empty(B, H, N, 0, dtype=torch.long), mask=mask, runs=runs)[0]
+    index = runs.as_index()  # (B, H, N, capacity), -1 past a run's end
+    listed = index >= 0
+    flat = index.clamp(min=0).reshape(B, H, -1, 1).expand(-1, -1, -1, q.shape[-1])
+    keys, values = (t.gather(2, flat).view(B, H, N, index.shape[-1], -1) for t in (k, v))
+    scores = torch.einsum("bhnd,bhnmd->bhnm", q, keys) * q.shape[-1] ** -0.5
+    weights = torch.softmax(scores.masked_fill(~listed, float("-inf")), dim=-1).nan_to_num(0.0)  # no keys: 0
+    return torch.einsum("bhnm,bhnmd->bhnd", F.dropout(weights, dropout_p), values)

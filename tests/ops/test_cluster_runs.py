@@ -1,0 +1,101 @@
+"""Each query's run of its own cluster's keys (clusterformer.ops.cluster_runs) against the rule written per query."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clusterformer.ops.cluster_runs import cluster_runs, run_attention
+from clusterformer.ops.listed_attention import listed_attention_reference
+from seeds import fixed_seed
+
+
+def _expected(query_ids, key_ids, width, causal, query_real):
+    """The keys each query reads, by the rule: (B, H, N) lists of positions."""
+    B, H, N = query_ids.shape
+    out = {}
+    for b in range(B):
+        w = int(width[b]) if torch.is_tensor(width) else width
+        for h in range(H):
+            for i in range(N):
+                if query_real is not None and not query_real[b, i]:
+                    out[b, h, i] = []
+                    continue
+                members = [j for j in range(N) if key_ids[b, h, j] == query_ids[b, h, i]]
+                if causal:
+                    out[b, h, i] = [j for j in members if j <= i][-w:] if w else []
+                else:
+                    rank = sum(j < i for j in members)
+                    start = min(max(0, rank - w // 2), max(0, len(members) - w))
+                    out[b, h, i] = members[start:start + w]
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("N", "clusters", "width"), [(1, 1, 1), (9, 2, 3), (31, 3, 4), (40, 5, 7), (16, 1, 16),
+                                                      (12, 4, 0)])
+def test_runs_hold_the_keys_the_rule_names(causal, N, clusters, width):
+    """Skewed cluster sizes (one cluster takes most keys, so runs are cut by ``width`` and moved inside their
+    cluster), a padding id past the clusters that no query has, and queries marked not real."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, H = 3, 2
+    weights = torch.tensor([4.0] + [1.0] * (clusters - 1))
+    draw = lambda: torch.multinomial(weights, B * H * N, replacement=True, generator=g).view(B, H, N)  # noqa: E731
+    query_ids, key_ids = draw(), draw()
+    key_ids[1, :, -2:] = clusters  # padding keys: never read
+    query_real = torch.ones(B, N, dtype=torch.bool)
+    query_real[2, : N // 3] = False
+    runs = cluster_runs(query_ids, key_ids, width, causal=causal, query_real=query_real)
+    index = runs.as_index()
+    expected = _expected(query_ids, key_ids, width, causal, query_real)
+    for (b, h, i), keys in expected.items():
+        got = index[b, h, i]
+        assert sorted(got[got >= 0].tolist()) == keys, (b, h, i)
+    assert runs.capacity == width
+
+
+def test_a_width_per_sequence():
+    g = torch.Generator().manual_seed(fixed_seed())
+    query_ids = torch.randint(0, 2, (2, 1, 15), generator=g)
+    key_ids = torch.randint(0, 2, (2, 1, 15), generator=g)
+    width = torch.tensor([2, 5])
+    for causal in (False, True):
+        runs = cluster_runs(query_ids, key_ids, width, causal=causal)
+        index = runs.as_index()
+        for (b, h, i), keys in _expected(query_ids, key_ids, width, causal, None).items():
+            got = index[b, h, i]
+            assert sorted(got[got >= 0].tolist()) == keys
+        assert runs.capacity == 5
+
+
+def test_run_attention_with_and_without_dropout_matches_the_gathered_definition():
+    """Without dropout the fused call equals the gathered reference (float64, ~1e-12) with its gradients; with
+    dropout p the expectation over draws is the same output (each weight kept with probability 1 - p and scaled by
+    1 / (1 - p)), and a query without keys gets 0."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, H, N, D = 2, 2, 11, 4
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ids = torch.randint(0, 3, (B, H, N), generator=g)
+    runs = cluster_runs(ids, ids.roll(1, -1), 3, causal=True)
+    out = run_attention(q, k, v, runs)
+    ref, _ = listed_attention_reference(q, k, v, q.new_empty(B, H, N, 0, dtype=torch.long), runs=runs)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    torch.manual_seed(fixed_seed())
+    mean = torch.stack([run_attention(q, k, v, runs, dropout_p=0.5) for _ in range(4000)]).mean(0)
+    torch.testing.assert_close(mean, ref, rtol=0.0, atol=0.1)
+    empty = runs.length[..., 0] == 0
+    assert empty.any() and (run_attention(q, k, v, runs, dropout_p=0.5)[empty] == 0).all()
+
+
+def test_bad_ids_are_refused():
+    ids = torch.zeros(1, 1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="query_ids and key_ids"):
+        cluster_runs(ids, ids[..., :3], 2, causal=True)
+    with pytest.raises(ValueError, match="int64"):
+        cluster_runs(ids.int(), ids, 2, causal=True)
+    with pytest.raises(ValueError, match="width"):
+        cluster_runs(ids, ids, -1, causal=False)
