@@ -8,6 +8,7 @@ first run hold on a shared machine where absolute times do not (``compare``'s se
 that shared the cores with different neighbours).
 
     OMP_NUM_THREADS=1 python docs/scripts/step_time_ab.py RUN_DIR[@key=value,...] [RUN_DIR ...] [--repeats 5]
+        [--json RECORD]
 
 ``RUN_DIR@key=value,...`` times the run's model with those attention options swapped in (as
 ``docs/scripts/option_swap.py`` evaluates it), e.g. ``RUN@members=score``.
@@ -16,6 +17,10 @@ that shared the cores with different neighbours).
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import sys
 import time
 from typing import Any
 
@@ -23,6 +28,7 @@ import torch
 
 from clusterformer._specs import parse_spec
 from clusterformer.attention import collect_aux_losses
+from clusterformer.attention.registry import make_options
 from clusterformer.train.config import TrainConfig
 from clusterformer.train.loop import load_trained
 
@@ -42,15 +48,20 @@ def timed_step(model: torch.nn.Module, task: Any, config: TrainConfig, repeat: i
     return elapsed
 
 
-def interleaved_medians(models: list[tuple[torch.nn.Module, Any, TrainConfig]], repeats: int) -> list[float]:
-    """Each (model, task, config)'s median step time over ``repeats``, the models taking turns, after a warm-up."""
+def interleaved_times(models: list[tuple[torch.nn.Module, Any, TrainConfig]], repeats: int) -> list[list[float]]:
+    """Each (model, task, config)'s step times over ``repeats``, the models taking turns, after a warm-up."""
     for model, task, config in models:
         timed_step(model, task, config, 0)
     times: list[list[float]] = [[] for _ in models]
     for repeat in range(1, repeats + 1):
         for index, (model, task, config) in enumerate(models):
             times[index].append(timed_step(model, task, config, repeat))
-    return [sorted(t)[len(t) // 2] for t in times]
+    return times
+
+
+def interleaved_medians(models: list[tuple[torch.nn.Module, Any, TrainConfig]], repeats: int) -> list[float]:
+    """Each (model, task, config)'s median step time over ``repeats``, the models taking turns, after a warm-up."""
+    return [sorted(t)[len(t) // 2] for t in interleaved_times(models, repeats)]
 
 
 def main() -> None:
@@ -58,6 +69,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="run directories (RUN@key=value,...: with options swapped in); the "
                         "first is the reference")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="write the record here: each run's times, median, ratio to the first and "
+                        "keys read per query")
     args = parser.parse_args()
 
     def load(run: str):
@@ -70,11 +83,32 @@ def main() -> None:
         return load_trained(path, adjust=swapped)
 
     loaded = [load(run) for run in args.runs]
-    medians = interleaved_medians([(model, task, config) for model, task, config, _ in loaded], args.repeats)
+    times = interleaved_times([(model, task, config) for model, task, config, _ in loaded], args.repeats)
+    medians = [sorted(t)[len(t) // 2] for t in times]
     print(f"training step (forward with auxiliary losses, backward), median of {args.repeats}, "
           f"threads={torch.get_num_threads()}:")
-    for run, (_, _, config, _), median in zip(args.runs, loaded, medians, strict=True):
+    rows = []
+    for run, (_, task, config, _), median, seconds in zip(args.runs, loaded, medians, times, strict=True):
         print(f"  {median:7.3f} s  {median / medians[0]:5.2f}x  {config.attention} {config.attention_options}  ({run})")
+        rows.append({"run": run, "attention": config.attention, "attention_options": config.attention_options,
+                     "keys_read": keys_read(config, task.causal), "max_len": config.max_len,
+                     "batch_size": config.batch_size, "dim": config.dim, "depth": config.depth, "heads": config.heads,
+                     "causal": task.causal,
+                     "seconds": seconds, "median_s": median, "ratio_to_first": median / medians[0]})
+    if args.json:
+        record = {"command": "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "") + " python "
+                  + " ".join(sys.argv), "what": "training step (forward with auxiliary losses, backward; no optimiser "
+                  "step), the runs taking turns after one warm-up step each", "repeats": args.repeats,
+                  "threads": torch.get_num_threads(), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+                  "torch": torch.__version__, "runs": rows}
+        with open(args.json, "w") as handle:
+            json.dump(record, handle, indent=1)
+            handle.write("\n")
+
+
+def keys_read(config: TrainConfig, causal: bool) -> int:
+    """Keys read per query by the run's attention at its length (its registry budget)."""
+    return make_options(config.attention, config.attention_options).keys_read(config.max_len, causal=causal)
 
 
 if __name__ == "__main__":
