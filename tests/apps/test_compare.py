@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,3 +324,34 @@ def test_a_grid_file_runs_the_grid_and_flags_override_it(tmp_path):
     path.write_text(json.dumps({"attention": ["full"]}))
     with pytest.raises(SystemExit):  # no tasks anywhere: the CLI's clear error
         main(["compare", "--grid", str(path), "--out", str(out)])
+
+
+GRID_FILES = sorted((Path(__file__).resolve().parents[2] / "grids").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", GRID_FILES, ids=[p.name for p in GRID_FILES])
+def test_the_committed_grid_files_read_and_every_entry_builds(path):
+    """Each grid the docs run with one ``compare --grid`` command: it reads, names known tasks, writes under
+    results/, and every entry is a registered mechanism or a variant whose options build, at the grid's budget where it
+    has one (the options ``for_budget`` adds meet it)."""
+    from clusterformer.attention.registry import make_options, names
+    from clusterformer.cli.compare import read_grid
+    from clusterformer.data.recall import RECALL_TASKS
+
+    grid = read_grid(path)
+    assert grid["out"].startswith("results/")
+    assert all(task in RECALL_TASKS for task in grid["tasks"])
+    length = int(grid["train_args"][grid["train_args"].index("--max-len") + 1])
+    for label in grid["attention"]:
+        variant = grid.get("variants", {}).get(label, {"attention": label, "options": {}})
+        assert variant["attention"] in names(), label
+        options = dict(variant.get("options", {}))
+        if "keys_per_query" in grid:
+            try:
+                options.update(make_options(variant["attention"], options).for_budget(grid["keys_per_query"], length,
+                                                                                       True))
+            except ValueError as error:  # full: no option sets a budget
+                assert "no option" in str(error)
+            else:
+                assert make_options(variant["attention"], options).keys_read(length, True) <= grid["keys_per_query"]
+        make_options(variant["attention"], options)
