@@ -57,6 +57,17 @@ def _shared_qk_output(layer, x, allowed):
     return heads.transpose(0, 1).reshape(N, layer.dim) @ layer.to_out.weight.T + layer.to_out.bias
 
 
+def _padded_inside_and_at_the_end(B, N, dim):
+    """x (B, N, dim) float64 and its padding: sequence 1 padded at the end, sequence 2 inside (when N > 4), so that
+    some queries' local blocks and some clusters hold no other real key."""
+    x = torch.randn(B, N, dim, dtype=torch.float64)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    if N > 4:
+        pad[1, -2:] = True
+        pad[2, 1:3] = True
+    return x, pad
+
+
 def _reference_clustering(layer, x, real, strict):
     """Eqs. 2-4, 6, 11 with cosine phi, for one sequence x (N, dim) whose real tokens are ``real``."""
     scale = layer.options.similarity_scale
@@ -175,11 +186,7 @@ def test_neural_clustering_on_shared_qk_matches_dense_reference(N, num_clusters,
                    cluster_on="shared-qk")
     assert layer.to_qkv.weight.shape[0] == 2 * layer.dim and layer.inner.to_cluster is None
     B = 3
-    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
-    pad = torch.zeros(B, N, dtype=torch.bool)
-    if N > 4:
-        pad[1, -2:] = True
-        pad[2, 1:3] = True
+    x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)
     causal = mode != "none"
     y, aux, _ = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
     L1s = []
@@ -262,11 +269,7 @@ def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters,
                    causal_chunk_size=2, cluster_on="query-key")
     assert layer.inner.to_cluster is None
     B = 3
-    x = torch.randn(B, N, layer.dim, dtype=torch.float64)
-    pad = torch.zeros(B, N, dtype=torch.bool)
-    if N > 4:
-        pad[1, -2:] = True
-        pad[2, 1:3] = True
+    x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)
     causal = mode == "strict"
     y, aux, _ = run_recorded(layer, x, key_padding_mask=pad, causal=causal)
     l1_terms, rings = [], []
