@@ -64,9 +64,11 @@ MQAR = ["results/recall/mqar-curriculum-1024-k256", "results/recall/mqar-curricu
         "results/recall/mqar-curriculum-1024-k256-seed0-shared-qk"]
 MQAR_SELECT = ["results/recall/mqar-fused-1024-k256", "results/recall/mqar-fused-1024-k256-seeds34"]
 SELECT_MQAR = "cluster-select:num_clusters=64,select=4,summaries=false,selection=bound"
-SELECT_HIST = "cluster-select:num_clusters=128,select=2,summaries=false,selection=bound,own_group=true,sink=1"
 BIDIRECTIONAL = "results/recall/mqar-bidirectional-1024-k256"
-HIST = "results/recall/histogram-1024-k64-s600"
+# aggregation from scratch at 128 tokens and 31-32 keys read: the histogram, multivalue and maxvalue (one token a pair)
+AGGREGATION = [("results/recall/aggregation-histogram-128-k32", "histogram"),
+               ("results/recall/aggregation-pairs-128-k32", "multivalue"),
+               ("results/recall/aggregation-pairs-128-k32", "maxvalue")]
 # grids without full attention, and the grids of the same task and setting whose full runs are their yardstick
 FULL_ELSEWHERE = {grid: MQAR_SELECT for grid in MQAR}
 TRAINABLE_GRID = ("full", "neural-clustering", "cluster-former", "sliding-window", "clustered", "improved-clustered",
@@ -90,8 +92,10 @@ def _sources() -> dict[str, dict[str, tuple[str, list[tuple[str, str, str]], str
                                 "64 clusters, 4 selected")
     recall.update({m: ("score", [(BIDIRECTIONAL, "mqar", m)], "encoder form") for m in
                    ("clustered", "improved-clustered")})
-    aggregation = {m: ("score", [(HIST, "histogram", m)], "") for m in ("full", "neural-clustering", "sliding-window")}
-    aggregation["cluster-select"] = ("score", [(HIST, "histogram", SELECT_HIST)], "128 clusters, own group, sink")
+    aggregation = {m: ("score", [(g, t, m) for g, t in AGGREGATION], "") for m in
+                   ("full", "neural-clustering", "sliding-window")}
+    aggregation["cluster-select"] = ("score", [(g, t, "content-clusters") for g, t in AGGREGATION],
+                                     "16 content clusters, own group, sink")
     lm = {m: ("bpc", [("results/papers/shakespeare-char", "shakespeare-char", m)], "") for m in
           ("full", "neural-clustering", "sliding-window", "lsh", "routing", "kmeans")}
     return {"local": local, "recall": recall, "aggregation": aggregation, "long_documents": long, "lm": lm}
