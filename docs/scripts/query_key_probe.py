@@ -8,8 +8,8 @@ mqar --attention full`` run), on its first test sequences, the share of MQAR que
 nearest centroid as the query, under:
 
 - ``random``: ``CLUSTERS`` random centroids, as a fresh layer starts (N(0, 1), the layer's initialisation);
-- ``random, keys centred``: the same, each key less the mean of the keys up to it (a strictly causal centring:
-  subtracting one vector from every key leaves each query's ranking of the keys unchanged);
+- ``random, keys centred``: the same, each key less the mean of the keys up to it (a strictly causal centring that
+  removes the direction all keys share; being a different vector for each key, it may change a query's ranking);
 - ``k-means``: the centroids of 10 cosine Lloyd steps on the sequence's keys (what training the centroids could at
   best reach; it sees every key, so it is not causal);
 - ``k-means, keys centred``.

@@ -88,12 +88,12 @@ def main() -> None:
     print(f"training step (forward with auxiliary losses, backward), median of {args.repeats}, "
           f"threads={torch.get_num_threads()}:")
     rows = []
-    for run, (_, task, config, _), median, seconds in zip(args.runs, loaded, medians, times, strict=True):
+    for run, (_, _, config, _), median, seconds in zip(args.runs, loaded, medians, times, strict=True):
         print(f"  {median:7.3f} s  {median / medians[0]:5.2f}x  {config.attention} {config.attention_options}  ({run})")
         rows.append({"run": run, "attention": config.attention, "attention_options": config.attention_options,
-                     "keys_read": keys_read(config, task.causal), "max_len": config.max_len,
+                     "keys_read": keys_read(config), "max_len": config.max_len,
                      "batch_size": config.batch_size, "dim": config.dim, "depth": config.depth, "heads": config.heads,
-                     "causal": task.causal,
+                     "causal": config.causal(),
                      "seconds": seconds, "median_s": median, "ratio_to_first": median / medians[0]})
     if args.json:
         record = {"command": "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "") + " python "
@@ -106,9 +106,9 @@ def main() -> None:
             handle.write("\n")
 
 
-def keys_read(config: TrainConfig, causal: bool) -> int:
+def keys_read(config: TrainConfig) -> int:
     """Keys read per query by the run's attention at its length (its registry budget)."""
-    return make_options(config.attention, config.attention_options).keys_read(config.max_len, causal=causal)
+    return make_options(config.attention, config.attention_options).keys_read(config.max_len, causal=config.causal())
 
 
 if __name__ == "__main__":

@@ -255,7 +255,8 @@ def test_gap_distributions():
     (MultiValueSpec, {"values": 1}, "values"),
     (MultiValueSpec, {"length": 100, "num_queries": 8, "max_count": 8}, "length"),
     (MultiValueSpec, {"vocab_size": 60}, "vocab_size"),  # 48 keys x 8 pairs < 495 pairs
-    (MultiValueSpec, {"vocab_size": 400, "fused": True}, "vocab_size"),  # 1,006 pairs need 126 keys x 9 tokens
+    (MultiValueSpec, {"vocab_size": 400, "fused": True}, "vocab_size"),
+    (MultiValueSpec, {"fused": "no"}, "fused"),  # 1,006 pairs need 126 keys x 9 tokens
     (MultiValueSpec, {"length": 70, "num_queries": 8, "max_count": 8, "fused": True}, "length"),
     (MultiValueSpec, {"labels": "all"}, "labels"),
     (MultiValueSpec, {"prefix": True}, "prefix"),

@@ -99,3 +99,7 @@ def test_bad_ids_are_refused():
         cluster_runs(ids.int(), ids, 2, causal=True)
     with pytest.raises(ValueError, match="width"):
         cluster_runs(ids, ids, -1, causal=False)
+    with pytest.raises(ValueError, match="width"):
+        cluster_runs(ids, ids, torch.tensor([2, 3]), causal=False)
+    with pytest.raises(ValueError, match="query_real"):
+        cluster_runs(ids, ids, 2, causal=True, query_real=torch.ones(1, 3, dtype=torch.bool))

@@ -172,7 +172,9 @@ class NeuralClusteringOptions(SeededOptions):
             "query-key" (beyond the paper): each head's queries and keys are assigned apart, each to its nearest
             of the head's shared centroids (the layer's k x dim centroids, split by heads) by its own projection, q
             = x W^Q and k = x W^K; a query reads the (look_back + 1) x chunk keys of its cluster nearest to it (the
-            latest ones up to it under a causal mask: :func:`clusterformer.ops.cluster_runs.cluster_runs`). In the
+            latest ones up to it under a causal mask: :func:`clusterformer.ops.cluster_runs.cluster_runs`; a query
+            whose cluster holds no such key reads nothing and outputs 0, where the paper's form always reads the
+            token itself). In the
             paper's form a query and its key share the token's cluster, so the key it needs must *be* like it;
             here the query needs only to score its key high, which is what attention trains (and what a trained
             full-attention model already does). The two losses train the centroids on the detached queries and
@@ -421,7 +423,7 @@ class NeuralClusteringAttention(InnerAttention):
         real = None if mask.padding is None else mask.real(B, N, x.device)
         if real is not None:  # padding keys past every cluster: never read
             key_ids = key_ids.masked_fill(~real.unsqueeze(1), n_clusters)
-        publish_groups(self, key_ids[:, 0])
+        publish_groups(self, key_ids[:, 0])  # head 0's key clusters (padding: id k), as the groups recorders want
         self._query_key_losses(q, k, centroids, mask, count)
         if self.dense_training and self.training:
             return self._dense_attention(x, projection, mask)
@@ -441,10 +443,15 @@ class NeuralClusteringAttention(InnerAttention):
     def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None
                           ) -> torch.Tensor:
         """points (B, H, N, D), centroids (H, k, D) -> each point's nearest centroid of its head, (B, H, N) long
-        (cosine or dot, as ``similarity``; a centroid in ``unused`` is never chosen)."""
-        if self.options.similarity == "cosine":
-            points, centroids = F.normalize(points.float(), dim=-1), F.normalize(centroids.float(), dim=-1)
-        scores = torch.einsum("bhnd,hkd->bhnk", points.float(), centroids.float())
+        (cosine or dot, as ``similarity``; a centroid in ``unused`` is never chosen). In at least float32 and
+        outside autocast, as :func:`clusterformer.clustering.neural.nearest_centroid`: an argmax over bfloat16
+        scores would tie and flip."""
+        dtype = torch.promote_types(torch.promote_types(points.dtype, centroids.dtype), torch.float32)
+        with torch.autocast(device_type=points.device.type, enabled=False):
+            points, centroids = points.to(dtype), centroids.to(dtype)
+            if self.options.similarity == "cosine":
+                points, centroids = F.normalize(points, dim=-1), F.normalize(centroids, dim=-1)
+            scores = torch.einsum("bhnd,hkd->bhnk", points, centroids)
         if unused is not None:
             scores = scores.masked_fill(unused, float("-inf"))
         return scores.argmax(-1)

@@ -92,7 +92,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._checks import check_choice, check_float, check_int
+from .._checks import check_bool, check_choice, check_float, check_int
 
 __all__ = ["AGGREGATES", "GAPS", "HISTOGRAM_LABELS", "RECALL_TASKS", "SPLITS", "HistogramSpec", "MQARSpec",
            "MultiValueSpec", "PasskeySpec", "RecallBatch", "SpreadSpec", "generate_recall", "read_histogram",
@@ -290,6 +290,7 @@ class MultiValueSpec(SpreadSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("aggregate", self.aggregate, tuple(AGGREGATES.values()))
+        check_bool("fused", self.fused)
         check_int("values", self.values, minimum=2)
         width = 1 if self.fused else 2  # tokens per pair
         check_int("length", self.length, minimum=width * self.num_queries * self.max_count + self.num_queries + 2)

@@ -32,7 +32,8 @@ def cluster_runs(query_ids: torch.Tensor, key_ids: torch.Tensor, width: int | to
                  query_real: torch.Tensor | None = None) -> SlotRuns:
     """The runs (module docstring) for ``query_ids`` and ``key_ids`` (B, H, N) int64 ids >= 0.
 
-    A key whose id no query has (e.g. one past the clusters, for padding) is never read. ``width``: the most keys
+    Ids must be >= 0 (not checked here: a check would sync a device each call). A key whose id no query has (e.g.
+    one past the clusters, for padding) is never read. ``width``: the most keys
     per query, an int or a (B,) int64 tensor (one per sequence); ``query_real``: optional (B, N) bool, False for a
     query that reads nothing (padding). Returns SlotRuns with order (B, H, N) and first, length (B, H, N, 1)."""
     if query_ids.shape != key_ids.shape or query_ids.dim() != 3:
@@ -42,10 +43,19 @@ def cluster_runs(query_ids: torch.Tensor, key_ids: torch.Tensor, width: int | to
         raise ValueError(f"query_ids and key_ids must be int64; got {query_ids.dtype} and {key_ids.dtype}")
     B, H, N = key_ids.shape
     device = key_ids.device
-    widths = torch.as_tensor(width, dtype=torch.long, device=device).expand(B).reshape(B, 1, 1)
-    if widths.numel() and int(widths.min()) < 0:
-        raise ValueError(f"width must be >= 0; got {width}")
-    capacity = int(widths.max()) if widths.numel() else 0
+    if query_real is not None and query_real.shape != (B, N):
+        raise ValueError(f"query_real must be a (B, N) = {(B, N)} bool tensor; got {tuple(query_real.shape)}")
+    if isinstance(width, int):  # the common case: no device sync for the capacity
+        if width < 0:
+            raise ValueError(f"width must be >= 0; got {width}")
+        widths, capacity = torch.full((B, 1, 1), width, dtype=torch.long, device=device), width
+    else:
+        if width.shape != (B,):
+            raise ValueError(f"width must be an int or a (B,) = ({B},) tensor; got shape {tuple(width.shape)}")
+        widths = width.to(device=device, dtype=torch.long).view(B, 1, 1)
+        if widths.numel() and int(widths.min()) < 0:
+            raise ValueError(f"width must be >= 0; got {width.tolist()}")
+        capacity = int(widths.max()) if widths.numel() else 0
     positions = torch.arange(N, device=device)
     # (cluster, position) as one sortable number; sorted, every cluster's keys are one run in position order
     composite, order = torch.sort(key_ids * N + positions, dim=-1, stable=True)
@@ -75,7 +85,8 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: SlotR
     """Each query (B, H, N, D) over its run's keys: (B, H, N, D), 0 for a query without keys. The fused kernel
     without dropout (:func:`~clusterformer.ops.listed_attention.listed_attention`); with ``dropout_p`` > 0 (a
     training forward) the run's keys gathered, (B, H, N, capacity, D), and the weights dropped out as SDPA drops
-    them (zeroed with probability p, the rest scaled by 1 / (1 - p))."""
+    them (zeroed with probability p, the rest scaled by 1 / (1 - p)). On CUDA or in half precision the fused kernel
+    is not there either: both paths then hold the gathered keys and values (B, H, N, capacity, D) for the backward."""
     B, H, N, _ = q.shape
     if not dropout_p:
         return listed_attention(q, k, v, q.new_empty(B, H, N, 0, dtype=torch.long), mask=mask, runs=runs)[0]
