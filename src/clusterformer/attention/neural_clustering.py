@@ -178,8 +178,8 @@ class NeuralClusteringOptions(SeededOptions):
             paper's form a query and its key share the token's cluster, so the key it needs must *be* like it;
             here the query needs only to score its key high, which is what attention trains (and what a trained
             full-attention model already does). The two losses train the centroids on the detached queries and
-            keys. Strict causal with the nearest assignment, learned grouping, no ``local_window``, ``explore``,
-            centroid flow or cached decoding.
+            keys. ``causal_mode="strict"`` with the nearest assignment, learned grouping, no ``local_window``,
+            ``explore``, centroid flow or cached decoding.
         explore: beyond the paper: the probability that a training forward attends within random groups
             of the same size instead of the learned ones (drawn from the layer's generator; the clustering and its
             losses run as usual; evaluation and decoding always use the learned groups). A learned grouping that
