@@ -23,7 +23,9 @@ the layer shares the cluster. Writes nothing unless ``--json PATH``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,15 +35,13 @@ from clusterformer.attention import AttentionLayer
 from clusterformer.train import load_trained
 
 
-def _kmeans(x: torch.Tensor, k: int, generator: torch.Generator, iters: int = 10) -> torch.Tensor:
-    """x (B, H, N, D) -> centroids (B, H, k, D): cosine Lloyd steps from k random keys of each sequence and head."""
-    start = torch.randperm(x.shape[2], generator=generator)[:k]
-    centroids = x[:, :, start]
-    for _ in range(iters):
-        assign = (F.normalize(x, dim=-1) @ F.normalize(centroids, dim=-1).transpose(-1, -2)).argmax(-1)
-        one_hot = F.one_hot(assign, k).to(x.dtype)
-        centroids = (one_hot.transpose(-1, -2) @ x) / one_hot.sum(-2).clamp(min=1).unsqueeze(-1)
-    return centroids
+def _kmeans(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """x (B, H, N, D) -> centroids (B, H, k, D): retrieval_probe.py's cosine Lloyd steps (loaded by path beside this
+    script: docs/scripts is no package)."""
+    spec = importlib.util.spec_from_file_location("retrieval_probe", Path(__file__).with_name("retrieval_probe.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._kmeans(x, k, generator=generator)[1]
 
 
 def _nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:

@@ -27,9 +27,11 @@ from clusterformer.train import load_trained
 SEQUENCES = 128
 
 
-def _kmeans(x: torch.Tensor, k: int, iters: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, H, N, D) -> (assignments (B, H, N), centroids (B, H, k, D)), cosine Lloyd steps."""
-    centroids = x[:, :, torch.randperm(x.shape[2])[:k]]
+def _kmeans(x: torch.Tensor, k: int, iters: int = 10, generator: torch.Generator | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, N, D) -> (assignments (B, H, N), centroids (B, H, k, D)), cosine Lloyd steps from k random keys of
+    each sequence and head (drawn from ``generator``, or torch's own)."""
+    centroids = x[:, :, torch.randperm(x.shape[2], generator=generator)[:k]]
     for _ in range(iters):
         assign = (F.normalize(x, dim=-1) @ F.normalize(centroids, dim=-1).transpose(-1, -2)).argmax(-1)
         one_hot = F.one_hot(assign, k).to(x.dtype)

@@ -443,15 +443,9 @@ class NeuralClusteringAttention(InnerAttention):
     def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None
                           ) -> torch.Tensor:
         """points (B, H, N, D), centroids (H, k, D) -> each point's nearest centroid of its head, (B, H, N) long
-        (cosine or dot, as ``similarity``; a centroid in ``unused`` is never chosen). In at least float32 and
-        outside autocast, as :func:`clusterformer.clustering.neural.nearest_centroid`: an argmax over bfloat16
-        scores would tie and flip."""
-        dtype = torch.promote_types(torch.promote_types(points.dtype, centroids.dtype), torch.float32)
-        with torch.autocast(device_type=points.device.type, enabled=False):
-            points, centroids = points.to(dtype), centroids.to(dtype)
-            if self.options.similarity == "cosine":
-                points, centroids = F.normalize(points, dim=-1), F.normalize(centroids, dim=-1)
-            scores = torch.einsum("bhnd,hkd->bhnk", points, centroids)
+        (cosine or dot, as ``similarity``; a centroid in ``unused`` is never chosen), scored as the clustering
+        scores (:func:`clusterformer.clustering.neural.assignment_scores`: at least float32, outside autocast)."""
+        scores = assignment_scores(points, centroids, self.options.similarity, scale=1.0)
         if unused is not None:
             scores = scores.masked_fill(unused, float("-inf"))
         return scores.argmax(-1)

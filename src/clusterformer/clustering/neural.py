@@ -226,11 +226,13 @@ def _weighted_sums(weights: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 def assignment_scores(points: torch.Tensor, centroids: torch.Tensor, similarity: str = "cosine",
                       scale: float = 10.0) -> torch.Tensor:
     """s = scale * phi(C_i, p): (..., k) for points (..., d) and centroids (k, d), in at least float32, computed as
-    :func:`neural_clustering` computes them -- what one step of cached decoding with ``assign="prefix"`` needs."""
+    :func:`neural_clustering` computes them -- what one step of cached decoding with ``assign="prefix"`` needs.
+    Centroids (..., k, d) broadcast against the points' leading dimensions: points (B, H, N, d) against each head's
+    own (H, k, d)."""
     dtype = torch.promote_types(torch.promote_types(points.dtype, centroids.dtype), torch.float32)
     with torch.autocast(device_type=points.device.type, enabled=False):
         points = points.to(dtype)
-        scores = points @ _unit(centroids.to(dtype), similarity).T
+        scores = points @ _unit(centroids.to(dtype), similarity).transpose(-1, -2)
         if similarity == "cosine":
             scores = scores * points.norm(dim=-1, keepdim=True).clamp(min=1e-8).reciprocal()
         return scale * scores

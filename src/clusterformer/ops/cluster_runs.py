@@ -20,10 +20,9 @@ token, shared by its query and its key.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..masks import NO_MASK, AttentionMask
-from .listed_attention import SlotRuns, listed_attention
+from .listed_attention import SlotRuns, listed_attention, listed_attention_reference
 
 __all__ = ["cluster_runs", "run_attention"]
 
@@ -87,13 +86,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: SlotR
     training forward) the run's keys gathered, (B, H, N, capacity, D), and the weights dropped out as SDPA drops
     them (zeroed with probability p, the rest scaled by 1 / (1 - p)). On CUDA or in half precision the fused kernel
     is not there either: both paths then hold the gathered keys and values (B, H, N, capacity, D) for the backward."""
-    B, H, N, _ = q.shape
+    no_list = q.new_empty(*q.shape[:3], 0, dtype=torch.long)  # every key a query reads is in its run
     if not dropout_p:
-        return listed_attention(q, k, v, q.new_empty(B, H, N, 0, dtype=torch.long), mask=mask, runs=runs)[0]
-    index = runs.as_index()  # (B, H, N, capacity), -1 past a run's end
-    listed = index >= 0
-    flat = index.clamp(min=0).reshape(B, H, -1, 1).expand(-1, -1, -1, q.shape[-1])
-    keys, values = (t.gather(2, flat).view(B, H, N, index.shape[-1], -1) for t in (k, v))
-    scores = torch.einsum("bhnd,bhnmd->bhnm", q, keys) * q.shape[-1] ** -0.5
-    weights = torch.softmax(scores.masked_fill(~listed, float("-inf")), dim=-1).nan_to_num(0.0)  # no keys: 0
-    return torch.einsum("bhnm,bhnmd->bhnd", F.dropout(weights, dropout_p), values)
+        return listed_attention(q, k, v, no_list, mask=mask, runs=runs)[0]
+    return listed_attention_reference(q, k, v, no_list, mask=mask, runs=runs, dropout_p=dropout_p)[0]

@@ -36,6 +36,7 @@ import math
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..masks import NO_MASK, AttentionMask, check_mask
@@ -215,10 +216,12 @@ def listed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: t
 def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
                                scale: float | None = None, *, window: int = 0, window_offset: int = 0,
                                mask: AttentionMask = NO_MASK, summaries: RangeSummaries | None = None,
-                               runs: SlotRuns | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               runs: SlotRuns | None = None, dropout_p: float = 0.0
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`listed_attention` by a gather of the listed keys and values, (B, H, N, window + M, D), the window's
     positions listed first and the runs' keys last (:meth:`SlotRuns.as_index`), and of the summaries' prefix rows,
-    (B, H, N, C, D): the definition, written plainly (autograd does the backward)."""
+    (B, H, N, C, D): the definition, written plainly (autograd does the backward). ``dropout_p``: the weights dropped
+    out as SDPA drops them (a training forward; ``lse`` is of the weights before it)."""
     _check(q, k, v, index, window, mask, summaries, runs)
     if runs is not None:
         index = torch.cat([index, runs.as_index()], dim=-1)
@@ -247,6 +250,8 @@ def listed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     empty = ~listed.any(-1, keepdim=True)
     lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
     return torch.einsum("bhnm,bhnmd->bhnd", weights, values), lse
 
 
