@@ -268,6 +268,9 @@ def test_declared_causal_semantics_match_the_test_lists():
     ("clustered", {"bits": 0}, "bits"), ("clustered", {"topk": 4}, "topk"), ("improved-clustered", {"topk": 0}, "topk"),
     ("sliding-window", {"stride": 9, "window": 8}, "stride"), ("cluster-former", {"memory_size": 0}, "memory_size"),
     ("cluster-former", {"update_every": 0}, "update_every"), ("cluster-former", {"bogus": 1}, "bogus"),
+    ("neural-clustering", {"cluster_on": "query-key", "centroid_fit": "queries"}, "centroid_fit"),
+    ("neural-clustering", {"centroid_fit": "keys"}, "centroid_fit='keys' needs cluster_on='query-key'"),
+    ("neural-clustering", {"cluster_on": "query-key", "local_window": 4}, "local_window"),
 ])
 def test_bad_options_give_clear_errors(name, options, match):
     with pytest.raises(ValueError, match=match):

@@ -220,7 +220,7 @@ def _query_key_reference(layer, x, real, causal, strict):
     i reads the keys of its cluster -- under a causal mask the latest W at positions <= i, otherwise W consecutive
     ones in position order from its rank r (the cluster's keys before i) less W // 2, moved inside the cluster --
     with W = (look_back + 1) x the chunk. Returns (the layer's output (N, dim), the per-point losses' terms: a list
-    over heads of (-cos(point, C_hat[its id]) for the 2 L real points, the ring loss))."""
+    over heads of (-cos(point, C_hat[its id]) for the real points the centroids are fitted to, the ring loss))."""
     o, H, D = layer.options, layer.heads, layer.head_dim
     N, L = x.shape[0], int(real.sum())
     k = o.strict_causal_clusters() if strict else o.clusters_for(L)
@@ -247,7 +247,8 @@ def _query_key_reference(layer, x, real, causal, strict):
                 chosen = members[start:start + width]
             allowed[i, chosen] = True
         outputs.append(masked_softmax_attention(q[h], kk[h], v[h], allowed))
-        points = torch.cat([q[h][real], kk[h][real]])  # the 2 L real points of this head
+        # the points the losses fit: the head's real queries and keys (2 L), or its real keys alone (L)
+        points = kk[h][real] if o.centroid_fit == "keys" else torch.cat([q[h][real], kk[h][real]])
         U = torch.softmax(o.similarity_scale * F.cosine_similarity(C[:, None], points[None], dim=-1), dim=1)
         C_hat = U @ points  # eqs. 2-3 over the points
         ids = F.cosine_similarity(points[:, None], C[None], dim=-1).argmax(1)
@@ -261,12 +262,14 @@ def _query_key_reference(layer, x, real, causal, strict):
 @pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(13, 3, 1), (20, 4, 1), (17, 3, 2), (9, "sqrt", 1),
                                                               (1, 2, 1), (6, 8, 1)])
 @pytest.mark.parametrize("mode", ["none", "strict"])
-def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters, look_back, mode):
+@pytest.mark.parametrize("centroid_fit", ["queries-keys", "keys"])
+def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters, look_back, mode, centroid_fit):
     """``cluster_on="query-key"``: queries and keys assigned apart, each by its own projection to its head's share
     of the centroids; each query reads its cluster's latest (causal) or nearest-ranked keys, W of them; the two
-    losses over each head's queries and keys together train the centroids only. Padding at the end and inside."""
+    losses over each head's queries and keys together (or its keys alone) train the centroids only. Padding at the
+    end and inside."""
     layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back, causal_clusters=3,
-                   causal_chunk_size=2, cluster_on="query-key")
+                   causal_chunk_size=2, cluster_on="query-key", centroid_fit=centroid_fit)
     assert layer.inner.to_cluster is None
     B = 3
     x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)

@@ -111,6 +111,7 @@ class ClusterCount(NamedTuple):
 GROUPINGS = ("learned", "contiguous", "random")
 CLUSTER_INPUTS = ("hidden", "shared-qk", "query-key")
 CAUSAL_ASSIGNMENTS = ("nearest", "prefix")
+CENTROID_FITS = ("queries-keys", "keys")
 
 
 def random_groups(length: int, num_clusters: torch.Tensor, draw: int, device: torch.device) -> torch.Tensor:
@@ -180,6 +181,12 @@ class NeuralClusteringOptions(SeededOptions):
             full-attention model already does). The two losses train the centroids on the detached queries and
             keys. ``causal_mode="strict"`` with the nearest assignment, learned grouping, no ``local_window``,
             ``explore``, centroid flow or cached decoding.
+        centroid_fit: with ``cluster_on="query-key"``, the points the two losses fit each head's centroids to.
+            "queries-keys" (default): the head's queries and keys together. "keys": its keys alone, so that a
+            centroid stands for a group of keys and a query goes to the group it scores highest. Queries and keys
+            lie in different regions of a head's space, so fitted to both, centroids split into ones near the
+            queries and ones near the keys, and a query's nearest centroid may hold few of the keys it needs
+            (measured in docs/recall-and-aggregation.md#queries-and-keys-assigned-apart).
         explore: beyond the paper: the probability that a training forward attends within random groups
             of the same size instead of the learned ones (drawn from the layer's generator; the clustering and its
             losses run as usual; evaluation and decoding always use the learned groups). A learned grouping that
@@ -214,6 +221,7 @@ class NeuralClusteringOptions(SeededOptions):
     causal_assign: str = "nearest"
     local_window: int = 0
     explore: float = 0.0
+    centroid_fit: str = "queries-keys"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -239,8 +247,12 @@ class NeuralClusteringOptions(SeededOptions):
         check_int("local_window", self.local_window, minimum=0)
         if self.local_window % 2:
             raise ValueError(f"local_window must be even (two blocks of local_window / 2), got {self.local_window}")
+        check_choice("centroid_fit", self.centroid_fit, CENTROID_FITS)
         if self.cluster_on == "query-key":
             self._check_query_key()
+        elif self.centroid_fit != "queries-keys":
+            raise ValueError(f"centroid_fit={self.centroid_fit!r} needs cluster_on='query-key' (the other inputs "
+                             f"cluster one point per token), got cluster_on={self.cluster_on!r}")
 
     def _check_query_key(self) -> None:
         """What cluster_on="query-key" does not combine with, each refused by name."""
@@ -452,12 +464,14 @@ class NeuralClusteringAttention(InnerAttention):
 
     def _query_key_losses(self, q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, mask: AttentionMask,
                           count: ClusterCount) -> None:
-        """The paper's two losses (eqs. 6, 11), each head's centroids over its detached queries and keys together:
-        they move the centroids to where the queries and keys are, not the projections (the task trains those)."""
+        """The paper's two losses (eqs. 6, 11), each head's centroids over its detached queries and keys together
+        (or its keys alone: ``centroid_fit``): they move the centroids to where those points are, not the
+        projections (the task trains those)."""
         B, H, N, D = q.shape
-        points = torch.cat([q, k], dim=2).detach().reshape(B * H, 2 * N, D)
+        sets = [k] if self.options.centroid_fit == "keys" else [q, k]
+        points = torch.cat(sets, dim=2).detach().reshape(B * H, len(sets) * N, D)
         per_sequence = None if count.per_sequence is None else count.per_sequence.repeat_interleave(H)
-        clustering = neural_clustering(points, centroids.repeat(B, 1, 1), mask=mask.point_sets(H, 2),
+        clustering = neural_clustering(points, centroids.repeat(B, 1, 1), mask=mask.point_sets(H, len(sets)),
                                        similarity=self.options.similarity, scale=self.options.similarity_scale,
                                        assign="nearest", num_clusters=per_sequence)
         publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
