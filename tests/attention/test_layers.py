@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clusterformer.attention import build, collect_aux_losses, describe, names, record_groups
+from clusterformer.attention import build, collect_aux_losses, describe, fitting_centroids, names, record_groups
+from clusterformer.clustering.kmeans import spherical_kmeans
 from clusterformer.masks import CAUSAL_MASK
 from clusterformer.ops.listed_attention import extension_available
 from reference import cluster_causal_allowed, groups_of, masked_softmax_attention, run_recorded, sorted_chunk_allowed
@@ -291,6 +292,60 @@ def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters,
     assert layer.to_qkv.weight.grad is None or not layer.to_qkv.weight.grad.any()
     if N > 1:
         assert layer.inner.centroids.grad is not None and layer.inner.centroids.grad.any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fitting_centroids_sets_each_heads_kmeans_of_its_real_keys(causal):
+    """``fitting_centroids``: inside it, a query-key layer's forward first sets the k centroids it uses to each
+    head's spherical k-means of the batch's real keys (k-means++ seeds from the given generator, head 0 first), then
+    attends with them; padding keys play no part; outside it, the centroids stay put."""
+    layer = _layer("neural-clustering", num_clusters=3, causal_clusters=3, causal_chunk_size=2,
+                   cluster_on="query-key")
+    B, N, H, D = 3, 11, layer.heads, layer.head_dim
+    x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)
+    seed = fixed_seed()
+    with fitting_centroids(layer, torch.Generator().manual_seed(seed)) as fitted:
+        y = layer(x, key_padding_mask=pad, causal=causal)
+    assert fitted == ["inner"]  # the fitted inner attention, named as in the model (here the layer)
+    generator = torch.Generator().manual_seed(seed)
+    keys = [_heads(layer, x[b])[1] for b in range(B)]  # each (H, N, D)
+    expected = torch.stack([spherical_kmeans(torch.cat([keys[b][h][~pad[b]] for b in range(B)]), 3,
+                                             generator=generator) for h in range(H)])  # (H, k, D)
+    got = layer.inner.centroids[:3].view(3, H, D).transpose(0, 1)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer(x, key_padding_mask=pad, causal=causal), y, rtol=0, atol=0)  # it used them
+    wild = x.masked_fill(pad.unsqueeze(-1), 1e3)  # padding keys far off: the same fit
+    with fitting_centroids(layer, torch.Generator().manual_seed(seed)):
+        layer(wild, key_padding_mask=pad, causal=causal)
+    torch.testing.assert_close(layer.inner.centroids[:3].view(3, H, D).transpose(0, 1), expected, rtol=1e-12,
+                               atol=1e-12)
+    before = layer.inner.centroids.detach().clone()
+    layer(torch.randn(B, N, layer.dim, dtype=torch.float64), causal=causal)
+    assert torch.equal(layer.inner.centroids, before)
+
+
+def test_fitting_centroids_separates_planted_key_groups_and_needs_a_query_key_layer():
+    """Tokens drawn tightly around three directions have keys in three tight groups in every head: fitted, each
+    head's nearest-centroid ids split the keys exactly by group (random centroids need not). A model without a
+    query-key layer is refused, naming the option it serves."""
+    layer = _layer("neural-clustering", num_clusters=3, causal_clusters=3, cluster_on="query-key")
+    g = torch.Generator().manual_seed(fixed_seed())
+    directions = 5 * torch.randn(3, layer.dim, dtype=torch.float64, generator=g)
+    group = torch.randint(3, (2, 40), generator=g)
+    x = directions[group] + 0.01 * torch.randn(2, 40, layer.dim, dtype=torch.float64, generator=g)
+    with fitting_centroids(layer, torch.Generator().manual_seed(0)):
+        layer(x, causal=True)
+    H, D = layer.heads, layer.head_dim
+    centroids = layer.inner.centroids[:3].view(3, H, D).transpose(0, 1)
+    for h in range(H):
+        keys = torch.stack([_heads(layer, x[b])[1][h] for b in range(2)])  # (2, 40, D)
+        ids = (F.normalize(keys, dim=-1) @ centroids[h].T).argmax(-1)
+        for a in range(3):
+            assert ids[group == a].unique().numel() == 1, (h, a)  # one id per planted group ...
+        assert ids.unique().numel() == 3, h  # ... and three different ones
+    with pytest.raises(ValueError, match="centroid_init"), fitting_centroids(_layer("neural-clustering",
+                                                                                  num_clusters=3), torch.Generator()):
+        pass
 
 
 def test_neural_clustering_on_query_key_reads_a_key_unlike_its_query():

@@ -524,6 +524,40 @@ def test_centroid_lr_scale_scales_only_the_clustering_parameters_update(tmp_path
             assert torch.equal(moved["1"][name], moved["0"][name]), name
 
 
+def test_centroid_init_kmeans_fits_query_key_centroids_once_before_the_first_step(tmp_path, capsys):
+    """--centroid-init kmeans: before the first step of a new run, each query-key layer's centroids become the
+    spherical k-means of its keys on the first step's batch -- unit rows per head, not the random init (frozen here
+    by --centroid-lr-scale 0, so the checkpoint holds the fit), reported in metrics.json. A resumed run does not fit
+    again: with the centroids training, 1 step + resume to 2 equals 2 uninterrupted steps bit for bit. A model
+    without a query-key layer is refused, naming the flag."""
+    train, test = _write_task(tmp_path)
+    qk = ["--attention", "neural-clustering", "--attention-options", '{"num_clusters": 3, "cluster_on": "query-key"}',
+          "--batch-size", "16", "--dropout", "0"]
+    for name, extra in (("random", []), ("fitted", ["--centroid-init", "kmeans"])):
+        assert main(_argv(train, test, tmp_path / name, *qk, "--max-steps", "1", "--centroid-lr-scale", "0",
+                          *extra)) == 0
+    for block in (0, 1):
+        key = f"encoder.blocks.{block}.attn.inner.centroids"
+        fitted, random = _weights(tmp_path / "fitted")[key][:3], _weights(tmp_path / "random")[key][:3]
+        assert torch.allclose(fitted.view(3, 2, 8).norm(dim=-1), torch.ones(3, 2), atol=1e-6)
+        assert not torch.allclose(fitted, random, atol=1e-3)
+    report = json.loads((tmp_path / "fitted" / "metrics.json").read_text())["init"]["centroid_init"]
+    assert report["layers"] == ["encoder.blocks.0.attn.inner", "encoder.blocks.1.attn.inner"]
+    assert report["sequences"] == 16
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(_argv(train, test, whole, *qk, "--max-steps", "2", "--centroid-init", "kmeans")) == 0
+    assert main(_argv(train, test, split, *qk, "--max-steps", "1", "--centroid-init", "kmeans")) == 0
+    assert main(_argv(train, test, split, *qk, "--max-steps", "2", "--centroid-init", "kmeans", "--resume")) == 0
+    a, b = _weights(whole), _weights(split)
+    assert not torch.equal(a["encoder.blocks.0.attn.inner.centroids"], _weights(tmp_path / "fitted")[
+        "encoder.blocks.0.attn.inner.centroids"])  # the centroids did train
+    assert all(torch.equal(a[name], b[name]) for name in a if isinstance(a[name], torch.Tensor))
+    with pytest.raises(SystemExit) as exc:
+        main(_argv(train, test, tmp_path / "bad", "--attention", "neural-clustering", "--max-steps", "1",
+                   "--centroid-init", "kmeans"))
+    assert exc.value.code == 2 and "centroid_init='kmeans'" in capsys.readouterr().err
+
+
 def test_centroid_flow_flag_builds_the_papers_flow_and_resume_refuses_a_change(tmp_path, capsys):
     from clusterformer.train.loop import build_model, parameter_groups
     from clusterformer.train.tasks import prepare_task

@@ -41,7 +41,7 @@ from .clustered import ClusteredAttention, ClusteredOptions, ImprovedClusteredAt
 from .full import FullAttention, FullOptions
 from .kmeans import KMeansAttention, KMeansOptions
 from .lsh import LSHAttention, LSHOptions
-from .neural_clustering import NeuralClusteringAttention, NeuralClusteringOptions
+from .neural_clustering import NeuralClusteringAttention, NeuralClusteringOptions, fitting_centroids
 from .registry import build, build_inner, can_decode, describe, names, register
 from .retrieval import (
     CacheBudgetOptions,
@@ -97,6 +97,7 @@ __all__ = [
     "can_decode",
     "collect_aux_losses",
     "describe",
+    "fitting_centroids",
     "is_replaying",
     "names",
     "record_groups",

@@ -77,6 +77,8 @@ sequence's outputs (attention and clustering are per sequence), but the batch-av
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -85,6 +87,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
+from ..clustering.kmeans import spherical_kmeans
 from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
 from ..masks import NO_MASK, AttentionMask, masked_sdpa, self_only_when_alone
 from ..ops.cluster_runs import cluster_runs, run_attention
@@ -347,6 +350,7 @@ class NeuralClusteringAttention(InnerAttention):
             self.centroids = nn.Parameter(torch.randn(options.n_centroids, dim))  # C, random init as in the paper
         else:
             self.register_parameter("centroids", None)
+        self._fit_keys: tuple[torch.Generator, Any] | None = None  # set by fitting_centroids()
 
     def clustering_parameters(self) -> list[nn.Parameter]:
         """The parameters that only the clustering uses: W^C and, when this layer owns them, the centroids C
@@ -426,13 +430,15 @@ class NeuralClusteringAttention(InnerAttention):
         if B == 0 or N == 0:
             return q.transpose(1, 2)
         n_clusters = count.clusters
+        real = None if mask.padding is None else mask.real(B, N, x.device)
+        if self._fit_keys is not None:
+            self._fit_centroids_to_keys(k, real, n_clusters)
         centroids = self.centroids[:n_clusters].view(n_clusters, H, D).transpose(0, 1)  # (H, k, D): each head's
         unused = None  # (B, 1, 1, k): the centroids past each sequence's own k_b
         if count.per_sequence is not None:
             unused = (torch.arange(n_clusters, device=x.device) >= count.per_sequence.unsqueeze(1)).view(B, 1, 1, -1)
         with torch.no_grad():
             query_ids, key_ids = (self._nearest_per_head(t, centroids, unused) for t in (q, k))
-        real = None if mask.padding is None else mask.real(B, N, x.device)
         if real is not None:  # padding keys past every cluster: never read
             key_ids = key_ids.masked_fill(~real.unsqueeze(1), n_clusters)
         publish_groups(self, key_ids[:, 0])  # head 0's key clusters (padding: id k), as the groups recorders want
@@ -451,6 +457,18 @@ class NeuralClusteringAttention(InnerAttention):
         runs = cluster_runs(query_ids, key_ids, width, causal=mask.causal, query_real=real)
         out = run_attention(q, k, v, runs, dropout_p=self.dropout_p, mask=mask)
         return out.transpose(1, 2)  # (B, N, H, D)
+
+    @torch.no_grad()
+    def _fit_centroids_to_keys(self, k: torch.Tensor, real: torch.Tensor | None, n_clusters: int) -> None:
+        """:func:`fitting_centroids`: the first ``n_clusters`` centroids <- each head's spherical k-means of the
+        real keys k (B, H, N, D) of this batch (padding, ``real`` False, left out)."""
+        generator, done = self._fit_keys
+        H, D = self.heads, self.head_dim
+        keys = k.transpose(0, 1)  # (H, B, N, D)
+        fitted = torch.stack([spherical_kmeans(head.reshape(-1, D) if real is None else head[real], n_clusters,
+                                               generator=generator) for head in keys])  # (H, k, D), unit rows
+        self.centroids[:n_clusters] = fitted.transpose(0, 1).reshape(n_clusters, H * D).to(self.centroids.dtype)
+        done()
 
     def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None
                           ) -> torch.Tensor:
@@ -702,3 +720,26 @@ class NeuralClusteringAttention(InnerAttention):
         o = self.options
         return (f"num_clusters={o.num_clusters!r}, look_back={o.look_back}, causal_mode={o.causal_mode!r}, "
                 f"similarity={o.similarity!r}")
+
+
+@contextmanager
+def fitting_centroids(model: nn.Module, generator: torch.Generator) -> Iterator[list[str]]:
+    """Within this context, each forward of a ``cluster_on="query-key"`` layer of ``model`` first sets the centroids
+    it uses to the spherical k-means of its real keys, per head (:func:`clusterformer.clustering.kmeans.
+    spherical_kmeans`, k-means++ seeds drawn from ``generator``), then attends with them; so one no-grad forward of
+    the model over a batch fits each layer on the keys that the layers before it, already fitted, produce. ``train
+    --centroid-init kmeans`` runs it on the first step's batch. Yields the names of the fitted layers, filled in as
+    they run. ``ValueError`` when the model has no such layer."""
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, NeuralClusteringAttention) and m.query_key and m.centroids is not None}
+    if not layers:
+        raise ValueError("centroid_init='kmeans' (fitting centroids to the keys) needs neural-clustering layers "
+                         "with cluster_on='query-key' and their own centroids; this model has none")
+    fitted: list[str] = []
+    for name, layer in layers.items():
+        layer._fit_keys = (generator, lambda name=name: fitted.append(name))
+    try:
+        yield fitted
+    finally:
+        for layer in layers.values():
+            layer._fit_keys = None

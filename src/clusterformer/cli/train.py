@@ -95,6 +95,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--centroid-lr-scale", type=float, default=1.0,
                    help="neural-clustering: multiply the learning rate of the centroids and W^C by this (also when "
                         "fine-tuning from --init PATH; 0 freezes them)")
+    p.add_argument("--centroid-init", choices=("random", "kmeans"), default="random",
+                   help="neural-clustering with cluster_on='query-key': 'kmeans' sets each such layer's centroids, "
+                        "before the first step of a new run (not on --resume), to the spherical k-means of its keys "
+                        "on the first step's batch (every rank's slice), layer by layer")
     p.add_argument("--dense-warmup-steps", type=int, default=0,
                    help="neural-clustering: the first N training steps attend to every key (a causal mask kept), "
                         "while the clustering and its losses train as usual; evaluation and decoding always use the "

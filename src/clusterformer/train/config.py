@@ -166,6 +166,9 @@ class OptimConfig:
     centroid_sorting_weight: float = 0.1
     commitment_weight: float = 1e-4
     centroid_lr_scale: float = 1.0  # neural-clustering: learning-rate multiplier of the centroids and W^C (0: frozen)
+    # neural-clustering with cluster_on="query-key": "kmeans" sets each layer's centroids, before the first step of a
+    # new run, to the spherical k-means of its keys on the first step's global batch; "random" keeps their init
+    centroid_init: str = "random"
     # neural-clustering, cluster-select: the first training forwards attend to every key (the grouping trains beside)
     dense_warmup_steps: int = 0
     # end that warm-up early, once the task loss (mean of the last DENSE_WARMUP_WINDOW steps, over the ranks) is below
@@ -191,6 +194,7 @@ class OptimConfig:
         check_choice("schedule", self.schedule, ("linear", "cosine", "constant"))
         # 0 freezes the centroids and W^C (fine-tuning a pretrained clustering without moving it)
         check_float("centroid_lr_scale", self.centroid_lr_scale, minimum=0.0)
+        check_choice("centroid_init", self.centroid_init, ("random", "kmeans"))
         check_int("dense_warmup_steps", self.dense_warmup_steps, minimum=0)
         if self.dense_warmup_loss is not None:
             check_float("dense_warmup_loss", self.dense_warmup_loss, minimum=0.0, exclusive_minimum=True)

@@ -21,7 +21,9 @@ Semantics (what the tests check):
 * **Schedule.** AdamW; learning rate warms up linearly over ``warmup_steps`` then decays (``linear`` to 0 at the
   last step, ``cosine``, or ``constant``); gradient norm clipped to ``clip`` (0 = off). ``centroid_lr_scale``
   multiplies the learning rate of neural-clustering's clustering parameters (centroids C and the projection W^C),
-  which then form a second parameter group under the same schedule.
+  which then form a second parameter group under the same schedule. ``centroid_init="kmeans"``: before the first
+  step of a new run, each ``cluster_on="query-key"`` layer's centroids are set to the spherical k-means of its keys
+  on the first step's global batch (every rank builds the same batch, so every rank fits the same centroids).
 * **Checkpoints** (:mod:`clusterformer.train.checkpoint`): every ``checkpoint_every`` steps and at the end, with
   model (with every layer's state: centroids, memory banks, generators; pending EMA updates are applied
   after each optimiser step, so the buffers are never one step old), optimiser, schedule, step, every rank's
@@ -59,6 +61,7 @@ from ..attention import (
     NeuralClusteringAttention,
     apply_pending_updates,
     collect_aux_losses,
+    fitting_centroids,
     total_loss,
 )
 from ..attention.registry import defaults_versions, make_options, pin_defaults
@@ -371,10 +374,13 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     init_report = None
     if pretrained is not None:
         init_report = init_from_checkpoint(model, pretrained, config)
+    per_epoch = task.steps_per_epoch(config.batch_size, world)
+    if config.centroid_init == "kmeans" and state is None:
+        init_report = {**(init_report or {}), "centroid_init": _fit_centroids(model, task, config, per_epoch, world,
+                                                                            device)}
     if config.dense_warmup_steps and not _dense_layers(model):
         raise ValueError("dense_warmup_steps trains neural-clustering or cluster-select layers densely at first; this "
                          f"model has none (attention={config.attention!r})")
-    per_epoch = task.steps_per_epoch(config.batch_size, world)
     total = min(x for x in (config.max_steps, config.epochs and config.epochs * per_epoch) if x)
     optimizer = torch.optim.AdamW(parameter_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total))
@@ -395,14 +401,35 @@ def _set_up(config: TrainConfig, task: Task | None) -> _Run:
     return run
 
 
+def _fit_centroids(model: torch.nn.Module, task: Task, config: TrainConfig, per_epoch: int, world: int,
+                   device: torch.device) -> dict[str, Any]:
+    """``centroid_init="kmeans"``: one no-grad forward of the model in eval mode (no dropout, no state updates of
+    other layers) over the first step's global batch (every rank's slice, built alike on every rank) inside
+    :func:`clusterformer.attention.fitting_centroids` (k-means++ seeds from ``config.seed``). Returns what it
+    fitted, for the run's report."""
+    slices = [task.batch(0, per_epoch, config.batch_size, rank, world, config.seed) for rank in range(world)]
+    if any(s.pad is not None for s in slices) and len({s.ids.shape[1] for s in slices}) > 1:
+        raise ValueError("centroid_init='kmeans': the ranks' first batches have different lengths")
+    ids = torch.cat([s.ids for s in slices]).to(device)
+    pad = None if slices[0].pad is None else torch.cat([s.pad for s in slices]).to(device)
+    extra = None if slices[0].extra is None else torch.cat([s.extra for s in slices]).to(device)
+    generator = torch.Generator().manual_seed(config.seed)
+    model.eval()
+    try:
+        with fitting_centroids(model, generator) as fitted, torch.no_grad(), _autocast(config, device):
+            model(ids, pad, extra) if extra is not None else model(ids, pad)
+    finally:
+        model.train()
+    return {"layers": fitted, "sequences": len(ids), "tokens": ids.numel() - (0 if pad is None else int(pad.sum()))}
+
+
 def _load_for_resume(config: TrainConfig, out: Path, world: int) -> dict:
     state = read_checkpoint(out / CHECKPOINT)
     saved = state["config"]
     changed = {k for k in ("task", "task_options", "attention", "attention_options", "dim", "depth", "heads",
                            "max_len", "seed", "batch_size", "cluster_layers", "reversible", "tied", "tied_lipschitz",
-                           "decoder_attention",
-                           "decoder_attention_options", "centroid_flow", "centroid_lr_scale", "layer_attention",
-                           "dense_warmup_steps", "dense_warmup_loss")
+                           "decoder_attention", "decoder_attention_options", "centroid_flow", "centroid_lr_scale",
+                           "centroid_init", "layer_attention", "dense_warmup_steps", "dense_warmup_loss")
                if _comparable(saved.get(k, getattr(config, k))) != _comparable(getattr(config, k))}
     if changed:
         pinned = sorted(k for k in changed & {"attention_options", "decoder_attention_options", "layer_attention"}
