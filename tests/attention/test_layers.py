@@ -308,7 +308,7 @@ def test_fitting_centroids_sets_each_heads_kmeans_of_its_real_keys(causal):
         y = layer(x, key_padding_mask=pad, causal=causal)
     assert fitted == ["inner"]  # the fitted inner attention, named as in the model (here the layer)
     generator = torch.Generator().manual_seed(seed)
-    keys = [_heads(layer, x[b])[1] for b in range(B)]  # each (H, N, D)
+    keys = [_heads(layer, x[b])[1].detach() for b in range(B)]  # each (H, N, D)
     expected = torch.stack([spherical_kmeans(torch.cat([keys[b][h][~pad[b]] for b in range(B)]), 3,
                                              generator=generator) for h in range(H)])  # (H, k, D)
     got = layer.inner.centroids[:3].view(3, H, D).transpose(0, 1)
