@@ -128,6 +128,8 @@ WALKS.update({
     "neural-clustering+shared-qk": ("neural-clustering", {"num_clusters": 3, "cluster_on": "shared-qk",
                                                           "local_window": 2}),
     "neural-clustering+query-key": ("neural-clustering", {"num_clusters": 3, "cluster_on": "query-key"}),
+    "neural-clustering+query-key+2-clusters": ("neural-clustering", {"num_clusters": 3, "cluster_on": "query-key",
+                                                                     "query_clusters": 2}),
     "cluster-select+banded": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,
                                                  "summaries": True, "selection": "summaries", "kernel": "banded"}),
     "cluster-select+dense-mask": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,

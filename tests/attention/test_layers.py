@@ -217,11 +217,12 @@ def test_neural_clustering_on_shared_qk_matches_dense_reference(N, num_clusters,
 
 def _query_key_reference(layer, x, real, causal, strict):
     """cluster_on="query-key" written plainly for one sequence x (N, dim) with real tokens ``real``: per head h, each
-    query and each real key to its nearest centroid by cosine (the layer's k x dim centroids split by heads); query
-    i reads the keys of its cluster -- under a causal mask the latest W at positions <= i, otherwise W consecutive
-    ones in position order from its rank r (the cluster's keys before i) less W // 2, moved inside the cluster --
-    with W = (look_back + 1) x the chunk. Returns (the layer's output (N, dim), the per-point losses' terms: a list
-    over heads of (-cos(point, C_hat[its id]) for the real points the centroids are fitted to, the ring loss))."""
+    query to its ``query_clusters`` nearest centroids and each real key to its nearest, by cosine (the layer's k x
+    dim centroids split by heads); query i reads, from each of its clusters, W keys of that cluster -- under a
+    causal mask the latest at positions <= i, otherwise W consecutive ones in position order from its rank r (the
+    cluster's keys before i) less W // 2, moved inside the cluster -- with W = (look_back + 1) x the chunk //
+    query_clusters. Returns (the layer's output (N, dim), the per-point losses' terms: a list over heads of
+    (-cos(point, C_hat[its id]) for the real points the centroids are fitted to, the ring loss))."""
     o, H, D = layer.options, layer.heads, layer.head_dim
     N, L = x.shape[0], int(real.sum())
     k = o.strict_causal_clusters() if strict else o.clusters_for(L)
@@ -236,17 +237,20 @@ def _query_key_reference(layer, x, real, causal, strict):
     for h in range(H):
         C = centroids[:, h]
         cos = lambda P: F.cosine_similarity(P[:, None, :], C[None, :, :], dim=-1)  # noqa: E731  (N, k)
-        q_ids, k_ids = cos(q[h]).argmax(1), cos(kk[h]).argmax(1)
+        runs = min(o.query_clusters, k)
+        q_ids, k_ids = cos(q[h]).topk(runs, dim=1).indices, cos(kk[h]).argmax(1)  # a query's R nearest, a key's one
+        w = width // o.query_clusters  # each run's share of the reach
         allowed = torch.zeros(N, N, dtype=torch.bool)
         for i in range(N):
-            members = [j for j in range(N) if real[j] and k_ids[j] == q_ids[i]]
-            if causal:
-                chosen = [j for j in members if j <= i][-width:]
-            else:
-                rank = sum(j < i for j in members)
-                start = min(max(0, rank - width // 2), max(0, len(members) - width))
-                chosen = members[start:start + width]
-            allowed[i, chosen] = True
+            for cluster in q_ids[i].tolist():
+                members = [j for j in range(N) if real[j] and k_ids[j] == cluster]
+                if causal:
+                    chosen = [j for j in members if j <= i][-w:] if w else []
+                else:
+                    rank = sum(j < i for j in members)
+                    start = min(max(0, rank - w // 2), max(0, len(members) - w))
+                    chosen = members[start:start + w]
+                allowed[i, chosen] = True
         outputs.append(masked_softmax_attention(q[h], kk[h], v[h], allowed))
         # the points the losses fit: the head's real queries and keys (2 L), or its real keys alone (L)
         points = kk[h][real] if o.centroid_fit == "keys" else torch.cat([q[h][real], kk[h][real]])
@@ -263,14 +267,16 @@ def _query_key_reference(layer, x, real, causal, strict):
 @pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(13, 3, 1), (20, 4, 1), (17, 3, 2), (9, "sqrt", 1),
                                                               (1, 2, 1), (6, 8, 1)])
 @pytest.mark.parametrize("mode", ["none", "strict"])
-@pytest.mark.parametrize("centroid_fit", ["queries-keys", "keys"])
-def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters, look_back, mode, centroid_fit):
+@pytest.mark.parametrize(("centroid_fit", "query_clusters"), [("queries-keys", 1), ("keys", 1), ("queries-keys", 2)])
+def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters, look_back, mode, centroid_fit,
+                                                                 query_clusters):
     """``cluster_on="query-key"``: queries and keys assigned apart, each by its own projection to its head's share
     of the centroids; each query reads its cluster's latest (causal) or nearest-ranked keys, W of them; the two
     losses over each head's queries and keys together (or its keys alone) train the centroids only. Padding at the
     end and inside."""
     layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back, causal_clusters=3,
-                   causal_chunk_size=2, cluster_on="query-key", centroid_fit=centroid_fit)
+                   causal_chunk_size=2, cluster_on="query-key", centroid_fit=centroid_fit,
+                   query_clusters=query_clusters)
     assert layer.inner.to_cluster is None
     B = 3
     x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)

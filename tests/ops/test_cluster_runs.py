@@ -11,23 +11,27 @@ from seeds import fixed_seed
 
 
 def _expected(query_ids, key_ids, width, causal, query_real):
-    """The keys each query reads, by the rule: (B, H, N) lists of positions."""
-    B, H, N = query_ids.shape
+    """The keys each query reads, by the rule: (B, H, N) sorted lists of positions. ``query_ids`` (B, H, N), or
+    (B, H, N, R): a run from each of the query's R clusters."""
+    B, H, N = key_ids.shape
+    ids = query_ids if query_ids.dim() == 4 else query_ids.unsqueeze(-1)
     out = {}
     for b in range(B):
         w = int(width[b]) if torch.is_tensor(width) else width
         for h in range(H):
             for i in range(N):
+                out[b, h, i] = []
                 if query_real is not None and not query_real[b, i]:
-                    out[b, h, i] = []
                     continue
-                members = [j for j in range(N) if key_ids[b, h, j] == query_ids[b, h, i]]
-                if causal:
-                    out[b, h, i] = [j for j in members if j <= i][-w:] if w else []
-                else:
-                    rank = sum(j < i for j in members)
-                    start = min(max(0, rank - w // 2), max(0, len(members) - w))
-                    out[b, h, i] = members[start:start + w]
+                for cluster in ids[b, h, i].tolist():
+                    members = [j for j in range(N) if key_ids[b, h, j] == cluster]
+                    if causal:
+                        out[b, h, i] += [j for j in members if j <= i][-w:] if w else []
+                    else:
+                        rank = sum(j < i for j in members)
+                        start = min(max(0, rank - w // 2), max(0, len(members) - w))
+                        out[b, h, i] += members[start:start + w]
+                out[b, h, i] = sorted(out[b, h, i])
     return out
 
 
@@ -52,6 +56,27 @@ def test_runs_hold_the_keys_the_rule_names(causal, N, clusters, width):
         got = index[b, h, i]
         assert sorted(got[got >= 0].tolist()) == keys, (b, h, i)
     assert runs.capacity == width
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("N", "clusters", "runs", "width"), [(9, 2, 2, 3), (31, 4, 2, 4), (40, 5, 3, 6), (7, 3, 3, 0)])
+def test_several_clusters_per_query_read_a_run_from_each(causal, N, clusters, runs, width):
+    """query_ids (B, H, N, R): R distinct clusters per query (a random ranking of the clusters), a run of up to
+    ``width`` keys from each; skewed sizes, padding keys and queries not real as above."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, H = 3, 2
+    weights = torch.tensor([4.0] + [1.0] * (clusters - 1))
+    key_ids = torch.multinomial(weights, B * H * N, replacement=True, generator=g).view(B, H, N)
+    query_ids = torch.rand(B, H, N, clusters, generator=g).argsort(-1)[..., :runs]  # distinct per query
+    key_ids[1, :, -2:] = clusters
+    query_real = torch.ones(B, N, dtype=torch.bool)
+    query_real[2, : N // 3] = False
+    read = cluster_runs(query_ids, key_ids, width, causal=causal, query_real=query_real)
+    assert read.first.shape == (B, H, N, runs) and read.capacity == width
+    index = read.as_index()
+    for (b, h, i), keys in _expected(query_ids, key_ids, width, causal, query_real).items():
+        got = index[b, h, i]
+        assert sorted(got[got >= 0].tolist()) == keys, (b, h, i)
 
 
 def test_a_width_per_sequence():
@@ -93,8 +118,10 @@ def test_run_attention_with_and_without_dropout_matches_the_gathered_definition(
 
 def test_bad_ids_are_refused():
     ids = torch.zeros(1, 1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="query_ids and key_ids"):
+    with pytest.raises(ValueError, match="key_ids must be"):
         cluster_runs(ids, ids[..., :3], 2, causal=True)
+    with pytest.raises(ValueError, match="key_ids must be"):  # R ids per query, but for 3 queries of 4 keys
+        cluster_runs(ids[..., :3, None].expand(1, 1, 3, 2), ids, 2, causal=True)
     with pytest.raises(ValueError, match="int64"):
         cluster_runs(ids.int(), ids, 2, causal=True)
     with pytest.raises(ValueError, match="width"):

@@ -190,6 +190,10 @@ class NeuralClusteringOptions(SeededOptions):
             lie in different regions of a head's space, so fitted to both, centroids split into ones near the
             queries and ones near the keys, and a query's nearest centroid may hold few of the keys it needs
             (measured in docs/recall-and-aggregation.md#queries-and-keys-assigned-apart).
+        query_clusters: with ``cluster_on="query-key"``, R >= 1: a query reads from each of its R nearest centroids'
+            clusters a run of (look_back + 1) x chunk // R keys (the latest, or around its rank), so its reach is
+            split over R clusters (Reformer's rounds, for the queries alone: a key stays in one cluster, so no key
+            is read twice). 1 (default) is the nearest cluster alone.
         explore: beyond the paper: the probability that a training forward attends within random groups
             of the same size instead of the learned ones (drawn from the layer's generator; the clustering and its
             losses run as usual; evaluation and decoding always use the learned groups). A learned grouping that
@@ -225,6 +229,7 @@ class NeuralClusteringOptions(SeededOptions):
     local_window: int = 0
     explore: float = 0.0
     centroid_fit: str = "queries-keys"
+    query_clusters: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -251,11 +256,16 @@ class NeuralClusteringOptions(SeededOptions):
         if self.local_window % 2:
             raise ValueError(f"local_window must be even (two blocks of local_window / 2), got {self.local_window}")
         check_choice("centroid_fit", self.centroid_fit, CENTROID_FITS)
+        check_int("query_clusters", self.query_clusters, minimum=1)
         if self.cluster_on == "query-key":
             self._check_query_key()
-        elif self.centroid_fit != "queries-keys":
-            raise ValueError(f"centroid_fit={self.centroid_fit!r} needs cluster_on='query-key' (the other inputs "
-                             f"cluster one point per token), got cluster_on={self.cluster_on!r}")
+        else:
+            for name, value, default in (("centroid_fit", self.centroid_fit, "queries-keys"),
+                                         ("query_clusters", self.query_clusters, 1)):
+                if value != default:
+                    raise ValueError(f"{name}={value!r} needs cluster_on='query-key' (the other inputs cluster one "
+                                     f"point per token, its query and key together), got cluster_on="
+                                     f"{self.cluster_on!r}")
 
     def _check_query_key(self) -> None:
         """What cluster_on="query-key" does not combine with, each refused by name."""
@@ -299,13 +309,21 @@ class NeuralClusteringOptions(SeededOptions):
 
     def keys_read(self, length: int, causal: bool = False) -> int:
         """(look_back + 1) chunks of its cluster: chunks of ceil(N / k) (each chunk once, however few there are),
-        or of ``causal_chunk_size`` under a strict causal mask; plus ``local_window``. Each mixed as read."""
+        or of ``causal_chunk_size`` under a strict causal mask (split into ``query_clusters`` equal runs, the
+        remainder unread, one run per cluster when there are fewer clusters); plus ``local_window``. Each mixed as
+        read."""
         check_int("length", length, minimum=1)
         if causal and self.causal_mode == "strict":
-            return min(length, (self.look_back + 1) * self.causal_chunk_size + self.local_window)
-        chunk = math.ceil(length / self.clusters_for(length))
-        chunks = math.ceil(length / chunk)
-        return min(length, (min(self.look_back, chunks - 1) + 1) * chunk + self.local_window)
+            clusters = self.strict_causal_clusters()
+            reach = (self.look_back + 1) * self.causal_chunk_size
+        else:
+            clusters = self.clusters_for(length)
+            chunk = math.ceil(length / clusters)
+            chunks = math.ceil(length / chunk)
+            reach = (min(self.look_back, chunks - 1) + 1) * chunk
+        # query_clusters: the reach split into a run from each of the query's clusters (as many as there are)
+        runs = min(self.query_clusters, clusters)
+        return min(length, runs * (reach // self.query_clusters) + self.local_window)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
         """The keys beyond ``local_window`` go to the clusters: strict causal, ``causal_chunk_size`` = (keys -
@@ -437,8 +455,10 @@ class NeuralClusteringAttention(InnerAttention):
         unused = None  # (B, 1, 1, k): the centroids past each sequence's own k_b
         if count.per_sequence is not None:
             unused = (torch.arange(n_clusters, device=x.device) >= count.per_sequence.unsqueeze(1)).view(B, 1, 1, -1)
+        runs = min(self.options.query_clusters, n_clusters)
         with torch.no_grad():
-            query_ids, key_ids = (self._nearest_per_head(t, centroids, unused) for t in (q, k))
+            query_ids = self._nearest_per_head(q, centroids, unused, runs)  # (B, H, N, R)
+            key_ids = self._nearest_per_head(k, centroids, unused)
         if real is not None:  # padding keys past every cluster: never read
             key_ids = key_ids.masked_fill(~real.unsqueeze(1), n_clusters)
         publish_groups(self, key_ids[:, 0])  # head 0's key clusters (padding: id k), as the groups recorders want
@@ -454,8 +474,9 @@ class NeuralClusteringAttention(InnerAttention):
             chunk = (lengths + per_sequence - 1) // per_sequence
             chunks = (lengths + chunk - 1) // chunk.clamp(min=1)
             width = ((chunks - 1).clamp(min=0, max=self.options.look_back) + 1) * chunk
-        runs = cluster_runs(query_ids, key_ids, width, causal=mask.causal, query_real=real)
-        out = run_attention(q, k, v, runs, dropout_p=self.dropout_p, mask=mask)
+        width = width // self.options.query_clusters  # per run, as keys_read counts
+        read = cluster_runs(query_ids, key_ids, width, causal=mask.causal, query_real=real)
+        out = run_attention(q, k, v, read, dropout_p=self.dropout_p, mask=mask)
         return out.transpose(1, 2)  # (B, N, H, D)
 
     @torch.no_grad()
@@ -470,15 +491,16 @@ class NeuralClusteringAttention(InnerAttention):
         self.centroids[:n_clusters] = fitted.transpose(0, 1).reshape(n_clusters, H * D).to(self.centroids.dtype)
         done()
 
-    def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None
-                          ) -> torch.Tensor:
-        """points (B, H, N, D), centroids (H, k, D) -> each point's nearest centroid of its head, (B, H, N) long
-        (cosine or dot, as ``similarity``; a centroid in ``unused`` is never chosen), scored as the clustering
-        scores (:func:`clusterformer.clustering.neural.assignment_scores`: at least float32, outside autocast)."""
+    def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None,
+                          top: int | None = None) -> torch.Tensor:
+        """points (B, H, N, D), centroids (H, k, D) -> each point's nearest centroid of its head, (B, H, N) long,
+        or with ``top`` its ``top`` nearest, best first, (B, H, N, top) (cosine or dot, as ``similarity``; a centroid
+        in ``unused`` is never chosen before a used one), scored as the clustering scores
+        (:func:`clusterformer.clustering.neural.assignment_scores`: at least float32, outside autocast)."""
         scores = assignment_scores(points, centroids, self.options.similarity, scale=1.0)
         if unused is not None:
             scores = scores.masked_fill(unused, float("-inf"))
-        return scores.argmax(-1)
+        return scores.argmax(-1) if top is None else scores.topk(top, dim=-1).indices
 
     def _query_key_losses(self, q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, mask: AttentionMask,
                           count: ClusterCount) -> None:

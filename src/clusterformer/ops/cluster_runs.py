@@ -12,6 +12,9 @@ which :func:`~clusterformer.ops.listed_attention.listed_attention` reads without
 stands among its cluster's keys is one batched ``searchsorted`` of (its cluster, its position) in the sorted keys:
 O(N log N) per head, no (N, k) counts, no loop over clusters.
 
+A query may name several clusters (``query_ids`` (B, H, N, R)): it then reads one such run from each, R runs, each
+of up to ``width`` keys; a key belongs to one cluster, so the runs of distinct ids never share a key.
+
 This is what neural-clustering's ``cluster_on="query-key"`` attends with (its queries and keys assigned to shared
 centroids by their own projections); the chunked layouts of :mod:`clusterformer.ops.layouts` need one id per
 token, shared by its query and its key.
@@ -29,29 +32,33 @@ __all__ = ["cluster_runs", "run_attention"]
 
 def cluster_runs(query_ids: torch.Tensor, key_ids: torch.Tensor, width: int | torch.Tensor, *, causal: bool,
                  query_real: torch.Tensor | None = None) -> SlotRuns:
-    """The runs (module docstring) for ``query_ids`` and ``key_ids`` (B, H, N) int64 ids >= 0.
+    """The runs (module docstring) for ``key_ids`` (B, H, N) and ``query_ids`` (B, H, N), or (B, H, N, R) for R
+    clusters per query (distinct per query), int64 ids >= 0.
 
     Ids must be >= 0 (not checked here: a check would sync a device each call). A key whose id no query has (e.g.
-    one past the clusters, for padding) is never read. ``width``: the most keys
-    per query, an int or a (B,) int64 tensor (one per sequence); ``query_real``: optional (B, N) bool, False for a
-    query that reads nothing (padding). Returns SlotRuns with order (B, H, N) and first, length (B, H, N, 1)."""
-    if query_ids.shape != key_ids.shape or query_ids.dim() != 3:
-        raise ValueError(f"query_ids and key_ids must be (B, H, N) tensors of one shape; got "
-                         f"{tuple(query_ids.shape)} and {tuple(key_ids.shape)}")
+    one past the clusters, for padding) is never read. ``width``: the most keys per query and run, an int or a (B,)
+    int64 tensor (one per sequence); ``query_real``: optional (B, N) bool, False for a query that reads nothing
+    (padding). Returns SlotRuns with order (B, H, N) and first, length (B, H, N, R) (R = 1 for (B, H, N) ids)."""
+    if key_ids.dim() != 3 or query_ids.dim() not in (3, 4) or query_ids.shape[:3] != key_ids.shape:
+        raise ValueError(f"key_ids must be (B, H, N) and query_ids (B, H, N) or (B, H, N, R) of the same B, H, N; "
+                         f"got query_ids {tuple(query_ids.shape)} and key_ids {tuple(key_ids.shape)}")
+    if query_ids.dim() == 3:
+        query_ids = query_ids.unsqueeze(-1)
     if query_ids.dtype != torch.long or key_ids.dtype != torch.long:
         raise ValueError(f"query_ids and key_ids must be int64; got {query_ids.dtype} and {key_ids.dtype}")
     B, H, N = key_ids.shape
+    R = query_ids.shape[-1]
     device = key_ids.device
     if query_real is not None and query_real.shape != (B, N):
         raise ValueError(f"query_real must be a (B, N) = {(B, N)} bool tensor; got {tuple(query_real.shape)}")
     if isinstance(width, int):  # the common case: no device sync for the capacity
         if width < 0:
             raise ValueError(f"width must be >= 0; got {width}")
-        widths, capacity = torch.full((B, 1, 1), width, dtype=torch.long, device=device), width
+        widths, capacity = torch.full((B, 1, 1, 1), width, dtype=torch.long, device=device), width
     else:
         if width.shape != (B,):
             raise ValueError(f"width must be an int or a (B,) = ({B},) tensor; got shape {tuple(width.shape)}")
-        widths = width.to(device=device, dtype=torch.long).view(B, 1, 1)
+        widths = width.to(device=device, dtype=torch.long).view(B, 1, 1, 1)
         if widths.numel() and int(widths.min()) < 0:
             raise ValueError(f"width must be >= 0; got {width.tolist()}")
         capacity = int(widths.max()) if widths.numel() else 0
@@ -59,9 +66,10 @@ def cluster_runs(query_ids: torch.Tensor, key_ids: torch.Tensor, width: int | to
     # (cluster, position) as one sortable number; sorted, every cluster's keys are one run in position order
     composite, order = torch.sort(key_ids * N + positions, dim=-1, stable=True)
     flat = composite.reshape(B * H, N)
+    positions = positions.view(N, 1)  # against the query's R ids
 
-    def slots_before(values: torch.Tensor) -> torch.Tensor:  # sorted keys < values, (B, H, N)
-        return torch.searchsorted(flat, values.reshape(B * H, N)).view(B, H, N)
+    def slots_before(values: torch.Tensor) -> torch.Tensor:  # sorted keys < values, (B, H, N, R)
+        return torch.searchsorted(flat, values.reshape(B * H, N * R)).view(B, H, N, R)
 
     start = slots_before(query_ids * N)  # the first slot of the query's cluster
     end = slots_before((query_ids + 1) * N)  # one past its last
@@ -71,12 +79,12 @@ def cluster_runs(query_ids: torch.Tensor, key_ids: torch.Tensor, width: int | to
         length = upto - first
     else:  # `width` keys of the cluster around the query's rank, moved inside the cluster's run
         rank = slots_before(query_ids * N + positions)
-        length = torch.minimum(widths.expand(B, H, N), end - start)
+        length = torch.minimum(widths.expand(B, H, N, R), end - start)
         first = torch.minimum(torch.maximum(start, rank - widths // 2), end - length)
     if query_real is not None:
-        length = length.masked_fill(~query_real.unsqueeze(1), 0)
+        length = length.masked_fill(~query_real.view(B, 1, N, 1), 0)
     first = first.clamp(max=max(N - 1, 0)) if N else first  # a run of length 0 still names a slot in [0, N)
-    return SlotRuns(order, first.unsqueeze(-1), length.unsqueeze(-1), capacity)
+    return SlotRuns(order, first, length, capacity)
 
 
 def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: SlotRuns, *, dropout_p: float = 0.0,
