@@ -63,7 +63,6 @@ LONG = [("results/long-documents/imdb-4k", "imdb"), ("results/long-documents/20n
 MQAR = ["results/recall/mqar-curriculum-1024-k256", "results/recall/mqar-curriculum-1024-k256-seeds34",
         "results/recall/mqar-curriculum-1024-k256-seed0-shared-qk"]
 MQAR_SELECT = ["results/recall/mqar-fused-1024-k256", "results/recall/mqar-fused-1024-k256-seeds34"]
-SELECT_MQAR = "cluster-select:num_clusters=64,select=4,summaries=false,selection=bound"
 BIDIRECTIONAL = "results/recall/mqar-bidirectional-1024-k256"
 # aggregation from scratch at 128 tokens and 31-32 keys read: the histogram, multivalue and maxvalue (one token a pair)
 AGGREGATION = [("results/recall/aggregation-histogram-128-k32", "histogram"),
@@ -72,9 +71,12 @@ AGGREGATION = [("results/recall/aggregation-histogram-128-k32", "histogram"),
 # causal sliding-window through the same curriculum at the window that reads 256 keys (the MQAR grids' window read at
 # most 170); its full runs continue the same stage-1 runs in the query-key grid
 TRUE_WINDOW = "results/recall/mqar-curriculum-1024-k256-true-window"
+# cluster-select at 256 keys read, its 64 group bounds included (the fused grids read 320), on the same stage-1 runs
+TRUE_BUDGET = "results/recall/mqar-fused-1024-k256-true-budget"
+QUERY_KEY = "results/recall/mqar-curriculum-1024-k256-query-key"  # full's runs on those stage-1 runs
 # grids without full attention, and the grids of the same task and setting whose full runs are their yardstick
 FULL_ELSEWHERE = {**{grid: MQAR_SELECT for grid in MQAR},
-                  TRUE_WINDOW: ["results/recall/mqar-curriculum-1024-k256-query-key"]}
+                  **{grid: [QUERY_KEY] for grid in (TRUE_WINDOW, TRUE_BUDGET)}}
 TRAINABLE_GRID = ("full", "neural-clustering", "cluster-former", "sliding-window", "clustered", "improved-clustered",
                   "lsh", "routing", "kmeans")
 
@@ -91,9 +93,8 @@ def _sources() -> dict[str, dict[str, tuple[str, list[tuple[str, str, str]], str
     recall.update({m: ("score", [(g, "mqar", f"{m}+fresh-qk") for g in MQAR], "fresh shared QK")
                    for m in ("lsh", "routing", "kmeans")})
     recall["full"] = ("score", [(g, "mqar", "full") for g in MQAR_SELECT], "")
-    recall["cluster-select"] = ("score", [(MQAR_SELECT[0], "mqar", SELECT_MQAR),
-                                          (MQAR_SELECT[1], "mqar", "cluster-select-64x4-bound")],
-                                "64 clusters, 4 selected")
+    recall["cluster-select"] = ("score", [(TRUE_BUDGET, "mqar", "cluster-select-64x4-bound")],
+                                "64 clusters, 4 selected; 256 keys read")
     recall.update({m: ("score", [(BIDIRECTIONAL, "mqar", m)], "encoder form") for m in
                    ("clustered", "improved-clustered")})
     aggregation = {m: ("score", [(g, t, m) for g, t in AGGREGATION], "") for m in
