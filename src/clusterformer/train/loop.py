@@ -407,9 +407,8 @@ def _fit_centroids(model: torch.nn.Module, task: Task, config: TrainConfig, per_
     other layers) over the first step's global batch (every rank's slice, built alike on every rank) inside
     :func:`clusterformer.attention.fitting_centroids` (k-means++ seeds from ``config.seed``). Returns what it
     fitted, for the run's report."""
+    # every rank's slice has the global batch's padded length (the module docstring), so the slices stack
     slices = [task.batch(0, per_epoch, config.batch_size, rank, world, config.seed) for rank in range(world)]
-    if any(s.pad is not None for s in slices) and len({s.ids.shape[1] for s in slices}) > 1:
-        raise ValueError("centroid_init='kmeans': the ranks' first batches have different lengths")
     ids = torch.cat([s.ids for s in slices]).to(device)
     pad = None if slices[0].pad is None else torch.cat([s.pad for s in slices]).to(device)
     extra = None if slices[0].extra is None else torch.cat([s.extra for s in slices]).to(device)
