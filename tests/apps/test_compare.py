@@ -301,7 +301,8 @@ def test_compare_refuses_to_add_runs_to_an_entry_trained_under_earlier_defaults(
 
 def test_a_grid_file_runs_the_grid_and_flags_override_it(tmp_path):
     """``--grid FILE`` holds the whole grid (tasks, entries with variants, seeds, the train flags, out); a flag on the
-    command line overrides the file (here --seeds); a bad file is a ValueError naming the key."""
+    command line overrides the file (here --seeds, and --attention naming a subset); a bad file is a ValueError naming
+    the key."""
     from clusterformer.cli.compare import read_grid
 
     _write_task(tmp_path)
@@ -316,6 +317,10 @@ def test_a_grid_file_runs_the_grid_and_flags_override_it(tmp_path):
     assert set(rows) == {"full", "short"} and all(row["n"] == 1 for row in rows.values())
     assert (out / "text-classification" / "short" / "seed3" / "metrics.json").exists()
     assert not (out / "text-classification" / "short" / "seed0").exists()
+    for subset in ("short", "full"):  # a subset of the grid's entries: the others' definitions are not an error
+        assert main(["compare", "--grid", str(path), "--seeds", "3", "--attention", subset]) == 0
+        rows = json.loads((out / "summary.json").read_text())["tasks"]["text-classification"]["mechanisms"]
+        assert set(rows) == {subset}
     for bad, key in [({"task": ["mr"]}, "unknown key"), ({"variants": []}, "variants"),
                      ({"train_args": "--dim 8"}, "train_args")]:
         path.write_text(json.dumps(bad))

@@ -125,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
     def pick(name: str, given: Any, default: Any) -> Any:  # the command line, then the grid file, then the default
         return given if given is not None else grid.get(name, default)
 
+    if args.attention is not None:  # a subset of the grid's entries: its other entries' definitions stay unused
+        for name in ("options", "variants"):
+            if name in grid:
+                grid[name] = {label: value for label, value in grid[name].items() if label in args.attention}
     tasks, out = pick("tasks", args.tasks, None), pick("out", args.out, None)
     if not tasks:
         raise ValueError("--tasks is required (or a --grid file with tasks)")
