@@ -33,6 +33,10 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
                 "neural-clustering", {"num_clusters": 3, "cluster_on": "query-key", "causal_chunk_size": 3,
                                       "causal_clusters": 3, "query_clusters": 2},
                 {"cluster_on": "query-key", "query_clusters": 2}),
+            "neural-clustering+query-key+ema": (
+                "neural-clustering", {"num_clusters": 3, "cluster_on": "query-key", "causal_chunk_size": 3,
+                                      "causal_clusters": 3, "centroid_update": "ema", "centroid_fit": "keys"},
+                {"cluster_on": "query-key", "centroid_update": "ema", "centroid_fit": "keys"}),
             "neural-clustering+prefix-assign": ("neural-clustering", {"num_clusters": 3, "causal_assign": "prefix",
                                                                       "local_window": 2},
                                                 {"causal_assign": "prefix", "local_window": 32}),
@@ -276,6 +280,10 @@ def test_declared_causal_semantics_match_the_test_lists():
     ("neural-clustering", {"centroid_fit": "keys"}, "centroid_fit='keys' needs cluster_on='query-key'"),
     ("neural-clustering", {"cluster_on": "query-key", "local_window": 4}, "local_window"),
     ("neural-clustering", {"query_clusters": 2}, "query_clusters=2 needs cluster_on='query-key'"),
+    ("neural-clustering", {"centroid_update": "ema"}, "centroid_update='ema' needs cluster_on='query-key'"),
+    ("neural-clustering", {"cluster_on": "query-key", "centroid_update": "kmeans"}, "centroid_update"),
+    ("neural-clustering", {"cluster_on": "query-key", "centroid_update": "ema", "centroid_decay": 1.0},
+     "centroid_decay"),
     ("neural-clustering", {"cluster_on": "query-key", "query_clusters": 0}, "query_clusters"),
 ])
 def test_bad_options_give_clear_errors(name, options, match):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -298,6 +299,53 @@ def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters,
     assert layer.to_qkv.weight.grad is None or not layer.to_qkv.weight.grad.any()
     if N > 1:
         assert layer.inner.centroids.grad is not None and layer.inner.centroids.grad.any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("centroid_fit", ["keys", "queries-keys"])
+def test_query_key_ema_centroids_follow_the_means_of_their_real_points(causal, centroid_fit):
+    """``centroid_update="ema"``: a training forward keeps pending, per head, c <- normalise(decay c / |c| + (1 -
+    decay) mean of the unit points nearest c) over the real keys (and queries, at their nearest), a centroid without
+    points kept (as a unit vector); the centroids past the k in use untouched; no clustering losses. The next
+    training forward applies it first; an evaluation forward neither applies nor computes one. Padding far off
+    changes nothing."""
+    layer = _layer("neural-clustering", num_clusters="sqrt", max_clusters=6, causal_clusters=3, causal_chunk_size=2,
+                   cluster_on="query-key", centroid_update="ema", centroid_decay=0.7, centroid_fit=centroid_fit)
+    B, N, H, D = 3, 11, layer.heads, layer.head_dim
+    x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)
+    pad[:, -1] = True  # every sequence 10 real tokens or fewer: sqrt gives k = 3 for each
+    k = 3
+    before = layer.inner.centroids.detach().clone()
+    aux = run_recorded(layer.train(), x, key_padding_mask=pad, causal=causal)[1]
+    assert "clustering" not in aux and "centroid_sorting" not in aux
+    assert torch.equal(layer.inner.centroids, before)  # pending, not applied yet
+    expected = before.clone()
+    C = F.normalize(before[:k].view(k, H, D), dim=-1)  # (k, H, D)
+    for h in range(H):
+        points = []
+        for b in range(B):
+            q, kk, _ = _heads(layer, x[b])
+            real = ~pad[b]
+            points += [kk[h][real]] + ([] if centroid_fit == "keys" else [q[h][real]])
+        unit = F.normalize(torch.cat(points).detach(), dim=-1)
+        ids = (unit @ C[:, h].T).argmax(1)
+        for c in range(k):
+            members = unit[ids == c]
+            moved = C[c, h] if len(members) == 0 else F.normalize(0.7 * C[c, h] + 0.3 * members.mean(0), dim=0)
+            expected[c, h * D:(h + 1) * D] = moved
+    torch.testing.assert_close(layer.inner.pending["centroids"], expected, rtol=1e-12, atol=1e-12)
+    wild = x.masked_fill(pad.unsqueeze(-1), 1e3)
+    twin = copy.deepcopy(layer)
+    twin.inner.pending = {}
+    run_recorded(twin, wild, key_padding_mask=pad, causal=causal)
+    torch.testing.assert_close(twin.inner.pending["centroids"], expected, rtol=1e-12, atol=1e-12)
+    pending = layer.inner.pending["centroids"].clone()
+    layer.eval()
+    layer(torch.randn_like(x), key_padding_mask=pad, causal=causal)  # other points: an update would differ
+    assert torch.equal(layer.inner.centroids, before) and torch.equal(layer.inner.pending["centroids"], pending)
+    layer.train()
+    layer(x, key_padding_mask=pad, causal=causal)
+    assert torch.equal(layer.inner.centroids, pending)  # applied at the start of the next training forward
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -497,8 +497,10 @@ class InnerAttention(SeededModule):
         """Whether this forward may change buffers: training mode and not a reversible recompute."""
         return self.training and not is_replaying()
 
+    @torch.no_grad()
     def apply_pending_updates(self) -> None:
-        """Copy the state updates computed by the last training forward into their buffers."""
+        """Copy the state updates computed by the last training forward into their buffers (or parameters that
+        follow the data rather than a gradient)."""
         for name, value in self.pending.items():
             getattr(self, name).copy_(value)
         self.pending = {}

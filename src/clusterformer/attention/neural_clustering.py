@@ -87,8 +87,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
-from ..clustering.kmeans import spherical_kmeans
+from ..clustering.kmeans import cluster_sums, ema_from_sums, spherical_kmeans
 from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
+from ..distributed import all_reduce_sum
 from ..masks import NO_MASK, AttentionMask, masked_sdpa, self_only_when_alone
 from ..ops.cluster_runs import cluster_runs, run_attention
 from ..ops.decode import GroupRingCache, JoinedCache, LocalBlockCache, attend_allowed, merge_attention
@@ -115,6 +116,7 @@ GROUPINGS = ("learned", "contiguous", "random")
 CLUSTER_INPUTS = ("hidden", "shared-qk", "query-key")
 CAUSAL_ASSIGNMENTS = ("nearest", "prefix")
 CENTROID_FITS = ("queries-keys", "keys")
+CENTROID_UPDATES = ("losses", "ema")
 
 
 def random_groups(length: int, num_clusters: torch.Tensor, draw: int, device: torch.device) -> torch.Tensor:
@@ -190,6 +192,16 @@ class NeuralClusteringOptions(SeededOptions):
             lie in different regions of a head's space, so fitted to both, centroids split into ones near the
             queries and ones near the keys, and a query's nearest centroid may hold few of the keys it needs
             (measured in docs/recall-and-aggregation.md#queries-and-keys-assigned-apart).
+        centroid_update: with ``cluster_on="query-key"``, how the centroids follow those points. "losses"
+            (default): the paper's two losses, by gradient. "ema": online spherical k-means, the Routing
+            Transformer's rule, and no losses: each training forward moves every centroid of a head towards the
+            mean of the unit points nearest to it, c <- normalise(decay c + (1 - decay) mean), summed over DDP
+            ranks and applied at the next training forward (or by ``apply_pending_updates``); the centroids then
+            take no gradient. The losses collapse a head's centroids onto one cluster (70% of its keys, measured in
+            the same section); the means of the points assigned to them cannot.
+        centroid_decay: the EMA's decay with ``centroid_update="ema"``, in [0, 1) (0 replaces each centroid by
+            its points' mean; a step's batch holds thousands of keys per head, so the means are steady and a
+            short memory follows the keys as training moves them).
         query_clusters: with ``cluster_on="query-key"``, R >= 1: a query reads from each of its R nearest centroids'
             clusters a run of (look_back + 1) x chunk // R keys (the latest, or around its rank), so its reach is
             split over R clusters (Reformer's rounds, for the queries alone: a key stays in one cluster, so no key
@@ -230,6 +242,8 @@ class NeuralClusteringOptions(SeededOptions):
     explore: float = 0.0
     centroid_fit: str = "queries-keys"
     query_clusters: int = 1
+    centroid_update: str = "losses"
+    centroid_decay: float = 0.95
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -257,11 +271,14 @@ class NeuralClusteringOptions(SeededOptions):
             raise ValueError(f"local_window must be even (two blocks of local_window / 2), got {self.local_window}")
         check_choice("centroid_fit", self.centroid_fit, CENTROID_FITS)
         check_int("query_clusters", self.query_clusters, minimum=1)
+        check_choice("centroid_update", self.centroid_update, CENTROID_UPDATES)
+        check_float("centroid_decay", self.centroid_decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
         if self.cluster_on == "query-key":
             self._check_query_key()
         else:
             for name, value, default in (("centroid_fit", self.centroid_fit, "queries-keys"),
-                                         ("query_clusters", self.query_clusters, 1)):
+                                         ("query_clusters", self.query_clusters, 1),
+                                         ("centroid_update", self.centroid_update, "losses")):
                 if value != default:
                     raise ValueError(f"{name}={value!r} needs cluster_on='query-key' (the other inputs cluster one "
                                      f"point per token, its query and key together), got cluster_on="
@@ -366,6 +383,8 @@ class NeuralClusteringAttention(InnerAttention):
         self.to_cluster = None if self.shared_qk or self.query_key else nn.Linear(dim, dim, bias=False)  # W^C
         if options.own_centroids:
             self.centroids = nn.Parameter(torch.randn(options.n_centroids, dim))  # C, random init as in the paper
+            if options.centroid_update == "ema":  # they follow their points' means, never a gradient: no optimiser
+                self.centroids.requires_grad_(False)  # step (weight decay included) and no DDP bucket may move them
         else:
             self.register_parameter("centroids", None)
         self._fit_keys: tuple[torch.Generator, Any] | None = None  # set by fitting_centroids()
@@ -451,6 +470,8 @@ class NeuralClusteringAttention(InnerAttention):
         real = None if mask.padding is None else mask.real(B, N, x.device)
         if self._fit_keys is not None:
             self._fit_centroids_to_keys(k, real, n_clusters)
+        if self.updates_state():
+            self.apply_pending_updates()
         centroids = self.centroids[:n_clusters].view(n_clusters, H, D).transpose(0, 1)  # (H, k, D): each head's
         unused = None  # (B, 1, 1, k): the centroids past each sequence's own k_b
         if count.per_sequence is not None:
@@ -462,7 +483,11 @@ class NeuralClusteringAttention(InnerAttention):
         if real is not None:  # padding keys past every cluster: never read
             key_ids = key_ids.masked_fill(~real.unsqueeze(1), n_clusters)
         publish_groups(self, key_ids[:, 0])  # head 0's key clusters (padding: id k), as the groups recorders want
-        self._query_key_losses(q, k, centroids, mask, count)
+        if self.options.centroid_update == "ema":
+            if self.updates_state():
+                self._follow_points(q, k, query_ids[..., 0], key_ids, real, n_clusters)
+        else:
+            self._query_key_losses(q, k, centroids, mask, count)
         if self.dense_training and self.training:
             return self._dense_attention(x, projection, mask)
         if count.strict:
@@ -490,6 +515,28 @@ class NeuralClusteringAttention(InnerAttention):
                                                generator=generator) for head in keys])  # (H, k, D), unit rows
         self.centroids[:n_clusters] = fitted.transpose(0, 1).reshape(n_clusters, H * D).to(self.centroids.dtype)
         done()
+
+    @torch.no_grad()
+    def _follow_points(self, q: torch.Tensor, k: torch.Tensor, query_ids: torch.Tensor, key_ids: torch.Tensor,
+                       real: torch.Tensor | None, n_clusters: int) -> None:
+        """centroid_update="ema": keep pending each head's online spherical k-means step over the unit points
+        ``centroid_fit`` names (keys, or queries and keys), each at its nearest centroid (query_ids, key_ids (B, H,
+        N); padding left out), the per-centroid sums and counts summed over DDP ranks first."""
+        B, H, N, D = k.shape
+        sets = [(k, key_ids)] if self.options.centroid_fit == "keys" else [(q, query_ids), (k, key_ids)]
+        dtype = torch.promote_types(k.dtype, torch.float32)  # at least float32 under autocast, as the assignment
+        points = torch.cat([F.normalize(p.to(dtype), dim=-1) for p, _ in sets], dim=2)  # (B, H, S N, D)
+        ids = torch.cat([i.clamp(max=n_clusters - 1) for _, i in sets], dim=2)  # padding's id k, weighted 0 below
+        weight = (torch.ones(B, N, device=k.device) if real is None else real).to(dtype).repeat(1, len(sets))
+        weight = weight.unsqueeze(1).expand(B, H, len(sets) * N)
+        sums, counts = cluster_sums(points.transpose(0, 1).reshape(H, -1, D), ids.transpose(0, 1).reshape(H, -1),
+                                    n_clusters, weight.transpose(0, 1).reshape(H, -1))
+        sums, counts = all_reduce_sum(sums), all_reduce_sum(counts)
+        current = F.normalize(self.centroids[:n_clusters].view(n_clusters, H, D).transpose(0, 1).to(dtype), dim=-1)
+        moved = ema_from_sums(current, sums, counts, decay=self.options.centroid_decay)  # (H, k, D)
+        updated = self.centroids.detach().clone()
+        updated[:n_clusters] = moved.transpose(0, 1).reshape(n_clusters, H * D).to(updated.dtype)
+        self.pending["centroids"] = updated
 
     def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None,
                           top: int | None = None) -> torch.Tensor:
