@@ -180,13 +180,13 @@ class NeuralClusteringOptions(SeededOptions):
             = x W^Q and k = x W^K; a query reads the (look_back + 1) x chunk keys of its cluster nearest to it (the
             latest ones up to it under a causal mask: :func:`clusterformer.ops.cluster_runs.cluster_runs`; a query
             whose cluster holds no such key reads nothing and outputs 0, where the paper's form always reads the
-            token itself). In the
-            paper's form a query and its key share the token's cluster, so the key it needs must *be* like it;
-            here the query needs only to score its key high, which is what attention trains (and what a trained
-            full-attention model already does). The two losses train the centroids on the detached queries and
-            keys. ``causal_mode="strict"`` with the nearest assignment, learned grouping, no ``local_window``,
+            token itself). In the paper's form a query and its key share the token's cluster, so the key it needs
+            must *be* like it; here the query needs only to score its key high, which is what attention trains (and
+            what a trained full-attention model already does). The two losses train the centroids on the detached
+            queries and keys (or the centroids follow their points' means: ``centroid_update``).
+            ``causal_mode="strict"`` with the nearest assignment, learned grouping, no ``local_window``,
             ``explore``, centroid flow or cached decoding.
-        centroid_fit: with ``cluster_on="query-key"``, the points the two losses fit each head's centroids to.
+        centroid_fit: with ``cluster_on="query-key"``, the points each head's centroids are fitted to.
             "queries-keys" (default): the head's queries and keys together. "keys": its keys alone, so that a
             centroid stands for a group of keys and a query goes to the group it scores highest. Queries and keys
             lie in different regions of a head's space, so fitted to both, centroids split into ones near the
