@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,8 +70,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="run directories (RUN@key=value,...: with options swapped in); the "
                         "first is the reference")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", help="write the record here: each run's times, median, ratio to the first and "
-                        "keys read per query")
+    parser.add_argument("--json", help="write the record here: each run's entry (compare's label, or the directory's "
+                        "name), times, median, ratio to the first, keys read and mixed per query")
     args = parser.parse_args()
 
     def load(run: str):
@@ -90,8 +91,9 @@ def main() -> None:
     rows = []
     for run, (_, _, config, _), median, seconds in zip(args.runs, loaded, medians, times, strict=True):
         print(f"  {median:7.3f} s  {median / medians[0]:5.2f}x  {config.attention} {config.attention_options}  ({run})")
-        rows.append({"run": run, "attention": config.attention, "attention_options": config.attention_options,
-                     "keys_read": keys_read(config), "max_len": config.max_len,
+        rows.append({"run": run, "entry": entry_label(run), "attention": config.attention,
+                     "attention_options": config.attention_options,
+                     "keys_read": keys_read(config), "keys_mixed": keys_mixed(config), "max_len": config.max_len,
                      "batch_size": config.batch_size, "dim": config.dim, "depth": config.depth, "heads": config.heads,
                      "causal": config.causal(),
                      "seconds": seconds, "median_s": median, "ratio_to_first": median / medians[0]})
@@ -106,9 +108,21 @@ def main() -> None:
             handle.write("\n")
 
 
+def entry_label(run: str) -> str:
+    """The entry a run directory holds: compare's OUT/TASK/LABEL/seedS gives LABEL, any other directory its name."""
+    path = Path(run.partition("@")[0])
+    return path.parent.name if path.name.startswith("seed") else path.name
+
+
 def keys_read(config: TrainConfig) -> int:
     """Keys read per query by the run's attention at its length (its registry budget)."""
     return make_options(config.attention, config.attention_options).keys_read(config.max_len, causal=config.causal())
+
+
+def keys_mixed(config: TrainConfig) -> int:
+    """Keys whose values reach a query's output, at the run's length."""
+    return make_options(config.attention, config.attention_options).keys_mixed(config.max_len,
+                                                                               causal=config.causal())
 
 
 if __name__ == "__main__":
