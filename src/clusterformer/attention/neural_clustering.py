@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_bool, check_choice, check_float, check_int
-from ..clustering.kmeans import cluster_sums, ema_from_sums, spherical_kmeans
+from ..clustering.kmeans import ema_centroid_update, spherical_kmeans
 from ..clustering.neural import assignment_scores, nearest_centroid, neural_clustering, prefix_assignment_step
 from ..distributed import all_reduce_sum
 from ..masks import NO_MASK, AttentionMask, masked_sdpa, self_only_when_alone
@@ -522,18 +522,15 @@ class NeuralClusteringAttention(InnerAttention):
         """centroid_update="ema": keep pending each head's online spherical k-means step over the unit points
         ``centroid_fit`` names (keys, or queries and keys), each at its nearest centroid (query_ids, key_ids (B, H,
         N); padding left out), the per-centroid sums and counts summed over DDP ranks first."""
-        B, H, N, D = k.shape
+        B, H, _, D = k.shape
         sets = [(k, key_ids)] if self.options.centroid_fit == "keys" else [(q, query_ids), (k, key_ids)]
+        points = torch.cat([p for p, _ in sets], dim=2).transpose(0, 1).reshape(H, -1, D)  # (H, B S N, D)
+        ids = torch.cat([i.clamp(max=n_clusters - 1) for _, i in sets], dim=2)  # padding's id k, left out below
+        valid = None if real is None else real.repeat(1, len(sets)).unsqueeze(0).expand(H, B, -1).reshape(H, -1)
         dtype = torch.promote_types(k.dtype, torch.float32)  # at least float32 under autocast, as the assignment
-        points = torch.cat([F.normalize(p.to(dtype), dim=-1) for p, _ in sets], dim=2)  # (B, H, S N, D)
-        ids = torch.cat([i.clamp(max=n_clusters - 1) for _, i in sets], dim=2)  # padding's id k, weighted 0 below
-        weight = (torch.ones(B, N, device=k.device) if real is None else real).to(dtype).repeat(1, len(sets))
-        weight = weight.unsqueeze(1).expand(B, H, len(sets) * N)
-        sums, counts = cluster_sums(points.transpose(0, 1).reshape(H, -1, D), ids.transpose(0, 1).reshape(H, -1),
-                                    n_clusters, weight.transpose(0, 1).reshape(H, -1))
-        sums, counts = all_reduce_sum(sums), all_reduce_sum(counts)
         current = F.normalize(self.centroids[:n_clusters].view(n_clusters, H, D).transpose(0, 1).to(dtype), dim=-1)
-        moved = ema_from_sums(current, sums, counts, decay=self.options.centroid_decay)  # (H, k, D)
+        moved = ema_centroid_update(current, points, ids.transpose(0, 1).reshape(H, -1),
+                                    decay=self.options.centroid_decay, valid=valid, reduce=all_reduce_sum)  # (H, k, D)
         updated = self.centroids.detach().clone()
         updated[:n_clusters] = moved.transpose(0, 1).reshape(n_clusters, H * D).to(updated.dtype)
         self.pending["centroids"] = updated
