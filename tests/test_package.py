@@ -140,3 +140,34 @@ def test_cluster_probe_statistics_and_agreement_on_hand_built_groupings():
     assert abs(script.agreement(groups, relabelled) - 1.0) < 1e-12
     crossed = torch.tensor([[[0, 1, 2, 0, 1, 0, -1, -1]]])
     assert script.agreement(groups, crossed) < 0.5
+
+
+def test_recall_by_heads_splits_queries_by_the_heads_that_see_their_key(tmp_path):
+    """docs/scripts/recall_by_heads.py: full attention gives every query's needed key to both heads; a causal window
+    of 4 over values at least 16 tokens back gives it to none. Either way the accuracy over the split is the run's
+    recorded test accuracy (the same 16 test sequences)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from clusterformer.train import TrainConfig, run_training
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "recall_by_heads.py"
+    spec = importlib.util.spec_from_file_location("docs_script_recall_by_heads", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for attention, options, expected in (("full", {}, {"0": 0.0, "1": 0.0, "2": 1.0}),
+                                         ("sliding-window", {"window": 4, "stride": 2}, {"0": 1.0})):
+        out = tmp_path / attention
+        run_training(TrainConfig(task="mqar", out=str(out), max_len=64, max_steps=3, batch_size=4, dim=16, heads=2,
+                                 depth=1, attention=attention, attention_options=options,
+                                 task_options={"num_pairs": 4, "vocab_size": 32, "min_gap": 16,
+                                               "test_sequences": 16, "recall_sequences": 4}))
+        result = script.probe(str(out), sequences=16, layer=None)
+        shares = {count: row["share"] for count, row in result["by_heads_seeing_the_key"].items()}
+        assert shares == expected, (attention, shares)
+        recorded = json.loads((out / "metrics.json").read_text())["metrics"]["accuracy"]
+        assert abs(result["accuracy"] - recorded) < 1e-9
+        split = sum(row["share"] * row["accuracy"] for row in result["by_heads_seeing_the_key"].values()
+                    if row["accuracy"] is not None)
+        assert abs(split - recorded) < 1e-9
