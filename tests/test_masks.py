@@ -130,6 +130,8 @@ WALKS.update({
     "neural-clustering+query-key": ("neural-clustering", {"num_clusters": 3, "cluster_on": "query-key"}),
     "neural-clustering+query-key+2-clusters": ("neural-clustering", {"num_clusters": 3, "cluster_on": "query-key",
                                                                      "query_clusters": 2}),
+    "neural-clustering+query-key+shared-heads": ("neural-clustering", {"num_clusters": 3, "cluster_on": "query-key",
+                                                                       "query_clusters": 2, "head_clusters": "shared"}),
     "cluster-select+banded": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,
                                                  "summaries": True, "selection": "summaries", "kernel": "banded"}),
     "cluster-select+dense-mask": ("cluster-select", {"num_clusters": 4, "select": 2, "cluster_keys": 2, "window": 4,

@@ -34,7 +34,8 @@ CACHE_READERS = {name for name in names() if get(name).interface_mode == "cache"
 CASES = [(name, causal, extra) for name in sorted(set(names()) - CACHE_READERS) for causal in (False, True)
          if not causal or causal_semantics(name, {}) != "refused"
          for extra in ([{"num_clusters": 4}, {"num_clusters": 4, "summaries": False}] if name == "cluster-select"
-                       else [{}, {"cluster_on": "query-key"}, {"cluster_on": "query-key", "query_clusters": 2}]
+                       else [{}, {"cluster_on": "query-key"}, {"cluster_on": "query-key", "query_clusters": 2},
+                             {"cluster_on": "query-key", "query_clusters": 2, "head_clusters": "shared"}]
                        if name == "neural-clustering" else [{}])]
 # a query somewhere mixes exactly its budget (strict causal neural-clustering: only once a cluster has filled its
 # blocks, which random clusters of ~6 tokens at N = 90 do not); cluster-select with its summaries mixes every key

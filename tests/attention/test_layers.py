@@ -216,14 +216,28 @@ def test_neural_clustering_on_shared_qk_matches_dense_reference(N, num_clusters,
         assert layer.inner.centroids.grad is not None and layer.inner.centroids.grad.any()
 
 
+def _losses_reference(o, C, q, kk, real, k):
+    """The paper's two losses' terms for centroids C (k, E) over the points they are fitted to: the real queries
+    and keys q, kk (N, E) (2 L points), or the real keys alone (L)."""
+    points = kk[real] if o.centroid_fit == "keys" else torch.cat([q[real], kk[real]])
+    U = torch.softmax(o.similarity_scale * F.cosine_similarity(C[:, None], points[None], dim=-1), dim=1)
+    C_hat = U @ points  # eqs. 2-3 over the points
+    ids = F.cosine_similarity(points[:, None], C[None], dim=-1).argmax(1)
+    l1 = [-F.cosine_similarity(points[j], C_hat[ids[j]], dim=0) for j in range(len(points))]
+    ring = sum(F.cosine_similarity(C_hat[i], C_hat[i - 1], dim=0) for i in range(1, k))
+    return l1, -(ring + F.cosine_similarity(C_hat[0], C_hat[k - 1], dim=0)) / k
+
+
 def _query_key_reference(layer, x, real, causal, strict):
     """cluster_on="query-key" written plainly for one sequence x (N, dim) with real tokens ``real``: per head h, each
     query to its ``query_clusters`` nearest centroids and each real key to its nearest, by cosine (the layer's k x
     dim centroids split by heads); query i reads, from each of its clusters, W keys of that cluster -- under a
     causal mask the latest at positions <= i, otherwise W consecutive ones in position order from its rank r (the
     cluster's keys before i) less W // 2, moved inside the cluster -- with W = (look_back + 1) x the chunk //
-    query_clusters. Returns (the layer's output (N, dim), the per-point losses' terms: a list over heads of
-    (-cos(point, C_hat[its id]) for the real points the centroids are fitted to, the ring loss))."""
+    query_clusters. With head_clusters="shared" the ids are computed once, for every head: a token's query (key) is
+    its heads' unit queries (keys) side by side, against the whole k x dim centroids. Returns (the layer's output
+    (N, dim), the per-point losses' terms: a list over heads (shared: one entry) of (-cos(point, C_hat[its id]) for
+    the real points the centroids are fitted to, the ring loss))."""
     o, H, D = layer.options, layer.heads, layer.head_dim
     N, L = x.shape[0], int(real.sum())
     k = o.strict_causal_clusters() if strict else o.clusters_for(L)
@@ -233,13 +247,25 @@ def _query_key_reference(layer, x, real, causal, strict):
         chunk = math.ceil(L / k)
         width = (min(o.look_back, math.ceil(L / chunk) - 1) + 1) * chunk
     q, kk, v = _heads(layer, x)
+    terms = []
     centroids = layer.inner.centroids[:k].view(k, H, D)
-    outputs, terms = [], []
+    runs = min(o.query_clusters, k)
+    shared = o.head_clusters == "shared"
+    if shared:  # the heads' unit vectors side by side, against whole centroids
+        side_by_side = lambda P: torch.cat([F.normalize(P[h], dim=-1) for h in range(H)], dim=-1)  # noqa: E731
+        whole = layer.inner.centroids[:k]
+        cos = lambda P: F.cosine_similarity(P[:, None, :], whole[None, :, :], dim=-1)  # noqa: E731  (N, k)
+        shared_q_ids, shared_k_ids = cos(side_by_side(q)).topk(runs, dim=1).indices, cos(side_by_side(kk)).argmax(1)
+        terms.append(_losses_reference(o, whole, side_by_side(q), side_by_side(kk), real, k))
+    outputs = []
     for h in range(H):
         C = centroids[:, h]
         cos = lambda P: F.cosine_similarity(P[:, None, :], C[None, :, :], dim=-1)  # noqa: E731  (N, k)
-        runs = min(o.query_clusters, k)
-        q_ids, k_ids = cos(q[h]).topk(runs, dim=1).indices, cos(kk[h]).argmax(1)  # a query's R nearest, a key's one
+        if shared:
+            q_ids, k_ids = shared_q_ids, shared_k_ids
+        else:  # a query's R nearest, a key's one
+            q_ids, k_ids = cos(q[h]).topk(runs, dim=1).indices, cos(kk[h]).argmax(1)
+            terms.append(_losses_reference(o, C, q[h], kk[h], real, k))
         w = width // o.query_clusters  # each run's share of the reach
         allowed = torch.zeros(N, N, dtype=torch.bool)
         for i in range(N):
@@ -253,14 +279,6 @@ def _query_key_reference(layer, x, real, causal, strict):
                     chosen = members[start:start + w]
                 allowed[i, chosen] = True
         outputs.append(masked_softmax_attention(q[h], kk[h], v[h], allowed))
-        # the points the losses fit: the head's real queries and keys (2 L), or its real keys alone (L)
-        points = kk[h][real] if o.centroid_fit == "keys" else torch.cat([q[h][real], kk[h][real]])
-        U = torch.softmax(o.similarity_scale * F.cosine_similarity(C[:, None], points[None], dim=-1), dim=1)
-        C_hat = U @ points  # eqs. 2-3 over the points
-        ids = F.cosine_similarity(points[:, None], C[None], dim=-1).argmax(1)
-        l1 = [-F.cosine_similarity(points[j], C_hat[ids[j]], dim=0) for j in range(len(points))]
-        ring = sum(F.cosine_similarity(C_hat[i], C_hat[i - 1], dim=0) for i in range(1, k))
-        terms.append((l1, -(ring + F.cosine_similarity(C_hat[0], C_hat[k - 1], dim=0)) / k))
     merged = torch.stack(outputs).transpose(0, 1).reshape(N, layer.dim)
     return merged @ layer.to_out.weight.T + layer.to_out.bias, terms
 
@@ -268,16 +286,19 @@ def _query_key_reference(layer, x, real, causal, strict):
 @pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(13, 3, 1), (20, 4, 1), (17, 3, 2), (9, "sqrt", 1),
                                                               (1, 2, 1), (6, 8, 1)])
 @pytest.mark.parametrize("mode", ["none", "strict"])
-@pytest.mark.parametrize(("centroid_fit", "query_clusters"), [("queries-keys", 1), ("keys", 1), ("queries-keys", 2)])
+@pytest.mark.parametrize(("centroid_fit", "query_clusters", "head_clusters"),
+                         [("queries-keys", 1, "own"), ("keys", 1, "own"), ("queries-keys", 2, "own"),
+                          ("queries-keys", 2, "shared"), ("keys", 1, "shared")])
 def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters, look_back, mode, centroid_fit,
-                                                                 query_clusters):
+                                                                 query_clusters, head_clusters):
     """``cluster_on="query-key"``: queries and keys assigned apart, each by its own projection to its head's share
-    of the centroids; each query reads its cluster's latest (causal) or nearest-ranked keys, W of them; the two
-    losses over each head's queries and keys together (or its keys alone) train the centroids only. Padding at the
-    end and inside."""
+    of the centroids (or, ``head_clusters="shared"``, once for every head, by the heads' unit vectors side by side
+    against the whole centroids); each query reads its cluster's latest (causal) or nearest-ranked keys, W of them;
+    the two losses over each head's (or the side-by-side) queries and keys together (or keys alone) train the
+    centroids only. Padding at the end and inside."""
     layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back, causal_clusters=3,
                    causal_chunk_size=2, cluster_on="query-key", centroid_fit=centroid_fit,
-                   query_clusters=query_clusters)
+                   query_clusters=query_clusters, head_clusters=head_clusters)
     assert layer.inner.to_cluster is None
     B = 3
     x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)
@@ -303,14 +324,17 @@ def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters,
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("centroid_fit", ["keys", "queries-keys"])
-def test_query_key_ema_centroids_follow_the_means_of_their_real_points(causal, centroid_fit):
+@pytest.mark.parametrize("head_clusters", ["own", "shared"])
+def test_query_key_ema_centroids_follow_the_means_of_their_real_points(causal, centroid_fit, head_clusters):
     """``centroid_update="ema"``: a training forward keeps pending, per head, c <- normalise(decay c / |c| + (1 -
     decay) mean of the unit points nearest c) over the real keys (and queries, at their nearest), a centroid without
-    points kept (as a unit vector); the centroids past the k in use untouched; no clustering losses. The next
+    points kept (as a unit vector); the centroids past the k in use untouched; no clustering losses. With
+    ``head_clusters="shared"`` the same for whole centroids over the heads' unit vectors side by side. The next
     training forward applies it first; an evaluation forward neither applies nor computes one. Padding far off
     changes nothing."""
     layer = _layer("neural-clustering", num_clusters="sqrt", max_clusters=6, causal_clusters=3, causal_chunk_size=2,
-                   cluster_on="query-key", centroid_update="ema", centroid_decay=0.7, centroid_fit=centroid_fit)
+                   cluster_on="query-key", centroid_update="ema", centroid_decay=0.7, centroid_fit=centroid_fit,
+                   head_clusters=head_clusters)
     B, N, H, D = 3, 11, layer.heads, layer.head_dim
     x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)
     pad[:, -1] = True  # every sequence 10 real tokens or fewer: sqrt gives k = 3 for each
@@ -320,19 +344,24 @@ def test_query_key_ema_centroids_follow_the_means_of_their_real_points(causal, c
     assert "clustering" not in aux and "centroid_sorting" not in aux
     assert torch.equal(layer.inner.centroids, before)  # pending, not applied yet
     expected = before.clone()
-    C = F.normalize(before[:k].view(k, H, D), dim=-1)  # (k, H, D)
-    for h in range(H):
+    # (groups, k, width): each head's share of the centroids, or (shared) the whole centroids once
+    C = F.normalize(before[:k].view(k, H, D).transpose(0, 1) if head_clusters == "own" else before[:k][None], dim=-1)
+    for group in range(C.shape[0]):
         points = []
         for b in range(B):
             q, kk, _ = _heads(layer, x[b])
+            if head_clusters == "shared":  # one point per token: its heads' unit vectors side by side
+                q, kk = (torch.cat([F.normalize(P[h], dim=-1) for h in range(H)], dim=-1)[None] for P in (q, kk))
             real = ~pad[b]
-            points += [kk[h][real]] + ([] if centroid_fit == "keys" else [q[h][real]])
+            points += [kk[group][real]] + ([] if centroid_fit == "keys" else [q[group][real]])
         unit = F.normalize(torch.cat(points).detach(), dim=-1)
-        ids = (unit @ C[:, h].T).argmax(1)
+        ids = (unit @ C[group].T).argmax(1)
+        width = C.shape[-1]
         for c in range(k):
             members = unit[ids == c]
-            moved = C[c, h] if len(members) == 0 else F.normalize(0.7 * C[c, h] + 0.3 * members.mean(0), dim=0)
-            expected[c, h * D:(h + 1) * D] = moved
+            centroid = C[group, c]
+            moved = centroid if len(members) == 0 else F.normalize(0.7 * centroid + 0.3 * members.mean(0), dim=0)
+            expected[c, group * width:(group + 1) * width] = moved
     torch.testing.assert_close(layer.inner.pending["centroids"], expected, rtol=1e-12, atol=1e-12)
     wild = x.masked_fill(pad.unsqueeze(-1), 1e3)
     twin = copy.deepcopy(layer)
@@ -349,12 +378,14 @@ def test_query_key_ema_centroids_follow_the_means_of_their_real_points(causal, c
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fitting_centroids_sets_each_heads_kmeans_of_its_real_keys(causal):
+@pytest.mark.parametrize("head_clusters", ["own", "shared"])
+def test_fitting_centroids_sets_each_heads_kmeans_of_its_real_keys(causal, head_clusters):
     """``fitting_centroids``: inside it, a query-key layer's forward first sets the k centroids it uses to each
-    head's spherical k-means of the batch's real keys (k-means++ seeds from the given generator, head 0 first), then
-    attends with them; padding keys play no part; outside it, the centroids stay put."""
+    head's spherical k-means of the batch's real keys (k-means++ seeds from the given generator, head 0 first), or
+    with ``head_clusters="shared"`` to one k-means of the heads' unit keys side by side, then attends with them;
+    padding keys play no part; outside it, the centroids stay put."""
     layer = _layer("neural-clustering", num_clusters=3, causal_clusters=3, causal_chunk_size=2,
-                   cluster_on="query-key")
+                   cluster_on="query-key", head_clusters=head_clusters)
     B, N, H, D = 3, 11, layer.heads, layer.head_dim
     x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)
     seed = fixed_seed()
@@ -363,16 +394,19 @@ def test_fitting_centroids_sets_each_heads_kmeans_of_its_real_keys(causal):
     assert fitted == ["inner"]  # the fitted inner attention, named as in the model (here the layer)
     generator = torch.Generator().manual_seed(seed)
     keys = [_heads(layer, x[b])[1].detach() for b in range(B)]  # each (H, N, D)
-    expected = torch.stack([spherical_kmeans(torch.cat([keys[b][h][~pad[b]] for b in range(B)]), 3,
-                                             generator=generator) for h in range(H)])  # (H, k, D)
-    got = layer.inner.centroids[:3].view(3, H, D).transpose(0, 1)
+    if head_clusters == "shared":  # (1, N, H D): the heads' unit keys side by side
+        keys = [torch.cat([F.normalize(key[h], dim=-1) for h in range(H)], dim=-1)[None] for key in keys]
+    expected = torch.stack([spherical_kmeans(torch.cat([keys[b][g][~pad[b]] for b in range(B)]), 3,
+                                             generator=generator) for g in range(len(keys[0]))])  # (G, k, E)
+    got = (layer.inner.centroids[:3].view(3, H, D).transpose(0, 1) if head_clusters == "own"
+           else layer.inner.centroids[:3][None])
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer(x, key_padding_mask=pad, causal=causal), y, rtol=0, atol=0)  # it used them
     wild = x.masked_fill(pad.unsqueeze(-1), 1e3)  # padding keys far off: the same fit
     with fitting_centroids(layer, torch.Generator().manual_seed(seed)):
         layer(wild, key_padding_mask=pad, causal=causal)
-    torch.testing.assert_close(layer.inner.centroids[:3].view(3, H, D).transpose(0, 1), expected, rtol=1e-12,
-                               atol=1e-12)
+    torch.testing.assert_close(layer.inner.centroids[:3].view(3, H, D).transpose(0, 1) if head_clusters == "own"
+                               else layer.inner.centroids[:3][None], expected, rtol=1e-12, atol=1e-12)
     before = layer.inner.centroids.detach().clone()
     layer(torch.randn(B, N, layer.dim, dtype=torch.float64), causal=causal)
     assert torch.equal(layer.inner.centroids, before)

@@ -117,6 +117,7 @@ CLUSTER_INPUTS = ("hidden", "shared-qk", "query-key")
 CAUSAL_ASSIGNMENTS = ("nearest", "prefix")
 CENTROID_FITS = ("queries-keys", "keys")
 CENTROID_UPDATES = ("losses", "ema")
+HEAD_CLUSTERS = ("own", "shared")
 
 
 def random_groups(length: int, num_clusters: torch.Tensor, draw: int, device: torch.device) -> torch.Tensor:
@@ -206,6 +207,16 @@ class NeuralClusteringOptions(SeededOptions):
             clusters a run of (look_back + 1) x chunk // R keys (the latest, or around its rank), so its reach is
             split over R clusters (Reformer's rounds, for the queries alone: a key stays in one cluster, so no key
             is read twice). 1 (default) is the nearest cluster alone.
+        head_clusters: with ``cluster_on="query-key"``, whose clusters a head reads. "own" (default): each head
+            assigns its queries and keys to its own share of the centroids (k x head_dim), so a query's heads read
+            different clusters, and one head may reach the key it needs where the other does not. "shared": one
+            assignment per layer, as the paper's heads share one clustering: a token's query (key) is its heads'
+            unit queries (keys) side by side, assigned to the nearest of the k x dim centroids by cosine (the sum
+            of its heads' cosines to a centroid's head parts, over the centroid's norm), and every head reads the
+            clusters so chosen. A head then reaches a key exactly when the others do
+            (docs/recall-and-aggregation.md#queries-and-keys-assigned-apart: a key one head sees is answered
+            less often than one both see). The EMA, the losses and ``train --centroid-init kmeans`` fit the k x dim
+            centroids to the same side-by-side points.
         explore: beyond the paper: the probability that a training forward attends within random groups
             of the same size instead of the learned ones (drawn from the layer's generator; the clustering and its
             losses run as usual; evaluation and decoding always use the learned groups). A learned grouping that
@@ -244,6 +255,7 @@ class NeuralClusteringOptions(SeededOptions):
     query_clusters: int = 1
     centroid_update: str = "losses"
     centroid_decay: float = 0.95
+    head_clusters: str = "own"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -273,12 +285,14 @@ class NeuralClusteringOptions(SeededOptions):
         check_int("query_clusters", self.query_clusters, minimum=1)
         check_choice("centroid_update", self.centroid_update, CENTROID_UPDATES)
         check_float("centroid_decay", self.centroid_decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+        check_choice("head_clusters", self.head_clusters, HEAD_CLUSTERS)
         if self.cluster_on == "query-key":
             self._check_query_key()
         else:
             for name, value, default in (("centroid_fit", self.centroid_fit, "queries-keys"),
                                          ("query_clusters", self.query_clusters, 1),
-                                         ("centroid_update", self.centroid_update, "losses")):
+                                         ("centroid_update", self.centroid_update, "losses"),
+                                         ("head_clusters", self.head_clusters, "own")):
                 if value != default:
                     raise ValueError(f"{name}={value!r} needs cluster_on='query-key' (the other inputs cluster one "
                                      f"point per token, its query and key together), got cluster_on="
@@ -459,35 +473,38 @@ class NeuralClusteringAttention(InnerAttention):
 
     def _attend_query_key(self, x: torch.Tensor, projection: QKVProjection, mask: AttentionMask,
                           count: ClusterCount) -> torch.Tensor:
-        """cluster_on="query-key" (the options' docstring): per head, queries and keys to their nearest centroid
-        apart, then each query's run of its cluster's keys in one fused call. (B, N, H, D)."""
+        """cluster_on="query-key" (the options' docstring): per head (or once for every head: ``head_clusters``),
+        queries and keys to their nearest centroid apart, then each query's run of its cluster's keys in one fused
+        call. (B, N, H, D)."""
         B, N, _ = x.shape
-        H, D = self.heads, self.head_dim
+        H = self.heads
         q, k, v = projection.qkv(x)  # (B, H, N, D)
         if B == 0 or N == 0:
             return q.transpose(1, 2)
         n_clusters = count.clusters
         real = None if mask.padding is None else mask.real(B, N, x.device)
+        q_points, k_points = self._assignment_points(q), self._assignment_points(k)  # (B, G, N, E)
         if self._fit_keys is not None:
-            self._fit_centroids_to_keys(k, real, n_clusters)
+            self._fit_centroids_to_keys(k_points, real, n_clusters)
         if self.updates_state():
             self.apply_pending_updates()
-        centroids = self.centroids[:n_clusters].view(n_clusters, H, D).transpose(0, 1)  # (H, k, D): each head's
+        centroids = self._centroid_groups(self.centroids, n_clusters)  # (G, k, E)
         unused = None  # (B, 1, 1, k): the centroids past each sequence's own k_b
         if count.per_sequence is not None:
             unused = (torch.arange(n_clusters, device=x.device) >= count.per_sequence.unsqueeze(1)).view(B, 1, 1, -1)
         runs = min(self.options.query_clusters, n_clusters)
         with torch.no_grad():
-            query_ids = self._nearest_per_head(q, centroids, unused, runs)  # (B, H, N, R)
-            key_ids = self._nearest_per_head(k, centroids, unused)
+            query_ids = self._nearest_per_head(q_points, centroids, unused, runs)  # (B, G, N, R)
+            key_ids = self._nearest_per_head(k_points, centroids, unused)
         if real is not None:  # padding keys past every cluster: never read
             key_ids = key_ids.masked_fill(~real.unsqueeze(1), n_clusters)
         publish_groups(self, key_ids[:, 0])  # head 0's key clusters (padding: id k), as the groups recorders want
         if self.options.centroid_update == "ema":
             if self.updates_state():
-                self._follow_points(q, k, query_ids[..., 0], key_ids, real, n_clusters)
+                self._follow_points(q_points, k_points, query_ids[..., 0], key_ids, real, n_clusters)
         else:
-            self._query_key_losses(q, k, centroids, mask, count)
+            self._query_key_losses(q_points, k_points, centroids, mask, count)
+        query_ids, key_ids = query_ids.expand(B, H, N, runs), key_ids.expand(B, H, N)  # shared: every head's
         if self.dense_training and self.training:
             return self._dense_attention(x, projection, mask)
         if count.strict:
@@ -504,35 +521,54 @@ class NeuralClusteringAttention(InnerAttention):
         out = run_attention(q, k, v, read, dropout_p=self.dropout_p, mask=mask)
         return out.transpose(1, 2)  # (B, N, H, D)
 
+    def _assignment_points(self, points: torch.Tensor) -> torch.Tensor:
+        """What the query-key assignment compares with the centroids, (B, G, N, E): each head's queries or keys
+        (B, H, N, D) as they are, or with ``head_clusters="shared"`` one point per token, its heads' unit vectors
+        side by side (B, 1, N, H D)."""
+        if self.options.head_clusters == "own":
+            return points
+        B, H, N, D = points.shape
+        return F.normalize(points, dim=-1).transpose(1, 2).reshape(B, 1, N, H * D)
+
+    def _centroid_groups(self, centroids: torch.Tensor, n_clusters: int) -> torch.Tensor:
+        """The first ``n_clusters`` rows of the k x dim ``centroids`` as the assignment uses them, (G, k, E): each
+        head's share (H, k, D), or whole (1, k, dim) with ``head_clusters="shared"``. Rows of (G, k, E) go back
+        to k x dim by ``.transpose(0, 1).reshape(k, dim)`` either way."""
+        if self.options.head_clusters == "own":
+            return centroids[:n_clusters].view(n_clusters, self.heads, self.head_dim).transpose(0, 1)
+        return centroids[:n_clusters].unsqueeze(0)
+
     @torch.no_grad()
     def _fit_centroids_to_keys(self, k: torch.Tensor, real: torch.Tensor | None, n_clusters: int) -> None:
-        """:func:`fitting_centroids`: the first ``n_clusters`` centroids <- each head's spherical k-means of the
-        real keys k (B, H, N, D) of this batch (padding, ``real`` False, left out)."""
+        """:func:`fitting_centroids`: the first ``n_clusters`` centroids <- each head's (or, shared, the layer's)
+        spherical k-means of the real keys k (B, G, N, E) of this batch, as the assignment sees them (padding,
+        ``real`` False, left out)."""
         generator, done = self._fit_keys
-        H, D = self.heads, self.head_dim
-        keys = k.transpose(0, 1)  # (H, B, N, D)
-        fitted = torch.stack([spherical_kmeans(head.reshape(-1, D) if real is None else head[real], n_clusters,
-                                               generator=generator) for head in keys])  # (H, k, D), unit rows
-        self.centroids[:n_clusters] = fitted.transpose(0, 1).reshape(n_clusters, H * D).to(self.centroids.dtype)
+        E = k.shape[-1]
+        keys = k.transpose(0, 1)  # (G, B, N, E)
+        fitted = torch.stack([spherical_kmeans(group.reshape(-1, E) if real is None else group[real], n_clusters,
+                                               generator=generator) for group in keys])  # (G, k, E), unit rows
+        self.centroids[:n_clusters] = fitted.transpose(0, 1).reshape(n_clusters, -1).to(self.centroids.dtype)
         done()
 
     @torch.no_grad()
     def _follow_points(self, q: torch.Tensor, k: torch.Tensor, query_ids: torch.Tensor, key_ids: torch.Tensor,
                        real: torch.Tensor | None, n_clusters: int) -> None:
-        """centroid_update="ema": keep pending each head's online spherical k-means step over the unit points
-        ``centroid_fit`` names (keys, or queries and keys), each at its nearest centroid (query_ids, key_ids (B, H,
-        N); padding left out), the per-centroid sums and counts summed over DDP ranks first."""
-        B, H, _, D = k.shape
+        """centroid_update="ema": keep pending each head's (or, shared, the layer's) online spherical k-means step
+        over the unit points ``centroid_fit`` names (keys, or queries and keys: q, k (B, G, N, E) as assigned), each
+        at its nearest centroid (query_ids, key_ids (B, G, N); padding left out), the per-centroid sums and counts
+        summed over DDP ranks first."""
+        B, G, _, E = k.shape
         sets = [(k, key_ids)] if self.options.centroid_fit == "keys" else [(q, query_ids), (k, key_ids)]
-        points = torch.cat([p for p, _ in sets], dim=2).transpose(0, 1).reshape(H, -1, D)  # (H, B S N, D)
+        points = torch.cat([p for p, _ in sets], dim=2).transpose(0, 1).reshape(G, -1, E)  # (G, B S N, E)
         ids = torch.cat([i.clamp(max=n_clusters - 1) for _, i in sets], dim=2)  # padding's id k, left out below
-        valid = None if real is None else real.repeat(1, len(sets)).unsqueeze(0).expand(H, B, -1).reshape(H, -1)
+        valid = None if real is None else real.repeat(1, len(sets)).unsqueeze(0).expand(G, B, -1).reshape(G, -1)
         dtype = torch.promote_types(k.dtype, torch.float32)  # at least float32 under autocast, as the assignment
-        current = F.normalize(self.centroids[:n_clusters].view(n_clusters, H, D).transpose(0, 1).to(dtype), dim=-1)
-        moved = ema_centroid_update(current, points, ids.transpose(0, 1).reshape(H, -1),
-                                    decay=self.options.centroid_decay, valid=valid, reduce=all_reduce_sum)  # (H, k, D)
+        current = F.normalize(self._centroid_groups(self.centroids, n_clusters).to(dtype), dim=-1)
+        moved = ema_centroid_update(current, points, ids.transpose(0, 1).reshape(G, -1),
+                                    decay=self.options.centroid_decay, valid=valid, reduce=all_reduce_sum)  # (G, k, E)
         updated = self.centroids.detach().clone()
-        updated[:n_clusters] = moved.transpose(0, 1).reshape(n_clusters, H * D).to(updated.dtype)
+        updated[:n_clusters] = moved.transpose(0, 1).reshape(n_clusters, -1).to(updated.dtype)
         self.pending["centroids"] = updated
 
     def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None,
@@ -548,14 +584,14 @@ class NeuralClusteringAttention(InnerAttention):
 
     def _query_key_losses(self, q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, mask: AttentionMask,
                           count: ClusterCount) -> None:
-        """The paper's two losses (eqs. 6, 11), each head's centroids over its detached queries and keys together
-        (or its keys alone: ``centroid_fit``): they move the centroids to where those points are, not the
-        projections (the task trains those)."""
-        B, H, N, D = q.shape
+        """The paper's two losses (eqs. 6, 11), each head's (or, shared, the layer's) centroids over its detached
+        queries and keys together (or its keys alone: ``centroid_fit``), q, k (B, G, N, E) as assigned: they move
+        the centroids to where those points are, not the projections (the task trains those)."""
+        B, G, N, E = q.shape
         sets = [k] if self.options.centroid_fit == "keys" else [q, k]
-        points = torch.cat(sets, dim=2).detach().reshape(B * H, len(sets) * N, D)
-        per_sequence = None if count.per_sequence is None else count.per_sequence.repeat_interleave(H)
-        clustering = neural_clustering(points, centroids.repeat(B, 1, 1), mask=mask.point_sets(H, len(sets)),
+        points = torch.cat(sets, dim=2).detach().reshape(B * G, len(sets) * N, E)
+        per_sequence = None if count.per_sequence is None else count.per_sequence.repeat_interleave(G)
+        clustering = neural_clustering(points, centroids.repeat(B, 1, 1), mask=mask.point_sets(G, len(sets)),
                                        similarity=self.options.similarity, scale=self.options.similarity_scale,
                                        assign="nearest", num_clusters=per_sequence)
         publish_losses({"clustering": clustering.clustering_loss, "centroid_sorting": clustering.sorting_loss})
