@@ -105,6 +105,8 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     ("neural-clustering", "{}"),
     ("neural-clustering", '{"num_clusters": 3, "cluster_on": "query-key", "centroid_update": "ema", '
      '"centroid_decay": 0.5}'),
+    ("neural-clustering", '{"num_clusters": 3, "cluster_on": "query-key", "centroid_update": "ema", '
+     '"centroid_decay": 0.5, "head_clusters": "shared"}'),
 ])
 def test_a_crashed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeypatch, attention, options):
     """Every stateful mechanism: a run that crashes at step 23 (checkpoints every 5) and is resumed ends with
@@ -311,6 +313,8 @@ def _run_ddp(argv: list[str]) -> None:
     ("neural-clustering", '{"num_clusters": 3, "cluster_on": "query-key", "centroid_update": "ema", '
      '"centroid_decay": 0.5}', ["--max-steps", "3"]),  # EMA of the keys' means, summed over ranks (few steps:
     # the centroids follow the keys, and so the key bias, whose float noise Adam makes lr-sized as noted below)
+    ("neural-clustering", '{"num_clusters": 3, "cluster_on": "query-key", "centroid_update": "ema", '
+     '"centroid_decay": 0.5, "head_clusters": "shared"}', ["--max-steps", "3"]),  # one set for every head
     ("cluster-select", '{"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "decay": 0.5, '
      '"balance": 0.5}', ["--dense-warmup-steps", "3"]),  # EMA key centroids, balance biases; dense, then selected
     ("cluster-select", '{"num_clusters": 3, "select": 2, "cluster_keys": 2, "window": 4, "decay": 0.5}',
