@@ -488,7 +488,7 @@ class NeuralClusteringAttention(InnerAttention):
             self._fit_centroids_to_keys(k_points, real, n_clusters)
         if self.updates_state():
             self.apply_pending_updates()
-        centroids = self._centroid_groups(self.centroids, n_clusters)  # (G, k, E)
+        centroids = self._centroid_groups(n_clusters)  # (G, k, E)
         unused = None  # (B, 1, 1, k): the centroids past each sequence's own k_b
         if count.per_sequence is not None:
             unused = (torch.arange(n_clusters, device=x.device) >= count.per_sequence.unsqueeze(1)).view(B, 1, 1, -1)
@@ -530,13 +530,13 @@ class NeuralClusteringAttention(InnerAttention):
         B, H, N, D = points.shape
         return F.normalize(points, dim=-1).transpose(1, 2).reshape(B, 1, N, H * D)
 
-    def _centroid_groups(self, centroids: torch.Tensor, n_clusters: int) -> torch.Tensor:
-        """The first ``n_clusters`` rows of the k x dim ``centroids`` as the assignment uses them, (G, k, E): each
+    def _centroid_groups(self, n_clusters: int) -> torch.Tensor:
+        """The first ``n_clusters`` rows of the layer's k x dim centroids as the assignment uses them, (G, k, E): each
         head's share (H, k, D), or whole (1, k, dim) with ``head_clusters="shared"``. Rows of (G, k, E) go back
         to k x dim by ``.transpose(0, 1).reshape(k, dim)`` either way."""
         if self.options.head_clusters == "own":
-            return centroids[:n_clusters].view(n_clusters, self.heads, self.head_dim).transpose(0, 1)
-        return centroids[:n_clusters].unsqueeze(0)
+            return self.centroids[:n_clusters].view(n_clusters, self.heads, self.head_dim).transpose(0, 1)
+        return self.centroids[:n_clusters].unsqueeze(0)
 
     @torch.no_grad()
     def _fit_centroids_to_keys(self, k: torch.Tensor, real: torch.Tensor | None, n_clusters: int) -> None:
@@ -564,7 +564,7 @@ class NeuralClusteringAttention(InnerAttention):
         ids = torch.cat([i.clamp(max=n_clusters - 1) for _, i in sets], dim=2)  # padding's id k, left out below
         valid = None if real is None else real.repeat(1, len(sets)).unsqueeze(0).expand(G, B, -1).reshape(G, -1)
         dtype = torch.promote_types(k.dtype, torch.float32)  # at least float32 under autocast, as the assignment
-        current = F.normalize(self._centroid_groups(self.centroids, n_clusters).to(dtype), dim=-1)
+        current = F.normalize(self._centroid_groups(n_clusters).to(dtype), dim=-1)
         moved = ema_centroid_update(current, points, ids.transpose(0, 1).reshape(G, -1),
                                     decay=self.options.centroid_decay, valid=valid, reduce=all_reduce_sum)  # (G, k, E)
         updated = self.centroids.detach().clone()
@@ -573,8 +573,9 @@ class NeuralClusteringAttention(InnerAttention):
 
     def _nearest_per_head(self, points: torch.Tensor, centroids: torch.Tensor, unused: torch.Tensor | None,
                           top: int | None = None) -> torch.Tensor:
-        """points (B, H, N, D), centroids (H, k, D) -> each point's nearest centroid of its head, (B, H, N) long,
-        or with ``top`` its ``top`` nearest, best first, (B, H, N, top) (cosine or dot, as ``similarity``; a centroid
+        """points (B, G, N, E), centroids (G, k, E) (each head's, or the layer's: :meth:`_assignment_points`) ->
+        each point's nearest centroid of its group, (B, G, N) long, or with ``top`` its ``top`` nearest, best first,
+        (B, G, N, top) (cosine or dot, as ``similarity``; a centroid
         in ``unused`` is never chosen before a used one), scored as the clustering scores
         (:func:`clusterformer.clustering.neural.assignment_scores`: at least float32, outside autocast)."""
         scores = assignment_scores(points, centroids, self.options.similarity, scale=1.0)
