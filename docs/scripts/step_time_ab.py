@@ -29,9 +29,8 @@ import torch
 
 from clusterformer._specs import parse_spec
 from clusterformer.attention import collect_aux_losses
-from clusterformer.attention.registry import make_options
 from clusterformer.train.config import TrainConfig
-from clusterformer.train.loop import load_trained
+from clusterformer.train.loop import keys_per_query, load_trained
 
 
 def timed_step(model: torch.nn.Module, task: Any, config: TrainConfig, repeat: int) -> float:
@@ -89,11 +88,13 @@ def main() -> None:
     print(f"training step (forward with auxiliary losses, backward), median of {args.repeats}, "
           f"threads={torch.get_num_threads()}:")
     rows = []
-    for run, (_, _, config, _), median, seconds in zip(args.runs, loaded, medians, times, strict=True):
+    for run, (model, _, config, _), median, seconds in zip(args.runs, loaded, medians, times, strict=True):
         print(f"  {median:7.3f} s  {median / medians[0]:5.2f}x  {config.attention} {config.attention_options}  ({run})")
         rows.append({"run": run, "entry": entry_label(run), "attention": config.attention,
                      "attention_options": config.attention_options,
-                     "keys_read": keys_read(config), "keys_mixed": keys_mixed(config), "max_len": config.max_len,
+                     "keys_read": keys_per_query(model, config.max_len, config.causal()),
+                     "keys_mixed": keys_per_query(model, config.max_len, config.causal(), "keys_mixed"),
+                     "max_len": config.max_len,
                      "batch_size": config.batch_size, "dim": config.dim, "depth": config.depth, "heads": config.heads,
                      "causal": config.causal(),
                      "seconds": seconds, "median_s": median, "ratio_to_first": median / medians[0]})
@@ -112,17 +113,6 @@ def entry_label(run: str) -> str:
     """The entry a run directory holds: compare's OUT/TASK/LABEL/seedS gives LABEL, any other directory its name."""
     path = Path(run.partition("@")[0])
     return path.parent.name if path.name.startswith("seed") else path.name
-
-
-def keys_read(config: TrainConfig) -> int:
-    """Keys read per query by the run's attention at its length (its registry budget)."""
-    return make_options(config.attention, config.attention_options).keys_read(config.max_len, causal=config.causal())
-
-
-def keys_mixed(config: TrainConfig) -> int:
-    """Keys whose values reach a query's output, at the run's length."""
-    return make_options(config.attention, config.attention_options).keys_mixed(config.max_len,
-                                                                               causal=config.causal())
 
 
 if __name__ == "__main__":
