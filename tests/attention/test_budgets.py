@@ -35,7 +35,8 @@ CASES = [(name, causal, extra) for name in sorted(set(names()) - CACHE_READERS) 
          if not causal or causal_semantics(name, {}) != "refused"
          for extra in ([{"num_clusters": 4}, {"num_clusters": 4, "summaries": False}] if name == "cluster-select"
                        else [{}, {"cluster_on": "query-key"}, {"cluster_on": "query-key", "query_clusters": 2},
-                             {"cluster_on": "query-key", "query_clusters": 2, "head_clusters": "shared"}]
+                             {"cluster_on": "query-key", "query_clusters": 2, "head_clusters": "shared"},
+                             {"cluster_on": "query-key", "query_clusters": 3, "reach_split": "fill"}]
                        if name == "neural-clustering" else [{}])]
 # a query somewhere mixes exactly its budget (strict causal neural-clustering: only once a cluster has filled its
 # blocks, which random clusters of ~6 tokens at N = 90 do not); cluster-select with its summaries mixes every key
@@ -81,16 +82,16 @@ def test_queries_mix_and_read_at_most_their_budget(name, causal, extra):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("query_clusters", [1, 2, 3])
-def test_query_key_runs_reach_their_budget_when_clusters_are_large(causal, query_clusters):
+@pytest.mark.parametrize(("query_clusters", "reach_split"), [(1, "equal"), (2, "equal"), (3, "equal"), (3, "fill")])
+def test_query_key_runs_reach_their_budget_when_clusters_are_large(causal, query_clusters, reach_split):
     """neural-clustering with ``cluster_on="query-key"``: with few, large clusters (9 without a mask, 2 under a
     strict causal one, over 90 tokens) some query reaches ``keys_read`` exactly and none passes it -- a run of
     reach // query_clusters keys from each of its nearest clusters, as many runs as there are clusters (3 asked of
-    2 clusters read 2 runs)."""
+    2 clusters read 2 runs), or with reach_split="fill" the whole reach over them."""
     torch.manual_seed(fixed_seed())
     N = 90
     options = {"cluster_on": "query-key", "query_clusters": query_clusters, "num_clusters": 9, "causal_clusters": 2,
-               "causal_chunk_size": 5}
+               "causal_chunk_size": 5, "reach_split": reach_split}
     if causal:
         options.pop("num_clusters")
     layer = build("neural-clustering", dim=16, heads=2, **options).eval()

@@ -43,6 +43,12 @@ VARIANTS = {"neural-clustering+local_window": ("neural-clustering", {"num_cluste
                                       "query_clusters": 2, "head_clusters": "shared"},
                 {"cluster_on": "query-key", "centroid_update": "ema", "centroid_fit": "keys", "query_clusters": 2,
                  "head_clusters": "shared"}),
+            "neural-clustering+query-key+fill": (
+                "neural-clustering", {"num_clusters": 3, "cluster_on": "query-key", "causal_chunk_size": 3,
+                                      "causal_clusters": 3, "centroid_update": "ema", "centroid_fit": "keys",
+                                      "query_clusters": 3, "reach_split": "fill"},
+                {"cluster_on": "query-key", "centroid_update": "ema", "centroid_fit": "keys", "query_clusters": 3,
+                 "reach_split": "fill"}),
             "neural-clustering+prefix-assign": ("neural-clustering", {"num_clusters": 3, "causal_assign": "prefix",
                                                                       "local_window": 2},
                                                 {"causal_assign": "prefix", "local_window": 32}),
@@ -293,6 +299,8 @@ def test_declared_causal_semantics_match_the_test_lists():
     ("neural-clustering", {"cluster_on": "query-key", "centroid_update": "ema", "centroid_decay": 1.0},
      "centroid_decay"),
     ("neural-clustering", {"cluster_on": "query-key", "query_clusters": 0}, "query_clusters"),
+    ("neural-clustering", {"reach_split": "fill"}, "reach_split='fill' needs cluster_on='query-key'"),
+    ("neural-clustering", {"cluster_on": "query-key", "reach_split": "even"}, "reach_split"),
 ])
 def test_bad_options_give_clear_errors(name, options, match):
     with pytest.raises(ValueError, match=match):

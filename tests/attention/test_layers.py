@@ -234,8 +234,9 @@ def _query_key_reference(layer, x, real, causal, strict):
     dim centroids split by heads); query i reads, from each of its clusters, W keys of that cluster -- under a
     causal mask the latest at positions <= i, otherwise W consecutive ones in position order from its rank r (the
     cluster's keys before i) less W // 2, moved inside the cluster -- with W = (look_back + 1) x the chunk //
-    query_clusters. With head_clusters="shared" the ids are computed once, for every head: a token's query (key) is
-    its heads' unit queries (keys) side by side, against the whole k x dim centroids. Returns (the layer's output
+    query_clusters, or (reach_split="fill") W per cluster water-filled from the whole reach. With
+    head_clusters="shared" the ids are computed once, for every head: a token's query (key) is its heads' unit
+    queries (keys) side by side, against the whole k x dim centroids. Returns (the layer's output
     (N, dim), the per-point losses' terms: a list over heads (shared: one entry) of (-cos(point, C_hat[its id]) for
     the real points the centroids are fitted to, the ring loss))."""
     o, H, D = layer.options, layer.heads, layer.head_dim
@@ -266,17 +267,28 @@ def _query_key_reference(layer, x, real, causal, strict):
         else:  # a query's R nearest, a key's one
             q_ids, k_ids = cos(q[h]).topk(runs, dim=1).indices, cos(kk[h]).argmax(1)
             terms.append(_losses_reference(o, C, q[h], kk[h], real, k))
-        w = width // o.query_clusters  # each run's share of the reach
         allowed = torch.zeros(N, N, dtype=torch.bool)
         for i in range(N):
-            for cluster in q_ids[i].tolist():
-                members = [j for j in range(N) if real[j] and k_ids[j] == cluster]
+            clusters = q_ids[i].tolist()
+            members = [[j for j in range(N) if real[j] and k_ids[j] == c and (j <= i or not causal)]
+                       for c in clusters]
+            if o.reach_split == "equal":  # each run's share of the reach
+                shares = [width // o.query_clusters] * len(clusters)
+            else:  # water-filled: a common level, each run at most what it has, the reach at most together
+                level = 0
+                while level < max(map(len, members)) and sum(min(len(m), level + 1) for m in members) <= width:
+                    level += 1
+                shares = [min(len(m), level) for m in members]
+                for r, m in enumerate(members):  # what is left, one key each to the nearest clusters with more
+                    if sum(shares) < width and len(m) > level:
+                        shares[r] += 1
+            for run, w in zip(members, shares, strict=True):
                 if causal:
-                    chosen = [j for j in members if j <= i][-w:] if w else []
+                    chosen = run[-w:] if w else []
                 else:
-                    rank = sum(j < i for j in members)
-                    start = min(max(0, rank - w // 2), max(0, len(members) - w))
-                    chosen = members[start:start + w]
+                    rank = sum(j < i for j in run)
+                    start = min(max(0, rank - w // 2), max(0, len(run) - w))
+                    chosen = run[start:start + w]
                 allowed[i, chosen] = True
         outputs.append(masked_softmax_attention(q[h], kk[h], v[h], allowed))
     merged = torch.stack(outputs).transpose(0, 1).reshape(N, layer.dim)
@@ -286,11 +298,13 @@ def _query_key_reference(layer, x, real, causal, strict):
 @pytest.mark.parametrize(("N", "num_clusters", "look_back"), [(13, 3, 1), (20, 4, 1), (17, 3, 2), (9, "sqrt", 1),
                                                               (1, 2, 1), (6, 8, 1)])
 @pytest.mark.parametrize("mode", ["none", "strict"])
-@pytest.mark.parametrize(("centroid_fit", "query_clusters", "head_clusters"),
-                         [("queries-keys", 1, "own"), ("keys", 1, "own"), ("queries-keys", 2, "own"),
-                          ("queries-keys", 2, "shared"), ("keys", 1, "shared")])
+@pytest.mark.parametrize(("centroid_fit", "query_clusters", "head_clusters", "reach_split"),
+                         [("queries-keys", 1, "own", "equal"), ("keys", 1, "own", "equal"),
+                          ("queries-keys", 2, "own", "equal"), ("queries-keys", 2, "shared", "equal"),
+                          ("keys", 1, "shared", "equal"), ("keys", 3, "own", "fill"),
+                          ("queries-keys", 2, "shared", "fill")])
 def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters, look_back, mode, centroid_fit,
-                                                                 query_clusters, head_clusters):
+                                                                 query_clusters, head_clusters, reach_split):
     """``cluster_on="query-key"``: queries and keys assigned apart, each by its own projection to its head's share
     of the centroids (or, ``head_clusters="shared"``, once for every head, by the heads' unit vectors side by side
     against the whole centroids); each query reads its cluster's latest (causal) or nearest-ranked keys, W of them;
@@ -298,7 +312,7 @@ def test_neural_clustering_on_query_key_matches_dense_reference(N, num_clusters,
     centroids only. Padding at the end and inside."""
     layer = _layer("neural-clustering", num_clusters=num_clusters, look_back=look_back, causal_clusters=3,
                    causal_chunk_size=2, cluster_on="query-key", centroid_fit=centroid_fit,
-                   query_clusters=query_clusters, head_clusters=head_clusters)
+                   query_clusters=query_clusters, head_clusters=head_clusters, reach_split=reach_split)
     assert layer.inner.to_cluster is None
     B = 3
     x, pad = _padded_inside_and_at_the_end(B, N, layer.dim)

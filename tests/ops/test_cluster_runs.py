@@ -10,9 +10,24 @@ from clusterformer.ops.listed_attention import listed_attention_reference
 from seeds import fixed_seed
 
 
-def _expected(query_ids, key_ids, width, causal, query_real):
+def _filled(available, total):
+    """Water-filling written plainly: raise a common level one key at a time while the runs, each at most what it
+    has, hold no more than ``total`` together; then one more key each to the first runs with more, while any of
+    ``total`` is left."""
+    level = 0
+    while level < max(available, default=0) and sum(min(a, level + 1) for a in available) <= total:
+        level += 1
+    lengths = [min(a, level) for a in available]
+    for r, a in enumerate(available):
+        if sum(lengths) < total and a > level:
+            lengths[r] += 1
+    return lengths
+
+
+def _expected(query_ids, key_ids, width, causal, query_real, split="each"):
     """The keys each query reads, by the rule: (B, H, N) sorted lists of positions. ``query_ids`` (B, H, N), or
-    (B, H, N, R): a run from each of the query's R clusters."""
+    (B, H, N, R): a run from each of the query's R clusters, of up to ``width`` keys each, or (``split="fill"``)
+    of the water-filled share of ``width`` over the R runs."""
     B, H, N = key_ids.shape
     ids = query_ids if query_ids.dim() == 4 else query_ids.unsqueeze(-1)
     out = {}
@@ -23,14 +38,16 @@ def _expected(query_ids, key_ids, width, causal, query_real):
                 out[b, h, i] = []
                 if query_real is not None and not query_real[b, i]:
                     continue
-                for cluster in ids[b, h, i].tolist():
-                    members = [j for j in range(N) if key_ids[b, h, j] == cluster]
+                clusters = ids[b, h, i].tolist()
+                members = [[j for j in range(N) if key_ids[b, h, j] == c and (j <= i or not causal)] for c in clusters]
+                lengths = [w] * len(clusters) if split == "each" else _filled([len(m) for m in members], w)
+                for run, length in zip(members, lengths, strict=True):
                     if causal:
-                        out[b, h, i] += [j for j in members if j <= i][-w:] if w else []
+                        out[b, h, i] += run[-length:] if length else []
                     else:
-                        rank = sum(j < i for j in members)
-                        start = min(max(0, rank - w // 2), max(0, len(members) - w))
-                        out[b, h, i] += members[start:start + w]
+                        rank = sum(j < i for j in run)
+                        start = min(max(0, rank - length // 2), max(0, len(run) - length))
+                        out[b, h, i] += run[start:start + length]
                 out[b, h, i] = sorted(out[b, h, i])
     return out
 
@@ -77,6 +94,33 @@ def test_several_clusters_per_query_read_a_run_from_each(causal, N, clusters, ru
     for (b, h, i), keys in _expected(query_ids, key_ids, width, causal, query_real).items():
         got = index[b, h, i]
         assert sorted(got[got >= 0].tolist()) == keys, (b, h, i)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("N", "clusters", "runs", "width"),
+                         [(9, 2, 2, 3), (31, 4, 2, 7), (40, 5, 3, 10), (40, 6, 4, 9), (25, 3, 3, 40), (7, 3, 3, 0)])
+def test_fill_shares_the_width_over_a_querys_runs(causal, N, clusters, runs, width):
+    """split="fill": ``width`` over the query's R runs together, water-filled -- a run short of the common level
+    leaves the rest to the others, the remainder below ``width`` one key each to the nearest runs with more --
+    against the rule written per query; skewed sizes, padding keys and queries not real as above. No query reads
+    more than ``width`` keys, and a run may take them all (``capacity`` = width)."""
+    g = torch.Generator().manual_seed(fixed_seed())
+    B, H = 3, 2
+    weights = torch.tensor([6.0] + [1.0] * (clusters - 1))
+    key_ids = torch.multinomial(weights, B * H * N, replacement=True, generator=g).view(B, H, N)
+    query_ids = torch.rand(B, H, N, clusters, generator=g).argsort(-1)[..., :runs]
+    key_ids[1, :, -2:] = clusters
+    query_real = torch.ones(B, N, dtype=torch.bool)
+    query_real[2, : N // 3] = False
+    read = cluster_runs(query_ids, key_ids, width, causal=causal, query_real=query_real, split="fill")
+    assert read.capacity == width and int(read.length.sum(-1).max()) <= width
+    index = read.as_index()
+    expected = _expected(query_ids, key_ids, width, causal, query_real, split="fill")
+    for (b, h, i), keys in expected.items():
+        got = index[b, h, i]
+        assert sorted(got[got >= 0].tolist()) == keys, (b, h, i)
+    everything = _expected(query_ids, key_ids, N, causal, query_real)  # every key of the query's clusters
+    assert max(map(len, expected.values())) == min(width, max(map(len, everything.values())))
 
 
 def test_a_width_per_sequence():
@@ -130,3 +174,5 @@ def test_bad_ids_are_refused():
         cluster_runs(ids, ids, torch.tensor([2, 3]), causal=False)
     with pytest.raises(ValueError, match="query_real"):
         cluster_runs(ids, ids, 2, causal=True, query_real=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="split"):
+        cluster_runs(ids, ids, 2, causal=True, split="even")

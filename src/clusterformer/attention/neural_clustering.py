@@ -118,6 +118,7 @@ CAUSAL_ASSIGNMENTS = ("nearest", "prefix")
 CENTROID_FITS = ("queries-keys", "keys")
 CENTROID_UPDATES = ("losses", "ema")
 HEAD_CLUSTERS = ("own", "shared")
+REACH_SPLITS = ("equal", "fill")
 
 
 def random_groups(length: int, num_clusters: torch.Tensor, draw: int, device: torch.device) -> torch.Tensor:
@@ -207,6 +208,13 @@ class NeuralClusteringOptions(SeededOptions):
             clusters a run of (look_back + 1) x chunk // R keys (the latest, or around its rank), so its reach is
             split over R clusters (Reformer's rounds, for the queries alone: a key stays in one cluster, so no key
             is read twice). 1 (default) is the nearest cluster alone.
+        reach_split: with ``cluster_on="query-key"``, how a query's reach is shared over its R clusters. "equal"
+            (default): reach // R keys from each. "fill": a cluster with fewer keys than its share (up to the
+            query, under a causal mask) leaves the rest to the query's other clusters, by water-filling
+            (:func:`clusterformer.ops.cluster_runs.cluster_runs`, ``split="fill"``): the query reads up to the
+            whole reach over its clusters, where with equal shares a large cluster is cut at reach // R -- its
+            oldest keys unread -- while a small one leaves its share unused
+            (docs/recall-and-aggregation.md#queries-and-keys-assigned-apart measures both).
         head_clusters: with ``cluster_on="query-key"``, whose clusters a head reads. "own" (default): each head
             assigns its queries and keys to its own share of the centroids (k x head_dim), so a query's heads read
             different clusters, and one head may reach the key it needs where the other does not. "shared": one
@@ -256,6 +264,7 @@ class NeuralClusteringOptions(SeededOptions):
     centroid_update: str = "losses"
     centroid_decay: float = 0.95
     head_clusters: str = "own"
+    reach_split: str = "equal"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -286,13 +295,15 @@ class NeuralClusteringOptions(SeededOptions):
         check_choice("centroid_update", self.centroid_update, CENTROID_UPDATES)
         check_float("centroid_decay", self.centroid_decay, minimum=0.0, maximum=1.0, exclusive_maximum=True)
         check_choice("head_clusters", self.head_clusters, HEAD_CLUSTERS)
+        check_choice("reach_split", self.reach_split, REACH_SPLITS)
         if self.cluster_on == "query-key":
             self._check_query_key()
         else:
             for name, value, default in (("centroid_fit", self.centroid_fit, "queries-keys"),
                                          ("query_clusters", self.query_clusters, 1),
                                          ("centroid_update", self.centroid_update, "losses"),
-                                         ("head_clusters", self.head_clusters, "own")):
+                                         ("head_clusters", self.head_clusters, "own"),
+                                         ("reach_split", self.reach_split, "equal")):
                 if value != default:
                     raise ValueError(f"{name}={value!r} needs cluster_on='query-key' (the other inputs cluster one "
                                      f"point per token, its query and key together), got cluster_on="
@@ -341,8 +352,8 @@ class NeuralClusteringOptions(SeededOptions):
     def keys_read(self, length: int, causal: bool = False) -> int:
         """(look_back + 1) chunks of its cluster: chunks of ceil(N / k) (each chunk once, however few there are),
         or of ``causal_chunk_size`` under a strict causal mask (split into ``query_clusters`` equal runs, the
-        remainder unread, one run per cluster when there are fewer clusters); plus ``local_window``. Each mixed as
-        read."""
+        remainder unread, one run per cluster when there are fewer clusters; with ``reach_split="fill"`` the whole
+        reach over the runs); plus ``local_window``. Each mixed as read."""
         check_int("length", length, minimum=1)
         if causal and self.causal_mode == "strict":
             clusters = self.strict_causal_clusters()
@@ -354,7 +365,9 @@ class NeuralClusteringOptions(SeededOptions):
             reach = (min(self.look_back, chunks - 1) + 1) * chunk
         # query_clusters: the reach split into a run from each of the query's clusters (as many as there are)
         runs = min(self.query_clusters, clusters)
-        return min(length, runs * (reach // self.query_clusters) + self.local_window)
+        if self.reach_split == "equal":
+            reach = runs * (reach // self.query_clusters)
+        return min(length, reach + self.local_window)
 
     def for_budget(self, keys: int, length: int, causal: bool = False) -> dict[str, Any]:
         """The keys beyond ``local_window`` go to the clusters: strict causal, ``causal_chunk_size`` = (keys -
@@ -516,8 +529,11 @@ class NeuralClusteringAttention(InnerAttention):
             chunk = (lengths + per_sequence - 1) // per_sequence
             chunks = (lengths + chunk - 1) // chunk.clamp(min=1)
             width = ((chunks - 1).clamp(min=0, max=self.options.look_back) + 1) * chunk
-        width = width // self.options.query_clusters  # per run, as keys_read counts
-        read = cluster_runs(query_ids, key_ids, width, causal=mask.causal, query_real=real)
+        if self.options.reach_split == "equal":
+            width, split = width // self.options.query_clusters, "each"  # per run, as keys_read counts
+        else:
+            split = "fill"  # over the query's runs together
+        read = cluster_runs(query_ids, key_ids, width, causal=mask.causal, query_real=real, split=split)
         out = run_attention(q, k, v, read, dropout_p=self.dropout_p, mask=mask)
         return out.transpose(1, 2)  # (B, N, H, D)
 
