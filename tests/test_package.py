@@ -171,3 +171,47 @@ def test_recall_by_heads_splits_queries_by_the_heads_that_see_their_key(tmp_path
         split = sum(row["share"] * row["accuracy"] for row in result["by_heads_seeing_the_key"].values()
                     if row["accuracy"] is not None)
         assert abs(split - recorded) < 1e-9
+
+
+def test_query_key_reach_splits_the_missed_keys_into_cut_runs_and_other_clusters(tmp_path):
+    """docs/scripts/query_key_reach.py: as trained, the accuracy is the run's recorded one; a query reads a subset of
+    its clusters' earlier keys, so whole clusters read the needed key at least as often as the trained reach and as
+    fill; runs of one key each are cut (some needed key lies in the query's clusters but is not read), runs as long
+    as the sequence are not; a run that is not query-key neural-clustering is refused."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import pytest
+
+    from clusterformer.train import TrainConfig, run_training
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "query_key_reach.py"
+    spec = importlib.util.spec_from_file_location("docs_script_query_key_reach", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    common = {"task": "mqar", "max_len": 64, "max_steps": 3, "batch_size": 4, "dim": 16, "heads": 2, "depth": 1,
+              "task_options": {"num_pairs": 4, "vocab_size": 32, "min_gap": 16, "test_sequences": 16,
+                               "recall_sequences": 4}}
+    cuts = {}
+    for chunk in (1, 8, 64):
+        out = tmp_path / f"chunk{chunk}"
+        run_training(TrainConfig(out=str(out), attention="neural-clustering", **common,
+                                 attention_options={"cluster_on": "query-key", "query_clusters": 2,
+                                                    "causal_clusters": 3, "causal_chunk_size": chunk}))
+        result = script.probe(str(out), sequences=16, layer=None)
+        recorded = json.loads((out / "metrics.json").read_text())["metrics"]["accuracy"]
+        settings = result["settings"]
+        assert abs(settings["as trained"]["accuracy"] - recorded) < 1e-9
+        whole = settings["whole clusters"]["key_read"]
+        assert whole >= settings["as trained"]["key_read"] and whole >= settings["fill"]["key_read"]
+        cuts[chunk] = result["missed_cut_from_a_run"]
+        parts = settings["as trained"]["key_read"] + cuts[chunk] + result["missed_in_another_cluster"]
+        assert abs(parts - 1.0) < 1e-12  # each pair reads its key, or misses it in one of the two ways
+        if chunk == 8:  # 16 keys over two clusters: equal shares, water-filled, or every earlier key of both
+            assert settings["as trained"]["key_read"] < settings["fill"]["key_read"] < whole, settings
+    assert cuts[1] > 0 and cuts[64] == 0
+    out = tmp_path / "full"
+    run_training(TrainConfig(out=str(out), attention="full", **common))
+    with pytest.raises(ValueError, match="RUN_DIR"):
+        script.probe(str(out), sequences=16, layer=None)
