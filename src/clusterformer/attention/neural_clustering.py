@@ -214,7 +214,10 @@ class NeuralClusteringOptions(SeededOptions):
             (:func:`clusterformer.ops.cluster_runs.cluster_runs`, ``split="fill"``): the query reads up to the
             whole reach over its clusters, where with equal shares a large cluster is cut at reach // R -- its
             oldest keys unread -- while a small one leaves its share unused
-            (docs/recall-and-aggregation.md#queries-and-keys-assigned-apart measures both).
+            (docs/recall-and-aggregation.md#queries-and-keys-assigned-apart measures both). Where the keys are
+            gathered (CUDA, half precision, dropout: :func:`clusterformer.ops.cluster_runs.run_attention`) each of
+            the R runs holds room for the whole reach, R times the memory of equal shares; the CPU kernel reads
+            only each run's keys.
         head_clusters: with ``cluster_on="query-key"``, whose clusters a head reads. "own" (default): each head
             assigns its queries and keys to its own share of the centroids (k x head_dim), so a query's heads read
             different clusters, and one head may reach the key it needs where the other does not. "shared": one
