@@ -201,6 +201,8 @@ def test_query_key_reach_splits_the_missed_keys_into_cut_runs_and_other_clusters
                                                     "causal_clusters": 3, "causal_chunk_size": chunk}))
         result = script.probe(str(out), sequences=16, layer=None)
         recorded = json.loads((out / "metrics.json").read_text())["metrics"]["accuracy"]
+        assert result["options"] == {"cluster_on": "query-key", "query_clusters": 2, "causal_clusters": 3,
+                                     "causal_chunk_size": chunk}  # the run's own, not a probe setting's
         settings = result["settings"]
         assert abs(settings["as trained"]["accuracy"] - recorded) < 1e-9
         whole = settings["whole clusters"]["key_read"]

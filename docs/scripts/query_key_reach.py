@@ -48,9 +48,10 @@ def _adjust(setting: str):
 def probe(run: str, sequences: int, layer: str | None) -> dict[str, Any]:
     if sequences < 1:
         raise ValueError(f"--sequences must be at least 1, got {sequences}")
-    rows = {}
+    rows, options = {}, None
     for setting in SETTINGS:
         model, task, config, step = load_trained(run, adjust=_adjust(setting))
+        options = options or dict(config.attention_options)  # the run's own, as trained
         if task.name != "mqar":
             raise ValueError(f"RUN_DIR {run!r} is a {task.name!r} run; this probe reads MQAR runs")
         test = task.test
@@ -66,7 +67,7 @@ def probe(run: str, sequences: int, layer: str | None) -> dict[str, Any]:
         accuracy = evaluate(model, task, config, torch.device("cpu"))["accuracy"]
         rows[setting] = {"accuracy": accuracy, "key_read": torch.cat(seen).double().mean().item()}
     whole, trained = rows["whole clusters"]["key_read"], rows["as trained"]["key_read"]
-    return {"run": run, "step": step, "layer": name, "sequences": n, "options": config.attention_options,
+    return {"run": run, "step": step, "layer": name, "sequences": n, "options": options,
             "settings": rows, "missed_cut_from_a_run": whole - trained, "missed_in_another_cluster": 1.0 - whole}
 
 
