@@ -10,9 +10,9 @@ evaluated three times, its weights unchanged, with the layer's reach:
 
 For each: the test accuracy (the whole test set, as the run's ``metrics.json`` records it) and, in the last
 attention layer (``--layer``), the share of (query, head) pairs whose needed token the head reads
-(:func:`clusterformer.attention.diagnostics.key_recall` over the first ``--sequences`` test sequences). The pairs
-that miss it are then cut from a run (in the query's clusters: whole clusters less as trained) or in another
-cluster (1 - whole clusters). Writes nothing unless ``--json PATH``.
+(:meth:`clusterformer.train.recall.RecallTask.needed_key_weights` over the first ``--sequences`` test
+sequences). The pairs that miss it are then cut from a run (in the query's clusters: whole clusters less as
+trained) or in another cluster (1 - whole clusters). Writes nothing unless ``--json PATH``.
 
     python docs/scripts/query_key_reach.py RUN_DIR [RUN_DIR ...] [--sequences 64] [--layer NAME] [--json PATH]
 """
@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from clusterformer.attention.diagnostics import key_recall
 from clusterformer.train import TrainConfig, load_trained
 from clusterformer.train.loop import evaluate
 
@@ -54,18 +53,14 @@ def probe(run: str, sequences: int, layer: str | None) -> dict[str, Any]:
         options = options or dict(config.attention_options)  # the run's own, as trained
         if task.name != "mqar":
             raise ValueError(f"RUN_DIR {run!r} is a {task.name!r} run; this probe reads MQAR runs")
-        test = task.test
-        n = min(sequences, len(test.ids))
-        seen = []
-        for start in range(0, n, 16):  # a few sequences per probe: the probe keeps each layer's graph
-            part = slice(start, min(n, start + 16))
-            found = key_recall(model, test.ids[part], test.queries[part], task.needed(test.sources[part]))
-            name = layer or list(found)[-1]
-            if name not in found:
-                raise ValueError(f"--layer {name!r} is not one of the model's attention layers {sorted(found)}")
-            seen.append((found[name].weight > 0).flatten())  # every (query, head) pair of these sequences
+        n = min(sequences, len(task.test.ids))
+        found = task.needed_key_weights(model, torch.device("cpu"), n)
+        name = layer or list(found)[-1]
+        if name not in found:
+            raise ValueError(f"--layer {name!r} is not one of the model's attention layers {sorted(found)}")
         accuracy = evaluate(model, task, config, torch.device("cpu"))["accuracy"]
-        rows[setting] = {"accuracy": accuracy, "key_read": torch.cat(seen).double().mean().item()}
+        key_read = (found[name].weight > 0).double().mean().item()  # over every (query, head) pair
+        rows[setting] = {"accuracy": accuracy, "key_read": key_read}
     whole, trained = rows["whole clusters"]["key_read"], rows["as trained"]["key_read"]
     return {"run": run, "step": step, "layer": name, "sequences": n, "options": options,
             "settings": rows, "missed_cut_from_a_run": whole - trained, "missed_in_another_cluster": 1.0 - whole}

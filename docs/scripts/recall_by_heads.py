@@ -2,7 +2,8 @@
 
 A query of a trained MQAR model (``train --task mqar``) is answered right or wrong, and in each attention layer
 some of its heads have the needed token (the value after its key's earlier occurrence) in their attended set and
-some do not (:func:`clusterformer.attention.diagnostics.key_recall`, the probe behind the runs' ``key_recall``).
+some do not (:meth:`clusterformer.train.recall.RecallTask.needed_key_weights`, the probe behind the runs'
+``key_recall``).
 This script splits the first ``--sequences`` test sequences' queries of ``RUN_DIR`` by the number of heads of one
 layer (``--layer``, default the last) that see the needed token, and gives for each count the share of queries
 and their accuracy: where a sparse layer loses accuracy, among queries it gives the key to no head, or also among
@@ -20,7 +21,6 @@ from typing import Any
 
 import torch
 
-from clusterformer.attention.diagnostics import key_recall
 from clusterformer.train import load_trained
 
 
@@ -29,23 +29,18 @@ def probe(run: str, sequences: int, layer: str | None) -> dict[str, Any]:
     if task.name != "mqar":
         raise ValueError(f"RUN_DIR {run!r} is a {task.name!r} run; this probe reads MQAR runs")
     test = task.test
-    n = min(sequences, len(test.ids))
-    if n < 1:
+    if sequences < 1:
         raise ValueError(f"--sequences must be at least 1, got {sequences}")
-    seen, correct = [], []
-    for start in range(0, n, 16):  # a few sequences per probe: the probe keeps each layer's graph
-        part = slice(start, min(n, start + 16))
-        ids, queries = test.ids[part], test.queries[part]
-        found = key_recall(model, ids, queries, task.needed(test.sources[part]))
-        name = layer or list(found)[-1]
-        if name not in found:
-            raise ValueError(f"--layer {name!r} is not one of the model's attention layers {sorted(found)}")
-        seen.append((found[name].weight > 0).sum(-1))  # (n, Q): heads that see the needed token
-        with torch.no_grad():
-            logits = model(ids, None)
-        rows = torch.arange(len(ids)).unsqueeze(1)
-        correct.append(logits[rows, queries].argmax(-1) == test.targets[part][rows, queries])
-    heads, hit = torch.cat(seen), torch.cat(correct)
+    n = min(sequences, len(test.ids))
+    found = task.needed_key_weights(model, torch.device("cpu"), n)
+    name = layer or list(found)[-1]
+    if name not in found:
+        raise ValueError(f"--layer {name!r} is not one of the model's attention layers {sorted(found)}")
+    heads = (found[name].weight > 0).sum(-1)  # (n, Q): heads that see the needed token
+    with torch.no_grad():
+        logits = torch.cat([model(test.ids[start:start + 16], None) for start in range(0, n, 16)])
+    rows, queries = torch.arange(n).unsqueeze(1), test.queries[:n]
+    hit = logits[rows, queries].argmax(-1) == test.targets[:n][rows, queries]
     by_heads = {}
     for count in range(int(heads.max()) + 1):
         chosen = heads == count

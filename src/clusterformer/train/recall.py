@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_choice, check_int, check_options
-from ..attention.diagnostics import key_recall
+from ..attention.diagnostics import SourceWeights, key_recall
 from ..data.recall import (
     AGGREGATES,
     IGNORE,
@@ -215,30 +215,36 @@ class RecallTask:
             return torch.stack([sources - 1, sources], dim=-1)
         return sources.unsqueeze(-1)
 
-    def key_recall(self, model: nn.Module, device: torch.device) -> dict[str, dict[str, float]]:
-        """Per attention layer (first ``recall_sequences``): the share of (query, head) pairs whose needed token is
-        in the attended set, the share of queries for which some head has it, the mean weight on it, and the shares
-        of (query, head) pairs and of queries (any head) in which it weighs more than every other key."""
-        n = min(self.options.recall_sequences, len(self.test.ids))
-        report: dict[str, list] = {}
+    def needed_key_weights(self, model: nn.Module, device: torch.device, sequences: int) -> dict[str, SourceWeights]:
+        """:func:`~clusterformer.attention.diagnostics.key_recall` over the first ``sequences`` test sequences (as many
+        as there are), a few at a time: {attention layer name: what each query puts on the keys it needs, (n, Q,
+        H)}."""
+        n = min(sequences, len(self.test.ids))
+        parts: dict[str, list[SourceWeights]] = {}
         for start in range(0, n, 16):  # a few sequences per probe: the probe keeps each layer's graph
             end = min(n, start + 16)
             mask = None if self.test.source_mask is None else self.test.source_mask[start:end]
             found = key_recall(model, self.test.ids[start:end].to(device), self.test.queries[start:end],
                                self.needed(self.test.sources[start:end]), source_mask=mask)
             for name, part in found.items():
-                report.setdefault(name, []).append(part)
+                parts.setdefault(name, []).append(part)
+        return {name: SourceWeights(*(torch.cat(field) for field in zip(*layer, strict=True)))
+                for name, layer in parts.items()}
+
+    def key_recall(self, model: nn.Module, device: torch.device) -> dict[str, dict[str, float]]:
+        """Per attention layer (first ``recall_sequences``): the share of (query, head) pairs whose needed token is
+        in the attended set, the share of queries for which some head has it, the mean weight on it, and the shares
+        of (query, head) pairs and of queries (any head) in which it weighs more than every other key."""
         summary = {}
-        for name, parts in report.items():
-            w = torch.cat([p.weight for p in parts])  # (n, Q, H)
-            argmax = torch.cat([p.argmax for p in parts])
+        for name, found in self.needed_key_weights(model, device, self.options.recall_sequences).items():
+            w, argmax = found.weight, found.argmax  # (n, Q, H)
             summary[name] = {"key_recall": (w > 0).double().mean().item(),
                              "key_recall_any_head": (w > 0).any(-1).double().mean().item(),
                              "key_weight": w.mean().item(),
                              "key_argmax": argmax.double().mean().item(),
                              "key_argmax_any_head": argmax.any(-1).double().mean().item()}
             if self.test.source_mask is not None:  # several keys needed: how many of them each query sees
-                coverage = torch.cat([p.coverage for p in parts])  # (n, Q, H)
+                coverage = found.coverage  # (n, Q, H)
                 summary[name].update(key_coverage=coverage.mean().item(),
                                      key_coverage_best_head=coverage.amax(-1).mean().item(),
                                      key_coverage_all=(coverage == 1).double().mean().item())
