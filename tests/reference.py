@@ -159,6 +159,20 @@ def sliding_reference(q, k, v, window, stride, causal, pad, positions=None):
     return total / torch.tensor(count, dtype=v.dtype).unsqueeze(-1)
 
 
+def water_filled(available, total):
+    """Water-filling written plainly (cluster_runs' ``split="fill"``): raise a common level one key at a time while
+    the runs, each at most what it has, hold no more than ``total`` together; then one more key each to the first
+    runs with more, while any of ``total`` is left."""
+    level = 0
+    while level < max(available, default=0) and sum(min(a, level + 1) for a in available) <= total:
+        level += 1
+    lengths = [min(a, level) for a in available]
+    for r, a in enumerate(available):
+        if sum(lengths) < total and a > level:
+            lengths[r] += 1
+    return lengths
+
+
 def run_recorded(module, *args, **kwargs):
     """``module(*args, **kwargs)`` inside :func:`collect_aux_losses` and :func:`record_groups` -> (output, the
     auxiliary losses, the groups published by each module)."""

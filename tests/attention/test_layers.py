@@ -13,7 +13,14 @@ from clusterformer.attention import build, collect_aux_losses, describe, fitting
 from clusterformer.clustering.kmeans import spherical_kmeans
 from clusterformer.masks import CAUSAL_MASK
 from clusterformer.ops.listed_attention import extension_available
-from reference import cluster_causal_allowed, groups_of, masked_softmax_attention, run_recorded, sorted_chunk_allowed
+from reference import (
+    cluster_causal_allowed,
+    groups_of,
+    masked_softmax_attention,
+    run_recorded,
+    sorted_chunk_allowed,
+    water_filled,
+)
 from seeds import fixed_seed
 
 _fused_ready = pytest.mark.skipif(not extension_available(), reason="cluster-select's fused kernel is not built here")
@@ -275,13 +282,7 @@ def _query_key_reference(layer, x, real, causal, strict):
             if o.reach_split == "equal":  # each run's share of the reach
                 shares = [width // o.query_clusters] * len(clusters)
             else:  # water-filled: a common level, each run at most what it has, the reach at most together
-                level = 0
-                while level < max(map(len, members)) and sum(min(len(m), level + 1) for m in members) <= width:
-                    level += 1
-                shares = [min(len(m), level) for m in members]
-                for r, m in enumerate(members):  # what is left, one key each to the nearest clusters with more
-                    if sum(shares) < width and len(m) > level:
-                        shares[r] += 1
+                shares = water_filled([len(m) for m in members], width)
             for run, w in zip(members, shares, strict=True):
                 if causal:
                     chosen = run[-w:] if w else []

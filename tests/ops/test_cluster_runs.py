@@ -7,21 +7,8 @@ import torch
 
 from clusterformer.ops.cluster_runs import cluster_runs, run_attention
 from clusterformer.ops.listed_attention import listed_attention_reference
+from reference import water_filled
 from seeds import fixed_seed
-
-
-def _filled(available, total):
-    """Water-filling written plainly: raise a common level one key at a time while the runs, each at most what it
-    has, hold no more than ``total`` together; then one more key each to the first runs with more, while any of
-    ``total`` is left."""
-    level = 0
-    while level < max(available, default=0) and sum(min(a, level + 1) for a in available) <= total:
-        level += 1
-    lengths = [min(a, level) for a in available]
-    for r, a in enumerate(available):
-        if sum(lengths) < total and a > level:
-            lengths[r] += 1
-    return lengths
 
 
 def _expected(query_ids, key_ids, width, causal, query_real, split="each"):
@@ -40,7 +27,7 @@ def _expected(query_ids, key_ids, width, causal, query_real, split="each"):
                     continue
                 clusters = ids[b, h, i].tolist()
                 members = [[j for j in range(N) if key_ids[b, h, j] == c and (j <= i or not causal)] for c in clusters]
-                lengths = [w] * len(clusters) if split == "each" else _filled([len(m) for m in members], w)
+                lengths = [w] * len(clusters) if split == "each" else water_filled([len(m) for m in members], w)
                 for run, length in zip(members, lengths, strict=True):
                     if causal:
                         out[b, h, i] += run[-length:] if length else []
