@@ -338,17 +338,18 @@ GRID_FILES = sorted((Path(__file__).resolve().parents[2] / "grids").glob("*.json
 def test_the_committed_grid_files_read_and_every_entry_builds(path):
     """Each grid the docs run with one ``compare --grid`` command: it reads, names known tasks, writes under
     results/, and every entry is a registered mechanism or a variant whose options build, at the grid's budget where it
-    has one (the options ``for_budget`` adds meet it)."""
+    has one (the options ``for_budget`` adds meet it, in the causal form where the task's model is causal)."""
+    from clusterformer.apps.compare import run_shape
     from clusterformer.attention.registry import make_options, names
     from clusterformer.cli.compare import read_grid
-    from clusterformer.data.recall import RECALL_TASKS
+    from clusterformer.train.tasks import TASKS
 
     grid = read_grid(path)
     assert grid["out"].startswith("results/")
-    assert all(task in RECALL_TASKS for task in grid["tasks"])
-    length = int(grid["train_args"][grid["train_args"].index("--max-len") + 1])
-    task_options = json.loads(grid["train_args"][grid["train_args"].index("--task-options") + 1])
-    causal = task_options.get("form", "causal") == "causal"
+    assert all(task in TASKS for task in grid["tasks"])
+    shapes = {run_shape(task, grid["train_args"]) for task in grid["tasks"]}
+    assert len(shapes) == 1, "one length and causal form per grid"
+    ((length, causal),) = shapes
     for label in grid["attention"]:
         variant = grid.get("variants", {}).get(label, {"attention": label, "options": {}})
         assert variant["attention"] in names(), label
