@@ -70,7 +70,10 @@ def as_run(name: str, options: dict[str, Any], versions: dict[str, int] | None, 
     if name != "cluster-select" or "summaries" in options or label is None:
         return pinned
     for summaries in (True, False):
-        made = make_options(name, pin_defaults(name, {**options, "summaries": summaries}, versions))
+        try:
+            made = make_options(name, pin_defaults(name, {**options, "summaries": summaries}, versions))
+        except ValueError:  # the other options rule this value out (selection="summaries" needs the summaries)
+            continue
         then = made.window + made.sink + made.select * made.cluster_keys + (made.num_groups if summaries else 0)
         if min(length, then) == label:
             return pin_defaults(name, {**options, "summaries": summaries}, versions)

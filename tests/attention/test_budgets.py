@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,20 @@ def test_the_recorded_grids_are_counted_as_the_library_counts():
         assert row["keys_mixed"] == max(o.keys_mixed(row["length"], row["causal"]) for o in made), row
     windows = [r for r in rows if r["grid"].endswith("mqar-1024-k128") and r["entry"] == "sliding-window"]
     assert [(r["label_keys"], r["keys_read"], r["keys_mixed"]) for r in windows] == [(126, 84, 84)]
+
+
+def test_the_budgets_record_counts_every_committed_budgeted_grid():
+    """Every committed compare grid run at one budget (a ``keys_per_query`` in its summary, or a name ``-kB``) has
+    its rows in results/budgets/recorded-grids.json: a grid committed without rerunning the script is caught here."""
+    results = Path(__file__).resolve().parents[2] / "results"
+    budgeted = set()
+    for summary_path in results.rglob("summary.json"):
+        summary = json.loads(summary_path.read_text())
+        if "entries" in summary and (summary.get("keys_per_query") is not None
+                                     or re.search(r"-k\d+", summary_path.parent.name)):
+            budgeted.add(str(summary_path.parent.relative_to(results)))
+    recorded = {row["grid"] for row in json.loads((results / "budgets" / "recorded-grids.json").read_text())}
+    assert budgeted and not budgeted - recorded, sorted(budgeted - recorded)
 
 
 def test_causal_windows_read_one_window():
