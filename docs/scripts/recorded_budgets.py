@@ -86,11 +86,16 @@ def count(layers: list[tuple[str, dict[str, Any]]], length: int, causal: bool) -
     return (max(o.keys_read(length, causal) for o in made), max(o.keys_mixed(length, causal) for o in made))
 
 
+def budgeted(summary: dict[str, Any], grid: Path) -> bool:
+    """Whether a compare grid's summary is of one budget for every entry: a ``keys_per_query``, or a name ``-kB``."""
+    return "entries" in summary and (summary.get("keys_per_query") is not None or bool(BUDGET_NAME.search(grid.name)))
+
+
 def grid_rows(summary_path: Path) -> list[dict[str, Any]]:
     """One row per (task, entry) of a compare grid at equal budget, from its runs' records."""
     summary = json.loads(summary_path.read_text())
     grid = summary_path.parent
-    if "entries" not in summary or not (summary.get("keys_per_query") is not None or BUDGET_NAME.search(grid.name)):
+    if not budgeted(summary, grid):
         return []
     rows: dict[tuple, dict[str, Any]] = {}
     for metrics_path in sorted(grid.rglob("metrics.json")):

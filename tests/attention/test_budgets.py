@@ -8,9 +8,9 @@ the input; ``cache_rows``: one-hot values), keys read to the logits a ``LogitSpy
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -243,13 +243,13 @@ def test_the_recorded_grids_are_counted_as_the_library_counts():
 def test_the_budgets_record_counts_every_committed_budgeted_grid():
     """Every committed compare grid run at one budget (a ``keys_per_query`` in its summary, or a name ``-kB``) has
     its rows in results/budgets/recorded-grids.json: a grid committed without rerunning the script is caught here."""
-    results = Path(__file__).resolve().parents[2] / "results"
-    budgeted = set()
-    for summary_path in results.rglob("summary.json"):
-        summary = json.loads(summary_path.read_text())
-        if "entries" in summary and (summary.get("keys_per_query") is not None
-                                     or re.search(r"-k\d+", summary_path.parent.name)):
-            budgeted.add(str(summary_path.parent.relative_to(results)))
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("recorded_budgets", root / "docs" / "scripts" / "recorded_budgets.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    results = root / "results"
+    budgeted = {str(path.parent.relative_to(results)) for path in results.rglob("summary.json")
+                if script.budgeted(json.loads(path.read_text()), path.parent)}
     recorded = {row["grid"] for row in json.loads((results / "budgets" / "recorded-grids.json").read_text())}
     assert budgeted and not budgeted - recorded, sorted(budgeted - recorded)
 
