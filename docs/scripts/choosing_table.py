@@ -79,8 +79,12 @@ QUERY_KEY_FILL = ("results/recall/mqar-curriculum-1024-k256-query-key-kmeans", "
                   "window-then-neural-clustering-query-key-ema-3-runs-fill")
 QUERY_KEY_FULL = [QUERY_KEY, "results/recall/mqar-curriculum-1024-k256-seed4",
                   "results/recall/mqar-curriculum-1024-k256-seed0-query-key"]
+# cluster-select at the window's keys read on the long documents; IMDB-4K's grid holds no full attention, whose
+# seeds 0 and 1 are in the family grid of the same recipe
+TRUE_BUDGET_LONG = {"20news": "results/long-documents/20news-1500-k126-true-budget",
+                    "imdb": "results/long-documents/imdb-4k-k126-true-budget"}
 # grids without full attention, and the grids of the same task and setting whose full runs are their yardstick
-FULL_ELSEWHERE = {**{grid: MQAR_SELECT for grid in MQAR},
+FULL_ELSEWHERE = {TRUE_BUDGET_LONG["imdb"]: ["results/long-documents/imdb-4k"],**{grid: MQAR_SELECT for grid in MQAR},
                   **{grid: [QUERY_KEY] for grid in (TRUE_WINDOW, TRUE_BUDGET)},
                   QUERY_KEY_FILL[0]: QUERY_KEY_FULL}
 TRAINABLE_GRID = ("full", "neural-clustering", "cluster-former", "sliding-window", "clustered", "improved-clustered",
@@ -92,8 +96,8 @@ def _sources() -> dict[str, dict[str, tuple]]:
     them where the sources are an option beyond the paper."""
     local = {m: ("points", [(g, t, m) for g, t in SENTENCE], "") for m in TRAINABLE_GRID}
     long = {m: ("points", [(g, t, m) for g, t in LONG], "") for m in TRAINABLE_GRID}
-    long["cluster-select"] = ("points", [("results/long-documents/20news-1500-k126-true-budget", "20news",
-                                          "cluster-select")], "20NEWS-1500, 125 keys read")
+    long["cluster-select"] = ("points", [(TRUE_BUDGET_LONG[task], task, "cluster-select") for task in TRUE_BUDGET_LONG],
+                              "125 keys read")
     recall = {m: ("score", [(g, "mqar", m) for g in MQAR], "") for m in ("neural-clustering", "cluster-former")}
     recall["neural-clustering"] = ("score", [QUERY_KEY_FILL], "cluster_on=query-key, 3 clusters per query, "
                                    "reach_split=fill, a window layer below; 256 keys read", recall["neural-clustering"])
