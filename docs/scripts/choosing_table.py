@@ -146,7 +146,10 @@ def _cell(kind: str, sources: list[tuple[str, str, str]], note: str,
         means.append(statistics.mean(mine[s] for s in shared))
         full_means.append(statistics.mean(full[s] for s in shared))
         deltas.append(means[-1] - full_means[-1])
-    n = "/".join(str(k) for k in sorted(seeds)) + (" seed" if seeds == {1} else " seeds")
+    if len(seeds) > 1:  # e.g. 2 seeds on one task, 3 on another
+        n = f"{min(seeds)}-{max(seeds)} seeds a task"
+    else:
+        n = f"{min(seeds)} seed" + ("" if seeds == {1} else "s")
     suffix = f"; {note}" if note else ""
     if kind == "points":
         return (f"reference ({n}{suffix})" if name == "full" else
