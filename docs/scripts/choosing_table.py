@@ -84,9 +84,10 @@ QUERY_KEY_FULL = [QUERY_KEY, "results/recall/mqar-curriculum-1024-k256-seed4",
 TRUE_BUDGET_LONG = {"20news": "results/long-documents/20news-1500-k126-true-budget",
                     "imdb": "results/long-documents/imdb-4k-k126-true-budget"}
 # grids without full attention, and the grids of the same task and setting whose full runs are their yardstick
-FULL_ELSEWHERE = {TRUE_BUDGET_LONG["imdb"]: ["results/long-documents/imdb-4k"],**{grid: MQAR_SELECT for grid in MQAR},
+FULL_ELSEWHERE = {**{grid: MQAR_SELECT for grid in MQAR},
                   **{grid: [QUERY_KEY] for grid in (TRUE_WINDOW, TRUE_BUDGET)},
-                  QUERY_KEY_FILL[0]: QUERY_KEY_FULL}
+                  QUERY_KEY_FILL[0]: QUERY_KEY_FULL,
+                  TRUE_BUDGET_LONG["imdb"]: [grid for grid, task in LONG if task == "imdb"]}
 TRAINABLE_GRID = ("full", "neural-clustering", "cluster-former", "sliding-window", "clustered", "improved-clustered",
                   "lsh", "routing", "kmeans")
 
