@@ -22,8 +22,8 @@ Mechanisms that draw random numbers in every forward (lsh, clustered, improved-c
 replay's time includes drawing its numbers on the host and copying them into the layer's buffers.
 ``peak_mem_mb``: peak memory of one forward + backward pass above what was allocated before it
 (parameters and input included in the baseline): the resident-set high-water mark on CPU (noisy: tens of MB
-between identical runs), ``torch.cuda.max_memory_allocated`` on CUDA. ``peak_tensor_mb``: the most bytes
-of tensors created by that pass alive at once, counted exactly by
+between identical runs; never below zero), ``torch.cuda.max_memory_allocated`` on CUDA. ``peak_tensor_mb``: the
+most bytes of tensors created by that pass alive at once, counted exactly by
 :class:`clusterformer.bench.memory.TensorMemoryTracker` in a separate untimed pass (any device;
 deterministic, the number to compare mechanisms by on CPU). ``kept_tensor_mb``: in the same pass, the bytes of
 those tensors still alive after the training forward, before the backward: what autograd keeps for the backward,
@@ -192,6 +192,26 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _peak_rss_mb(step: Callable[[], object]) -> float:
+    """The resident-set high-water mark while ``step()`` runs, above the resident set just before it, in MB (NaN
+    where ``/proc`` cannot reset or read it).
+
+    The high-water mark is reset first and the baseline read after, right before the pass: memory the process
+    hands back in between (the allocator trimming its heap) then leaves both, where a baseline read before the
+    reset would still hold it and the difference could come out below zero. Never negative: the kernel raises the
+    stored mark lazily, so a resident set that grew after the reset and fell during the pass can still read below
+    the baseline, and a pass cannot use less than nothing.
+    """
+    if not _reset_peak_rss():
+        return float("nan")
+    base = _rss_mb("VmRSS")
+    step()
+    hwm = _rss_mb("VmHWM")
+    if base is None or hwm is None:
+        return float("nan")
+    return max(hwm - base, 0.0)
+
+
 def _worker(job: dict) -> dict:
     import contextlib
 
@@ -267,11 +287,7 @@ def _measure(job, layer, x, pad, device, cuda, sync, sdpa_backend) -> dict:
         sync()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
-        base = _rss_mb("VmRSS")
-        reset = _reset_peak_rss()
-        fwd_bwd(False)()
-        hwm = _rss_mb("VmHWM")
-        peak = (hwm - base) if (reset and hwm is not None and base is not None) else float("nan")
+        peak = _peak_rss_mb(fwd_bwd(False))
 
     # Exact peak of live tensor bytes during one training pass (deterministic; see bench/memory.py). Not under
     # torch.compile: the tracker's dispatch mode would be traced into, or break, the compiled graph.

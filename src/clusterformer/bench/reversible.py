@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .attention import _median_ms, _reset_peak_rss, _rss_mb
+from .attention import _median_ms, _peak_rss_mb
 
 __all__ = ["ReversibleBenchConfig", "run_reversible_benchmark"]
 
@@ -85,11 +85,7 @@ def _worker(job: dict) -> dict:
         sync()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
-        base = _rss_mb("VmRSS")
-        reset = _reset_peak_rss()
-        step()
-        hwm = _rss_mb("VmHWM")
-        peak = (hwm - base) if (reset and hwm is not None and base is not None) else float("nan")
+        peak = _peak_rss_mb(step)
     return {
         "depth": job["depth"], "reversible": job["reversible"], "tied": config.tied, "attention": job["attention"],
         "length": job["length"], "batch": job["batch"], "dim": job["dim"], "heads": job["heads"],
