@@ -5,18 +5,16 @@ shows the same rows."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from docs_scripts import load_docs_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("choosing_table", ROOT / "docs" / "scripts" / "choosing_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_docs_script("choosing_table")
 
 
 def test_the_committed_table_is_what_the_records_give():

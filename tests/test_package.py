@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from docs_scripts import DOCS_SCRIPTS, load_docs_script
+
 
 def test_the_core_imports_nothing_but_torch():
     """The library core pulls in no package that ``import torch`` does not (the applications that need
@@ -49,16 +51,11 @@ print("ok")
 def test_every_docs_script_imports_against_the_current_api():
     """The scripts under docs/scripts that measured the docs' tables must still run: each is imported (its work
     is under ``if __name__ == "__main__"``), so a renamed or moved name they use fails here, not in a reader's hands."""
-    import importlib.util
-    from pathlib import Path
-
-    scripts = sorted((Path(__file__).resolve().parents[1] / "docs" / "scripts").glob("*.py"))
+    scripts = sorted(DOCS_SCRIPTS.glob("*.py"))
     assert len(scripts) >= 5
     for path in scripts:
         assert 'if __name__ == "__main__":' in path.read_text(), f"{path.name} runs on import"
-        spec = importlib.util.spec_from_file_location(f"docs_script_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        load_docs_script(path)
 
 
 def test_option_swap_reevaluates_a_run_as_trained_and_with_another_ranking(tmp_path):
@@ -66,19 +63,14 @@ def test_option_swap_reevaluates_a_run_as_trained_and_with_another_ranking(tmp_p
     the trained one); with ``selection=summaries`` it evaluates the same weights (trained with the default, the
     bound) with the summaries' ranking, which is recorded in the line it prints and changes the outputs of some
     query."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     import torch
 
     from clusterformer.train import TrainConfig, run_training
     from clusterformer.train.loop import load_trained
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "option_swap.py"
-    spec = importlib.util.spec_from_file_location("docs_script_option_swap", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_docs_script("option_swap")
     out = tmp_path / "run"
     run_training(TrainConfig(task="mqar", out=str(out), max_len=64, max_steps=3, batch_size=4, dim=16, heads=2,
                              depth=1, attention="cluster-select",
@@ -101,15 +93,10 @@ def test_group_sizes_on_a_hand_built_grouping():
     """docs/scripts/group_sizes.py: 6 real keys (2 padding, whose ids must not count) in groups 0, 0, 0, 1, 1, 2 on
     head 0 and all apart on head 1, reach 2: the largest group holds 1/2 and 1/6 (mean 1/3), 3 and 6 groups are
     used (4.5), 3 of the 12 keys lie in a group of more than 2."""
-    import importlib.util
-    from pathlib import Path
 
     import torch
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "group_sizes.py"
-    spec = importlib.util.spec_from_file_location("docs_script_group_sizes", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_docs_script("group_sizes")
     groups = torch.tensor([[[0, 0, 0, 1, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 0, 0]]])
     real = torch.tensor([[True] * 6 + [False] * 2])
     stats = script.sizes(groups, real, reach=2)
@@ -121,16 +108,11 @@ def test_cluster_probe_statistics_and_agreement_on_hand_built_groupings():
     """docs/scripts/cluster_probe.py: on one text of 6 real tokens (2 padding) in groups 0, 0, 0, 1, 1, 2: the
     largest group holds 1/2, 3 groups are used, the entropy is that of (1/2, 1/3, 1/6) over log 3; a relabelling
     agrees fully (NMI 1), a grouping that splits every group the other way agrees less."""
-    import importlib.util
     import math
-    from pathlib import Path
 
     import torch
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "cluster_probe.py"
-    spec = importlib.util.spec_from_file_location("docs_script_cluster_probe", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_docs_script("cluster_probe")
     groups = torch.tensor([[[0, 0, 0, 1, 1, 2, -1, -1]]])
     stats = script.statistics(groups)
     p = torch.tensor([1 / 2, 1 / 3, 1 / 6], dtype=torch.float64)
@@ -146,16 +128,11 @@ def test_recall_by_heads_splits_queries_by_the_heads_that_see_their_key(tmp_path
     """docs/scripts/recall_by_heads.py: full attention gives every query's needed key to both heads; a causal window
     of 4 over values at least 16 tokens back gives it to none. Either way the accuracy over the split is the run's
     recorded test accuracy (the same 16 test sequences)."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     from clusterformer.train import TrainConfig, run_training
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "recall_by_heads.py"
-    spec = importlib.util.spec_from_file_location("docs_script_recall_by_heads", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_docs_script("recall_by_heads")
     for attention, options, expected in (("full", {}, {"0": 0.0, "1": 0.0, "2": 1.0}),
                                          ("sliding-window", {"window": 4, "stride": 2}, {"0": 1.0})):
         out = tmp_path / attention
@@ -178,18 +155,13 @@ def test_query_key_reach_splits_the_missed_keys_into_cut_runs_and_other_clusters
     its clusters' earlier keys, so whole clusters read the needed key at least as often as the trained reach and as
     fill; runs of one key each are cut (some needed key lies in the query's clusters but is not read), runs as long
     as the sequence are not; a run that is not query-key neural-clustering is refused."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     import pytest
 
     from clusterformer.train import TrainConfig, run_training
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "scripts" / "query_key_reach.py"
-    spec = importlib.util.spec_from_file_location("docs_script_query_key_reach", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_docs_script("query_key_reach")
     common = {"task": "mqar", "max_len": 64, "max_steps": 3, "batch_size": 4, "dim": 16, "heads": 2, "depth": 1,
               "task_options": {"num_pairs": 4, "vocab_size": 32, "min_gap": 16, "test_sequences": 16,
                                "recall_sequences": 4}}

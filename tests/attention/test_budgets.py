@@ -8,7 +8,6 @@ the input; ``cache_rows``: one-hot values), keys read to the logits a ``LogitSpy
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -29,6 +28,7 @@ from clusterformer.attention.diagnostics import (
 from clusterformer.attention.registry import causal_semantics, get, make_options
 from clusterformer.cli import main
 from clusterformer.models import EncoderConfig, TokenClassifier
+from docs_scripts import load_docs_script
 from seeds import fixed_seed
 
 CACHE_READERS = {name for name in names() if get(name).interface_mode == "cache"}
@@ -244,9 +244,7 @@ def test_the_budgets_record_counts_every_committed_budgeted_grid():
     """Every committed compare grid run at one budget (a ``keys_per_query`` in its summary, or a name ``-kB``) has
     its rows in results/budgets/recorded-grids.json: a grid committed without rerunning the script is caught here."""
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("recorded_budgets", root / "docs" / "scripts" / "recorded_budgets.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_docs_script("recorded_budgets")
     results = root / "results"
     budgeted = {str(path.parent.relative_to(results)) for path in results.rglob("summary.json")
                 if script.budgeted(json.loads(path.read_text()), path.parent)}
