@@ -71,8 +71,9 @@ AGGREGATION = [("results/recall/aggregation-histogram-128-k32", "histogram"),
 # causal sliding-window through the same curriculum at the window that reads 256 keys (the MQAR grids' window read at
 # most 170); its full runs continue the same stage-1 runs in the query-key grid
 TRUE_WINDOW = "results/recall/mqar-curriculum-1024-k256-true-window"
-# cluster-select at 256 keys read, its 64 group bounds included (the fused grids read 320), on the same stage-1 runs
-TRUE_BUDGET = "results/recall/mqar-fused-1024-k256-true-budget"
+# cluster-select at 255 keys read with the current defaults' ranking, own group and sink (64 clusters, 4 selected;
+# summaries and group bounds included), beside full attention on the same stage-1 runs
+STACK_TRUE_BUDGET = "results/recall/mqar-stack-1024-k256-true-budget"
 QUERY_KEY = "results/recall/mqar-curriculum-1024-k256-query-key"  # full's runs on those stage-1 runs
 # neural-clustering with queries and keys assigned apart, and full attention's stage 2 on each of its seeds
 QUERY_KEY_FILL = ("results/recall/mqar-curriculum-1024-k256-query-key-kmeans", "mqar",
@@ -85,7 +86,7 @@ TRUE_BUDGET_LONG = {"20news": "results/long-documents/20news-1500-k126-true-budg
                     "imdb": "results/long-documents/imdb-4k-k126-true-budget"}
 # grids without full attention, and the grids of the same task and setting whose full runs are their yardstick
 FULL_ELSEWHERE = {**{grid: MQAR_SELECT for grid in MQAR},
-                  **{grid: [QUERY_KEY] for grid in (TRUE_WINDOW, TRUE_BUDGET)},
+                  TRUE_WINDOW: [QUERY_KEY],
                   QUERY_KEY_FILL[0]: QUERY_KEY_FULL,
                   TRUE_BUDGET_LONG["imdb"]: [grid for grid, task in LONG if task == "imdb"]}
 TRAINABLE_GRID = ("full", "neural-clustering", "cluster-former", "sliding-window", "clustered", "improved-clustered",
@@ -106,8 +107,8 @@ def _sources() -> dict[str, dict[str, tuple]]:
     recall.update({m: ("score", [(g, "mqar", f"{m}+fresh-qk") for g in MQAR], "fresh shared QK")
                    for m in ("lsh", "routing", "kmeans")})
     recall["full"] = ("score", [(g, "mqar", "full") for g in MQAR_SELECT], "")
-    recall["cluster-select"] = ("score", [(TRUE_BUDGET, "mqar", "cluster-select-64x4-bound")],
-                                "64 clusters, 4 selected; 256 keys read")
+    recall["cluster-select"] = ("score", [(STACK_TRUE_BUDGET, "mqar", "cluster-select-64x4-own-group-sink")],
+                                "64 clusters, 4 selected, own group, sink; 255 keys read")
     recall.update({m: ("score", [(BIDIRECTIONAL, "mqar", m)], "encoder form") for m in
                    ("clustered", "improved-clustered")})
     aggregation = {m: ("score", [(g, t, m) for g, t in AGGREGATION], "") for m in

@@ -161,8 +161,10 @@ class ClusterSelectOptions(SeededOptions):
     against version 1 (the summaries' mean, no own group, no sink) at 128 keys per
     query on three seeds each, they are level on 20NEWS-1500 (21.46 against 21.07), IMDB-4K (58.67 against 58.65)
     and ListOps (32.50 against 32.60), and far above on the histogram at 64 keys (0.798 against 0.44), where the
-    answer is spread over positions chosen by content; on MQAR and the passkey they cost about half a point, within
-    the seeds' spread (docs/long-documents.md, docs/recall-and-aggregation.md).
+    answer is spread over positions chosen by content. Beside the bound on single-key recall, the own group and the
+    sink cost 1.4 points on MQAR at equal keys read (64 clusters: 0.951 against 0.965, lower on each of three
+    seeds) and 0.6 point on the passkey (split clusters: 0.886 against 0.892) (docs/long-documents.md,
+    docs/recall-and-aggregation.md).
     """
 
     # 2: selection "bound", own_group and a sink of 1 by default; 1: "auto" selection is "summaries" (or "scores"
