@@ -1,4 +1,4 @@
-"""The exact tensor-memory counter used by the CPU benchmark."""
+"""The CPU benchmark's two memory measures: the exact tensor-memory counter and the resident-set peak."""
 
 import math
 
@@ -48,7 +48,6 @@ def test_counts_a_sparse_tensors_index_and_value_storages():
              for part in (matrix.crow_indices(), matrix.col_indices(), matrix.values())}
     assert m.current_bytes == sum(parts.values()) >= (513 + 512 + 512) * 8  # an index may view a larger storage
     assert matrix.values().sum().item() == 512
-
 
 
 class _FakeProcess:

@@ -163,8 +163,8 @@ class ClusterSelectOptions(SeededOptions):
     and ListOps (32.50 against 32.60), and far above on the histogram at 64 keys (0.798 against 0.44), where the
     answer is spread over positions chosen by content. Beside the bound on single-key recall, the own group and the
     sink cost 1.4 points on MQAR at equal keys read (64 clusters: 0.951 against 0.965, lower on each of three
-    seeds); on the passkey they are level with it (split clusters at 255 against 256 keys read: 0.886 against
-    0.888, higher on one of three seeds) (docs/long-documents.md, docs/recall-and-aggregation.md).
+    seeds); on the passkey, level (split clusters at 255 against 256 keys read: 0.886 against 0.888, higher on one
+    of three seeds) (docs/long-documents.md, docs/recall-and-aggregation.md).
     """
 
     # 2: selection "bound", own_group and a sink of 1 by default; 1: "auto" selection is "summaries" (or "scores"
