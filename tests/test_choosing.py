@@ -13,16 +13,12 @@ from docs_scripts import load_docs_script
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script():
-    return load_docs_script("choosing_table")
-
-
 def test_the_committed_table_is_what_the_records_give():
     from clusterformer.attention import names
 
     committed = json.loads((ROOT / "results" / "choosing.json").read_text())
     assert sorted(row["mechanism"] for row in committed) == sorted(names())  # every registered mechanism, once
-    assert _script().build_table() == committed
+    assert load_docs_script("choosing_table").build_table() == committed
 
 
 def test_every_cell_is_measured_or_says_so():
